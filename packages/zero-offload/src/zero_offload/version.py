@@ -1,0 +1,3 @@
+"""Version of the zero-offload distribution (the single place it is set)."""
+
+__version__ = "0.1.0"

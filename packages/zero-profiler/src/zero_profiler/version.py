@@ -1,0 +1,3 @@
+"""Version of the zero-profiler distribution (the single place it is set)."""
+
+__version__ = "0.1.0"
