@@ -13,7 +13,16 @@ from typing import Any
 from zero_core.version import __version__
 
 # public name -> "module:attribute" (filled in as subsystems land)
-_LAZY: dict[str, str] = {}
+_LAZY: dict[str, str] = {
+    "initialize": "zero_core.engine.initialize:initialize",
+    "ZeroEngine": "zero_core.engine.engine:ZeroEngine",
+    "init_distributed": "zero_core.distributed:init_distributed",
+    "add_config_arguments": "zero_core.arguments:add_config_arguments",
+    "load_config": "zero_core.config:load_config",
+    "ZeroConfig": "zero_core.config:ZeroConfig",
+    "ConfigError": "zero_core.config:ConfigError",
+    "get_accelerator": "zero_core.accelerator:get_accelerator",
+}
 
 
 def __getattr__(name: str) -> Any:

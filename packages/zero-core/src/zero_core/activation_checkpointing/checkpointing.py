@@ -1,0 +1,237 @@
+"""Activation checkpointing: run a block without keeping its activations and recompute it in backward.
+
+[Note: how a checkpoint recomputes]
+``checkpoint(function, *args)`` runs ``function`` under ``torch.no_grad()`` inside an autograd Function,
+keeping only the inputs (see [Note: saved-input storage]) and every RNG state (see [Note: which generator
+the tracker tracks]). Its backward rebuilds the inputs as fresh leaves, restores the RNG states and the
+autocast state of the forward, recomputes ``function`` with grad enabled, back-propagates the incoming
+gradients through the recomputed outputs (which accumulates parameter gradients) and returns the inputs'
+gradients. Non-tensor arguments are passed through unchanged, and outputs may be a tensor or a tuple
+(non-tensor entries get no gradient). A zero-size leaf that requires grad is passed along so the output
+requires grad even when no input does (the first layer gets data); without it autograd would never call
+the backward and the block's parameters would get no gradient. Under ``torch.no_grad()`` the function just
+runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from zero_core.activation_checkpointing import storage
+from zero_core.activation_checkpointing.config import (
+    ActivationCheckpointingConfig,
+    read_activation_checkpointing_config,
+)
+from zero_core.activation_checkpointing.rng import RNGSnapshot
+
+logger = logging.getLogger(__name__)
+
+_MPU_METHODS = ("get_model_parallel_rank", "get_model_parallel_world_size", "get_model_parallel_group")
+
+# Process-wide state set by configure(); checkpoint() uses the defaults when configure() was never called.
+_config = ActivationCheckpointingConfig()
+_mpu: Any = None
+_configured = False
+_buffers = storage.ContiguousBuffers()
+_profile: dict[str, dict[str, float]] = {}
+
+
+def configure(
+    mpu_: Any = None,
+    deepspeed_config: Any = None,
+    partition_activations: bool | None = None,
+    contiguous_checkpointing: bool | None = None,
+    num_checkpoints: int | None = None,
+    checkpoint_in_cpu: bool | None = None,
+    synchronize: bool | None = None,
+    profile: bool | None = None,
+) -> None:
+    """Configure activation checkpointing for this process.
+
+    ``deepspeed_config`` (a whole config as dict, JSON path or config object) gives the
+    ``activation_checkpointing`` section; every other argument that is not None overrides its key.
+    ``mpu_`` must provide ``get_model_parallel_rank/world_size/group`` (needed by ``partition_activations``).
+    """
+    global _config, _mpu, _configured
+    if mpu_ is not None:
+        missing = [m for m in _MPU_METHODS if not callable(getattr(mpu_, m, None))]
+        if missing:
+            raise TypeError(f"configure: mpu_ ({type(mpu_).__name__}) lacks the methods {missing}")
+    config = (
+        read_activation_checkpointing_config(deepspeed_config)
+        if deepspeed_config is not None
+        else ActivationCheckpointingConfig()
+    )
+    overrides = {
+        "partition_activations": partition_activations,
+        "contiguous_memory_optimization": contiguous_checkpointing,
+        "number_checkpoints": num_checkpoints,
+        "cpu_checkpointing": checkpoint_in_cpu,
+        "synchronize_checkpoint_boundary": synchronize,
+        "profile": profile,
+    }
+    for key, value in overrides.items():
+        if value is not None:
+            setattr(config, key, value)
+    config.validate(where="activation_checkpointing.configure")
+    if config.partition_activations and mpu_ is None:
+        logger.warning("configure: partition_activations without an mpu_ has nothing to partition across")
+    _config, _mpu, _configured = config, mpu_, True
+    reset()
+
+
+def is_configured() -> bool:
+    """True once ``configure`` has been called."""
+    return _configured
+
+
+def get_config() -> ActivationCheckpointingConfig:
+    """The options checkpoint() currently uses."""
+    return _config
+
+
+def get_mpu() -> Any:
+    """The model-parallel unit given to ``configure`` (or None)."""
+    return _mpu
+
+
+def reset() -> None:
+    """Free the contiguous checkpoint buffers; call it in eval loops that run forward passes with grad
+    enabled but no backward, which otherwise keep their buffer slots."""
+    _buffers.reset()
+
+
+def profile_stats() -> dict[str, dict[str, float]]:
+    """``{"forward"|"backward": {"count": n, "total_s": seconds}}`` collected while ``profile`` is on."""
+    return {phase: dict(stats) for phase, stats in _profile.items()}
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+class _Boundary:
+    """Synchronize and time one checkpoint phase as the config asks."""
+
+    def __init__(self, phase: str) -> None:
+        self.phase = phase
+
+    def __enter__(self) -> None:
+        if _config.synchronize_checkpoint_boundary:
+            _synchronize()
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        if _config.synchronize_checkpoint_boundary:
+            _synchronize()
+        if _config.profile:
+            elapsed = time.perf_counter() - self.start
+            stats = _profile.setdefault(self.phase, {"count": 0, "total_s": 0.0})
+            stats["count"] += 1
+            stats["total_s"] += elapsed
+            logger.info("activation checkpoint %s: %.3f ms", self.phase, elapsed * 1e3)
+
+
+def _autocast_state() -> dict[str, tuple[bool, torch.dtype]]:
+    devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+    return {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices}
+
+
+class CheckpointFunction(torch.autograd.Function):
+    """The autograd Function behind ``checkpoint``. See [Note: how a checkpoint recomputes]."""
+
+    @staticmethod
+    def forward(ctx: Any, run_function: Callable, _grad_anchor: torch.Tensor, *args: Any) -> Any:
+        with _Boundary("forward"):
+            ctx.run_function = run_function
+            ctx.rng = RNGSnapshot.capture()
+            ctx.autocast = _autocast_state()
+            ctx.tensor_positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+            ctx.input_needs_grad = [args[i].requires_grad for i in ctx.tensor_positions]
+            ctx.args = [None if isinstance(a, torch.Tensor) else a for a in args]
+            with torch.no_grad():
+                outputs = run_function(*args)
+            tensors = [args[i] for i in ctx.tensor_positions]
+            ctx.config, ctx.mpu = _config, _mpu
+            if storage.uses_storage(_config, _mpu):
+                ctx.saved = storage.save_inputs(tensors, _config, _mpu, _buffers)
+            else:
+                ctx.saved = None
+                ctx.save_for_backward(*tensors)
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: Any) -> tuple[Any, ...]:
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError(
+                "activation checkpointing is not compatible with torch.autograd.grad(); use .backward()"
+            )
+        with _Boundary("backward"):
+            if ctx.saved is None:
+                tensors = list(ctx.saved_tensors)
+            else:
+                tensors = storage.load_inputs(ctx.saved, ctx.mpu)
+                if ctx.config.contiguous_memory_optimization:
+                    _buffers.release()
+            args = list(ctx.args)
+            for pos, tensor, needs_grad in zip(ctx.tensor_positions, tensors, ctx.input_needs_grad):
+                args[pos] = tensor.detach().requires_grad_(needs_grad)
+
+            outer_rng = RNGSnapshot.capture()
+            ctx.rng.restore()
+            try:
+                with torch.enable_grad(), _AutocastAsInForward(ctx.autocast):
+                    outputs = ctx.run_function(*args)
+            finally:
+                outer_rng.restore()
+
+            outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+            pairs = [
+                (out, grad)
+                for out, grad in zip(outputs, grad_outputs)
+                if isinstance(out, torch.Tensor) and out.requires_grad and grad is not None
+            ]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            grads = [
+                args[pos].grad if needs else None
+                for pos, needs in zip(ctx.tensor_positions, ctx.input_needs_grad)
+            ]
+        input_grads: list[Any] = [None] * len(args)
+        for pos, grad in zip(ctx.tensor_positions, grads):
+            input_grads[pos] = grad
+        return (None, None, *input_grads)
+
+
+class _AutocastAsInForward:
+    """Enter the autocast state recorded at forward for every device (a context manager)."""
+
+    def __init__(self, state: dict[str, tuple[bool, torch.dtype]]) -> None:
+        self.managers = [torch.autocast(d, dtype=dtype, enabled=on) for d, (on, dtype) in state.items()]
+
+    def __enter__(self) -> None:
+        for manager in self.managers:
+            manager.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for manager in reversed(self.managers):
+            manager.__exit__(*exc)
+
+
+def checkpoint(function: Callable, *args: Any) -> Any:
+    """Run ``function(*args)`` without keeping its activations; recompute them during backward.
+
+    Returns what ``function`` returns (a tensor or a tuple). See [Note: how a checkpoint recomputes].
+    """
+    if not callable(function):
+        raise TypeError(f"checkpoint: 'function' must be callable, got {type(function).__name__}")
+    if not torch.is_grad_enabled():
+        return function(*args)
+    anchor = torch.empty(0, requires_grad=True)
+    return CheckpointFunction.apply(function, anchor, *args)

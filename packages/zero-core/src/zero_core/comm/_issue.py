@@ -1,0 +1,62 @@
+"""Issuing an op through the logger and the ``Work`` wrapper (shared by collectives and p2p)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from zero_core.comm.groups import group_ranks
+from zero_core.comm.logger import PendingRecord, comms_logger
+from zero_core.comm.work import Work
+
+
+def check_tensor(tensor: Any, name: str, where: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"zero_core.comm.{where}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _device_sync(device: torch.device | None) -> Callable[[], None] | None:
+    """A device barrier for timing, or None on CPU (where ops complete synchronously)."""
+    if device is None or device.type == "cpu":
+        return None
+    from zero_core.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    return lambda: acc.synchronize()
+
+
+def begin(op: str, group: Any, size: int, device: torch.device | None) -> PendingRecord | None:
+    if not comms_logger.should_log(op):
+        return None
+    return comms_logger.begin(op, group_ranks(group), size, _device_sync(device))
+
+
+def issue(
+    op: str,
+    group: Any,
+    size: int,
+    device: torch.device | None,
+    call: Callable[[], Any],
+    *,
+    async_op: bool,
+    finalize: Callable[[], None] | None = None,
+) -> Work | None:
+    """Run ``call`` (the torch op, given ``async_op``), record it, post-process on completion.
+
+    Returns a ``Work`` for ``async_op=True``; otherwise finishes the op and returns None.
+    """
+    record = begin(op, group, size, device)
+    handle = call()
+    if async_op:
+        return Work(handle, finalize=finalize, record=record)
+    if finalize is not None:
+        finalize()
+    if record is not None:
+        record.finish()
+    return None

@@ -1,0 +1,398 @@
+"""Collectives over ``torch.distributed``, validated, logged and patched for backend gaps.
+
+[Note: backend workarounds]
+Measured with torch 2.13 on gloo (see /work/shared/notes/packaging-facts.md section 4):
+
+* ``reduce_scatter_tensor``/``all_gather_into_tensor`` are deprecated in favour of
+  ``reduce_scatter_single``/``all_gather_single`` (FutureWarning): the new names are used
+  when present. gloo accepts only flat ``(world*n,)`` outputs, so tensors are passed as flat
+  views (a stacked ``(world, n)`` output works here too).
+* ``ReduceOp.AVG`` fails for integer dtypes and is not available on every backend: unless the
+  backend is nccl and the dtype floating point, AVG is done as SUM and a division by the group
+  size (integers: truncating division, like C).
+* SUM over ``bool`` tensors silently corrupts them: bool tensors are reduced as uint8 with the
+  logical equivalent (SUM/MAX/BOR -> MAX (or), MIN/PRODUCT/BAND -> MIN (and), BXOR -> BXOR) and
+  copied back.
+* ``all_gather`` with tensors of different sizes is unsupported: each input is padded to the
+  largest size, gathered flat and trimmed back.
+
+Post-processing runs when the op completes: immediately for synchronous calls, on the first
+``wait()`` of the returned ``zero_core.comm.Work`` for ``async_op=True``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zero_core.comm._issue import check_tensor, issue, nbytes
+from zero_core.comm.groups import check_group, group_ranks, is_non_member, require_initialized, to_timedelta
+from zero_core.comm.work import Work
+
+ReduceOp = dist.ReduceOp
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+_BOOL_OPS = {
+    ReduceOp.SUM: ReduceOp.MAX,
+    ReduceOp.MAX: ReduceOp.MAX,
+    ReduceOp.BOR: ReduceOp.MAX,
+    ReduceOp.MIN: ReduceOp.MIN,
+    ReduceOp.PRODUCT: ReduceOp.MIN,
+    ReduceOp.BAND: ReduceOp.MIN,
+    ReduceOp.BXOR: ReduceOp.BXOR,
+}
+
+
+def _prepare(where: str, group: Any) -> int:
+    require_initialized(where)
+    check_group(group, where)
+    if is_non_member(group) or dist.get_rank(group) < 0:
+        raise ValueError(
+            f"zero_core.comm.{where}: this rank ({dist.get_rank()}) is not a member of the given group"
+        )
+    return dist.get_world_size(group)
+
+
+def _check_op(op: Any, where: str) -> None:
+    if not isinstance(op, (ReduceOp, ReduceOp.RedOpType)):
+        raise TypeError(f"zero_core.comm.{where}: op must be a zero_core.comm.ReduceOp, got {op!r}")
+
+
+def _check_src(src: Any, group: Any, name: str, where: str) -> None:
+    ranks = group_ranks(group)
+    if isinstance(src, bool) or not isinstance(src, int) or src not in ranks:
+        raise ValueError(
+            f"zero_core.comm.{where}: {name} must be the global rank of a group member {list(ranks)}, got {src!r}"
+        )
+
+
+def _check_same(a: torch.Tensor, b: torch.Tensor, where: str) -> None:
+    if a.dtype != b.dtype or a.device != b.device:
+        raise ValueError(
+            f"zero_core.comm.{where}: output and input must share dtype and device, got "
+            f"{a.dtype}/{a.device} and {b.dtype}/{b.device}"
+        )
+
+
+def _avg_is_native(tensor: torch.Tensor, group: Any) -> bool:
+    return tensor.is_floating_point() and dist.get_backend(group) == "nccl"
+
+
+def _divide(tensor: torch.Tensor, n: int) -> None:
+    if tensor.is_floating_point() or tensor.is_complex():
+        tensor.div_(n)
+    else:
+        tensor.copy_(torch.div(tensor, n, rounding_mode="trunc"))
+
+
+class _Reduction:
+    """How to run a reduction on ``tensor``: the buffer and op to hand to torch, and the fix-up."""
+
+    def __init__(self, tensor: torch.Tensor, op: Any, group: Any, n: int, where: str) -> None:
+        _check_op(op, where)
+        self.op, self.buffer, self.divide = op, tensor, False
+        if tensor.dtype == torch.bool:
+            if op not in _BOOL_OPS:
+                raise ValueError(f"zero_core.comm.{where}: {op} is not defined for bool tensors")
+            self.op, self.buffer = _BOOL_OPS[op], tensor.to(torch.uint8)
+        elif op == ReduceOp.AVG and not _avg_is_native(tensor, group):
+            self.op, self.divide = ReduceOp.SUM, True
+        self.tensor, self.n = tensor, n
+
+    def finalize(self, result: torch.Tensor | None = None) -> None:
+        result = self.buffer if result is None else result
+        if self.divide:
+            _divide(result, self.n)
+        same = result.dtype == self.tensor.dtype and result.data_ptr() == self.tensor.data_ptr()
+        if not same:
+            self.tensor.copy_(result.view(self.tensor.shape).to(self.tensor.dtype))
+
+
+def all_reduce(
+    tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False
+) -> Work | None:
+    """Reduce ``tensor`` across ``group`` in place on every rank."""
+    n = _prepare("all_reduce", group)
+    check_tensor(tensor, "tensor", "all_reduce")
+    red = _Reduction(tensor, op, group, n, "all_reduce")
+    return issue(
+        "all_reduce",
+        group,
+        nbytes(tensor),
+        tensor.device,
+        lambda: dist.all_reduce(red.buffer, op=red.op, group=group, async_op=async_op),
+        async_op=async_op,
+        finalize=red.finalize,
+    )
+
+
+def reduce(
+    tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False
+) -> Work | None:
+    """Reduce ``tensor`` into global rank ``dst`` (other ranks' tensors are left unspecified)."""
+    n = _prepare("reduce", group)
+    check_tensor(tensor, "tensor", "reduce")
+    _check_src(dst, group, "dst", "reduce")
+    red = _Reduction(tensor, op, group, n, "reduce")
+    is_dst = dist.get_rank() == dst
+
+    def finalize() -> None:
+        if is_dst:
+            red.finalize()
+
+    return issue(
+        "reduce",
+        group,
+        nbytes(tensor),
+        tensor.device,
+        lambda: dist.reduce(red.buffer, dst, op=red.op, group=group, async_op=async_op),
+        async_op=async_op,
+        finalize=finalize,
+    )
+
+
+def _flat_out(output: torch.Tensor) -> torch.Tensor:
+    """A flat view of ``output`` when possible, else a flat scratch buffer to copy back from."""
+    if output.is_contiguous() and output.dtype != torch.bool:
+        return output.view(-1)
+    return torch.empty(
+        output.numel(),
+        dtype=torch.uint8 if output.dtype == torch.bool else output.dtype,
+        device=output.device,
+    )
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Reduce ``input`` (world_size equal chunks, flat order) and give rank i chunk i in ``output``."""
+    n = _prepare("reduce_scatter_tensor", group)
+    check_tensor(output, "output", "reduce_scatter_tensor")
+    check_tensor(input, "input", "reduce_scatter_tensor")
+    _check_same(output, input, "reduce_scatter_tensor")
+    if input.numel() != output.numel() * n:
+        raise ValueError(
+            f"zero_core.comm.reduce_scatter_tensor: input must have world_size ({n}) x output.numel() "
+            f"= {output.numel() * n} elements, got {input.numel()}"
+        )
+    red = _Reduction(output, op, group, n, "reduce_scatter_tensor")
+    flat_out = _flat_out(output)
+    flat_in = input.reshape(-1).to(flat_out.dtype)
+
+    return issue(
+        "reduce_scatter_tensor",
+        group,
+        nbytes(input),
+        input.device,
+        lambda: _reduce_scatter(flat_out, flat_in, op=red.op, group=group, async_op=async_op),
+        async_op=async_op,
+        finalize=lambda: red.finalize(flat_out),
+    )
+
+
+def all_gather_into_tensor(
+    output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False
+) -> Work | None:
+    """Concatenate every rank's ``input`` (flat, in group-rank order) into ``output``."""
+    n = _prepare("all_gather_into_tensor", group)
+    check_tensor(output, "output", "all_gather_into_tensor")
+    check_tensor(input, "input", "all_gather_into_tensor")
+    _check_same(output, input, "all_gather_into_tensor")
+    if output.numel() != input.numel() * n:
+        raise ValueError(
+            f"zero_core.comm.all_gather_into_tensor: output must have world_size ({n}) x input.numel() "
+            f"= {input.numel() * n} elements, got {output.numel()}"
+        )
+    flat_out = _flat_out(output)
+    flat_in = input.reshape(-1).to(flat_out.dtype)
+
+    def finalize() -> None:
+        if flat_out.data_ptr() != output.data_ptr() or output.dtype == torch.bool:
+            output.copy_(flat_out.view(output.shape).to(output.dtype))
+
+    return issue(
+        "all_gather_into_tensor",
+        group,
+        nbytes(output),
+        output.device,
+        lambda: _all_gather(flat_out, flat_in, group=group, async_op=async_op),
+        async_op=async_op,
+        finalize=finalize,
+    )
+
+
+def all_gather(
+    tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False
+) -> Work | None:
+    """Gather every rank's ``tensor`` into ``tensor_list[rank]``; sizes may differ per rank."""
+    n = _prepare("all_gather", group)
+    check_tensor(tensor, "tensor", "all_gather")
+    if not isinstance(tensor_list, (list, tuple)) or len(tensor_list) != n:
+        raise ValueError(f"zero_core.comm.all_gather: tensor_list must be a list of world_size ({n}) tensors")
+    for i, t in enumerate(tensor_list):
+        check_tensor(t, f"tensor_list[{i}]", "all_gather")
+        _check_same(t, tensor, "all_gather")
+    me = dist.get_rank(group)
+    if tensor_list[me].numel() != tensor.numel():
+        raise ValueError(
+            f"zero_core.comm.all_gather: tensor_list[{me}] (this rank) has {tensor_list[me].numel()} "
+            f"elements but tensor has {tensor.numel()}"
+        )
+    size = sum(nbytes(t) for t in tensor_list)
+    if all(t.shape == tensor.shape for t in tensor_list) and tensor.dtype != torch.bool:
+        return issue(
+            "all_gather",
+            group,
+            size,
+            tensor.device,
+            lambda: dist.all_gather(list(tensor_list), tensor, group=group, async_op=async_op),
+            async_op=async_op,
+        )
+    # Uneven sizes (or bool): pad to the largest, gather flat, trim. See [Note: backend workarounds].
+    width = max(t.numel() for t in tensor_list)
+    dtype = torch.uint8 if tensor.dtype == torch.bool else tensor.dtype
+    padded = torch.zeros(width, dtype=dtype, device=tensor.device)
+    padded[: tensor.numel()].copy_(tensor.reshape(-1).to(dtype))
+    gathered = torch.empty(width * n, dtype=dtype, device=tensor.device)
+
+    def finalize() -> None:
+        for i, t in enumerate(tensor_list):
+            t.copy_(gathered[i * width : i * width + t.numel()].view(t.shape).to(t.dtype))
+
+    return issue(
+        "all_gather",
+        group,
+        size,
+        tensor.device,
+        lambda: _all_gather(gathered, padded, group=group, async_op=async_op),
+        async_op=async_op,
+        finalize=finalize,
+    )
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Work | None:
+    """Copy ``tensor`` of global rank ``src`` into ``tensor`` on every member of ``group``."""
+    _prepare("broadcast", group)
+    check_tensor(tensor, "tensor", "broadcast")
+    _check_src(src, group, "src", "broadcast")
+    return issue(
+        "broadcast",
+        group,
+        nbytes(tensor),
+        tensor.device,
+        lambda: dist.broadcast(tensor, src, group=group, async_op=async_op),
+        async_op=async_op,
+    )
+
+
+def _check_splits(splits: Any, dim0: int, n: int, name: str) -> None:
+    where = "zero_core.comm.all_to_all_single"
+    if splits is None:
+        if dim0 % n:
+            raise ValueError(f"{where}: without {name}, dim 0 ({dim0}) must be divisible by world_size ({n})")
+        return
+    splits = list(splits)
+    if len(splits) != n or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in splits):
+        raise ValueError(f"{where}: {name} must be {n} non-negative ints, got {splits}")
+    if sum(splits) != dim0:
+        raise ValueError(f"{where}: {name} sums to {sum(splits)} but dim 0 of the tensor is {dim0}")
+
+
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+    group: Any = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Split ``input`` along dim 0, send chunk i to rank i, concatenate what arrives in ``output``.
+
+    Split sizes may be uneven (the MoE dispatch case); None means equal chunks.
+    """
+    n = _prepare("all_to_all_single", group)
+    check_tensor(output, "output", "all_to_all_single")
+    check_tensor(input, "input", "all_to_all_single")
+    _check_same(output, input, "all_to_all_single")
+    if output.dim() == 0 or input.dim() == 0:
+        raise ValueError("zero_core.comm.all_to_all_single: tensors must have at least one dimension")
+    _check_splits(output_split_sizes, output.shape[0], n, "output_split_sizes")
+    _check_splits(input_split_sizes, input.shape[0], n, "input_split_sizes")
+    return issue(
+        "all_to_all_single",
+        group,
+        nbytes(input),
+        input.device,
+        lambda: dist.all_to_all_single(
+            output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
+        ),
+        async_op=async_op,
+    )
+
+
+def broadcast_object_list(
+    object_list: list[Any], src: int = 0, group: Any = None, device: Any = None
+) -> None:
+    """Replace ``object_list``'s items on every rank with those of global rank ``src`` (pickled)."""
+    _prepare("broadcast_object_list", group)
+    if not isinstance(object_list, list):
+        raise TypeError(
+            f"zero_core.comm.broadcast_object_list: object_list must be a list, got {type(object_list).__name__}"
+        )
+    _check_src(src, group, "src", "broadcast_object_list")
+    issue(
+        "broadcast_object_list",
+        group,
+        0,
+        None,
+        lambda: dist.broadcast_object_list(object_list, src, group=group, device=device),
+        async_op=False,
+    )
+
+
+def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
+    """Fill ``object_list[i]`` with rank i's ``obj`` (pickled; ``object_list`` has world_size slots)."""
+    n = _prepare("all_gather_object", group)
+    if not isinstance(object_list, list) or len(object_list) != n:
+        raise ValueError(
+            f"zero_core.comm.all_gather_object: object_list must be a list of world_size ({n}) slots"
+        )
+    issue(
+        "all_gather_object",
+        group,
+        0,
+        None,
+        lambda: dist.all_gather_object(object_list, obj, group=group),
+        async_op=False,
+    )
+
+
+def barrier(group: Any = None) -> None:
+    """Block until every member of ``group`` reaches the barrier."""
+    _prepare("barrier", group)
+    issue("barrier", group, 0, None, lambda: dist.barrier(group=group), async_op=False)
+
+
+def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+    """A barrier that raises, naming the missing rank(s), after ``timeout`` (seconds or timedelta).
+
+    Supported by gloo only (torch's limitation).
+    """
+    _prepare("monitored_barrier", group)
+    td = to_timedelta(timeout, "monitored_barrier")
+    issue(
+        "monitored_barrier",
+        group,
+        0,
+        None,
+        lambda: dist.monitored_barrier(group=group, timeout=td, wait_all_ranks=wait_all_ranks),
+        async_op=False,
+    )

@@ -1,0 +1,103 @@
+"""Mixed-precision sections: ``fp16`` (with dynamic loss scaling), ``bf16``, ``amp``, ``data_types``
+and the communication data type.
+
+Exclusivity between them (fp16 xor bf16, amp alone) is checked by the root model, which sees all
+sections at once.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar
+
+from pydantic import BeforeValidator, ConfigDict
+
+from zero_core.config.base import AUTO, ConfigModel, NonNegFloat, NonNegInt, PosFloat, PosInt, one_of
+
+_DTYPE_SPELLINGS = {
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "torch.float16": "fp16",
+    "torch.half": "fp16",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "torch.bfloat16": "bf16",
+    "fp32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
+    "torch.float32": "fp32",
+    "torch.float": "fp32",
+}
+
+
+def _canonical_dtype(value: Any) -> Any:
+    if isinstance(value, str):
+        return _DTYPE_SPELLINGS.get(value.lower(), value)
+    return value
+
+
+#: ``"fp16"``, ``"bf16"`` or ``"fp32"``; also accepts ``"float16"``, ``"bfloat16"``, ``"torch.half"``, ...
+DataType = Annotated[one_of(("fp16", "bf16", "fp32")), BeforeValidator(_canonical_dtype)]
+
+
+class FP16Config(ConfigModel):
+    """``fp16``: fp16 mixed precision with a (dynamic by default) loss scaler.
+
+    ``loss_scale`` 0 selects dynamic loss scaling starting at ``2**initial_scale_power``; the scale
+    is halved after ``hysteresis`` overflowing steps and doubled after ``loss_scale_window`` clean
+    steps, never going below ``min_loss_scale``.
+    """
+
+    config_path: ClassVar[str] = "fp16"
+
+    enabled: Annotated[bool, AUTO] = False
+    auto_cast: bool = False
+    loss_scale: NonNegFloat = 0.0
+    initial_scale_power: NonNegInt = 16
+    loss_scale_window: PosInt = 1000
+    hysteresis: PosInt = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: PosFloat = 1.0
+    fp16_master_weights_and_grads: bool = False
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        """Whether the loss scale adapts (``loss_scale`` is 0)."""
+        return self.loss_scale == 0
+
+    @property
+    def initial_dynamic_scale(self) -> float:
+        """The loss scale of the first step: ``2**initial_scale_power`` when dynamic."""
+        return float(2**self.initial_scale_power) if self.dynamic_loss_scale else self.loss_scale
+
+
+class BF16Config(ConfigModel):
+    """``bf16`` (alias ``bfloat16``): bf16 mixed precision; no loss scaling is needed."""
+
+    config_path: ClassVar[str] = "bf16"
+
+    enabled: Annotated[bool, AUTO] = False
+    immediate_grad_update: bool = False
+
+
+class AmpConfig(ConfigModel):
+    """``amp``: NVIDIA Apex AMP. Every key besides ``enabled`` is passed to ``amp.initialize``."""
+
+    model_config = ConfigDict(extra="allow")
+    config_path: ClassVar[str] = "amp"
+    unknown_keys: ClassVar[str] = "allow"
+
+    enabled: Annotated[bool, AUTO] = False
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """The keyword arguments for ``amp.initialize`` (every key but ``enabled``)."""
+        return dict(self.model_extra or {})
+
+
+class DataTypesConfig(ConfigModel):
+    """``data_types``: ``grad_accum_dtype`` is the dtype gradients are accumulated in."""
+
+    config_path: ClassVar[str] = "data_types"
+
+    grad_accum_dtype: DataType | None = None

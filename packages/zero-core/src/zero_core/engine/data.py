@@ -1,0 +1,58 @@
+"""The training data loader ``initialize`` builds when given ``training_data``.
+
+Each data-parallel rank reads a disjoint shard through a DistributedSampler with
+``drop_last`` (so every rank runs the same number of steps, which collectives require);
+the sampler is reseeded per epoch (``seed + epoch``) when the loader is iterated again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+
+class ZeroDataLoader:
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int,
+        *,
+        rank: int,
+        world_size: int,
+        collate_fn: Callable[..., Any] | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
+        num_workers: int = 0,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"train_micro_batch_size_per_gpu must be >= 1, got {batch_size}")
+        self.sampler = DistributedSampler(
+            dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+        )
+        self.loader = DataLoader(
+            dataset, batch_size=batch_size, sampler=self.sampler, collate_fn=collate_fn,
+            drop_last=drop_last, num_workers=num_workers,
+        )
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        self.sampler.set_epoch(self.epoch)
+        self.epoch += 1
+        return iter(self.loader)
+
+
+def move_to_device(batch: Any, device: torch.device) -> Any:
+    if torch.is_tensor(batch):
+        return batch.to(device)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: move_to_device(v, device) for k, v in batch.items()}
+    return batch

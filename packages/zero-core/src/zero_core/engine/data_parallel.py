@@ -1,0 +1,124 @@
+"""ZeRO stage 0: plain data parallelism with optional fp32 master weights.
+
+Every rank holds the whole model and optimizer. Gradients are averaged with the bucketed,
+overlapped all-reduce of ``grad_buckets.py``. With fp16/bf16 the module's parameters are
+low precision and the optimizer steps fp32 master copies (the client optimizer's
+``param_groups`` are rebound to them), then the result is copied back. See
+[Note: engine strategies] in ``strategy.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zero_core.engine.grad_buckets import BucketedAllReduce
+
+
+def _bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class DataParallelStrategy:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        group: Any = None,
+        bucket_numel: int = 500_000_000,
+        overlap_comm: bool = True,
+        comm_dtype: torch.dtype | None = None,
+        predivide_factor: float = 1.0,
+        master_weights: bool = False,
+    ) -> None:
+        self.module = module
+        self.optimizer = optimizer
+        self.group = group
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.reducer = BucketedAllReduce(
+            self.params, bucket_numel, group=group, overlap=overlap_comm,
+            comm_dtype=comm_dtype, predivide_factor=predivide_factor,
+        )
+        # model param -> fp32 master param (only with mixed precision)
+        self.master: dict[torch.nn.Parameter, torch.nn.Parameter] = {}
+        if master_weights:
+            self._rebind_to_masters()
+
+    def _rebind_to_masters(self) -> None:
+        for group in self.optimizer.param_groups:
+            masters = []
+            for p in group["params"]:
+                if p not in self.master:
+                    m = torch.nn.Parameter(p.detach().clone().float(), requires_grad=p.requires_grad)
+                    self.master[p] = m
+                masters.append(self.master[p])
+            group["params"] = masters
+
+    # -- TrainingStrategy --------------------------------------------------------------
+    def before_backward(self, is_boundary: bool) -> None:
+        if is_boundary:
+            self.reducer.arm()
+
+    def after_backward(self, is_boundary: bool) -> None:
+        if is_boundary:
+            self.reducer.finish()
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.params if p.grad is not None]
+
+    def local_overflow(self) -> bool:
+        for g in self._grads():
+            if not torch.isfinite(g).all():
+                return True
+        return False
+
+    def grad_norm_sq(self) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32)
+        for g in self._grads():
+            total += g.float().pow(2).sum().cpu()
+        return total
+
+    def norm_group(self) -> Any:
+        return None
+
+    @torch.no_grad()
+    def step(self, grad_scale: float) -> None:
+        if self.master:
+            for p, m in self.master.items():
+                m.grad = None if p.grad is None else p.grad.float().mul_(grad_scale)
+            self.optimizer.step()
+            for p, m in self.master.items():
+                p.copy_(m)
+        else:
+            if grad_scale != 1.0:
+                for g in self._grads():
+                    g.mul_(grad_scale)
+            self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+        for m in self.master.values():
+            m.grad = None
+
+    def memory_breakdown(self) -> dict[str, int]:
+        state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        return {
+            "parameters": _bytes(self.module.parameters()),
+            "gradients": _bytes(p.grad for p in self.params),
+            "master_weights": _bytes(self.master.values()),
+            "optimizer_states": _bytes(state),
+            "buffers": _bytes(b.buffer for b in self.reducer.buckets),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(),
+                "master": [m.detach() for m in self.master.values()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():
+            for m, saved in zip(self.master.values(), state.get("master", [])):
+                m.copy_(saved)

@@ -1,0 +1,221 @@
+"""The training engine: the loop around a model that ``zero.initialize`` returns.
+
+The engine owns the training-loop bookkeeping (micro-steps, gradient-accumulation
+boundaries, loss scaling, clipping, LR schedule, monitors, timers) and composes the parts
+that do the work: a :class:`TrainingStrategy` chosen by the ZeRO stage (see
+[Note: engine strategies]), a loss scaler, monitors and timers. It never branches on the
+stage itself.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from zero_core import comm
+from zero_core.engine.loss_scaler import LossScaler
+from zero_core.engine.strategy import TrainingStrategy
+from zero_core.engine.timers import Timers
+
+
+class ZeroEngine(torch.nn.Module):
+    """Wraps a model for training; use it like the model, plus ``backward`` and ``step``."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        strategy: TrainingStrategy,
+        *,
+        config: Any,
+        loss_scaler: LossScaler,
+        lr_scheduler: Any = None,
+        training_dataloader: Any = None,
+        monitor: Any = None,
+        device: torch.device | None = None,
+        dp_group: Any = None,
+        compute_dtype: torch.dtype = torch.float32,
+        step_hooks: list[Callable[[ZeroEngine], None]] | None = None,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.strategy = strategy
+        self.config = config
+        self.loss_scaler = loss_scaler
+        self.lr_scheduler = lr_scheduler
+        self.training_dataloader = training_dataloader
+        self.monitor = monitor
+        self.device = device or torch.device("cpu")
+        self.dp_group = dp_group
+        self.compute_dtype = compute_dtype
+        self.dp_world_size = comm.get_world_size(dp_group) if comm.is_initialized() else 1
+        self.global_rank = comm.get_rank() if comm.is_initialized() else 0
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self._global_grad_norm: float | None = None
+        self._losses: list[float] = []
+        self._last_loss: float | None = None
+        self._step_hooks = list(step_hooks or [])
+        self.timers = Timers()
+        self._wall_clock = bool(getattr(config, "wall_clock_breakdown", False))
+        self._last_boundary_time = time.perf_counter()
+        self._samples_per_sec = 0.0
+
+    # -- configuration accessors (DeepSpeed names) --------------------------------------
+    def train_batch_size(self) -> int:
+        return int(self.config.train_batch_size)
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return int(self.config.train_micro_batch_size_per_gpu)
+
+    def gradient_accumulation_steps(self) -> int:
+        return int(self.config.gradient_accumulation_steps)
+
+    def gradient_clipping(self) -> float:
+        return float(getattr(self.config, "gradient_clipping", 0.0) or 0.0)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.strategy.optimizer
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm of the last step (before clipping), or None before any step."""
+        return self._global_grad_norm
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes held on this rank by category, measured from live tensors."""
+        return self.strategy.memory_breakdown()
+
+    # -- the loop -----------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._wall_clock:
+            self.timers.start("forward")
+        out = self.module(*args, **kwargs)
+        if self._wall_clock:
+            self.timers.stop("forward")
+        return out
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of ``loss`` scaled by 1/gradient_accumulation_steps and the loss scale."""
+        if not torch.is_tensor(loss) or loss.numel() != 1:
+            raise ValueError("engine.backward expects a scalar loss tensor")
+        boundary = self.is_gradient_accumulation_boundary()
+        self._losses.append(float(loss.detach().float().item()))
+        scaled = loss.float()
+        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
+            scaled = scaled / self.gradient_accumulation_steps()
+        scaled = self.loss_scaler.scale_loss(scaled)
+        if self._wall_clock:
+            self.timers.start("backward")
+        self.strategy.before_backward(boundary)
+        scaled.backward(retain_graph=retain_graph)
+        self.strategy.after_backward(boundary)
+        if self._wall_clock:
+            self.timers.stop("backward")
+        return loss
+
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """End a micro-step; on an accumulation boundary apply the optimizer."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        self.global_samples += self.train_micro_batch_size_per_gpu() * self.dp_world_size
+        if not boundary:
+            return
+        if self._wall_clock:
+            self.timers.start("step")
+        self._boundary_step(lr_kwargs)
+        if self._wall_clock:
+            self.timers.stop("step")
+        self._report()
+        for hook in self._step_hooks:
+            hook(self)
+
+    def _global_flag(self, flag: bool) -> bool:
+        if not comm.is_initialized() or comm.get_world_size() == 1:
+            return flag
+        t = torch.tensor([1 if flag else 0], dtype=torch.uint8, device=self.device)
+        comm.all_reduce(t, op=comm.ReduceOp.MAX)
+        return bool(t.item())
+
+    def _boundary_step(self, lr_kwargs: dict[str, Any] | None) -> None:
+        overflow = self._global_flag(self.strategy.local_overflow()) if self.loss_scaler.dynamic else False
+        inv_scale = 1.0 / self.loss_scaler.loss_scale
+        if overflow:
+            self._global_grad_norm = float("inf")
+            self.skipped_steps += 1
+            self.loss_scaler.update_scale(True)
+            self.strategy.zero_grad()
+            self.global_steps += 1
+            return
+        norm_sq = self.strategy.grad_norm_sq()
+        group = self.strategy.norm_group()
+        if group is not None:
+            comm.all_reduce(norm_sq, group=group)
+        norm = math.sqrt(float(norm_sq)) * inv_scale
+        self._global_grad_norm = norm
+        grad_scale = inv_scale
+        clip = self.gradient_clipping()
+        if clip > 0 and norm > clip:
+            grad_scale *= clip / (norm + 1e-6)
+        self.strategy.step(grad_scale)
+        self.loss_scaler.update_scale(False)
+        self.strategy.zero_grad()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step(**(lr_kwargs or {}))
+        self.global_steps += 1
+
+    def zero_grad(self) -> None:
+        self.strategy.zero_grad()
+
+    # -- reporting ----------------------------------------------------------------------
+    def _report(self) -> None:
+        now = time.perf_counter()
+        elapsed = max(now - self._last_boundary_time, 1e-9)
+        self._last_boundary_time = now
+        self._samples_per_sec = self.train_batch_size() / elapsed
+        loss = sum(self._losses) / max(len(self._losses), 1) if self._losses else float("nan")
+        self._last_loss = loss
+        self._losses.clear()
+        step = self.global_steps
+        if self.monitor is not None and getattr(self.monitor, "enabled", False):
+            events = [
+                ("Train/Samples/train_loss", loss, self.global_samples),
+                ("Train/Samples/lr", self.get_lr()[0], self.global_samples),
+                ("Train/Samples/loss_scale", self.loss_scaler.loss_scale, self.global_samples),
+                ("Train/Samples/samples_per_sec", self._samples_per_sec, self.global_samples),
+            ]
+            if self._global_grad_norm is not None:
+                events.append(("Train/Samples/grad_norm", self._global_grad_norm, self.global_samples))
+            every = int(getattr(self.config, "steps_per_print", 10) or 10)
+            if step % every == 0:
+                mem = self.memory_breakdown()
+                events.append(("Train/Memory/model_states_MB", sum(mem.values()) / 2**20, self.global_samples))
+            self.monitor.write_events(events)
+        every = int(getattr(self.config, "steps_per_print", 10) or 10)
+        if step % every == 0 and self.global_rank == 0:
+            mem_mb = sum(self.memory_breakdown().values()) / 2**20
+            line = (
+                f"[zero] step {step} | loss {loss:.4f} | lr {self.get_lr()[0]:.3e} | "
+                f"samples/s {self._samples_per_sec:.1f} | model states {mem_mb:.1f} MB/rank"
+            )
+            if self.loss_scaler.dynamic:
+                line += f" | loss scale {self.loss_scaler.loss_scale:g} | skipped {self.skipped_steps}"
+            if self._wall_clock:
+                line += " | " + ", ".join(f"{k} {v:.1f} ms" for k, v in self.timers.means_ms().items())
+            print(line, flush=True)
+
+    @property
+    def last_loss(self) -> float | None:
+        """Mean loss over the micro-batches of the last optimizer step."""
+        return self._last_loss

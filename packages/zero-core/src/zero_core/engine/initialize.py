@@ -1,0 +1,172 @@
+"""``initialize``: from a model, an optimizer and a DeepSpeed-format config to a training engine.
+
+Order matters and is the same for every stage: (1) distributed init, (2) config (the batch
+sizes need the data-parallel world size), (3) model on the device in fp32 and identical on
+every rank (broadcast from rank 0), (4) optimizer and LR scheduler, (5) the stage's strategy
+(which may create fp32 master weights from the still-fp32 parameters), (6) the cast of the
+module to fp16/bf16, (7) data loader and monitors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from zero_core import comm
+from zero_core.engine.data import ZeroDataLoader
+from zero_core.engine.engine import ZeroEngine
+from zero_core.engine.loss_scaler import build_loss_scaler
+from zero_core.plugins import require
+
+
+def _section(cfg: Any, name: str) -> Any:
+    return getattr(cfg, name, None)
+
+
+def _enabled(cfg: Any, name: str) -> bool:
+    return bool(getattr(_section(cfg, name), "enabled", False))
+
+
+def compute_dtype(cfg: Any) -> torch.dtype:
+    if _enabled(cfg, "fp16"):
+        return torch.float16
+    if _enabled(cfg, "bf16"):
+        return torch.bfloat16
+    return torch.float32
+
+
+def _broadcast_module(module: torch.nn.Module, group: Any) -> None:
+    """Make every rank start from rank 0's parameters and buffers."""
+    if comm.get_world_size(group) == 1:
+        return
+    src = comm.get_global_rank(group, 0) if group is not None else 0
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            comm.broadcast(t.data, src=src, group=group)
+
+
+def _build_optimizer(optimizer: Any, params: Any, cfg: Any) -> torch.optim.Optimizer:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    if optimizer is not None:
+        if not callable(optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer or a callable, got {type(optimizer).__name__}")
+        built = optimizer(params)
+        if not isinstance(built, torch.optim.Optimizer):
+            raise TypeError(f"the optimizer callable returned {type(built).__name__}, not a torch.optim.Optimizer")
+        return built
+    section = _section(cfg, "optimizer")
+    if section is None or getattr(section, "type", None) is None:
+        raise ValueError(
+            "no optimizer: pass optimizer= (an optimizer or a callable taking the parameters) "
+            "or add an 'optimizer' section to the config"
+        )
+    from zero_core.optim import build_optimizer
+
+    return build_optimizer(params, section.type, dict(getattr(section, "params", None) or {}))
+
+
+def _build_scheduler(lr_scheduler: Any, optimizer: torch.optim.Optimizer, cfg: Any) -> Any:
+    if lr_scheduler is not None:
+        if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+            return lr_scheduler(optimizer)
+        return lr_scheduler
+    section = _section(cfg, "scheduler")
+    if section is None or getattr(section, "type", None) is None:
+        return None
+    from zero_core.lr_schedules import build_lr_scheduler
+
+    return build_lr_scheduler(optimizer, {"type": section.type, "params": dict(getattr(section, "params", None) or {})})
+
+
+def _build_strategy(module: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: Any, group: Any) -> Any:
+    zc = cfg.zero_optimization
+    stage = int(zc.stage)
+    dtype = compute_dtype(cfg)
+    comm_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}.get(
+        str(getattr(cfg, "communication_data_type", None) or "").lower()
+    )
+    if stage == 0:
+        from zero_core.engine.data_parallel import DataParallelStrategy
+
+        return DataParallelStrategy(
+            module, optimizer, group=group,
+            bucket_numel=int(zc.reduce_bucket_size),
+            overlap_comm=bool(zc.overlap_comm) if zc.overlap_comm is not None else True,
+            comm_dtype=comm_dtype,
+            predivide_factor=float(getattr(cfg, "gradient_predivide_factor", 1.0) or 1.0),
+            master_weights=dtype != torch.float32,
+        )
+    raise NotImplementedError(f"zero_optimization.stage {stage} is not available in this build")
+
+
+def initialize(
+    args: Any = None,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None = None,
+    model_parameters: Any = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    distributed_port: int = 29500,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Callable[..., Any] | None = None,
+    config: Any = None,
+    config_params: Any = None,
+) -> tuple[ZeroEngine, torch.optim.Optimizer, Any, Any]:
+    """Build the training engine. Returns ``(engine, optimizer, training_dataloader, lr_scheduler)``."""
+    if model is None:
+        raise ValueError("initialize: model is required")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
+    if config is not None and config_params is not None:
+        raise ValueError("initialize: give the config as config= or config_params=, not both")
+    from zero_core.config import load_config
+    from zero_core.distributed import init_distributed, world_info
+
+    init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    group = mpu.get_data_parallel_group() if mpu is not None else None
+    dp_world = comm.get_world_size(group)
+    info = world_info()
+    cfg = load_config(
+        config if config is not None else config_params, args=args,
+        world_size=dp_world, world_size_source=info.source,
+    )
+
+    if type(model).__name__ == "PipelineModule" and type(model).__module__.startswith("zero_pipe"):
+        pipe = require("zero_pipe", "training a PipelineModule")
+        return pipe.initialize_pipeline(model=model, optimizer=optimizer, model_parameters=model_parameters,
+                                        training_data=training_data, lr_scheduler=lr_scheduler,
+                                        config=cfg, collate_fn=collate_fn)
+
+    from zero_core.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    device = acc.device(acc.current_device())
+    model.to(device)
+    _broadcast_module(model, group)
+    params = model_parameters if model_parameters is not None else model.parameters()
+    opt = _build_optimizer(optimizer, params, cfg)
+    strategy = _build_strategy(model, opt, cfg, group)
+    dtype = compute_dtype(cfg)
+    if dtype != torch.float32 and int(cfg.zero_optimization.stage) == 0:
+        model.to(dtype)
+    scheduler = _build_scheduler(lr_scheduler, strategy.optimizer, cfg)
+
+    loader = None
+    if training_data is not None:
+        loader = ZeroDataLoader(
+            training_data, int(cfg.train_micro_batch_size_per_gpu),
+            rank=comm.get_rank(group), world_size=dp_world, collate_fn=collate_fn,
+        )
+    from zero_core.monitor import MonitorMaster
+
+    monitor = MonitorMaster(cfg)
+    engine = ZeroEngine(
+        model, strategy, config=cfg, loss_scaler=build_loss_scaler(_enabled(cfg, "fp16"), _section(cfg, "fp16")),
+        lr_scheduler=scheduler, training_dataloader=loader, monitor=monitor, device=device,
+        dp_group=group, compute_dtype=dtype,
+    )
+    return engine, strategy.optimizer, loader, scheduler

@@ -1,0 +1,64 @@
+"""Entry point of the ``zero`` console script."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from zero_core.launcher.env_report import collect_report, format_report
+from zero_core.launcher.run import LaunchError, add_run_arguments, run_job
+from zero_core.version import __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zero",
+        description="zero: launch ZeRO training jobs and inspect the installation.",
+        epilog="Examples:\n"
+        "  zero run --nproc 2 train.py --zero_config cfg.json   # 2 processes via torchrun\n"
+        "  zero run --launcher mpi -n 4 train.py                # 4 processes via mpiexec\n"
+        "  zero run --nnodes 2 --node-rank 0 --master-addr node0 --master-port 29500 --nproc 8 train.py\n"
+        "  zero env                                             # versions, ops, backends",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"zero-core {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    run = sub.add_parser(
+        "run",
+        help="launch a training script on N processes (torchrun or mpiexec)",
+        description="Launch SCRIPT on N processes. With --launcher torch (default) this is torchrun "
+        "(torch.distributed.run) and accepts its multi-node flags; with --launcher mpi it runs "
+        "`mpiexec -n N python SCRIPT ARGS`. Each process should call zero.init_distributed() (or "
+        "zero.initialize), which reads the world from the launcher's environment. OMP_NUM_THREADS "
+        "defaults to 1 per process.",
+    )
+    add_run_arguments(run)
+    env = sub.add_parser("env", help="report versions, installed packages, native ops and backends",
+                         description="Report versions, installed zero packages, native-op status, the "
+                         "accelerator, distributed backends and MPI availability.")
+    env.add_argument("--json", action="store_true", help="print the report as JSON")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``zero`` command line; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if args.command == "env":
+        report = collect_report()
+        print(json.dumps(report, indent=2, default=str) if args.json else format_report(report))
+        return 0
+    try:
+        return run_job(args)
+    except LaunchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

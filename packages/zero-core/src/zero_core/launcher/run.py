@@ -1,0 +1,162 @@
+"""``zero run``: start a job through torchrun or ``mpiexec``.
+
+No process management of our own: the torch launcher is ``torch.distributed.run.main``
+(elastic agent, restarts, rendezvous), the MPI launcher is the MPI distribution's ``mpiexec``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+# (our option dest, torchrun flag) for the flags passed through to torchrun unchanged.
+TORCHRUN_FLAGS = (
+    ("nnodes", "--nnodes"),
+    ("node_rank", "--node-rank"),
+    ("master_addr", "--master-addr"),
+    ("master_port", "--master-port"),
+    ("rdzv_backend", "--rdzv-backend"),
+    ("rdzv_endpoint", "--rdzv-endpoint"),
+    ("rdzv_id", "--rdzv-id"),
+    ("max_restarts", "--max-restarts"),
+)
+
+
+class LaunchError(RuntimeError):
+    """The job could not be started (bad arguments, missing launcher)."""
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--launcher", choices=("torch", "mpi"), default="torch",
+        help="torch: torchrun (torch.distributed.run), the default; mpi: mpiexec from the MPI "
+        "distribution next to this Python (pip install mpich mpi4py) or on PATH",
+    )
+    parser.add_argument(
+        "--nproc", "--nproc-per-node", "--nproc_per_node", "-n", dest="nproc", type=int, default=None,
+        help="processes to start (per node with torchrun; in total with mpiexec). Default: 1",
+    )
+    g = parser.add_argument_group("torchrun options (multi-node and elastic; --launcher torch only)")
+    g.add_argument("--nnodes", default=None, help="number of nodes, or MIN:MAX for elastic jobs")
+    g.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=None, help="rank of this node")
+    g.add_argument("--master-addr", "--master_addr", dest="master_addr", default=None, help="address of node 0")
+    g.add_argument("--master-port", "--master_port", dest="master_port", type=int, default=None, help="port on node 0")
+    g.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default=None, help="rendezvous backend (c10d, static, etcd)")
+    g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default=None, help="rendezvous HOST:PORT")
+    g.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id", default=None, help="job id shared by all nodes")
+    g.add_argument("--standalone", action="store_true", help="single node, local rendezvous on a free port")
+    g.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=None, help="restarts on failure")
+    m = parser.add_argument_group("mpiexec options (--launcher mpi only)")
+    m.add_argument("--mpi-args", dest="mpi_args", default="", help="extra arguments for mpiexec, one string (e.g. '-f hosts')")
+    parser.add_argument("-m", "--module", action="store_true", help="run the script as a module (python -m)")
+    parser.add_argument("script", help="training script (or module with -m)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def _check_common(args: argparse.Namespace) -> None:
+    if args.nproc is not None and args.nproc < 1:
+        raise LaunchError(f"zero run: --nproc must be >= 1, got {args.nproc}")
+    if not args.module and not Path(args.script).is_file():
+        raise LaunchError(f"zero run: script {args.script!r} does not exist (use -m to run a module)")
+
+
+def torchrun_argv(args: argparse.Namespace) -> list[str]:
+    """The argument list for ``torch.distributed.run.main``."""
+    _check_common(args)
+    argv = ["--nproc-per-node", str(args.nproc or 1)]
+    for dest, flag in TORCHRUN_FLAGS:
+        value = getattr(args, dest)
+        if value is not None:
+            argv += [flag, str(value)]
+    rendezvous_given = any(
+        getattr(args, d) is not None for d in ("master_addr", "master_port", "rdzv_backend", "rdzv_endpoint")
+    )
+    if args.standalone or (str(args.nnodes or "1") in ("1", "1:1") and not rendezvous_given):
+        # A single-node job without rendezvous flags: torchrun's default would be a static
+        # rendezvous on 127.0.0.1:29500, which collides with any other job on the machine;
+        # --standalone picks a free port instead.
+        argv.append("--standalone")
+    if args.module:
+        argv.append("--module")
+    return [*argv, args.script, *args.script_args]
+
+
+def find_mpiexec() -> str:
+    """``mpiexec`` next to ``sys.executable`` (a venv with the mpich wheel), else on PATH."""
+    local = Path(sys.executable).parent / "mpiexec"
+    if local.is_file() and os.access(local, os.X_OK):
+        return str(local)
+    for name in ("mpiexec", "mpirun"):
+        found = shutil.which(name)
+        if found:
+            return found
+    raise LaunchError(
+        "zero run --launcher mpi: no mpiexec found next to the Python interpreter "
+        f"({Path(sys.executable).parent}) or on PATH; install one with: pip install mpich mpi4py"
+    )
+
+
+def _mpi_flavour(mpiexec: str) -> str:
+    try:
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    text = (out.stdout + out.stderr).lower()
+    if "open mpi" in text or "openrte" in text or "prte" in text:
+        return "openmpi"
+    if "hydra" in text or "mpich" in text or "intel" in text:
+        return "hydra"
+    return "unknown"
+
+
+def mpiexec_command(args: argparse.Namespace, env: dict[str, str]) -> list[str]:
+    """The ``mpiexec`` command line; sets OMP_NUM_THREADS in ``env`` (default 1, as torchrun)."""
+    _check_common(args)
+    given = [flag for dest, flag in TORCHRUN_FLAGS if getattr(args, dest) is not None]
+    if args.standalone:
+        given.append("--standalone")
+    if given:
+        raise LaunchError(
+            f"zero run --launcher mpi: {', '.join(given)} are torchrun options; give mpiexec its host "
+            "list through --mpi-args (e.g. --mpi-args '-f hostfile')"
+        )
+    import shlex
+
+    mpiexec = find_mpiexec()
+    threads = env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [mpiexec, "-n", str(args.nproc or 1)]
+    flavour = _mpi_flavour(mpiexec)
+    # Forward OMP_NUM_THREADS to every node, not just the local one.
+    if flavour == "hydra":
+        cmd += ["-genv", "OMP_NUM_THREADS", threads]
+    elif flavour == "openmpi":
+        cmd += ["-x", f"OMP_NUM_THREADS={threads}"]
+    cmd += shlex.split(args.mpi_args)
+    cmd += [sys.executable, *(["-m"] if args.module else []), args.script, *args.script_args]
+    return cmd
+
+
+def run_job(args: argparse.Namespace) -> int:
+    """Start the job described by the ``zero run`` arguments; returns its exit code."""
+    if args.launcher == "mpi":
+        env = dict(os.environ)
+        cmd = mpiexec_command(args, env)
+        proc = subprocess.Popen(cmd, env=env)
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:  # mpiexec got the same SIGINT; let it shut the ranks down
+            return proc.wait()
+    argv = torchrun_argv(args)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    try:
+        torchrun_main(argv)
+    except ChildFailedError as exc:
+        print(f"zero run: the job failed\n{exc}", file=sys.stderr)
+        return 1
+    return 0

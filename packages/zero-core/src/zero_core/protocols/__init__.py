@@ -1,0 +1,17 @@
+"""Typed interfaces shared across the zero family (only what two packages share)."""
+
+from zero_core.protocols.accelerator import Accelerator, Event, Stream
+from zero_core.protocols.comm import CommBackend
+from zero_core.protocols.monitor import Monitor
+from zero_core.protocols.offload import OffloadBackend
+from zero_core.protocols.optimizer_kernel import FlatOptimizerKernel
+
+__all__ = [
+    "Accelerator",
+    "CommBackend",
+    "Event",
+    "FlatOptimizerKernel",
+    "Monitor",
+    "OffloadBackend",
+    "Stream",
+]

@@ -1,0 +1,22 @@
+"""User-facing utilities (``zero.utils``): data helpers and, with ZeRO, the safe_get/safe_set
+debugging helpers."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from zero_core.utils.repeating_loader import RepeatingLoader
+
+# name -> module that defines it (loaded on first access; they need the ZeRO machinery)
+_LAZY: dict[str, str] = {}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'zero_core.utils' has no attribute '{name}'")
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = ["RepeatingLoader", *_LAZY]

@@ -1,0 +1,343 @@
+"""Bucketed, overlapped reduction of gradients into each rank's partition (ZeRO stages 1 and 2).
+
+[Note: partitioned gradient reduction]
+The reduce buckets are the chunks of [Note: padding]: chunk ``c`` of a parameter group is a
+contiguous range of that group's flat gradient, and after reduction rank ``r`` needs only
+its piece ``r`` of it. One ``reduce_scatter_tensor`` per chunk does exactly that, so a step
+moves about Ψ reduce-scattered elements, the same volume as data parallel's all-reduce.
+With ``reduce_scatter: false`` a chunk is reduced with one ``all_reduce`` when
+``use_multi_rank_bucket_allreduce`` (DeepSpeed's default) or with one ``reduce`` per owning
+rank otherwise.
+
+Where gradients live:
+
+* stage 1 (``partition_grads=False``): every parameter's ``.grad`` is a view of one flat,
+  padded gradient buffer per group (2Ψ bytes with 16-bit gradients), so autograd
+  accumulates micro-batches in place; on the accumulation boundary each chunk is
+  reduce-scattered and the rank's piece of the buffer is overwritten with the average.
+* stage 2 (``partition_grads=True``): only the rank's shard of the reduced gradient is kept
+  (2Ψ/N bytes). Chunks are reduced on *every* micro-step (as DeepSpeed does) and the results
+  accumulate in the shard, so full-size gradients never outlive one bucket. With
+  ``contiguous_gradients`` a parameter's gradient is copied into its chunk's bucket the moment
+  autograd produces it and ``.grad`` is freed at once; without it ``.grad`` is kept until its
+  chunk is launched.
+
+Ordering and overlap follow [Note: gradient buckets] in ``engine/grad_buckets.py``: chunks
+are launched strictly in one global order (by backward order of their parameters) so every
+rank issues the same sequence of collectives; with ``overlap_comm`` a chunk is launched from
+the post-accumulate-grad hook as soon as it and all chunks before it are complete, and at
+most ``_MAX_IN_FLIGHT`` chunks are in flight (older ones are waited for), which bounds the
+bucket buffers to a few bucket sizes. Whatever is left is launched by ``finish()``. A
+parameter that produced no gradient contributes zeros, so unused parameters never hang;
+with ``ignore_unused_parameters: false`` they are reported instead (see ``finish``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from zero_core import comm
+from zero_core.zero.flat_partition import Chunk, FlatPartition
+
+_MAX_IN_FLIGHT = 2
+
+
+@dataclass
+class GroupGrads:
+    """The trainable parameters of one optimizer group, in flat order, and their layout."""
+
+    params: list[torch.nn.Parameter]
+    names: list[str]
+    layout: FlatPartition
+
+
+@dataclass
+class _Pending:
+    g: int
+    chunk: Chunk
+    inp: torch.Tensor
+    out: torch.Tensor
+    works: list[Any] = field(default_factory=list)
+
+
+class PartitionedGradReducer:
+    """Reduces the gradients of ``groups`` so each rank ends with its shard; see the Note above."""
+
+    def __init__(
+        self,
+        groups: Sequence[GroupGrads],
+        *,
+        group: Any = None,
+        partition_grads: bool,
+        overlap_comm: bool,
+        contiguous_gradients: bool = True,
+        reduce_scatter: bool = True,
+        use_multi_rank_bucket_allreduce: bool = True,
+        ignore_unused_parameters: bool = True,
+        comm_dtype: torch.dtype | None = None,
+        backward_order: dict[int, int] | None = None,
+    ) -> None:
+        self.groups = list(groups)
+        self.group = group
+        self.world_size = comm.get_world_size(group)
+        self.rank = comm.get_rank(group)
+        self.partition_grads = partition_grads
+        self.overlap = overlap_comm
+        self.contiguous = contiguous_gradients
+        self.use_reduce_scatter = reduce_scatter
+        self.multi_rank_allreduce = use_multi_rank_bucket_allreduce
+        self.ignore_unused = ignore_unused_parameters
+        self.comm_dtype = comm_dtype
+        self._global_ranks = [comm.get_global_rank(group, r) if group is not None else r
+                              for r in range(self.world_size)]
+        # Global launch order of the chunks: by the earliest backward position of their params.
+        order = backward_order or {}
+        keyed = []
+        for g, gg in enumerate(self.groups):
+            for chunk in gg.layout.chunks:
+                key = min((order.get(id(gg.params[s.param_index]), 0) for s in chunk.slices), default=0)
+                keyed.append((key, g, chunk.index))
+        keyed.sort()
+        self.order: list[tuple[int, int]] = [(g, c) for _, g, c in keyed]
+        self._slot = {gc: i for i, gc in enumerate(self.order)}
+        # param id -> (group, param index, [slots of the chunks holding it])
+        self._where: dict[int, tuple[int, int, list[int]]] = {}
+        for g, gg in enumerate(self.groups):
+            for i, p in enumerate(gg.params):
+                slots = [self._slot[(g, c.index)] for c, _ in gg.layout.chunks_of_param(i)]
+                self._where[id(p)] = (g, i, slots)
+        self._needed = [len(self.groups[g].layout.chunks[c].slices) for g, c in self.order]
+
+        # Gradient storage (see the Note): stage 1 full flat buffers, stage 2 shards.
+        self.flat_grads: list[torch.Tensor] = []
+        self.grad_shards: list[torch.Tensor] = []
+        for gg in self.groups:
+            dtype = gg.params[0].dtype if gg.params else torch.float32
+            device = gg.params[0].device if gg.params else torch.device("cpu")
+            if partition_grads:
+                self.grad_shards.append(torch.zeros(gg.layout.shard_numel, dtype=dtype, device=device))
+            else:
+                self.flat_grads.append(torch.zeros(gg.layout.padded_numel, dtype=dtype, device=device))
+        if not partition_grads:
+            self._attach_flat_grads()
+        self._shard_has_grad = False
+        self.armed = False
+        self._reset_round()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
+                       for gg in self.groups for p in gg.params]
+
+    # -- storage ----------------------------------------------------------------------------
+    def _grad_view(self, g: int, i: int) -> torch.Tensor:
+        gg = self.groups[g]
+        off = gg.layout.offsets[i]
+        p = gg.params[i]
+        return self.flat_grads[g][off : off + p.numel()].view_as(p)
+
+    def _attach_flat_grads(self) -> None:
+        for g, gg in enumerate(self.groups):
+            for i, p in enumerate(gg.params):
+                p.grad = self._grad_view(g, i)
+
+    def _reset_round(self) -> None:
+        self._ready = [0] * len(self.order)
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._launched_chunks: dict[int, int] = {}  # param id -> chunks launched (non-contiguous stage 2)
+        self._next = 0
+        self._pending: deque[_Pending] = deque()
+        self._got_grad: set[int] = set()
+
+    def buffer_bytes(self) -> int:
+        """Bytes of bucket buffers alive right now (zero between backward passes)."""
+        live = list(self._buffers.values()) + [t for p in self._pending for t in (p.inp, p.out)]
+        own = {id(t) for t in self.flat_grads}
+        return sum(t.numel() * t.element_size() for t in live if id(t) not in own and t._base is None)
+
+    # -- the round --------------------------------------------------------------------------
+    def arm(self, is_boundary: bool) -> None:
+        """Prepare for a backward pass: stage 2 reduces every micro-step, stage 1 on boundaries."""
+        self._reset_round()
+        self.armed = self.partition_grads or is_boundary
+        if not self.partition_grads:
+            # A user's zero_grad(set_to_none=True) detaches .grad from the flat buffer: re-attach.
+            for g, gg in enumerate(self.groups):
+                for i, p in enumerate(gg.params):
+                    view = self._grad_view(g, i)
+                    if p.grad is None:
+                        view.zero_()
+                        p.grad = view
+                    elif p.grad.data_ptr() != view.data_ptr():
+                        view.copy_(p.grad)
+                        p.grad = view
+
+    def _dtype(self, g: int) -> torch.dtype:
+        return self.comm_dtype or (self.flat_grads[g].dtype if self.flat_grads else self.grad_shards[g].dtype)
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        g, i, slots = self._where[id(param)]
+        if not self.partition_grads:
+            view = self._grad_view(g, i)
+            if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+                # autograd made a fresh tensor (grad was None): it replaces the buffer's content
+                view.copy_(param.grad)
+                param.grad = view
+        if not self.armed:
+            return
+        self._got_grad.add(id(param))
+        if self.partition_grads and self.contiguous:
+            flat = param.grad.reshape(-1)
+            for slot in slots:
+                g2, c = self.order[slot]
+                chunk = self.groups[g2].layout.chunks[c]
+                buf = self._bucket(slot)
+                for s in chunk.slices:
+                    if s.param_index == i:
+                        buf[s.chunk_lo : s.chunk_lo + s.numel].copy_(flat[s.param_lo : s.param_hi])
+            param.grad = None
+        for slot in slots:
+            self._ready[slot] += 1
+        if self.overlap:
+            self._launch_ready()
+
+    def _bucket(self, slot: int) -> torch.Tensor:
+        buf = self._buffers.get(slot)
+        if buf is None:
+            g, c = self.order[slot]
+            chunk = self.groups[g].layout.chunks[c]
+            buf = torch.zeros(chunk.padded, dtype=self._dtype(g), device=self._device(g))
+            self._buffers[slot] = buf
+        return buf
+
+    def _device(self, g: int) -> torch.device:
+        return (self.flat_grads[g] if self.flat_grads else self.grad_shards[g]).device
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.order) and self._ready[self._next] >= self._needed[self._next]:
+            self._launch(self._next)
+            self._next += 1
+
+    def _input(self, slot: int) -> torch.Tensor:
+        g, c = self.order[slot]
+        gg = self.groups[g]
+        chunk = gg.layout.chunks[c]
+        if not self.partition_grads:
+            inp = self.flat_grads[g][chunk.start : chunk.start + chunk.padded]
+            return inp.to(self.comm_dtype) if self.comm_dtype is not None else inp
+        buf = self._bucket(slot)
+        if not self.contiguous:
+            for s in chunk.slices:
+                p = gg.params[s.param_index]
+                if p.grad is not None:
+                    buf[s.chunk_lo : s.chunk_lo + s.numel].copy_(p.grad.reshape(-1)[s.param_lo : s.param_hi])
+                done = self._launched_chunks.get(id(p), 0) + 1
+                self._launched_chunks[id(p)] = done
+                if done == len(self._where[id(p)][2]):
+                    p.grad = None
+        return buf
+
+    def _launch(self, slot: int) -> None:
+        g, c = self.order[slot]
+        chunk = self.groups[g].layout.chunks[c]
+        inp = self._input(slot)
+        self._buffers.pop(slot, None)
+        # Average before summing: keeps fp16 sums in range; exact for power-of-two N.
+        inp.div_(self.world_size)
+        pend = _Pending(g, chunk, inp, inp)
+        if self.use_reduce_scatter:
+            pend.out = torch.empty(chunk.piece, dtype=inp.dtype, device=inp.device)
+            pend.works.append(comm.reduce_scatter_tensor(pend.out, inp, group=self.group, async_op=True))
+        else:
+            pend.out = inp[self.rank * chunk.piece : (self.rank + 1) * chunk.piece]
+            if self.multi_rank_allreduce:
+                pend.works.append(comm.all_reduce(inp, group=self.group, async_op=True))
+            else:
+                for r in range(self.world_size):
+                    part = inp[r * chunk.piece : (r + 1) * chunk.piece]
+                    pend.works.append(comm.reduce(part, dst=self._global_ranks[r], group=self.group, async_op=True))
+        self._pending.append(pend)
+        if self.overlap and len(self._pending) > _MAX_IN_FLIGHT:
+            self._complete(self._pending.popleft())
+
+    def _complete(self, pend: _Pending) -> None:
+        for w in pend.works:
+            w.wait()
+        lo = self.groups[pend.g].layout.shard_offsets[pend.chunk.index]
+        if self.partition_grads:
+            dst = self.grad_shards[pend.g][lo : lo + pend.chunk.piece]
+            if self._shard_has_grad:
+                dst.add_(pend.out)
+            else:
+                dst.copy_(pend.out)
+        else:
+            a, b = pend.chunk.piece_range(self.rank)
+            self.flat_grads[pend.g][a:b].copy_(pend.out)
+
+    def finish(self) -> None:
+        """Launch what is left in order, wait for everything, and check for unused parameters."""
+        if not self.armed:
+            return
+        while self._next < len(self.order):
+            self._launch(self._next)
+            self._next += 1
+        while self._pending:
+            self._complete(self._pending.popleft())
+        self._buffers.clear()
+        if self.partition_grads:
+            self._shard_has_grad = True
+            for gg in self.groups:
+                for p in gg.params:
+                    p.grad = None  # non-contiguous leftovers of params without a chunk launch
+        if not self.ignore_unused:
+            self._check_unused()
+        self.armed = False
+
+    def _check_unused(self) -> None:
+        """Raise on every rank, naming them, if some rank produced no gradient for parameters."""
+        flags = torch.tensor(
+            [1 if id(p) in self._got_grad else 0 for gg in self.groups for p in gg.params], dtype=torch.uint8
+        )
+        if flags.numel() == 0:
+            return
+        comm.all_reduce(flags, op=comm.ReduceOp.MIN, group=self.group)
+        names = [n for gg in self.groups for n in gg.names]
+        missing = [names[k] for k in range(len(names)) if flags[k].item() == 0]
+        if missing:
+            raise RuntimeError(
+                "ZeRO gradient reduction: these parameters received no gradient on at least one rank in this "
+                f"backward pass: {', '.join(missing)}. Set zero_optimization.ignore_unused_parameters to true "
+                "to treat their gradients as zero, or make the forward use them (or freeze them with "
+                "requires_grad=False before zero.initialize)."
+            )
+
+    def zero_grad(self) -> None:
+        """Forget the gradients: zero the flat buffers (stage 1) or mark the shards empty (stage 2)."""
+        if self.partition_grads:
+            self._shard_has_grad = False
+            for t in self.grad_shards:
+                t.zero_()
+            for gg in self.groups:
+                for p in gg.params:
+                    p.grad = None
+        else:
+            for t in self.flat_grads:
+                t.zero_()
+            self._attach_flat_grads()
+
+    def shard_grad(self, g: int) -> torch.Tensor:
+        """This rank's shard of group ``g``'s reduced gradient (a new tensor for stage 1)."""
+        if self.partition_grads:
+            return self.grad_shards[g]
+        layout = self.groups[g].layout
+        pieces = [self.flat_grads[g][slice(*c.piece_range(self.rank))] for c in layout.chunks]
+        if not pieces:
+            return self.flat_grads[g][:0]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

@@ -1,0 +1,215 @@
+// See aio_engine.h.
+#include "aio_engine.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+namespace zero_ops {
+
+namespace {
+
+std::string describe(const char* what, int64_t nbytes, int64_t offset, const std::string& path) {
+  return std::string(what) + " " + std::to_string(nbytes) + " bytes at offset " +
+         std::to_string(offset) + " of '" + path + "'";
+}
+
+}  // namespace
+
+// One tensor <-> file range transfer. Owns its file descriptors; they close when the last
+// block finishes (the shared_ptr held by the tasks goes away).
+struct AioRequest {
+  bool is_write = false;
+  std::string path;
+  char* buffer = nullptr;
+  int64_t nbytes = 0;
+  int64_t offset = 0;
+  int64_t block_size = 0;
+  int fd_buffered = -1;
+  int fd_direct = -1;  // -1 when O_DIRECT is unavailable for this file
+  std::mutex mu;
+  int err = 0;
+  std::string error;  // first failure, empty when none
+
+  ~AioRequest() {
+    if (fd_buffered >= 0) ::close(fd_buffered);
+    if (fd_direct >= 0) ::close(fd_direct);
+  }
+
+  void fail(int e, const std::string& msg) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (error.empty()) {
+      err = e;
+      error = msg;
+    }
+  }
+};
+
+AioEngine::AioEngine(int64_t block_size, int queue_depth, bool single_submit, bool overlap_events,
+                     int thread_count, bool use_direct)
+    : block_size_(block_size),
+      queue_depth_(queue_depth),
+      single_submit_(single_submit),
+      overlap_events_(overlap_events),
+      use_direct_(use_direct) {
+  if (block_size <= 0 || queue_depth <= 0 || thread_count <= 0) {
+    throw std::invalid_argument("block_size, queue_depth and thread_count must be positive");
+  }
+  workers_.reserve(thread_count);
+  for (int i = 0; i < thread_count; ++i) workers_.emplace_back([this] { worker_loop(); });
+}
+
+AioEngine::~AioEngine() {
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    // Never free the engine under in-flight transfers into caller memory.
+    done_cv_.wait(lock, [this] { return blocks_outstanding_ == 0; });
+    stopping_ = true;
+  }
+  work_cv_.notify_all();
+  for (auto& t : workers_) t.join();
+}
+
+void AioEngine::submit(bool is_write, const std::string& path, uintptr_t buffer, int64_t nbytes,
+                       int64_t offset) {
+  if (nbytes < 0 || offset < 0) throw std::invalid_argument("nbytes and offset must be >= 0");
+  auto req = std::make_shared<AioRequest>();
+  req->is_write = is_write;
+  req->path = path;
+  req->buffer = reinterpret_cast<char*>(buffer);
+  req->nbytes = nbytes;
+  req->offset = offset;
+  req->block_size = block_size_;
+  const int flags = is_write ? (O_WRONLY | O_CREAT) : O_RDONLY;
+  req->fd_buffered = ::open(path.c_str(), flags | O_CLOEXEC, 0644);
+  if (req->fd_buffered < 0) {
+    const int e = errno;
+    throw IoError(e, std::string("cannot open '") + path + "' for " + (is_write ? "writing" : "reading") +
+                         ": " + std::strerror(e), path);
+  }
+  if (!is_write) {
+    struct stat st;
+    if (::fstat(req->fd_buffered, &st) == 0 && S_ISREG(st.st_mode) && st.st_size < offset + nbytes) {
+      throw IoError(EIO, "short read: " + describe("cannot read", nbytes, offset, path) +
+                             ": the file has only " + std::to_string(st.st_size) + " bytes", path);
+    }
+  }
+#ifdef O_DIRECT
+  if (use_direct_) {
+    // EINVAL here means the file system (tmpfs, some FUSE) refuses O_DIRECT: stay buffered.
+    req->fd_direct = ::open(path.c_str(), flags | O_DIRECT | O_CLOEXEC, 0644);
+  }
+#endif
+  const int64_t blocks = nbytes == 0 ? 0 : (nbytes + block_size_ - 1) / block_size_;
+  // A task takes up to queue_depth consecutive blocks (one at a time with single_submit), so a
+  // worker keeps a batch of blocks in flight without going back to the shared queue.
+  const int64_t per_task = single_submit_ ? 1 : std::max<int64_t>(1, std::min<int64_t>(queue_depth_, 4));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++requests_since_wait_;
+    for (int64_t b = 0; b < blocks; b += per_task) {
+      queue_.push_back(AioTask{req, b, std::min(per_task, blocks - b)});
+    }
+    blocks_outstanding_ += (blocks + per_task - 1) / per_task;
+  }
+  work_cv_.notify_all();
+}
+
+void AioEngine::worker_loop() {
+  for (;;) {
+    AioTask task;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      work_cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping
+      task = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    run_task(task);
+    std::shared_ptr<AioRequest> failed;
+    {
+      std::lock_guard<std::mutex> lock(task.request->mu);
+      if (!task.request->error.empty()) failed = task.request;
+    }
+    task.request.reset();  // close fds promptly once the last block is done
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (failed && std::find(failed_.begin(), failed_.end(), failed) == failed_.end()) {
+        failed_.push_back(failed);
+      }
+      if (--blocks_outstanding_ == 0) done_cv_.notify_all();
+    }
+  }
+}
+
+void AioEngine::run_task(const AioTask& task) {
+  AioRequest& r = *task.request;
+  for (int64_t b = task.first_block; b < task.first_block + task.block_count; ++b) {
+    {
+      std::lock_guard<std::mutex> lock(r.mu);
+      if (!r.error.empty()) return;  // the request already failed; skip its remaining blocks
+    }
+    const int64_t start = b * r.block_size;
+    const int64_t len = std::min(r.block_size, r.nbytes - start);
+    char* buf = r.buffer + start;
+    const int64_t file_off = r.offset + start;
+    const bool aligned = reinterpret_cast<uintptr_t>(buf) % kDirectAlignment == 0 &&
+                         file_off % kDirectAlignment == 0 && len % kDirectAlignment == 0;
+    const int fd = (aligned && r.fd_direct >= 0) ? r.fd_direct : r.fd_buffered;
+    int64_t done = 0;
+    while (done < len) {
+      const ssize_t n = r.is_write ? ::pwrite(fd, buf + done, len - done, file_off + done)
+                                   : ::pread(fd, buf + done, len - done, file_off + done);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        const int e = errno;
+        r.fail(e, std::string(r.is_write ? "write" : "read") + " failed: " +
+                      describe(r.is_write ? "writing" : "reading", len - done, file_off + done, r.path) +
+                      ": " + std::strerror(e));
+        return;
+      }
+      if (n == 0) {
+        if (r.is_write) {
+          r.fail(ENOSPC, "write made no progress: " +
+                             describe("writing", len - done, file_off + done, r.path));
+        } else {
+          r.fail(EIO, "short read: " + describe("expected", r.nbytes, r.offset, r.path) +
+                          ", the file ended at byte " + std::to_string(file_off + done));
+        }
+        return;
+      }
+      done += n;
+    }
+    (fd == r.fd_direct ? direct_bytes_ : buffered_bytes_) += len;
+  }
+}
+
+int64_t AioEngine::wait() {
+  std::vector<std::shared_ptr<AioRequest>> failed;
+  int64_t completed;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait(lock, [this] { return blocks_outstanding_ == 0; });
+    completed = requests_since_wait_;
+    requests_since_wait_ = 0;
+    failed.swap(failed_);
+  }
+  if (!failed.empty()) {
+    AioRequest& r = *failed.front();
+    std::string msg = r.error;
+    if (failed.size() > 1) msg += " (and " + std::to_string(failed.size() - 1) + " more failed requests)";
+    throw IoError(r.err, msg, r.path);
+  }
+  return completed;
+}
+
+int64_t AioEngine::pending() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return requests_since_wait_;
+}
+
+}  // namespace zero_ops

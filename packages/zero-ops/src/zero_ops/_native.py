@@ -1,0 +1,58 @@
+"""Loading the compiled extension ``zero_ops._C``, or explaining why the fallback is used.
+
+[Note: native or fallback]
+Every op has two implementations with the same results: the compiled one (``_C``, built when the
+package is installed) and a pure-torch one. The compiled one is used whenever it imports. If it
+does not (the build was skipped, the library is missing, or ZERO_OPS_FORCE_FALLBACK=1), the first
+op used warns once per process with the reason and then runs the torch path; nothing else changes.
+``zero_ops.op_report()`` says which path each op takes and why.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from types import ModuleType
+
+_C: ModuleType | None
+_reason: str
+
+if os.environ.get("ZERO_OPS_FORCE_FALLBACK", "") not in ("", "0"):
+    _C = None
+    _reason = "ZERO_OPS_FORCE_FALLBACK is set"
+else:
+    try:
+        from zero_ops import _C as _loaded  # type: ignore[attr-defined]
+
+        _C = _loaded
+        _reason = ""
+    except ImportError as exc:  # the build was skipped or the library does not load here
+        _C = None
+        _reason = f"the compiled extension zero_ops._C did not import: {exc}"
+
+_warned = False
+
+
+def native() -> ModuleType | None:
+    """The compiled module, or None when the fallback is in use (see [Note: native or fallback])."""
+    return _C
+
+
+def fallback_reason() -> str:
+    """Why the compiled extension is not used ('' when it is)."""
+    return _reason
+
+
+def warn_fallback(op: str) -> None:
+    """Warns, once per process, that the native ops (here first ``op``) run on the torch fallback."""
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    warnings.warn(
+        f"zero_ops: native ops unavailable, {op} and the other ops use the pure-torch fallback "
+        f"({_reason}); results are the same, speed is lower. "
+        "Reinstall zero-ops with a C++17 compiler available to get the native kernels.",
+        RuntimeWarning,
+        stacklevel=3,
+    )

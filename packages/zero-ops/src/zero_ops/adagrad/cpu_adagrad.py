@@ -1,0 +1,72 @@
+"""CPUAdagrad: Adagrad on CPU with the native kernel (DeepSpeedCPUAdagrad's interface)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from zero_ops import _flat
+from zero_ops.adagrad.functional import cpu_adagrad_step
+from zero_ops.optimizer_base import CPUOptimizerBase
+
+_WHERE = "CPUAdagrad"
+
+
+class CPUAdagrad(CPUOptimizerBase):
+    """Adagrad for CPU parameters; same results and state layout as ``torch.optim.Adagrad``
+    (``initial_accumulator_value=0``). ``amsgrad`` exists for DeepSpeed compatibility and must be
+    False (DeepSpeed does not implement it either)."""
+
+    def __init__(
+        self,
+        model_params: Iterable[Any],
+        lr: float = 1e-2,
+        eps: float = 1e-10,
+        weight_decay: float = 0,
+        amsgrad: bool = False,
+        fp32_optimizer_states: bool = True,
+        *,
+        lr_decay: float = 0.0,
+        threads: int | None = None,
+    ) -> None:
+        _flat.check_scalar(_WHERE, "lr", lr, low=0.0)
+        _flat.check_scalar(_WHERE, "eps", eps, low=0.0)
+        _flat.check_scalar(_WHERE, "weight_decay", weight_decay, low=0.0)
+        _flat.check_scalar(_WHERE, "lr_decay", lr_decay, low=0.0)
+        if amsgrad:
+            raise ValueError(f"{_WHERE}: amsgrad=True is not supported by Adagrad")
+        self.threads = _flat.resolve_threads(_WHERE, threads) if threads is not None else None
+        defaults = {
+            "lr": lr,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "lr_decay": lr_decay,
+            "initial_accumulator_value": 0.0,
+            "maximize": False,
+        }
+        super().__init__(model_params, defaults, fp32_optimizer_states)
+
+    def _state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return ("sum",)
+
+    def _normalize_loaded_group(self, group: dict[str, Any]) -> None:
+        if group.get("maximize", False):
+            raise ValueError(f"{_WHERE}.load_state_dict: maximize=True is not supported")
+        group.setdefault("lr_decay", 0.0)
+
+    def _update(self, work, grad, states, lp_out, group, step) -> None:
+        cpu_adagrad_step(
+            work,
+            grad,
+            states["sum"],
+            step=step,
+            lr=group["lr"],
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            lr_decay=group["lr_decay"],
+            low_precision_out=lp_out,
+            threads=self.threads,
+        )
+
+
+DeepSpeedCPUAdagrad = CPUAdagrad

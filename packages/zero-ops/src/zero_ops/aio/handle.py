@@ -1,0 +1,173 @@
+"""AsyncIOHandle: asynchronous tensor <-> file transfers for NVMe offload (DeepSpeed's aio handle).
+
+Its arguments are the ``aio`` section of the DeepSpeed config. Transfers run on the native
+engine (csrc/aio_engine.cpp: worker threads doing pread/pwrite, O_DIRECT for aligned blocks where
+the file system supports it) or, without the compiled extension, on a Python thread pool.
+Failures (missing file, disk full, short read) raise OSError naming the path, at submit time when
+they can be detected early and from wait() otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from zero_ops import _native
+from zero_ops.aio._threadpool import ThreadPoolEngine
+from zero_ops.aio.buffers import aligned_empty
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"AsyncIOHandle: {name} must be an int >= 1, got {value!r}")
+    return value
+
+
+class AsyncIOHandle:
+    """Queue of asynchronous reads/writes between CPU tensors and files.
+
+    Args:
+        block_size: bytes per I/O call; a request is split into blocks that the threads move
+            in parallel.
+        queue_depth: blocks a worker claims at a time from the shared queue (capped at 4).
+        single_submit: claim one block at a time instead (finer load balancing).
+        overlap_events: accepted for config compatibility; with the thread-pool engine,
+            submission and completion always overlap.
+        thread_count: worker threads.
+        o_direct: use O_DIRECT for blocks whose buffer address, file offset and length are
+            4096-byte aligned (see :meth:`new_cpu_locked_tensor`), where the file system allows it.
+
+    Tensors handed to ``async_*`` calls must stay untouched until :meth:`wait` returns; the handle
+    keeps them alive until then.
+    """
+
+    def __init__(
+        self,
+        block_size: int = 1048576,
+        queue_depth: int = 8,
+        single_submit: bool = False,
+        overlap_events: bool = True,
+        thread_count: int = 1,
+        *,
+        o_direct: bool = True,
+    ) -> None:
+        self._block_size = _positive_int("block_size", block_size)
+        self._queue_depth = _positive_int("queue_depth", queue_depth)
+        self._thread_count = _positive_int("thread_count", thread_count)
+        for name, flag in (
+            ("single_submit", single_submit),
+            ("overlap_events", overlap_events),
+            ("o_direct", o_direct),
+        ):
+            if not isinstance(flag, bool):
+                raise TypeError(f"AsyncIOHandle: {name} must be a bool, got {flag!r}")
+        self._single_submit = single_submit
+        self._overlap_events = overlap_events
+        C = _native.native()
+        args = (block_size, queue_depth, single_submit, overlap_events, thread_count, o_direct)
+        if C is None:
+            _native.warn_fallback("AsyncIOHandle")
+            self._engine: Any = ThreadPoolEngine(*args)
+        else:
+            self._engine = C.AioEngine(*args)
+        self._inflight: list[torch.Tensor] = []
+
+    # -- DeepSpeed-style getters ---------------------------------------------------------
+    def get_block_size(self) -> int:
+        return self._block_size
+
+    def get_queue_depth(self) -> int:
+        return self._queue_depth
+
+    def get_single_submit(self) -> bool:
+        return self._single_submit
+
+    def get_overlap_events(self) -> bool:
+        return self._overlap_events
+
+    def get_thread_count(self) -> int:
+        return self._thread_count
+
+    # -- transfers -----------------------------------------------------------------------
+    def async_pread(self, tensor: torch.Tensor, path: str | os.PathLike, offset: int = 0) -> int:
+        """Starts reading ``tensor.nbytes`` bytes at ``offset`` of ``path`` into ``tensor``. Returns 0."""
+        return self._submit(False, tensor, path, offset, "async_pread")
+
+    def async_pwrite(self, tensor: torch.Tensor, path: str | os.PathLike, offset: int = 0) -> int:
+        """Starts writing ``tensor`` to ``path`` at ``offset`` (the file is created if missing). Returns 0."""
+        return self._submit(True, tensor, path, offset, "async_pwrite")
+
+    def wait(self) -> int:
+        """Waits for every submitted request; returns how many completed. Raises OSError on failure."""
+        try:
+            return self._engine.wait()
+        finally:
+            self._inflight.clear()
+
+    def sync_pread(self, tensor: torch.Tensor, path: str | os.PathLike, offset: int = 0) -> int:
+        """Reads like async_pread and waits (also for requests submitted earlier). Returns bytes read."""
+        self._submit(False, tensor, path, offset, "sync_pread")
+        self.wait()
+        return tensor.numel() * tensor.element_size()
+
+    def sync_pwrite(self, tensor: torch.Tensor, path: str | os.PathLike, offset: int = 0) -> int:
+        """Writes like async_pwrite and waits (also for requests submitted earlier). Returns bytes written."""
+        self._submit(True, tensor, path, offset, "sync_pwrite")
+        self.wait()
+        return tensor.numel() * tensor.element_size()
+
+    def read(self, tensor: torch.Tensor, path: str | os.PathLike, offset: int = 0) -> int:
+        """Alias of :meth:`sync_pread` (DeepSpeed's name)."""
+        return self.sync_pread(tensor, path, offset)
+
+    def write(self, tensor: torch.Tensor, path: str | os.PathLike, offset: int = 0) -> int:
+        """Alias of :meth:`sync_pwrite` (DeepSpeed's name)."""
+        return self.sync_pwrite(tensor, path, offset)
+
+    def pending(self) -> int:
+        """Requests submitted and not yet collected by :meth:`wait`."""
+        return self._engine.pending()
+
+    def direct_bytes(self) -> int:
+        """Bytes moved through O_DIRECT so far (0 on the fallback engine)."""
+        return self._engine.direct_bytes()
+
+    # -- buffers -------------------------------------------------------------------------
+    def new_cpu_locked_tensor(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A 4096-byte-aligned CPU tensor, so transfers can use O_DIRECT.
+
+        (On a CPU-only machine there is no page-locking to do; the alignment is what matters.)
+        """
+        if isinstance(numel, torch.Tensor):  # DeepSpeed passes an example tensor's numel
+            numel = numel.numel()
+        return aligned_empty(numel, dtype)
+
+    def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> None:
+        """Releases a buffer from :meth:`new_cpu_locked_tensor` (memory is freed with its last reference)."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError("free_cpu_locked_tensor: expected a tensor")
+
+    def _submit(
+        self, is_write: bool, tensor: torch.Tensor, path: str | os.PathLike, offset: int, where: str
+    ) -> int:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{where}: tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.device.type != "cpu":
+            raise ValueError(f"{where}: tensor must be on the CPU, got {tensor.device}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"{where}: tensor must be contiguous")
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"{where}: path must be a str or os.PathLike, got {type(path).__name__}")
+        path = os.fspath(path)
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"{where}: offset must be an int >= 0, got {offset!r}")
+        nbytes = tensor.numel() * tensor.element_size()
+        self._engine.submit(is_write, path, tensor.data_ptr(), nbytes, offset)
+        self._inflight.append(tensor)
+        return 0
+
+
+# DeepSpeed's name (``deepspeed.ops.op_builder.AsyncIOBuilder().load().aio_handle``).
+aio_handle = AsyncIOHandle

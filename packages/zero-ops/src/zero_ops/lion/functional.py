@@ -1,0 +1,90 @@
+"""``cpu_lion_step``: one Lion update of flat CPU buffers, in place.
+
+Lion (Chen et al., 2023, "Symbolic Discovery of Optimization Algorithms"):
+``p = p * (1 - lr*wd) - lr * sign(beta1*m + (1-beta1)*g)``, then ``m = beta2*m + (1-beta2)*g``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zero_ops import _flat, _native
+
+_WHERE = "cpu_lion_step"
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def cpu_lion_step(
+    params_fp32: torch.Tensor,
+    grads: torch.Tensor,
+    exp_avg: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    low_precision_out: torch.Tensor | None = None,
+    threads: int | None = None,
+) -> None:
+    """Applies one Lion update in place (buffers follow :func:`zero_ops.adam.cpu_adam_step`)."""
+    if not isinstance(params_fp32, torch.Tensor):
+        raise TypeError(f"{_WHERE}: params_fp32 must be a torch.Tensor, got {type(params_fp32).__name__}")
+    numel = params_fp32.numel()
+    _flat.check_flat("params_fp32", params_fp32, numel, (torch.float32,), _WHERE)
+    _flat.check_flat("grads", grads, numel, _GRAD_DTYPES, _WHERE)
+    _flat.check_flat("exp_avg", exp_avg, numel, (torch.float32,), _WHERE)
+    lp_code = _flat.low_precision_code(_WHERE, low_precision_out, numel)
+    _flat.check_distinct(
+        _WHERE, params_fp32=params_fp32, grads=grads, exp_avg=exp_avg, low_precision_out=low_precision_out
+    )
+    lr = _flat.check_scalar(_WHERE, "lr", lr, low=0.0)
+    beta1 = _flat.check_scalar(_WHERE, "beta1", beta1, low=0.0, high=1.0)
+    beta2 = _flat.check_scalar(_WHERE, "beta2", beta2, low=0.0, high=1.0)
+    weight_decay = _flat.check_scalar(_WHERE, "weight_decay", weight_decay, low=0.0)
+    n_threads = _flat.resolve_threads(_WHERE, threads)
+    decay = 1 - lr * weight_decay if weight_decay != 0 else 1.0
+    if numel == 0:
+        return
+    C = _native.native()
+    if C is None:
+        _native.warn_fallback("cpu_lion_step")
+        lion_step_torch(
+            params_fp32, grads, exp_avg, low_precision_out, lr=lr, beta1=beta1, beta2=beta2, decay=decay
+        )
+        return
+    C.lion_step(
+        params_fp32.data_ptr(),
+        grads.data_ptr(),
+        _flat.DTYPE_CODES[grads.dtype],
+        exp_avg.data_ptr(),
+        _flat.ptr(low_precision_out),
+        lp_code,
+        numel,
+        lr,
+        beta1,
+        beta2,
+        decay,
+        n_threads,
+    )
+
+
+def lion_step_torch(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    low_precision_out: torch.Tensor | None,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    decay: float,
+) -> None:
+    """The pure-torch path of cpu_lion_step (see [Note: native or fallback])."""
+    g = grad.float()
+    if decay != 1.0:
+        param.mul_(decay)
+    c = exp_avg * beta1 + g * (1 - beta1)
+    param.add_(torch.sign(c), alpha=-lr)
+    exp_avg.mul_(beta2).add_(g * (1 - beta2))
+    if low_precision_out is not None:
+        low_precision_out.copy_(param)

@@ -1,0 +1,64 @@
+"""zero-pipe: pipeline parallelism for the zero training engine."""
+
+from zero_pipe.data import RepeatingLoader
+from zero_pipe.engine import PipelineConfigError, PipelineEngine
+from zero_pipe.instructions import (
+    BackwardPass,
+    BufferOpInstruction,
+    ForwardPass,
+    LoadMicroBatch,
+    OptimizerStep,
+    PipeInstruction,
+    RecvActivation,
+    RecvGrad,
+    ReduceGrads,
+    ReduceTiedGrads,
+    SendActivation,
+    SendGrad,
+)
+from zero_pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
+from zero_pipe.schedule import (
+    DataParallelSchedule,
+    InferenceSchedule,
+    InterleavedTrainSchedule,
+    PipeSchedule,
+    TrainSchedule,
+)
+from zero_pipe.topology import (
+    PipeDataParallelTopology,
+    PipelineParallelGrid,
+    PipeModelDataParallelTopology,
+    ProcessTopology,
+)
+from zero_pipe.version import __version__
+
+__all__ = [
+    "BackwardPass",
+    "BufferOpInstruction",
+    "DataParallelSchedule",
+    "ForwardPass",
+    "InferenceSchedule",
+    "InterleavedTrainSchedule",
+    "LayerSpec",
+    "LoadMicroBatch",
+    "OptimizerStep",
+    "PipeDataParallelTopology",
+    "PipeInstruction",
+    "PipeModelDataParallelTopology",
+    "PipeSchedule",
+    "PipelineConfigError",
+    "PipelineEngine",
+    "PipelineModule",
+    "PipelineParallelGrid",
+    "ProcessTopology",
+    "RecvActivation",
+    "RecvGrad",
+    "ReduceGrads",
+    "ReduceTiedGrads",
+    "RepeatingLoader",
+    "SendActivation",
+    "SendGrad",
+    "TiedLayerSpec",
+    "TrainSchedule",
+    "__version__",
+]

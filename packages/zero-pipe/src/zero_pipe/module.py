@@ -1,0 +1,365 @@
+"""``PipelineModule``: a sequence of layers, of which each stage builds only its own slice.
+
+The forward pass is ``x = layer(x)`` for each layer in order. Layers are given as modules,
+callables, or (preferably) :class:`LayerSpec` recipes, so that a stage never materialises
+another stage's layers: partitioning by parameter count builds specs on the meta device.
+:class:`TiedLayerSpec` shares one module between several positions (e.g. input embedding and
+output projection); its gradients are all-reduced among the stages that hold a copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint as _torch_checkpoint
+
+from zero_pipe import _dist
+from zero_pipe.partition import partition_balanced, partition_uniform, type_weights
+from zero_pipe.topology import PipeDataParallelTopology, PipelineParallelGrid, ProcessTopology
+
+
+class LayerSpec:
+    """A recipe ``typename(*module_args, **module_kwargs)`` built only where it is needed."""
+
+    def __init__(self, typename: type, *module_args: Any, **module_kwargs: Any) -> None:
+        if not (isinstance(typename, type) and issubclass(typename, nn.Module)):
+            raise TypeError(f"LayerSpec: typename must be an nn.Module subclass, got {typename!r}")
+        self.typename = typename
+        self.module_args = module_args
+        self.module_kwargs = module_kwargs
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.typename.__name__}, args={self.module_args}, kwargs={self.module_kwargs})"
+
+    def build(self, log: bool = False) -> nn.Module:
+        """Instantiate the layer."""
+        if log:
+            print(f"building {self!r}")
+        return self.typename(*self.module_args, **self.module_kwargs)
+
+
+class TiedLayerSpec(LayerSpec):
+    """A layer sharing its module (and so ``tied_weight_attr`` weights) with every other
+    ``TiedLayerSpec`` of the same ``key``. ``forward_fn(module, x)``, when given, replaces
+    ``module(x)`` at this position (e.g. an embedding reused as output projection)."""
+
+    def __init__(
+        self,
+        key: str,
+        typename: type,
+        *module_args: Any,
+        forward_fn: Callable[[nn.Module, Any], Any] | None = None,
+        tied_weight_attr: str | list[str] = "weight",
+        **module_kwargs: Any,
+    ) -> None:
+        super().__init__(typename, *module_args, **module_kwargs)
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"TiedLayerSpec: key must be a non-empty string, got {key!r}")
+        if forward_fn is not None and not callable(forward_fn):
+            raise TypeError(f"TiedLayerSpec: forward_fn must be callable, got {forward_fn!r}")
+        self.key = key
+        self.forward_fn = forward_fn
+        self.tied_weight_attr = (
+            [tied_weight_attr] if isinstance(tied_weight_attr, str) else list(tied_weight_attr)
+        )
+
+
+def _layer_type_name(layer: Any) -> str:
+    if isinstance(layer, LayerSpec):
+        return layer.typename.__name__
+    return (
+        type(layer).__name__
+        if isinstance(layer, nn.Module)
+        else getattr(layer, "__name__", type(layer).__name__)
+    )
+
+
+def _param_count(layer: Any) -> int:
+    if isinstance(layer, LayerSpec):
+        with torch.device("meta"):  # count without allocating: no stage materialises others' layers
+            layer = layer.build()
+    if isinstance(layer, nn.Module):
+        return sum(p.numel() for p in layer.parameters())
+    return 0
+
+
+class PipelineModule(nn.Module):
+    """Layers to be run as a pipeline of ``num_stages`` stages (see the module docstring).
+
+    ``stage_id`` (keyword, zero-specific) builds a given stage without a process group, for
+    tools and tests; in a distributed job the stage comes from the topology and this rank.
+    """
+
+    def __init__(
+        self,
+        layers: Iterable[Any],
+        num_stages: int | None = None,
+        topology: ProcessTopology | None = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        seed_layers: bool = False,
+        seed_fn: Callable[[int], None] | None = None,
+        base_seed: int = 1234,
+        partition_method: str = "parameters",
+        activation_checkpoint_interval: int = 0,
+        activation_checkpoint_func: Callable[..., Any] | None = None,
+        checkpointable_layers: list[str] | None = None,
+        *,
+        stage_id: int | None = None,
+    ) -> None:
+        super().__init__()
+        if isinstance(layers, nn.Sequential):
+            layers = list(layers.children())
+        layers = list(layers)
+        if not layers:
+            raise ValueError("PipelineModule: layers must contain at least one layer")
+        for i, layer in enumerate(layers):
+            if not (isinstance(layer, (LayerSpec, nn.Module)) or callable(layer)):
+                raise TypeError(
+                    f"PipelineModule: layer {i} ({layer!r}) is not a LayerSpec, nn.Module or callable"
+                )
+        if num_stages is None and topology is None:
+            raise ValueError("PipelineModule: give num_stages or topology")
+        if topology is not None and not isinstance(topology, ProcessTopology):
+            raise TypeError(f"PipelineModule: topology must be a ProcessTopology, got {type(topology)}")
+        if topology is not None and num_stages is not None and topology.get_dim("pipe") != num_stages:
+            raise ValueError(
+                f"PipelineModule: num_stages={num_stages} disagrees with the topology's pipe dim {topology.get_dim('pipe')}"
+            )
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"PipelineModule: loss_fn must be callable, got {loss_fn!r}")
+        if not isinstance(activation_checkpoint_interval, int) or activation_checkpoint_interval < 0:
+            raise ValueError(
+                f"PipelineModule: activation_checkpoint_interval must be an int >= 0, got {activation_checkpoint_interval!r}"
+            )
+        self.layer_specs = layers
+        self.loss_fn = loss_fn
+        self.seed_layers, self.seed_fn, self.base_seed = seed_layers, seed_fn, base_seed
+        self.activation_checkpoint_interval = activation_checkpoint_interval
+        self.activation_checkpoint_func = activation_checkpoint_func or (
+            lambda fn, *args: _torch_checkpoint(fn, *args, use_reentrant=False)
+        )
+        self.checkpointable_layers = checkpointable_layers
+
+        distributed = _dist.is_initialized() and stage_id is None
+        if topology is None:
+            world = _dist.get_world_size() if distributed else num_stages
+            if world % num_stages:
+                raise ValueError(
+                    f"PipelineModule: world size {world} is not divisible by num_stages={num_stages}"
+                )
+            topology = PipeDataParallelTopology(num_pp=num_stages, num_dp=world // num_stages)
+        self._topo = topology
+        self.num_stages = topology.get_dim("pipe")
+        self._grid = PipelineParallelGrid(topology) if distributed else None
+        if self._grid is not None:
+            self.stage_id = self._grid.stage_id
+        else:
+            self.stage_id = 0 if stage_id is None else stage_id
+            if not 0 <= self.stage_id < self.num_stages:
+                raise ValueError(
+                    f"PipelineModule: stage_id must be in [0, {self.num_stages}), got {stage_id}"
+                )
+
+        self.parts = self._partition(partition_method)
+        self._local_start, self._local_stop = self.parts[self.stage_id], self.parts[self.stage_id + 1]
+        self._build()
+        self._tie_groups = self._build_tie_groups() if distributed else {}
+        self._synchronize_tied_weights()
+
+    # -- partitioning and building -------------------------------------------------------
+    def _partition(self, method: str) -> list[int]:
+        if not isinstance(method, str):
+            raise TypeError(f"PipelineModule: partition_method must be a string, got {method!r}")
+        n, p = len(self.layer_specs), self.num_stages
+        if n < p:
+            raise ValueError(f"PipelineModule: {n} layers cannot fill {p} stages (every stage needs a layer)")
+        lowered = method.lower()
+        if lowered == "uniform":
+            return partition_uniform(n, p)
+        if lowered == "parameters":
+            return partition_balanced([float(_param_count(layer)) for layer in self.layer_specs], p)
+        if lowered.startswith("type:"):
+            names = [_layer_type_name(layer) for layer in self.layer_specs]
+            return partition_balanced(type_weights(names, method[len("type:") :]), p)
+        raise ValueError(
+            f"PipelineModule: partition_method {method!r} is not one of 'parameters', 'uniform', 'type:REGEX'"
+        )
+
+    def _seed(self, idx: int) -> None:
+        if not self.seed_layers:
+            return
+        if self.seed_fn is not None:
+            self.seed_fn(self.base_seed + idx)
+        else:
+            torch.manual_seed(self.base_seed + idx)
+
+    def _build(self) -> None:
+        self.forward_funcs: list[Callable[[Any], Any]] = []
+        self.tied_modules = nn.ModuleDict()
+        self.tied_weight_attrs: dict[str, list[str]] = {}
+        self.layers = nn.ModuleDict()  # keys are global layer indices, for stage-independent names
+        for idx in range(self._local_start, self._local_stop):
+            spec = self.layer_specs[idx]
+            if isinstance(spec, TiedLayerSpec):
+                if spec.key not in self.tied_modules:
+                    self._seed(idx)
+                    self.tied_modules[spec.key] = spec.build()
+                    self.tied_weight_attrs[spec.key] = spec.tied_weight_attr
+                module = self.tied_modules[spec.key]
+                fwd = spec.forward_fn
+                self.forward_funcs.append((lambda x, m=module, f=fwd: f(m, x)) if fwd else module)
+            elif isinstance(spec, LayerSpec):
+                self._seed(idx)
+                module = spec.build()
+                self.layers[str(idx)] = module
+                self.forward_funcs.append(module)
+            elif isinstance(spec, nn.Module):
+                self.layers[str(idx)] = spec
+                self.forward_funcs.append(spec)
+            else:
+                self.forward_funcs.append(spec)
+
+    def _tie_owners(self) -> dict[str, list[int]]:
+        """Stages holding each tied key (known on every rank from the specs alone)."""
+        owners: dict[str, list[int]] = {}
+        for stage in range(self.num_stages):
+            for spec in self.layer_specs[self.parts[stage] : self.parts[stage + 1]]:
+                if isinstance(spec, TiedLayerSpec) and stage not in owners.setdefault(spec.key, []):
+                    owners[spec.key].append(stage)
+        return owners
+
+    def _build_tie_groups(self) -> dict[str, tuple[Any, list[int]]]:
+        """One process group per (tied key, data/model coordinate); new_group is collective,
+        so every rank creates every group in the same order."""
+        groups = {}
+        topo = self._topo
+        me = _dist.get_rank()
+        for key, stages in sorted(self._tie_owners().items()):
+            if len(stages) < 2:
+                continue
+            for ranks in topo.get_axis_comm_lists("pipe"):
+                members = [ranks[s] for s in stages]
+                group = _dist.new_group(members)
+                if me in members:
+                    groups[key] = (group, members)
+        return groups
+
+    def _synchronize_tied_weights(self) -> None:
+        """Copy tied weights from the first owning stage so all copies start identical."""
+        for key, (group, members) in self._tie_groups.items():
+            for attr in self.tied_weight_attrs[key]:
+                _dist.broadcast(getattr(self.tied_modules[key], attr).data, members[0], group=group)
+
+    # -- running ---------------------------------------------------------------------------
+    def forward(self, forward_input: Any) -> Any:
+        x = forward_input
+        interval = self.activation_checkpoint_interval
+        funcs = self.forward_funcs
+        if interval == 0 or not torch.is_grad_enabled():
+            for fn in funcs:
+                x = fn(x)
+            return x
+        for start in range(0, len(funcs), interval):
+            chunk = funcs[start : start + interval]
+            if self._is_checkpointable(chunk):
+                x = self.activation_checkpoint_func(
+                    self._run_chunk(chunk), *(x if isinstance(x, tuple) else (x,))
+                )
+            else:
+                x = self._run_chunk(chunk)(*(x if isinstance(x, tuple) else (x,)))
+        return x
+
+    @staticmethod
+    def _run_chunk(chunk: list[Callable[[Any], Any]]) -> Callable[..., Any]:
+        def run(*inputs: Any) -> Any:
+            x = inputs[0] if len(inputs) == 1 else inputs
+            for fn in chunk:
+                x = fn(x)
+            return x
+
+        return run
+
+    def _is_checkpointable(self, chunk: list[Callable[[Any], Any]]) -> bool:
+        if self.checkpointable_layers is not None:
+            return all(type(f).__name__ in self.checkpointable_layers for f in chunk)
+        params = [p for f in chunk if isinstance(f, nn.Module) for p in f.parameters()]
+        return len(params) > 0
+
+    def allreduce_tied_weight_gradients(self) -> None:
+        """All-reduce (sum) the gradients of the tied weights among the stages sharing them."""
+        for key, (group, _members) in self._tie_groups.items():
+            for attr in self.tied_weight_attrs[key]:
+                weight = getattr(self.tied_modules[key], attr)
+                if weight.grad is None:
+                    weight.grad = torch.zeros_like(weight)
+                _dist.all_reduce(weight.grad, group=group)
+
+    def topology(self) -> ProcessTopology:
+        """The ProcessTopology of the job."""
+        return self._topo
+
+    def grid(self) -> PipelineParallelGrid | None:
+        """The process groups (None when built without a process group)."""
+        return self._grid
+
+    def local_layer_range(self) -> range:
+        """Global indices of the layers this stage holds."""
+        return range(self._local_start, self._local_stop)
+
+    def get_additional_losses(self) -> dict[str, torch.Tensor] | None:
+        """Model-specific extra losses for reporting; none by default."""
+        return None
+
+    # -- checkpoint naming (files: see zero_pipe.checkpoint) --------------------------------
+    def ckpt_prefix(self, checkpoints_path: str, tag: str) -> str:
+        """Directory prefix of every checkpoint file of this module."""
+        import os
+
+        return os.path.join(checkpoints_path, str(tag))
+
+    def _rank_repr(self) -> str:
+        rank = (
+            _dist.get_rank()
+            if self._grid is not None
+            else self._topo.get_rank(
+                **{a: (self.stage_id if a == "pipe" else 0) for a in self._topo.get_axis_names()}
+            )
+        )
+        return self._topo.get_rank_repr(rank) or "00"
+
+    def ckpt_layer_path(self, ckpt_dir: str, local_layer_idx: int) -> str:
+        """File of one local layer: ``layer_<global idx>-model_<rank repr>-model_states.safetensors``."""
+        import os
+
+        if not 0 <= local_layer_idx < self._local_stop - self._local_start:
+            raise ValueError(
+                f"ckpt_layer_path: local_layer_idx {local_layer_idx} outside this stage's layers"
+            )
+        idx = self._local_start + local_layer_idx
+        return os.path.join(ckpt_dir, f"layer_{idx:02d}-model_{self._rank_repr()}-model_states.safetensors")
+
+    def ckpt_layer_path_list(self, ckpt_dir: str, local_layer_idx: int) -> list[str]:
+        """Every file of one layer (one per model-parallel rank), sorted."""
+        import glob
+        import os
+
+        idx = self._local_start + local_layer_idx
+        return sorted(glob.glob(os.path.join(ckpt_dir, f"layer_{idx:02d}-*model_states.safetensors")))
+
+    def layer_modules(self) -> dict[int, nn.Module]:
+        """Global layer index -> the module holding that layer's state (tied: first position)."""
+        out: dict[int, nn.Module] = {}
+        first_tied: dict[str, int] = {}
+        for idx, spec in enumerate(self.layer_specs):
+            if isinstance(spec, TiedLayerSpec):
+                first_tied.setdefault(spec.key, idx)
+        for idx in self.local_layer_range():
+            spec = self.layer_specs[idx]
+            if isinstance(spec, TiedLayerSpec):
+                out[idx] = self.tied_modules[spec.key]
+            elif str(idx) in self.layers:
+                out[idx] = self.layers[str(idx)]
+        return out
