@@ -43,7 +43,9 @@ class Block(nn.Module):
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
         q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        a = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
@@ -85,7 +87,9 @@ def stdlib_corpus(max_bytes: int = 4_000_000) -> torch.Tensor:
     chunks: list[bytes] = []
     total = 0
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "test", "tests", "__pycache__"))
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in ("site-packages", "test", "tests", "__pycache__")
+        )
         for name in sorted(filenames):
             if not name.endswith(".py"):
                 continue

@@ -49,7 +49,9 @@ def main(argv: list[str] | None = None) -> dict:
     for section in ("tensorboard", "csv_monitor"):
         if config.get(section, {}).get("enabled"):
             config[section].setdefault("output_path", os.path.join(args.out_dir, section))
-    model_cfg = GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads)
+    model_cfg = GPTConfig(
+        seq_len=args.seq_len, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads
+    )
     model = GPT(model_cfg)
     dataset = ByteDataset(stdlib_corpus(args.corpus_bytes), args.seq_len)
     engine, _, loader, _ = zero.initialize(model=model, config=config, training_data=dataset)
@@ -58,7 +60,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(
             f"[train_gpt] {num_params(model) / 1e6:.2f}M parameters, {len(dataset)} windows of {args.seq_len} bytes, "
             f"world size {zero.comm.get_world_size()}, global batch {engine.train_batch_size()}, "
-            f"config {cfg_path}", flush=True,
+            f"config {cfg_path}",
+            flush=True,
         )
     losses: list[float] = []
     start = time.perf_counter()

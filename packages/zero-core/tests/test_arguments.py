@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 
 import pytest
-
 from zero_core.arguments import add_config_arguments
 
 
@@ -17,7 +16,11 @@ def test_defaults(monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     args = _parser().parse_args([])
     assert (args.zero, args.zero_config, args.deepspeed, args.deepspeed_config, args.local_rank) == (
-        False, None, False, None, -1,
+        False,
+        None,
+        False,
+        None,
+        -1,
     )
 
 

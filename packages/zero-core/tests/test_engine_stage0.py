@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from zero_core.testing import run_multirank
 
 STEPS = 20
@@ -44,7 +43,9 @@ def _optimizer(name: str, params) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-2)
 
 
-def _reference(world: int, gas: int, clip: float, opt_name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference(
+    world: int, gas: int, clip: float, opt_name: str
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     model = TinyLM()
     opt = _optimizer(opt_name, model.parameters())

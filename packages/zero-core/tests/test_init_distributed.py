@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
 from zero_core.distributed import (
     DistributedInitError,
     WorldDiscoveryError,
@@ -31,10 +30,26 @@ from zero_core.distributed import mpi as mpi_mod
 from zero_core.testing import run_multirank
 
 WORLD_VARS = (
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK",
-    "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID",
-    "PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
-    "SLURM_LAUNCH_NODE_IPADDR", "SLURM_JOB_NODELIST", "SLURM_NODELIST",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "PMI_RANK",
+    "PMI_SIZE",
+    "MPI_LOCALRANKID",
+    "PMIX_RANK",
+    "PMIX_SIZE",
+    "PMIX_LOCAL_RANK",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "SLURM_LAUNCH_NODE_IPADDR",
+    "SLURM_JOB_NODELIST",
+    "SLURM_NODELIST",
 )
 
 
@@ -52,7 +67,13 @@ def clean_env(monkeypatch):
 
 
 def test_torchrun_env():
-    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.2", "MASTER_PORT": "1234"}
+    env = {
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "10.0.0.2",
+        "MASTER_PORT": "1234",
+    }
     assert discover_world(env) == WorldInfo(3, 4, 1, "10.0.0.2", 1234, "torchrun env")
 
 
@@ -82,13 +103,23 @@ def test_mpi_env_ignored_without_auto_mpi_discovery():
 
 
 def test_slurm_env_with_launch_node_ip():
-    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_LAUNCH_NODE_IPADDR": "10.1.2.3"}
+    env = {
+        "SLURM_PROCID": "5",
+        "SLURM_NTASKS": "8",
+        "SLURM_LOCALID": "1",
+        "SLURM_LAUNCH_NODE_IPADDR": "10.1.2.3",
+    }
     assert discover_world(env, distributed_port=29600) == WorldInfo(5, 8, 1, "10.1.2.3", 29600, "Slurm")
 
 
 def test_slurm_env_nodelist_and_master_port(monkeypatch):
     monkeypatch.setattr("shutil.which", lambda name: None)  # no scontrol on this machine anyway
-    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "gpu[07-09,12],cpu1", "MASTER_PORT": "4000"}
+    env = {
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "2",
+        "SLURM_JOB_NODELIST": "gpu[07-09,12],cpu1",
+        "MASTER_PORT": "4000",
+    }
     info = discover_world(env)
     assert (info.master_addr, info.master_port, info.local_rank) == ("gpu07", 4000, 0)
 
@@ -116,8 +147,16 @@ def test_first_slurm_host_uses_scontrol(tmp_path, monkeypatch):
 
 
 def test_torchrun_env_wins_over_slurm_and_mpi():
-    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1", "SLURM_PROCID": "0",
-           "SLURM_NTASKS": "1", "PMI_RANK": "0", "PMI_SIZE": "1"}
+    env = {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "a",
+        "MASTER_PORT": "1",
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "1",
+        "PMI_RANK": "0",
+        "PMI_SIZE": "1",
+    }
     assert discover_world(env).source == "torchrun env"
 
 
@@ -131,8 +170,16 @@ def test_explicit_and_default():
     "env, kwargs, match",
     [
         ({"RANK": "x", "WORLD_SIZE": "2"}, {}, "RANK='x' is not an integer"),
-        ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1"}, {}, r"rank 2 is outside \[0, 2\)"),
-        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "70000"}, {}, "not a valid TCP port"),
+        (
+            {"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1"},
+            {},
+            r"rank 2 is outside \[0, 2\)",
+        ),
+        (
+            {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "70000"},
+            {},
+            "not a valid TCP port",
+        ),
         ({}, {"rank": 0}, "give both rank"),
         ({"SLURM_PROCID": "0", "SLURM_NTASKS": "0"}, {}, "world size must be >= 1"),
     ],
@@ -191,7 +238,9 @@ def test_mpi_without_mpi4py_needs_master_port(monkeypatch):
     monkeypatch.setitem(sys.modules, "mpi4py", None)  # makes `import mpi4py` raise ImportError
     with pytest.raises(WorldDiscoveryError, match="pip install mpi4py mpich"):
         mpi_mod.agree_over_mpi(discover_world({"PMI_RANK": "0", "PMI_SIZE": "2"}), {})
-    info = mpi_mod.agree_over_mpi(discover_world({"PMI_RANK": "0", "PMI_SIZE": "2", "MASTER_PORT": "7000"}), {})
+    info = mpi_mod.agree_over_mpi(
+        discover_world({"PMI_RANK": "0", "PMI_SIZE": "2", "MASTER_PORT": "7000"}), {}
+    )
     assert (info.master_addr, info.master_port) == ("127.0.0.1", 7000)
 
 
@@ -240,7 +289,9 @@ def test_world_that_cannot_form_fails_clearly(clean_env):
         port = s.getsockname()[1]
     start = time.monotonic()
     with pytest.raises(DistributedInitError) as info:
-        init_distributed(rank=0, world_size=2, distributed_port=port, timeout=timedelta(seconds=3), verbose=False)
+        init_distributed(
+            rank=0, world_size=2, distributed_port=port, timeout=timedelta(seconds=3), verbose=False
+        )
     assert time.monotonic() - start < 20
     msg = str(info.value)
     assert "rank 0 of world size 2" in msg
@@ -294,6 +345,7 @@ MPI_SCRIPT = textwrap.dedent(
            "addr": info.master_addr, "port": info.master_port}
     with open(os.path.join(sys.argv[1], f"rank{info.rank}.json"), "w") as f:
         json.dump(out, f)
+    dist.barrier()  # nobody tears down (rank 0 hosts the store) while a peer still uses the group
     dist.destroy_process_group()
     """
 )
@@ -308,7 +360,11 @@ def test_mpiexec_job(tmp_path):
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run(
         [str(mpiexec), "-n", "2", sys.executable, str(script), str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=120,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     outs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from zero_ops.adagrad import CPUAdagrad, CPUAdagradKernel, DeepSpeedCPUAdagrad, cpu_adagrad_step
 from zero_ops.adagrad.functional import adagrad_step_torch
 from zero_ops.lion import CPULion, CPULionKernel, DeepSpeedCPULion, cpu_lion_step
@@ -80,8 +79,9 @@ def test_native_equals_fallback(grad_dtype):
     p, g, s = torch.randn(n), torch.randn(n).to(grad_dtype), torch.rand(n)
     out_n, out_f = torch.empty(n, dtype=torch.float16), torch.empty(n, dtype=torch.float16)
     pn, sn = p.clone(), s.clone()
-    cpu_adagrad_step(pn, g, sn, step=3, lr=0.1, eps=1e-10, weight_decay=0.01, lr_decay=0.1,
-                     low_precision_out=out_n)
+    cpu_adagrad_step(
+        pn, g, sn, step=3, lr=0.1, eps=1e-10, weight_decay=0.01, lr_decay=0.1, low_precision_out=out_n
+    )
     pf, sf = p.clone(), s.clone()
     adagrad_step_torch(pf, g, sf, out_f, clr=0.1 / (1 + 2 * 0.1), eps=1e-10, weight_decay=0.01)
     close(pn, pf)
@@ -119,4 +119,6 @@ def test_validation():
     with pytest.raises(ValueError, match="betas"):
         CPULion([torch.nn.Parameter(torch.randn(2))], betas=(0.9, 1.5))
     with pytest.raises(ValueError, match="must be on the CPU|must be contiguous|elements"):
-        cpu_lion_step(torch.randn(4), torch.randn(5), torch.randn(4), lr=1, beta1=0.9, beta2=0.9, weight_decay=0)
+        cpu_lion_step(
+            torch.randn(4), torch.randn(5), torch.randn(4), lr=1, beta1=0.9, beta2=0.9, weight_decay=0
+        )

@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-
 from zero_ops import _native
 from zero_ops.adam import CPUAdam, CPUAdamKernel, DeepSpeedCPUAdam, cpu_adam_step
 from zero_ops.adam.functional import adam_scalars, adam_step_torch
@@ -55,8 +54,9 @@ def test_without_bias_correction_matches_formula():
     g = torch.randn(333)
     m, v = torch.zeros(333), torch.zeros(333)
     ref = p.clone()
-    cpu_adam_step(p, g, m, v, step=1, lr=0.01, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0,
-                  bias_correction=False)
+    cpu_adam_step(
+        p, g, m, v, step=1, lr=0.01, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, bias_correction=False
+    )
     m_ref = 0.1 * g
     v_ref = 0.01 * g * g
     assert_close_rel(p, ref - 0.01 * m_ref / (v_ref.sqrt() + 1e-8), rtol=1e-5)
@@ -68,15 +68,35 @@ def test_native_equals_torch_fallback(grad_dtype, amsgrad):
     if _native.native() is None:
         pytest.fail("native extension not built: " + _native.fallback_reason())
     n = 40_009
-    base = [torch.randn(n), torch.randn(n).to(grad_dtype), torch.randn(n) * 0.1, torch.rand(n) * 0.01,
-            torch.rand(n) * 0.02]
+    base = [
+        torch.randn(n),
+        torch.randn(n).to(grad_dtype),
+        torch.randn(n) * 0.1,
+        torch.rand(n) * 0.01,
+        torch.rand(n) * 0.02,
+    ]
     nat = [t.clone() for t in base]
     fb = [t.clone() for t in base]
     for step in (1, 2, 3):
-        cpu_adam_step(*nat[:4], step=step, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
-                      amsgrad_max=nat[4] if amsgrad else None)
-        s = adam_scalars(step=step, lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.01, adamw_mode=True,
-                         bias_correction=True)
+        cpu_adam_step(
+            *nat[:4],
+            step=step,
+            lr=1e-2,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.01,
+            amsgrad_max=nat[4] if amsgrad else None,
+        )
+        s = adam_scalars(
+            step=step,
+            lr=1e-2,
+            beta1=0.9,
+            beta2=0.999,
+            weight_decay=0.01,
+            adamw_mode=True,
+            bias_correction=True,
+        )
         adam_step_torch(*fb[:4], fb[4] if amsgrad else None, None, beta1=0.9, beta2=0.999, eps=1e-8, **s)
     for a, b in zip(nat, fb):
         assert_close_rel(a.float(), b.float())
@@ -134,8 +154,9 @@ def test_fused_low_precision_out(dtype):
     n = 70_001
     p, g, m, v = torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)
     out = torch.empty(n, dtype=dtype)
-    cpu_adam_step(p, g, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-                  low_precision_out=out)
+    cpu_adam_step(
+        p, g, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, low_precision_out=out
+    )
     assert torch.equal(out, p.to(dtype))
 
 
@@ -220,16 +241,36 @@ def test_kernel_protocol_and_tiles():
     out = torch.empty(n, dtype=torch.bfloat16)
     tiles = []
     ref_p, ref_states = p.clone(), kernel.init_states(p)
-    kernel.step(p, grads, states, step=1, lr=1e-2, low_precision_out=out,
-                on_tile_done=lambda s, e: tiles.append((s, e)))
+    kernel.step(
+        p,
+        grads,
+        states,
+        step=1,
+        lr=1e-2,
+        low_precision_out=out,
+        on_tile_done=lambda s, e: tiles.append((s, e)),
+    )
     assert tiles == [(0, 1000), (1000, 2000), (2000, 3000), (3000, 4000), (4000, 4321)]
-    cpu_adam_step(ref_p, grads, ref_states["exp_avg"], ref_states["exp_avg_sq"], step=1, lr=1e-2,
-                  beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.01, amsgrad_max=ref_states["max_exp_avg_sq"])
+    cpu_adam_step(
+        ref_p,
+        grads,
+        ref_states["exp_avg"],
+        ref_states["exp_avg_sq"],
+        step=1,
+        lr=1e-2,
+        beta1=0.9,
+        beta2=0.99,
+        eps=1e-8,
+        weight_decay=0.01,
+        amsgrad_max=ref_states["max_exp_avg_sq"],
+    )
     assert torch.equal(p, ref_p) and torch.equal(out, ref_p.to(torch.bfloat16))
     with pytest.raises(TypeError, match="unknown hyper-parameters"):
         kernel.step(p, grads, states, step=2, lr=1e-2, momentum=0.9)
     with pytest.raises(KeyError, match="max_exp_avg_sq"):
-        kernel.step(p, grads, {"exp_avg": states["exp_avg"], "exp_avg_sq": states["exp_avg_sq"]}, step=2, lr=1)
+        kernel.step(
+            p, grads, {"exp_avg": states["exp_avg"], "exp_avg_sq": states["exp_avg_sq"]}, step=2, lr=1
+        )
 
 
 def test_two_threads_same_result():

@@ -22,6 +22,11 @@ _LAZY: dict[str, str] = {
     "ZeroConfig": "zero_core.config:ZeroConfig",
     "ConfigError": "zero_core.config:ConfigError",
     "get_accelerator": "zero_core.accelerator:get_accelerator",
+    "resolve_batch_size": "zero_core.config:resolve_batch_size",
+    "register_config_section": "zero_core.config:register_config_section",
+    "build_lr_scheduler": "zero_core.lr_schedules:build_lr_scheduler",
+    "MonitorMaster": "zero_core.monitor:MonitorMaster",
+    "RepeatingLoader": "zero_core.utils:RepeatingLoader",
 }
 
 

@@ -18,7 +18,9 @@ def _env_local_rank() -> int:
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"add_config_arguments: environment variable LOCAL_RANK={raw!r} is not an integer") from None
+        raise ValueError(
+            f"add_config_arguments: environment variable LOCAL_RANK={raw!r} is not an integer"
+        ) from None
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -30,24 +32,40 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     loader accepts either pair: ``args.zero_config`` or ``args.deepspeed_config``.
     """
     if not isinstance(parser, argparse.ArgumentParser):
-        raise TypeError(f"add_config_arguments: parser must be an argparse.ArgumentParser, got {type(parser).__name__}")
+        raise TypeError(
+            f"add_config_arguments: parser must be an argparse.ArgumentParser, got {type(parser).__name__}"
+        )
     existing = {opt for action in parser._actions for opt in action.option_strings}
     clash = sorted(existing & {"--zero", "--zero_config", "--deepspeed", "--deepspeed_config"})
     if clash:
-        raise ValueError(f"add_config_arguments: the parser already defines {clash}; call add_config_arguments once")
+        raise ValueError(
+            f"add_config_arguments: the parser already defines {clash}; call add_config_arguments once"
+        )
     group = parser.add_argument_group("zero", "zero (ZeRO training) configuration")
     group.add_argument("--zero", action="store_true", default=False, help="enable zero (ZeRO training)")
-    group.add_argument("--zero_config", default=None, type=str, metavar="PATH", help="zero JSON configuration file")
     group.add_argument(
-        "--deepspeed", action="store_true", default=False, help="same as --zero (accepted for DeepSpeed scripts)"
+        "--zero_config", default=None, type=str, metavar="PATH", help="zero JSON configuration file"
     )
     group.add_argument(
-        "--deepspeed_config", default=None, type=str, metavar="PATH",
+        "--deepspeed",
+        action="store_true",
+        default=False,
+        help="same as --zero (accepted for DeepSpeed scripts)",
+    )
+    group.add_argument(
+        "--deepspeed_config",
+        default=None,
+        type=str,
+        metavar="PATH",
         help="same as --zero_config (accepted for DeepSpeed scripts)",
     )
     if "--local_rank" not in existing and "--local-rank" not in existing:
         group.add_argument(
-            "--local_rank", "--local-rank", dest="local_rank", type=int, default=_env_local_rank(),
+            "--local_rank",
+            "--local-rank",
+            dest="local_rank",
+            type=int,
+            default=_env_local_rank(),
             help="local rank of this process (set by launchers; default: $LOCAL_RANK or -1)",
         )
     return parser

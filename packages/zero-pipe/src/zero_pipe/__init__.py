@@ -20,6 +20,7 @@ from zero_pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
 from zero_pipe.schedule import (
     DataParallelSchedule,
     InferenceSchedule,
+    InterleavedInferenceSchedule,
     InterleavedTrainSchedule,
     PipeSchedule,
     TrainSchedule,
@@ -38,6 +39,7 @@ __all__ = [
     "DataParallelSchedule",
     "ForwardPass",
     "InferenceSchedule",
+    "InterleavedInferenceSchedule",
     "InterleavedTrainSchedule",
     "LayerSpec",
     "LoadMicroBatch",

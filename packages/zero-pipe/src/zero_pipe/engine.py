@@ -1,18 +1,24 @@
 """``PipelineEngine``: executes pipeline schedules on a :class:`PipelineModule`.
 
 One ``train_batch`` runs ``gradient_accumulation_steps`` micro-batches through the 1F1B
-schedule, averages the loss over them (each backward uses ``loss / micro_batches``), all-reduces
-tied-weight gradients among the stages sharing them, averages gradients over the data-parallel
-replicas of the stage, and steps the optimizer. The result matches one process training the
-whole ``nn.Sequential`` on the whole batch with a mean loss.
+schedule (the interleaved one when the module holds several chunks, see [Note: model chunks]),
+averages the loss over them (each backward uses ``loss / micro_batches``), then reduces,
+clips and applies the gradients (see [Note: pipeline gradient reduction]). The result matches
+one process training the whole ``nn.Sequential`` on the whole batch with a mean loss.
+
+Activations move between *virtual* stages ``v -> v + 1`` (``v = chunk * stages + stage``); each
+boundary has its own :class:`P2PChannel`, so every boundary keeps its own cached shapes.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+from zero_core.config import ZeroConfig, load_config
+from zero_core.engine.loss_scaler import LossScaler, build_loss_scaler
 
 from zero_pipe import _dist
 from zero_pipe.instructions import (
@@ -28,67 +34,45 @@ from zero_pipe.instructions import (
     SendGrad,
 )
 from zero_pipe.module import PipelineModule
+from zero_pipe.optimizer_step import PipelineConfigError, StageOptimizer, build_strategy, check_zero_stage
 from zero_pipe.p2p import P2PChannel, TensorMeta, as_tensors, recv_grads, send_grads
-from zero_pipe.schedule import InferenceSchedule, PipeSchedule, TrainSchedule
+from zero_pipe.schedule import (
+    InferenceSchedule,
+    InterleavedInferenceSchedule,
+    InterleavedTrainSchedule,
+    PipeSchedule,
+    TrainSchedule,
+)
+
+__all__ = ["PipelineConfigError", "PipelineEngine"]
 
 
-class PipelineConfigError(ValueError):
-    """The configuration cannot drive a pipeline."""
-
-
-def _batch_sizes(config: Mapping[str, Any], dp: int) -> tuple[int, int, int]:
-    """Resolve (train_batch_size, micro batch, gradient accumulation) like DeepSpeed."""
-    tb = config.get("train_batch_size")
-    mb = config.get("train_micro_batch_size_per_gpu")
-    gas = config.get("gradient_accumulation_steps")
-    for name, val in (
-        ("train_batch_size", tb),
-        ("train_micro_batch_size_per_gpu", mb),
-        ("gradient_accumulation_steps", gas),
-    ):
-        if val is not None and (not isinstance(val, int) or isinstance(val, bool) or val < 1):
-            raise PipelineConfigError(f"config: {name} must be an int >= 1, got {val!r}")
-    if tb is not None and mb is not None and gas is not None:
-        if tb != mb * gas * dp:
-            raise PipelineConfigError(
-                f"config: train_batch_size ({tb}) must equal train_micro_batch_size_per_gpu ({mb}) * "
-                f"gradient_accumulation_steps ({gas}) * data-parallel size ({dp})"
-            )
-    elif tb is not None and mb is not None:
-        if tb % (mb * dp):
-            raise PipelineConfigError(
-                f"config: train_batch_size ({tb}) is not divisible by micro batch {mb} * dp {dp}"
-            )
-        gas = tb // (mb * dp)
-    elif tb is not None and gas is not None:
-        if tb % (gas * dp):
-            raise PipelineConfigError(
-                f"config: train_batch_size ({tb}) is not divisible by gas {gas} * dp {dp}"
-            )
-        mb = tb // (gas * dp)
-    elif mb is not None:
-        gas = gas or 1
-        tb = mb * gas * dp
-    else:
-        raise PipelineConfigError("config: give train_batch_size or train_micro_batch_size_per_gpu")
-    return mb * gas * dp, mb, gas
+def _dtype_of(cfg: ZeroConfig) -> torch.dtype:
+    if cfg.fp16.enabled:
+        return torch.float16
+    return torch.bfloat16 if cfg.bf16.enabled else torch.float32
 
 
 class PipelineEngine:
     """Hybrid pipeline + data-parallel training of a :class:`PipelineModule`.
 
-    ``config`` is a mapping with ``train_batch_size`` / ``train_micro_batch_size_per_gpu`` /
-    ``gradient_accumulation_steps`` (the number of micro-batches per batch). Each ``data_iter``
-    item is one micro-batch ``(inputs, labels)``; the first stage uses the inputs, the last
-    stage the labels, so both should be given the same data.
+    ``config`` is a DeepSpeed-format mapping or a parsed ``ZeroConfig``: the batch triple
+    (``gradient_accumulation_steps`` is the number of micro-batches per batch),
+    ``zero_optimization.stage`` (0 or 1), ``fp16``/``bf16``, ``gradient_clipping``. Each
+    ``data_iter`` item is one micro-batch ``(inputs, labels)``; the first stage uses the inputs,
+    the last stage the labels, so both should be given the same data. ``has_bool_tensors`` is
+    accepted for DeepSpeed compatibility: bool activations are always supported.
     """
 
     def __init__(
         self,
         module: PipelineModule,
         optimizer: torch.optim.Optimizer,
-        config: Mapping[str, Any],
+        config: Mapping[str, Any] | ZeroConfig,
         lr_scheduler: Any = None,
+        *,
+        has_bool_tensors: bool = False,
+        loss_scaler: LossScaler | None = None,
     ) -> None:
         if not isinstance(module, PipelineModule):
             raise TypeError(f"PipelineEngine: module must be a PipelineModule, got {type(module)}")
@@ -96,35 +80,81 @@ class PipelineEngine:
             raise ValueError(
                 "PipelineEngine: the PipelineModule was built without a process group; init one first"
             )
-        if not isinstance(config, Mapping):
-            raise TypeError(f"PipelineEngine: config must be a mapping, got {type(config)}")
-        stage = (config.get("zero_optimization") or {}).get("stage", 0)
-        if stage not in (0, 1):
-            raise PipelineConfigError(
-                f"config: zero_optimization.stage={stage} is not compatible with pipeline parallelism; use 0 or 1"
-            )
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"PipelineEngine: optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
+        if not isinstance(has_bool_tensors, bool):
+            raise TypeError(f"PipelineEngine: has_bool_tensors must be a bool, got {has_bool_tensors!r}")
         if module.loss_fn is None:
             raise ValueError("PipelineEngine: the PipelineModule needs a loss_fn to train")
         self.module = module
-        self.optimizer = optimizer
-        self.lr_scheduler = lr_scheduler
         self.grid = module.grid()
         self.stage_id = self.grid.stage_id
         self.num_stages = self.grid.pipe_parallel_size
+        self.num_chunks = module.num_chunks
         self.dp_size = self.grid.data_parallel_size
-        self._config = dict(config)
-        self._train_batch_size, self.micro_batch_size, self.micro_batches = _batch_sizes(config, self.dp_size)
+        self.has_bool_tensors = has_bool_tensors
+        self.config = self._load_config(config)
+        check_zero_stage(self.config.zero_optimization.stage)
+        self.micro_batch_size = int(self.config.train_micro_batch_size_per_gpu)
+        self.micro_batches = int(self.config.gradient_accumulation_steps)
+        self._train_batch_size = self.micro_batch_size * self.micro_batches * self.dp_size
+        self.compute_dtype = _dtype_of(self.config)
+        self.strategy = build_strategy(
+            module,
+            optimizer,
+            zero_stage=int(self.config.zero_optimization.stage),
+            dtype=self.compute_dtype,
+            dp_group=self.grid.dp_group,
+            zero_section=self.config.zero_optimization,
+        )
+        self.loss_scaler = loss_scaler or build_loss_scaler(self.config.fp16.enabled, self.config.fp16)
+        self.stage_optimizer = StageOptimizer(
+            self.strategy,
+            module,
+            self.grid,
+            loss_scaler=self.loss_scaler,
+            gradient_clipping=float(self.config.gradient_clipping or 0.0),
+            lr_scheduler=lr_scheduler,
+        )
         self.data_iterator: Iterator[Any] | None = None
         self.batch_fn: Callable[[Any], Any] | None = None
         self.global_steps = 0
-        prev, nxt = self.grid.prev_stage_rank, self.grid.next_stage_rank
-        self._act_in = P2PChannel(prev) if prev is not None else None
-        self._act_out = P2PChannel(nxt) if nxt is not None else None
+        self.global_samples = 0
         self._at_boundary = False
+        self._channels: dict[int, P2PChannel] = {}
+        #: when a list, ``train_batch``/``eval_batch`` append (kind, chunk, start, end) per compute
+        self.trace: list[tuple[str, int, float, float]] | None = None
+
+    def _load_config(self, config: Mapping[str, Any] | ZeroConfig) -> ZeroConfig:
+        source = f"pipeline data-parallel size (world / {self.num_stages} stages)"
+        if isinstance(config, ZeroConfig):
+            sizes = config.batch_sizes
+            if sizes is not None and sizes.world_size != self.dp_size:
+                # Resolved for another world size: keep the micro batch and the number of micro-batches.
+                config = config.model_copy(update={"train_batch_size": None})
+            return config.with_batch_sizes(self.dp_size, source)
+        if not isinstance(config, Mapping):
+            raise TypeError(f"PipelineEngine: config must be a mapping or a ZeroConfig, got {type(config)}")
+        stage = (config.get("zero_optimization") or {}).get("stage", 0)
+        check_zero_stage(stage)  # before load_config, for the pipeline-specific message
+        raw = dict(config)
+        raw.setdefault("gradient_clipping", 0.0)  # a plain dict means no clipping unless asked
+        return load_config(raw, world_size=self.dp_size, world_size_source=source)
 
     # -- public API ----------------------------------------------------------------------
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.strategy.optimizer
+
+    @property
+    def lr_scheduler(self) -> Any:
+        return self.stage_optimizer.lr_scheduler
+
     def train_batch_size(self) -> int:
         return self._train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.micro_batch_size
 
     def gradient_accumulation_steps(self) -> int:
         return self.micro_batches
@@ -138,6 +168,17 @@ class PipelineEngine:
     def is_gradient_accumulation_boundary(self) -> bool:
         return self._at_boundary
 
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm (all stages) of the last step, before clipping."""
+        return self.stage_optimizer.global_grad_norm
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes held on this rank by category, measured from live tensors."""
+        return self.strategy.memory_breakdown()
+
     def set_dataiterator(self, iterator: Iterator[Any]) -> None:
         if not hasattr(iterator, "__next__"):
             raise TypeError(f"set_dataiterator: expected an iterator, got {type(iterator)}")
@@ -150,7 +191,12 @@ class PipelineEngine:
 
     def set_train_batch_size(self, train_batch_size: int) -> None:
         per_step = self.micro_batch_size * self.dp_size
-        if not isinstance(train_batch_size, int) or train_batch_size < 1 or train_batch_size % per_step:
+        if (
+            not isinstance(train_batch_size, int)
+            or isinstance(train_batch_size, bool)
+            or train_batch_size < 1
+            or train_batch_size % per_step
+        ):
             raise ValueError(
                 f"set_train_batch_size: {train_batch_size!r} must be a positive multiple of micro batch "
                 f"{self.micro_batch_size} * data-parallel size {self.dp_size}"
@@ -160,19 +206,14 @@ class PipelineEngine:
 
     def reset_activation_shape(self) -> None:
         """Forget cached activation shapes (call on every rank when they change)."""
-        for ch in (self._act_in, self._act_out):
-            if ch is not None:
-                ch.reset()
+        for ch in self._channels.values():
+            ch.reset()
 
     def forward(self, *args: Any, **kwargs: Any) -> None:
-        raise RuntimeError(
-            "PipelineEngine: forward() is disabled for pipeline parallelism; use train_batch()"
-        )
+        raise RuntimeError("PipelineEngine: forward() is disabled for pipeline parallelism; use train_batch()")
 
     def backward(self, *args: Any, **kwargs: Any) -> None:
-        raise RuntimeError(
-            "PipelineEngine: backward() is disabled for pipeline parallelism; use train_batch()"
-        )
+        raise RuntimeError("PipelineEngine: backward() is disabled for pipeline parallelism; use train_batch()")
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError("PipelineEngine: step() is disabled for pipeline parallelism; use train_batch()")
@@ -185,8 +226,15 @@ class PipelineEngine:
             raise ValueError("train_batch: no data iterator; pass data_iter or call set_dataiterator()")
         self.module.train()
         self._losses: list[torch.Tensor] = []
-        self._run(TrainSchedule(self.micro_batches, self.num_stages, self.stage_id), training=True)
+        if self.num_chunks > 1:
+            schedule: PipeSchedule = InterleavedTrainSchedule(
+                self.micro_batches, self.num_stages, self.stage_id, chunks=self.num_chunks
+            )
+        else:
+            schedule = TrainSchedule(self.micro_batches, self.num_stages, self.stage_id)
+        self._run(schedule, training=True)
         self.global_steps += 1
+        self.global_samples += self._train_batch_size
         return self._aggregate_loss(self._losses, reduce_output="avg", bcast=True)
 
     def eval_batch(
@@ -202,16 +250,24 @@ class PipelineEngine:
         without gradients; returns the loss (and the last stage's outputs with return_logits)."""
         if reduce_output not in ("avg", None):
             raise ValueError(f"eval_batch: reduce_output must be 'avg' or None, got {reduce_output!r}")
+        if not hasattr(data_iter, "__next__"):
+            raise TypeError(f"eval_batch: data_iter must be an iterator, got {type(data_iter)}")
         mbs = self.micro_batches if num_micro_batches is None else num_micro_batches
-        if not isinstance(mbs, int) or mbs < 1:
+        if not isinstance(mbs, int) or isinstance(mbs, bool) or mbs < 1:
             raise ValueError(f"eval_batch: num_micro_batches must be an int >= 1, got {mbs!r}")
         saved = self.data_iterator
         self.data_iterator = data_iter
         self.module.eval()
         self._losses, self._outputs, self._compute_loss = [], [], compute_loss
+        if self.num_chunks > 1:
+            schedule: PipeSchedule = InterleavedInferenceSchedule(
+                mbs, self.num_stages, self.stage_id, chunks=self.num_chunks
+            )
+        else:
+            schedule = InferenceSchedule(mbs, self.num_stages, self.stage_id)
         try:
             with torch.no_grad():
-                self._run(InferenceSchedule(mbs, self.num_stages, self.stage_id), training=False)
+                self._run(schedule, training=False)
         finally:
             self.data_iterator = saved
         result: Any
@@ -224,6 +280,27 @@ class PipelineEngine:
         return result
 
     # -- execution -----------------------------------------------------------------------
+    def _virtual(self, chunk_id: int) -> int:
+        return chunk_id * self.num_stages + self.stage_id
+
+    def _is_first_virtual(self, chunk_id: int) -> bool:
+        return self._virtual(chunk_id) == 0
+
+    def _is_last_virtual(self, chunk_id: int) -> bool:
+        return self._virtual(chunk_id) == self.num_stages * self.num_chunks - 1
+
+    def _stage_rank(self, virtual: int) -> int:
+        return self.grid.stage_to_global(virtual % self.num_stages)
+
+    def _channel(self, boundary: int) -> P2PChannel:
+        """The channel carrying activations from virtual stage ``boundary`` to ``boundary + 1``."""
+        ch = self._channels.get(boundary)
+        if ch is None:
+            v_here = [self._virtual(c) for c in range(self.num_chunks)]
+            peer = boundary + 1 if boundary in v_here else boundary
+            ch = self._channels[boundary] = P2PChannel(self._stage_rank(peer))
+        return ch
+
     def _run(self, schedule: PipeSchedule, training: bool) -> None:
         self._training = training
         self._inputs: dict[int, Any] = {}
@@ -239,20 +316,40 @@ class PipelineEngine:
         batch = next(self.data_iterator)
         return self.batch_fn(batch) if self.batch_fn is not None else batch
 
+    def _cast_input(self, value: Any) -> Any:
+        """Floating inputs of the first stage take the training dtype (fp16/bf16 runs)."""
+        if self.compute_dtype == torch.float32:
+            return value
+        if isinstance(value, torch.Tensor):
+            return value.to(self.compute_dtype) if value.is_floating_point() else value
+        if isinstance(value, (tuple, list)):
+            return type(value)(self._cast_input(v) for v in value)
+        return value
+
     def _exec_load(self, ins: LoadMicroBatch) -> None:
         batch = self._next_batch()
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise TypeError(f"LoadMicroBatch: each micro-batch must be (inputs, labels), got {type(batch)}")
         inputs, labels = batch
-        if self.is_first_stage():
-            self._inputs[ins.buffer_id] = inputs
-        if self.is_last_stage():
+        if self._is_first_virtual(ins.chunk_id):
+            self._inputs[ins.buffer_id] = self._cast_input(inputs)
+        if self._is_last_virtual(ins.chunk_id):
             self._labels[ins.buffer_id] = labels
 
+    def _timed(self, kind: str, chunk: int, fn: Callable[[], None]) -> None:
+        if self.trace is None:
+            fn()
+            return
+        start = time.perf_counter()
+        fn()
+        self.trace.append((kind, chunk, start, time.perf_counter()))
+
     def _exec_forward(self, ins: ForwardPass) -> None:
-        b = ins.buffer_id
-        outputs = self.module(self._inputs[b])
-        if not self.is_last_stage():
+        self._timed("F", ins.chunk_id, lambda: self._forward(ins.buffer_id, ins.chunk_id))
+
+    def _forward(self, b: int, chunk: int) -> None:
+        outputs = self.module(self._inputs[b], chunk_id=chunk)
+        if not self._is_last_virtual(chunk):
             self._outputs_buf[b] = outputs
             return
         if self._training or self._compute_loss:
@@ -265,29 +362,31 @@ class PipelineEngine:
             self._labels.pop(b, None)
 
     def _exec_backward(self, ins: BackwardPass) -> None:
-        b = ins.buffer_id
-        if self.is_last_stage():
-            (self._outputs_buf.pop(b) / self.micro_batches).backward()
+        self._timed("B", ins.chunk_id, lambda: self._backward(ins.buffer_id, ins.chunk_id))
+
+    def _backward(self, b: int, chunk: int) -> None:
+        self.stage_optimizer.before_backward()
+        if self._is_last_virtual(chunk):
+            loss = self._outputs_buf.pop(b).float() / self.micro_batches
+            self.loss_scaler.scale_loss(loss).backward()
         else:
             outs, _ = as_tensors(self._outputs_buf.pop(b), "BackwardPass")
             grads = self._grads.pop(b)
-            pairs = [
-                (o, g) for o, g in zip([o for o in outs if o.is_floating_point()], grads) if o.requires_grad
-            ]
+            floating = [o for o in outs if o.is_floating_point()]
+            pairs = [(o, g) for o, g in zip(floating, grads) if o.requires_grad]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], grad_tensors=[g for _, g in pairs])
-        if self.is_first_stage():
+        if self._is_first_virtual(chunk):
             self._inputs.pop(b, None)
         self._labels.pop(b, None)
 
     def _exec_send_act(self, ins: SendActivation) -> None:
-        out = self._outputs_buf[ins.buffer_id]
-        self._act_out.send(out)
+        self._channel(self._virtual(ins.chunk_id)).send(self._outputs_buf[ins.buffer_id])
         if not self._training:
             self._outputs_buf.pop(ins.buffer_id)
 
     def _exec_recv_act(self, ins: RecvActivation) -> None:
-        value = self._act_in.recv()
+        value = self._channel(self._virtual(ins.chunk_id) - 1).recv()
         if self._training:
             tensors, _ = as_tensors(value, "RecvActivation")
             for t in tensors:
@@ -297,42 +396,23 @@ class PipelineEngine:
 
     def _exec_send_grad(self, ins: SendGrad) -> None:
         tensors, _ = as_tensors(self._inputs.pop(ins.buffer_id), "SendGrad")
-        grads = [
-            t.grad if t.grad is not None else torch.zeros_like(t) for t in tensors if t.is_floating_point()
-        ]
-        send_grads(grads, self.grid.prev_stage_rank)
+        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in tensors if t.is_floating_point()]
+        send_grads(grads, self._stage_rank(self._virtual(ins.chunk_id) - 1))
 
     def _exec_recv_grad(self, ins: RecvGrad) -> None:
         outs, _ = as_tensors(self._outputs_buf[ins.buffer_id], "RecvGrad")
         metas = [TensorMeta(tuple(o.shape), o.dtype) for o in outs if o.is_floating_point()]
-        self._grads[ins.buffer_id] = recv_grads(metas, self.grid.next_stage_rank)
+        self._grads[ins.buffer_id] = recv_grads(metas, self._stage_rank(self._virtual(ins.chunk_id) + 1))
 
     def _exec_reduce_tied(self, ins: ReduceTiedGrads) -> None:
         self._at_boundary = True
-        self.module.allreduce_tied_weight_gradients()
+        self.stage_optimizer.reduce_tied()
 
     def _exec_reduce_grads(self, ins: ReduceGrads) -> None:
-        """Average gradients over the stage's data-parallel replicas in one flat all-reduce."""
-        if self.dp_size == 1:
-            return
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        _dist.all_reduce(flat, group=self.grid.dp_group)
-        flat.div_(self.dp_size)
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-            offset += n
+        self.stage_optimizer.reduce_data_parallel()
 
     def _exec_optimizer_step(self, ins: OptimizerStep) -> None:
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+        self.stage_optimizer.step()
         self._at_boundary = False
 
     _INSTRUCTIONS = {
@@ -353,7 +433,7 @@ class PipelineEngine:
         broadcast to every stage of the pipeline (when ``bcast``)."""
         if reduce_output is None:
             return losses if self.is_last_stage() else None
-        loss = torch.zeros(())
+        loss = torch.zeros((), dtype=torch.float32)
         if self.is_last_stage():
             loss = torch.stack([x.float() for x in losses]).mean()
             if self.dp_size > 1:

@@ -5,6 +5,13 @@ callables, or (preferably) :class:`LayerSpec` recipes, so that a stage never mat
 another stage's layers: partitioning by parameter count builds specs on the meta device.
 :class:`TiedLayerSpec` shares one module between several positions (e.g. input embedding and
 output projection); its gradients are all-reduced among the stages that hold a copy.
+
+[Note: model chunks]
+With ``num_chunks=c`` (zero-specific, for the interleaved schedule) the layers are split into
+``p * c`` contiguous *virtual stages*; stage ``s`` holds virtual stages ``s, s + p, ...``, one
+model chunk each, and ``forward(x, chunk_id)`` runs one chunk. ``parts`` then holds the
+``p * c + 1`` virtual-stage boundaries. Layers keep their global index everywhere (module names,
+checkpoint files), so a checkpoint does not depend on ``num_stages`` or ``num_chunks``.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint as _torch_checkpoint
+from zero_core.activation_checkpointing import checkpoint as _zero_checkpoint
 
 from zero_pipe import _dist
 from zero_pipe.partition import partition_balanced, partition_uniform, type_weights
@@ -108,6 +115,7 @@ class PipelineModule(nn.Module):
         checkpointable_layers: list[str] | None = None,
         *,
         stage_id: int | None = None,
+        num_chunks: int = 1,
     ) -> None:
         super().__init__()
         if isinstance(layers, nn.Sequential):
@@ -134,13 +142,18 @@ class PipelineModule(nn.Module):
             raise ValueError(
                 f"PipelineModule: activation_checkpoint_interval must be an int >= 0, got {activation_checkpoint_interval!r}"
             )
+        if not isinstance(num_chunks, int) or isinstance(num_chunks, bool) or num_chunks < 1:
+            raise ValueError(f"PipelineModule: num_chunks must be an int >= 1, got {num_chunks!r}")
+        if activation_checkpoint_func is not None and not callable(activation_checkpoint_func):
+            raise TypeError(
+                f"PipelineModule: activation_checkpoint_func must be callable, got {activation_checkpoint_func!r}"
+            )
+        self.num_chunks = num_chunks
         self.layer_specs = layers
         self.loss_fn = loss_fn
         self.seed_layers, self.seed_fn, self.base_seed = seed_layers, seed_fn, base_seed
         self.activation_checkpoint_interval = activation_checkpoint_interval
-        self.activation_checkpoint_func = activation_checkpoint_func or (
-            lambda fn, *args: _torch_checkpoint(fn, *args, use_reentrant=False)
-        )
+        self.activation_checkpoint_func = activation_checkpoint_func or _zero_checkpoint
         self.checkpointable_layers = checkpointable_layers
 
         distributed = _dist.is_initialized() and stage_id is None
@@ -153,6 +166,8 @@ class PipelineModule(nn.Module):
             topology = PipeDataParallelTopology(num_pp=num_stages, num_dp=world // num_stages)
         self._topo = topology
         self.num_stages = topology.get_dim("pipe")
+        if num_chunks > 1 and self.num_stages < 2:
+            raise ValueError("PipelineModule: num_chunks > 1 (interleaving) needs num_stages >= 2")
         self._grid = PipelineParallelGrid(topology) if distributed else None
         if self._grid is not None:
             self.stage_id = self._grid.stage_id
@@ -163,7 +178,12 @@ class PipelineModule(nn.Module):
                     f"PipelineModule: stage_id must be in [0, {self.num_stages}), got {stage_id}"
                 )
 
-        self.parts = self._partition(partition_method)
+        self.parts = self._partition(partition_method)  # virtual-stage boundaries: [Note: model chunks]
+        self._chunk_ranges = [
+            range(self.parts[v], self.parts[v + 1])
+            for v in range(self.stage_id, self.num_stages * num_chunks, self.num_stages)
+        ]
+        self._local_indices = [idx for r in self._chunk_ranges for idx in r]
         self._local_start, self._local_stop = self.parts[self.stage_id], self.parts[self.stage_id + 1]
         self._build()
         self._tie_groups = self._build_tie_groups() if distributed else {}
@@ -173,7 +193,7 @@ class PipelineModule(nn.Module):
     def _partition(self, method: str) -> list[int]:
         if not isinstance(method, str):
             raise TypeError(f"PipelineModule: partition_method must be a string, got {method!r}")
-        n, p = len(self.layer_specs), self.num_stages
+        n, p = len(self.layer_specs), self.num_stages * self.num_chunks
         if n < p:
             raise ValueError(f"PipelineModule: {n} layers cannot fill {p} stages (every stage needs a layer)")
         lowered = method.lower()
@@ -197,39 +217,52 @@ class PipelineModule(nn.Module):
             torch.manual_seed(self.base_seed + idx)
 
     def _build(self) -> None:
-        self.forward_funcs: list[Callable[[Any], Any]] = []
+        self.chunk_funcs: list[list[Callable[[Any], Any]]] = []
         self.tied_modules = nn.ModuleDict()
         self.tied_weight_attrs: dict[str, list[str]] = {}
         self.layers = nn.ModuleDict()  # keys are global layer indices, for stage-independent names
-        for idx in range(self._local_start, self._local_stop):
-            spec = self.layer_specs[idx]
-            if isinstance(spec, TiedLayerSpec):
-                if spec.key not in self.tied_modules:
-                    self._seed(idx)
-                    self.tied_modules[spec.key] = spec.build()
-                    self.tied_weight_attrs[spec.key] = spec.tied_weight_attr
-                module = self.tied_modules[spec.key]
-                fwd = spec.forward_fn
-                self.forward_funcs.append((lambda x, m=module, f=fwd: f(m, x)) if fwd else module)
-            elif isinstance(spec, LayerSpec):
+        for chunk_range in self._chunk_ranges:
+            funcs: list[Callable[[Any], Any]] = []
+            for idx in chunk_range:
+                self._build_layer(idx, funcs)
+            self.chunk_funcs.append(funcs)
+        self.forward_funcs = self.chunk_funcs[0]  # DeepSpeed's name: the (first) chunk's functions
+
+    def _build_layer(self, idx: int, funcs: list[Callable[[Any], Any]]) -> None:
+        """Build (or reuse, when tied) layer ``idx`` and append its forward function to ``funcs``."""
+        spec = self.layer_specs[idx]
+        if isinstance(spec, TiedLayerSpec):
+            if spec.key not in self.tied_modules:
                 self._seed(idx)
-                module = spec.build()
-                self.layers[str(idx)] = module
-                self.forward_funcs.append(module)
-            elif isinstance(spec, nn.Module):
-                self.layers[str(idx)] = spec
-                self.forward_funcs.append(spec)
-            else:
-                self.forward_funcs.append(spec)
+                self.tied_modules[spec.key] = spec.build()
+                self.tied_weight_attrs[spec.key] = spec.tied_weight_attr
+            module = self.tied_modules[spec.key]
+            fwd = spec.forward_fn
+            funcs.append((lambda x, m=module, f=fwd: f(m, x)) if fwd else module)
+        elif isinstance(spec, LayerSpec):
+            self._seed(idx)
+            module = spec.build()
+            self.layers[str(idx)] = module
+            funcs.append(module)
+        elif isinstance(spec, nn.Module):
+            self.layers[str(idx)] = spec
+            funcs.append(spec)
+        else:
+            funcs.append(spec)
 
     def _tie_owners(self) -> dict[str, list[int]]:
         """Stages holding each tied key (known on every rank from the specs alone)."""
         owners: dict[str, list[int]] = {}
-        for stage in range(self.num_stages):
-            for spec in self.layer_specs[self.parts[stage] : self.parts[stage + 1]]:
+        for v in range(self.num_stages * self.num_chunks):
+            stage = v % self.num_stages
+            for spec in self.layer_specs[self.parts[v] : self.parts[v + 1]]:
                 if isinstance(spec, TiedLayerSpec) and stage not in owners.setdefault(spec.key, []):
                     owners[spec.key].append(stage)
-        return owners
+        return {key: sorted(stages) for key, stages in owners.items()}
+
+    def tied_owner_stages(self) -> dict[str, list[int]]:
+        """Tied key -> the stages holding a copy of it, ascending."""
+        return self._tie_owners()
 
     def _build_tie_groups(self) -> dict[str, tuple[Any, list[int]]]:
         """One process group per (tied key, data/model coordinate); new_group is collective,
@@ -254,10 +287,13 @@ class PipelineModule(nn.Module):
                 _dist.broadcast(getattr(self.tied_modules[key], attr).data, members[0], group=group)
 
     # -- running ---------------------------------------------------------------------------
-    def forward(self, forward_input: Any) -> Any:
+    def forward(self, forward_input: Any, chunk_id: int = 0) -> Any:
+        """Run this stage's layers (of model chunk ``chunk_id``) on ``forward_input``."""
+        if not isinstance(chunk_id, int) or not 0 <= chunk_id < self.num_chunks:
+            raise ValueError(f"PipelineModule.forward: chunk_id must be in [0, {self.num_chunks}), got {chunk_id!r}")
         x = forward_input
         interval = self.activation_checkpoint_interval
-        funcs = self.forward_funcs
+        funcs = self.chunk_funcs[chunk_id]
         if interval == 0 or not torch.is_grad_enabled():
             for fn in funcs:
                 x = fn(x)
@@ -306,8 +342,12 @@ class PipelineModule(nn.Module):
         return self._grid
 
     def local_layer_range(self) -> range:
-        """Global indices of the layers this stage holds."""
+        """Global indices of the layers of this stage's first chunk (all of them when ``num_chunks == 1``)."""
         return range(self._local_start, self._local_stop)
+
+    def local_layer_indices(self) -> list[int]:
+        """Global indices of every layer this stage holds, over all its chunks, in order."""
+        return list(self._local_indices)
 
     def get_additional_losses(self) -> dict[str, torch.Tensor] | None:
         """Model-specific extra losses for reporting; none by default."""
@@ -334,11 +374,12 @@ class PipelineModule(nn.Module):
         """File of one local layer: ``layer_<global idx>-model_<rank repr>-model_states.safetensors``."""
         import os
 
-        if not 0 <= local_layer_idx < self._local_stop - self._local_start:
+        if not isinstance(local_layer_idx, int) or not 0 <= local_layer_idx < len(self._local_indices):
             raise ValueError(
-                f"ckpt_layer_path: local_layer_idx {local_layer_idx} outside this stage's layers"
+                f"ckpt_layer_path: local_layer_idx {local_layer_idx!r} outside this stage's "
+                f"{len(self._local_indices)} layers"
             )
-        idx = self._local_start + local_layer_idx
+        idx = self._local_indices[local_layer_idx]
         return os.path.join(ckpt_dir, f"layer_{idx:02d}-model_{self._rank_repr()}-model_states.safetensors")
 
     def ckpt_layer_path_list(self, ckpt_dir: str, local_layer_idx: int) -> list[str]:
@@ -346,7 +387,12 @@ class PipelineModule(nn.Module):
         import glob
         import os
 
-        idx = self._local_start + local_layer_idx
+        if not isinstance(local_layer_idx, int) or not 0 <= local_layer_idx < len(self._local_indices):
+            raise ValueError(
+                f"ckpt_layer_path_list: local_layer_idx {local_layer_idx!r} outside this stage's "
+                f"{len(self._local_indices)} layers"
+            )
+        idx = self._local_indices[local_layer_idx]
         return sorted(glob.glob(os.path.join(ckpt_dir, f"layer_{idx:02d}-*model_states.safetensors")))
 
     def layer_modules(self) -> dict[int, nn.Module]:
@@ -356,7 +402,7 @@ class PipelineModule(nn.Module):
         for idx, spec in enumerate(self.layer_specs):
             if isinstance(spec, TiedLayerSpec):
                 first_tied.setdefault(spec.key, idx)
-        for idx in self.local_layer_range():
+        for idx in self._local_indices:
             spec = self.layer_specs[idx]
             if isinstance(spec, TiedLayerSpec):
                 out[idx] = self.tied_modules[spec.key]

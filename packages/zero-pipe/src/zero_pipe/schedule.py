@@ -211,6 +211,27 @@ class InterleavedTrainSchedule(_PlannedSchedule):
         return self.allocated_buffers()
 
 
+class InterleavedInferenceSchedule(_PlannedSchedule):
+    """Forward passes only over ``chunks`` model chunks per stage (the forward half of
+    :class:`InterleavedTrainSchedule`: rounds of ``stages`` micro-batches through chunk 0, 1, ...)."""
+
+    def __init__(self, micro_batches: int, stages: int, stage_id: int, chunks: int = 2) -> None:
+        self.chunks = _check_int("chunks", chunks, 1, type(self).__name__)
+        if isinstance(stages, int) and stages < 2 and self.chunks > 1:
+            raise ValueError(f"InterleavedInferenceSchedule needs stages >= 2 with several chunks (got {stages})")
+        super().__init__(micro_batches, stages, stage_id)
+
+    def _compute_order(self, stage: int) -> list[Compute]:
+        p, m = self.stages, self.micro_batches
+        order = []
+        for first in range(0, m, p):
+            order.extend(Compute("F", c, i) for c in range(self.chunks) for i in range(first, min(first + p, m)))
+        return order
+
+    def num_pipe_buffers(self) -> int:
+        return self.allocated_buffers()
+
+
 class DataParallelSchedule(PipeSchedule):
     """Plain data parallelism with gradient accumulation (a single stage): load, forward,
     backward per micro-batch, then reduce and step after the last one."""

@@ -31,8 +31,19 @@ _NAMES: dict[str, str] = {
 
 # facade submodules (zero/<name>.py or zero/<name>/): imported on attribute access
 _SUBMODULES = (
-    "utils", "checkpointing", "checkpoint", "lr_schedules", "pipe", "moe", "ops", "profiling",
-    "comm", "accelerator", "monitor",
+    "utils",
+    "checkpointing",
+    "checkpoint",
+    "lr_schedules",
+    "pipe",
+    "moe",
+    "ops",
+    "profiling",
+    "comm",
+    "accelerator",
+    "monitor",
+    "zero",
+    "inference",
 )
 
 

@@ -34,7 +34,9 @@ def import_owner(module: str, what: str) -> Any:
     top = module.split(".", 1)[0]
     if importlib.util.find_spec(top) is None:
         dist = FAMILY_DIST.get(top, top)
-        raise MissingPackageError(f"{what} is provided by the '{dist}' package, which is not installed: pip install {dist}")
+        raise MissingPackageError(
+            f"{what} is provided by the '{dist}' package, which is not installed: pip install {dist}"
+        )
     return importlib.import_module(module)
 
 
@@ -51,6 +53,11 @@ def lazy_module(
     def __getattr__(name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
+        try:  # a facade submodule (zero.zero.stage3, zero.utils.zero_to_fp32 ...)
+            if importlib.util.find_spec(f"{facade_name}.{name}") is not None:
+                return importlib.import_module(f"{facade_name}.{name}")
+        except ModuleNotFoundError:  # facade_name is a plain module, not a package
+            pass
         where = names.get(name)
         if where is not None:
             module, _, attr = where.partition(":")

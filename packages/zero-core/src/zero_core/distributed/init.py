@@ -44,13 +44,26 @@ class DistributedInitError(RuntimeError):
 
 
 def _validate(
-    dist_backend: Any, distributed_port: Any, timeout: Any, init_method: Any, dist_init_required: Any,
-    rank: Any, world_size: Any, auto_mpi_discovery: Any, verbose: Any,
+    dist_backend: Any,
+    distributed_port: Any,
+    timeout: Any,
+    init_method: Any,
+    dist_init_required: Any,
+    rank: Any,
+    world_size: Any,
+    auto_mpi_discovery: Any,
+    verbose: Any,
 ) -> None:
     where = "init_distributed"
     if dist_backend is not None and (not isinstance(dist_backend, str) or not dist_backend):
-        raise TypeError(f"{where}: dist_backend must be None or a backend name such as 'gloo' or 'nccl', got {dist_backend!r}")
-    if isinstance(distributed_port, bool) or not isinstance(distributed_port, int) or not 0 < distributed_port < 65536:
+        raise TypeError(
+            f"{where}: dist_backend must be None or a backend name such as 'gloo' or 'nccl', got {dist_backend!r}"
+        )
+    if (
+        isinstance(distributed_port, bool)
+        or not isinstance(distributed_port, int)
+        or not 0 < distributed_port < 65536
+    ):
         raise ValueError(f"{where}: distributed_port must be an int in 1..65535, got {distributed_port!r}")
     if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
         raise ValueError(f"{where}: timeout must be a positive datetime.timedelta, got {timeout!r}")
@@ -59,7 +72,9 @@ def _validate(
             f"{where}: init_method must be None or a URL such as 'env://', 'tcp://host:port' or 'file:///path', got {init_method!r}"
         )
     if dist_init_required is not None and not isinstance(dist_init_required, bool):
-        raise TypeError(f"{where}: dist_init_required must be None, True or False, got {dist_init_required!r}")
+        raise TypeError(
+            f"{where}: dist_init_required must be None, True or False, got {dist_init_required!r}"
+        )
     for name, value in (("rank", rank), ("world_size", world_size)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{where}: {name} must be an int (-1 = discover), got {value!r}")
@@ -128,8 +143,17 @@ def init_distributed(
     Raises :class:`DistributedInitError` when the world does not form within ``timeout``.
     """
     global _joined
-    _validate(dist_backend, distributed_port, timeout, init_method, dist_init_required, rank, world_size,
-              auto_mpi_discovery, verbose)
+    _validate(
+        dist_backend,
+        distributed_port,
+        timeout,
+        init_method,
+        dist_init_required,
+        rank,
+        world_size,
+        auto_mpi_discovery,
+        verbose,
+    )
     _apply_comm_config(config)
     if dist_init_required is False:
         return
@@ -144,8 +168,12 @@ def init_distributed(
             f"available: {[b for b in ('gloo', 'nccl', 'mpi', 'ucc', 'xccl') if dist.is_backend_available(b)]}"
         )
     try:
-        info = discover_world(rank=rank, world_size=world_size, auto_mpi_discovery=auto_mpi_discovery,
-                              distributed_port=distributed_port)
+        info = discover_world(
+            rank=rank,
+            world_size=world_size,
+            auto_mpi_discovery=auto_mpi_discovery,
+            distributed_port=distributed_port,
+        )
         if info.source == MPI:
             from zero_core.distributed.mpi import agree_over_mpi
 
@@ -158,18 +186,25 @@ def init_distributed(
         info = dataclasses.replace(info, master_port=_free_port())
     if init_method is None or init_method == "env://":
         # Export the world so env:// and any later reader (libraries, children) agree on it.
-        os.environ.update({
-            "RANK": str(info.rank),
-            "WORLD_SIZE": str(info.world_size),
-            "LOCAL_RANK": str(info.local_rank),
-            "MASTER_ADDR": str(info.master_addr),
-            "MASTER_PORT": str(info.master_port),
-        })
+        os.environ.update(
+            {
+                "RANK": str(info.rank),
+                "WORLD_SIZE": str(info.world_size),
+                "LOCAL_RANK": str(info.local_rank),
+                "MASTER_ADDR": str(info.master_addr),
+                "MASTER_PORT": str(info.master_port),
+            }
+        )
     if verbose:
         logger.info("init_distributed: backend %s, %s", backend, info.describe())
     try:
-        dist.init_process_group(backend, init_method=init_method or "env://", timeout=timeout,
-                                rank=info.rank, world_size=info.world_size)
+        dist.init_process_group(
+            backend,
+            init_method=init_method or "env://",
+            timeout=timeout,
+            rank=info.rank,
+            world_size=info.world_size,
+        )
     except (RuntimeError, TimeoutError, ValueError, OSError) as exc:
         rendezvous = init_method or f"tcp://{info.master_addr}:{info.master_port} (env://)"
         raise DistributedInitError(
@@ -201,4 +236,6 @@ def world_info() -> WorldInfo:
     local = int(os.environ["LOCAL_RANK"]) if os.environ.get("LOCAL_RANK", "").isdigit() else rank
     port = os.environ.get("MASTER_PORT", "")
     source = TORCHRUN if "RANK" in os.environ and "WORLD_SIZE" in os.environ else EXPLICIT
-    return WorldInfo(rank, size, local, os.environ.get("MASTER_ADDR"), int(port) if port.isdigit() else None, source)
+    return WorldInfo(
+        rank, size, local, os.environ.get("MASTER_ADDR"), int(port) if port.isdigit() else None, source
+    )

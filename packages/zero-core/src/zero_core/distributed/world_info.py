@@ -51,7 +51,9 @@ class WorldInfo:
 
     def describe(self) -> str:
         """One line for error messages: rank, world size, rendezvous and where they came from."""
-        where = f"{self.master_addr}:{self.master_port}" if self.master_addr else "(rendezvous not yet agreed)"
+        where = (
+            f"{self.master_addr}:{self.master_port}" if self.master_addr else "(rendezvous not yet agreed)"
+        )
         return f"rank {self.rank} of world size {self.world_size} (local rank {self.local_rank}), master {where}, from {self.source}"
 
 
@@ -60,14 +62,18 @@ def _int_var(env: Mapping[str, str], name: str, source: str) -> int:
     try:
         return int(raw)
     except ValueError:
-        raise WorldDiscoveryError(f"{source}: environment variable {name}={raw!r} is not an integer") from None
+        raise WorldDiscoveryError(
+            f"{source}: environment variable {name}={raw!r} is not an integer"
+        ) from None
 
 
 def _check(rank: int, world_size: int, local_rank: int, source: str) -> None:
     if world_size < 1:
         raise WorldDiscoveryError(f"{source}: world size must be >= 1, got {world_size}")
     if not 0 <= rank < world_size:
-        raise WorldDiscoveryError(f"{source}: rank {rank} is outside [0, {world_size}) for world size {world_size}")
+        raise WorldDiscoveryError(
+            f"{source}: rank {rank} is outside [0, {world_size}) for world size {world_size}"
+        )
     if local_rank < 0:
         raise WorldDiscoveryError(f"{source}: local rank must be >= 0, got {local_rank}")
 
@@ -125,7 +131,11 @@ def first_slurm_host(nodelist: str) -> str:
     nodelist = nodelist.strip()
     if shutil.which("scontrol"):
         out = subprocess.run(
-            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30, check=False
+            ["scontrol", "show", "hostnames", nodelist],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
         )
         hosts = out.stdout.split()
         if out.returncode == 0 and hosts:
@@ -141,7 +151,9 @@ def first_slurm_host(nodelist: str) -> str:
         return prefix + suffix
     first = ranges.split(",", 1)[0].split("-", 1)[0]
     if not first.isdigit():
-        raise WorldDiscoveryError(f"Slurm: malformed host range [{ranges}] in SLURM_JOB_NODELIST={nodelist!r}")
+        raise WorldDiscoveryError(
+            f"Slurm: malformed host range [{ranges}] in SLURM_JOB_NODELIST={nodelist!r}"
+        )
     return prefix + first + suffix
 
 

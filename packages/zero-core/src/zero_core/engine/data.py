@@ -34,8 +34,12 @@ class ZeroDataLoader:
             dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
         )
         self.loader = DataLoader(
-            dataset, batch_size=batch_size, sampler=self.sampler, collate_fn=collate_fn,
-            drop_last=drop_last, num_workers=num_workers,
+            dataset,
+            batch_size=batch_size,
+            sampler=self.sampler,
+            collate_fn=collate_fn,
+            drop_last=drop_last,
+            num_workers=num_workers,
         )
         self.epoch = 0
 

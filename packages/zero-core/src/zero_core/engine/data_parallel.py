@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
+from zero_core import comm
 from zero_core.engine.grad_buckets import BucketedAllReduce
+from zero_core.engine.param_groups import reduction_groups
 
 
 def _bytes(tensors: Any) -> int:
@@ -37,10 +39,19 @@ class DataParallelStrategy:
         self.optimizer = optimizer
         self.group = group
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self.reducer = BucketedAllReduce(
-            self.params, bucket_numel, group=group, overlap=overlap_comm,
-            comm_dtype=comm_dtype, predivide_factor=predivide_factor,
-        )
+        dp_world = comm.get_world_size(group)
+        self.reducers = [
+            BucketedAllReduce(
+                params,
+                bucket_numel,
+                group=reduce_group,
+                overlap=overlap_comm,
+                comm_dtype=comm_dtype,
+                predivide_factor=predivide_factor,
+                divisor=dp_world,
+            )
+            for reduce_group, params in reduction_groups(self.params, group)
+        ]
         # model param -> fp32 master param (only with mixed precision)
         self.master: dict[torch.nn.Parameter, torch.nn.Parameter] = {}
         if master_weights:
@@ -59,11 +70,13 @@ class DataParallelStrategy:
     # -- TrainingStrategy --------------------------------------------------------------
     def before_backward(self, is_boundary: bool) -> None:
         if is_boundary:
-            self.reducer.arm()
+            for r in self.reducers:
+                r.arm()
 
     def after_backward(self, is_boundary: bool) -> None:
         if is_boundary:
-            self.reducer.finish()
+            for r in self.reducers:
+                r.finish()
 
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.params if p.grad is not None]
@@ -110,12 +123,14 @@ class DataParallelStrategy:
             "gradients": _bytes(p.grad for p in self.params),
             "master_weights": _bytes(self.master.values()),
             "optimizer_states": _bytes(state),
-            "buffers": _bytes(b.buffer for b in self.reducer.buckets),
+            "buffers": _bytes(b.buffer for r in self.reducers for b in r.buckets),
         }
 
     def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(),
-                "master": [m.detach() for m in self.master.values()]}
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "master": [m.detach() for m in self.master.values()],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])

@@ -39,6 +39,7 @@ class ZeroEngine(torch.nn.Module):
         dp_group: Any = None,
         compute_dtype: torch.dtype = torch.float32,
         step_hooks: list[Callable[[ZeroEngine], None]] | None = None,
+        profiler: Any = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -61,6 +62,8 @@ class ZeroEngine(torch.nn.Module):
         self._losses: list[float] = []
         self._last_loss: float | None = None
         self._step_hooks = list(step_hooks or [])
+        # zero-profiler's StepProfiler (the ``flops_profiler`` section), or None
+        self.profiler = profiler
         self.timers = Timers()
         self._wall_clock = bool(getattr(config, "wall_clock_breakdown", False))
         self._last_boundary_time = time.perf_counter()
@@ -99,6 +102,8 @@ class ZeroEngine(torch.nn.Module):
 
     # -- the loop -----------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.profiler is not None and self.micro_steps % self.gradient_accumulation_steps() == 0:
+            self.profiler.on_step_begin(self.global_steps)
         if self._wall_clock:
             self.timers.start("forward")
         out = self.module(*args, **kwargs)
@@ -106,7 +111,9 @@ class ZeroEngine(torch.nn.Module):
             self.timers.stop("forward")
         return out
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+    def backward(
+        self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
+    ) -> torch.Tensor:
         """Backward of ``loss`` scaled by 1/gradient_accumulation_steps and the loss scale."""
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError("engine.backward expects a scalar loss tensor")
@@ -138,6 +145,8 @@ class ZeroEngine(torch.nn.Module):
         if self._wall_clock:
             self.timers.stop("step")
         self._report()
+        if self.profiler is not None:
+            self.profiler.on_step_end(self.global_steps - 1)
         for hook in self._step_hooks:
             hook(self)
 
@@ -200,7 +209,9 @@ class ZeroEngine(torch.nn.Module):
             every = int(getattr(self.config, "steps_per_print", 10) or 10)
             if step % every == 0:
                 mem = self.memory_breakdown()
-                events.append(("Train/Memory/model_states_MB", sum(mem.values()) / 2**20, self.global_samples))
+                events.append(
+                    ("Train/Memory/model_states_MB", sum(mem.values()) / 2**20, self.global_samples)
+                )
             self.monitor.write_events(events)
         every = int(getattr(self.config, "steps_per_print", 10) or 10)
         if step % every == 0 and self.global_rank == 0:

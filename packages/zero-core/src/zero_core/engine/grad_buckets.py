@@ -51,11 +51,14 @@ class BucketedAllReduce:
         overlap: bool = True,
         comm_dtype: torch.dtype | None = None,
         predivide_factor: float = 1.0,
+        divisor: int | None = None,
     ) -> None:
         if bucket_numel < 1:
             raise ValueError(f"reduce_bucket_size must be >= 1 element, got {bucket_numel}")
         self.group = group
-        self.world_size = comm.get_world_size(group)
+        # Averaging divisor: the group's size, except for expert parameters (reduced over the
+        # expert-data-parallel group but averaged over the whole data-parallel world).
+        self.world_size = divisor if divisor is not None else comm.get_world_size(group)
         self.overlap = overlap
         self.comm_dtype = comm_dtype
         self.predivide_factor = float(predivide_factor)

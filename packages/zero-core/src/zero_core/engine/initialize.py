@@ -52,10 +52,14 @@ def _build_optimizer(optimizer: Any, params: Any, cfg: Any) -> torch.optim.Optim
         return optimizer
     if optimizer is not None:
         if not callable(optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer or a callable, got {type(optimizer).__name__}")
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer or a callable, got {type(optimizer).__name__}"
+            )
         built = optimizer(params)
         if not isinstance(built, torch.optim.Optimizer):
-            raise TypeError(f"the optimizer callable returned {type(built).__name__}, not a torch.optim.Optimizer")
+            raise TypeError(
+                f"the optimizer callable returned {type(built).__name__}, not a torch.optim.Optimizer"
+            )
         return built
     section = _section(cfg, "optimizer")
     if section is None or getattr(section, "type", None) is None:
@@ -78,7 +82,46 @@ def _build_scheduler(lr_scheduler: Any, optimizer: torch.optim.Optimizer, cfg: A
         return None
     from zero_core.lr_schedules import build_lr_scheduler
 
-    return build_lr_scheduler(optimizer, {"type": section.type, "params": dict(getattr(section, "params", None) or {})})
+    return build_lr_scheduler(
+        optimizer, {"type": section.type, "params": dict(getattr(section, "params", None) or {})}
+    )
+
+
+def _explicit(cfg: Any, name: str) -> bool:
+    """Whether the user's config gave section ``name`` (not just its defaults)."""
+    return name in getattr(cfg, "model_fields_set", ())
+
+
+def _configure_side_systems(cfg: Any) -> None:
+    """Communication logging and activation checkpointing read their config sections here."""
+    if _explicit(cfg, "comms_logger"):
+        comm.comms_logger.configure(cfg.comms_logger.model_dump())
+    if _explicit(cfg, "activation_checkpointing"):
+        from zero_core import activation_checkpointing
+
+        activation_checkpointing.configure(deepspeed_config=cfg)
+
+
+def _build_profiler(model: torch.nn.Module, cfg: Any, engine: ZeroEngine) -> Any:
+    """zero-profiler's per-step profiler when ``flops_profiler.enabled`` (warn if not installed)."""
+    section = _section(cfg, "flops_profiler")
+    if section is None or not getattr(section, "enabled", False):
+        return None
+    from zero_core.plugins import is_available
+
+    if not is_available("zero_profiler"):
+        import warnings
+
+        warnings.warn(
+            "flops_profiler.enabled is set but the 'zero-profiler' package is not installed "
+            "(pip install zero-profiler); training continues without the profile",
+            stacklevel=3,
+        )
+        return None
+    from zero_profiler.engine_hook import StepProfiler
+
+    data = section.model_dump() if hasattr(section, "model_dump") else dict(section)
+    return StepProfiler(model, data, engine=engine, rank=comm.get_rank() if comm.is_initialized() else 0)
 
 
 def _build_strategy(module: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: Any, group: Any) -> Any:
@@ -92,12 +135,34 @@ def _build_strategy(module: torch.nn.Module, optimizer: torch.optim.Optimizer, c
         from zero_core.engine.data_parallel import DataParallelStrategy
 
         return DataParallelStrategy(
-            module, optimizer, group=group,
+            module,
+            optimizer,
+            group=group,
             bucket_numel=int(zc.reduce_bucket_size),
             overlap_comm=bool(zc.overlap_comm) if zc.overlap_comm is not None else True,
             comm_dtype=comm_dtype,
             predivide_factor=float(getattr(cfg, "gradient_predivide_factor", 1.0) or 1.0),
             master_weights=dtype != torch.float32,
+        )
+    if stage in (1, 2):
+        from zero_core.zero.stage_1_and_2 import PartitionedOptimizerStrategy
+
+        return PartitionedOptimizerStrategy(
+            module,
+            optimizer,
+            stage=stage,
+            group=group,
+            dtype=dtype,
+            reduce_bucket_size=int(zc.reduce_bucket_size),
+            allgather_bucket_size=int(zc.allgather_bucket_size),
+            allgather_partitions=bool(zc.allgather_partitions),
+            overlap_comm=bool(zc.overlap_comm),
+            contiguous_gradients=bool(zc.contiguous_gradients),
+            reduce_scatter=bool(zc.reduce_scatter),
+            use_multi_rank_bucket_allreduce=bool(zc.use_multi_rank_bucket_allreduce),
+            round_robin_gradients=bool(zc.round_robin_gradients),
+            ignore_unused_parameters=bool(zc.ignore_unused_parameters),
+            comm_dtype=comm_dtype,
         )
     raise NotImplementedError(f"zero_optimization.stage {stage} is not available in this build")
 
@@ -131,15 +196,25 @@ def initialize(
     dp_world = comm.get_world_size(group)
     info = world_info()
     cfg = load_config(
-        config if config is not None else config_params, args=args,
-        world_size=dp_world, world_size_source=info.source,
+        config if config is not None else config_params,
+        args=args,
+        world_size=dp_world,
+        world_size_source=info.source,
     )
+
+    _configure_side_systems(cfg)
 
     if type(model).__name__ == "PipelineModule" and type(model).__module__.startswith("zero_pipe"):
         pipe = require("zero_pipe", "training a PipelineModule")
-        return pipe.initialize_pipeline(model=model, optimizer=optimizer, model_parameters=model_parameters,
-                                        training_data=training_data, lr_scheduler=lr_scheduler,
-                                        config=cfg, collate_fn=collate_fn)
+        return pipe.initialize_pipeline(
+            model=model,
+            optimizer=optimizer,
+            model_parameters=model_parameters,
+            training_data=training_data,
+            lr_scheduler=lr_scheduler,
+            config=cfg,
+            collate_fn=collate_fn,
+        )
 
     from zero_core.accelerator import get_accelerator
 
@@ -158,15 +233,26 @@ def initialize(
     loader = None
     if training_data is not None:
         loader = ZeroDataLoader(
-            training_data, int(cfg.train_micro_batch_size_per_gpu),
-            rank=comm.get_rank(group), world_size=dp_world, collate_fn=collate_fn,
+            training_data,
+            int(cfg.train_micro_batch_size_per_gpu),
+            rank=comm.get_rank(group),
+            world_size=dp_world,
+            collate_fn=collate_fn,
         )
     from zero_core.monitor import MonitorMaster
 
     monitor = MonitorMaster(cfg)
     engine = ZeroEngine(
-        model, strategy, config=cfg, loss_scaler=build_loss_scaler(_enabled(cfg, "fp16"), _section(cfg, "fp16")),
-        lr_scheduler=scheduler, training_dataloader=loader, monitor=monitor, device=device,
-        dp_group=group, compute_dtype=dtype,
+        model,
+        strategy,
+        config=cfg,
+        loss_scaler=build_loss_scaler(_enabled(cfg, "fp16"), _section(cfg, "fp16")),
+        lr_scheduler=scheduler,
+        training_dataloader=loader,
+        monitor=monitor,
+        device=device,
+        dp_group=group,
+        compute_dtype=dtype,
     )
+    engine.profiler = _build_profiler(model, cfg, engine)
     return engine, strategy.optimizer, loader, scheduler

@@ -35,9 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
         "defaults to 1 per process.",
     )
     add_run_arguments(run)
-    env = sub.add_parser("env", help="report versions, installed packages, native ops and backends",
-                         description="Report versions, installed zero packages, native-op status, the "
-                         "accelerator, distributed backends and MPI availability.")
+    env = sub.add_parser(
+        "env",
+        help="report versions, installed packages, native ops and backends",
+        description="Report versions, installed zero packages, native-op status, the "
+        "accelerator, distributed backends and MPI availability.",
+    )
     env.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
 

@@ -21,7 +21,11 @@ def _native_ops() -> dict[str, Any]:
     try:
         zero_ops = importlib.import_module("zero_ops")
     except Exception as exc:  # a broken install is worth reporting, not crashing on
-        return {"installed": True, "message": f"zero-ops is installed but failed to import: {exc!r}", "ops": []}
+        return {
+            "installed": True,
+            "message": f"zero-ops is installed but failed to import: {exc!r}",
+            "ops": [],
+        }
     report = getattr(zero_ops, "op_report", None)
     if report is None:
         return {"installed": True, "message": "zero-ops installed (it provides no op_report())", "ops": []}
@@ -52,7 +56,11 @@ def _backends() -> dict[str, bool]:
 
     if not dist.is_available():
         return {"gloo": False, "nccl": False, "mpi": False}
-    return {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available(), "mpi": dist.is_mpi_available()}
+    return {
+        "gloo": dist.is_gloo_available(),
+        "nccl": dist.is_nccl_available(),
+        "mpi": dist.is_mpi_available(),
+    }
 
 
 def _mpi() -> dict[str, Any]:
@@ -88,7 +96,11 @@ def collect_report() -> dict[str, Any]:
     family = installed_family()
     return {
         "python": {"version": platform.python_version(), "executable": sys.executable},
-        "torch": {"version": torch.__version__, "path": os.path.dirname(torch.__file__), "cuda": torch.version.cuda},
+        "torch": {
+            "version": torch.__version__,
+            "path": os.path.dirname(torch.__file__),
+            "cuda": torch.version.cuda,
+        },
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
@@ -124,7 +136,9 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(ops["message"])
     for op in ops["ops"]:
         extra = ", ".join(f"{k}={op[k]}" for k in ("isa", "reason") if op.get(k))
-        lines.append(_line(str(op.get("name", "?")), f"{op.get('status', '?')}" + (f" ({extra})" if extra else "")))
+        lines.append(
+            _line(str(op.get("name", "?")), f"{op.get('status', '?')}" + (f" ({extra})" if extra else ""))
+        )
     lines += [rule, "accelerator", rule]
     for key, value in report["accelerator"].items():
         lines.append(_line(key, value))

@@ -32,26 +32,60 @@ class LaunchError(RuntimeError):
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--launcher", choices=("torch", "mpi"), default="torch",
+        "--launcher",
+        choices=("torch", "mpi"),
+        default="torch",
         help="torch: torchrun (torch.distributed.run), the default; mpi: mpiexec from the MPI "
         "distribution next to this Python (pip install mpich mpi4py) or on PATH",
     )
     parser.add_argument(
-        "--nproc", "--nproc-per-node", "--nproc_per_node", "-n", dest="nproc", type=int, default=None,
+        "--nproc",
+        "--nproc-per-node",
+        "--nproc_per_node",
+        "-n",
+        dest="nproc",
+        type=int,
+        default=None,
         help="processes to start (per node with torchrun; in total with mpiexec). Default: 1",
     )
     g = parser.add_argument_group("torchrun options (multi-node and elastic; --launcher torch only)")
     g.add_argument("--nnodes", default=None, help="number of nodes, or MIN:MAX for elastic jobs")
-    g.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=None, help="rank of this node")
-    g.add_argument("--master-addr", "--master_addr", dest="master_addr", default=None, help="address of node 0")
-    g.add_argument("--master-port", "--master_port", dest="master_port", type=int, default=None, help="port on node 0")
-    g.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default=None, help="rendezvous backend (c10d, static, etcd)")
-    g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default=None, help="rendezvous HOST:PORT")
+    g.add_argument(
+        "--node-rank", "--node_rank", dest="node_rank", type=int, default=None, help="rank of this node"
+    )
+    g.add_argument(
+        "--master-addr", "--master_addr", dest="master_addr", default=None, help="address of node 0"
+    )
+    g.add_argument(
+        "--master-port", "--master_port", dest="master_port", type=int, default=None, help="port on node 0"
+    )
+    g.add_argument(
+        "--rdzv-backend",
+        "--rdzv_backend",
+        dest="rdzv_backend",
+        default=None,
+        help="rendezvous backend (c10d, static, etcd)",
+    )
+    g.add_argument(
+        "--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default=None, help="rendezvous HOST:PORT"
+    )
     g.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id", default=None, help="job id shared by all nodes")
     g.add_argument("--standalone", action="store_true", help="single node, local rendezvous on a free port")
-    g.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=None, help="restarts on failure")
+    g.add_argument(
+        "--max-restarts",
+        "--max_restarts",
+        dest="max_restarts",
+        type=int,
+        default=None,
+        help="restarts on failure",
+    )
     m = parser.add_argument_group("mpiexec options (--launcher mpi only)")
-    m.add_argument("--mpi-args", dest="mpi_args", default="", help="extra arguments for mpiexec, one string (e.g. '-f hosts')")
+    m.add_argument(
+        "--mpi-args",
+        dest="mpi_args",
+        default="",
+        help="extra arguments for mpiexec, one string; use the = form: --mpi-args='-f hosts'",
+    )
     parser.add_argument("-m", "--module", action="store_true", help="run the script as a module (python -m)")
     parser.add_argument("script", help="training script (or module with -m)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -122,7 +156,7 @@ def mpiexec_command(args: argparse.Namespace, env: dict[str, str]) -> list[str]:
     if given:
         raise LaunchError(
             f"zero run --launcher mpi: {', '.join(given)} are torchrun options; give mpiexec its host "
-            "list through --mpi-args (e.g. --mpi-args '-f hostfile')"
+            "list through --mpi-args (e.g. --mpi-args='-f hostfile')"
         )
     import shlex
 

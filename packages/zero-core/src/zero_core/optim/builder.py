@@ -4,6 +4,10 @@ Type names are matched case-insensitively as DeepSpeed does. DeepSpeed's ``Adam`
 decoupled weight decay unless ``adam_w_mode`` is false (its default is true), so ``Adam``
 here builds ``torch.optim.AdamW`` by default and ``torch.optim.Adam`` with
 ``"adam_w_mode": false``; ``torch_adam`` is accepted and has no effect on the math.
+``FusedAdam`` is the same math as ``Adam``. ``CPUAdam`` and ``Lion`` come from zero-ops. Any
+other name of a ``torch.optim`` optimizer class (e.g. ``RMSprop``) builds that class, as the
+config section documents. DeepSpeed's communication-compressed optimizers (``OneBitAdam``,
+``ZeroOneAdam``, ``OneBitLamb``) and the muP variants are not provided: naming them is an error.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from typing import Any
 
 import torch
 
-from zero_core.plugins import require
+from zero_core import plugins
 
 
 def _adam(params: Iterable[Any], **kw: Any) -> torch.optim.Optimizer:
@@ -37,14 +41,33 @@ def _lamb(params: Iterable[Any], **kw: Any) -> torch.optim.Optimizer:
 
 
 def _cpu_adam(params: Iterable[Any], **kw: Any) -> torch.optim.Optimizer:
-    adam = require("zero_ops.adam", "optimizer type CPUAdam")
+    # looked up through the module so tests can stand in for an absent or present zero-ops
+    adam = plugins.require("zero_ops.adam", "optimizer type CPUAdam")
     kw.pop("torch_adam", None)
     return adam.CPUAdam(params, **kw)
+
+
+def _lion(params: Iterable[Any], **kw: Any) -> torch.optim.Optimizer:
+    lion = plugins.require("zero_ops.lion", "optimizer type Lion")
+    return lion.CPULion(params, **kw)
+
+
+#: DeepSpeed names the config accepts that this build does not implement.
+_NOT_PROVIDED = ("onebitadam", "zerooneadam", "onebitlamb", "muadam", "muadamw", "musgd")
+
+
+def _torch_optimizer(opt_type: str) -> Callable[..., torch.optim.Optimizer] | None:
+    cls = getattr(torch.optim, str(opt_type), None)
+    if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer:
+        return cls
+    return None
 
 
 OPTIMIZER_TYPES: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adam": _adam,
     "adamw": _adamw,
+    "fusedadam": _adam,
+    "lion": _lion,
     "sgd": torch.optim.SGD,
     "adagrad": torch.optim.Adagrad,
     "lamb": _lamb,
@@ -58,10 +81,11 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """The optimizer of type ``opt_type`` (e.g. ``"AdamW"``) over ``params``."""
     key = str(opt_type).replace("_", "").lower()
-    factory = OPTIMIZER_TYPES.get(key)
+    factory = OPTIMIZER_TYPES.get(key) or _torch_optimizer(opt_type)
     if factory is None:
-        known = "Adam, AdamW, SGD, Adagrad, Lamb, CPUAdam"
-        raise ValueError(f"optimizer.type: '{opt_type}' is not supported; use one of {known}")
+        known = "Adam, AdamW, FusedAdam, SGD, Adagrad, Lamb, CPUAdam, Lion or a torch.optim class name"
+        why = "is not provided by this build" if key in _NOT_PROVIDED else "is not supported"
+        raise ValueError(f"optimizer.type: '{opt_type}' {why}; use one of {known}")
     kw = dict(opt_params or {})
     if "betas" in kw:
         kw["betas"] = tuple(kw["betas"])
@@ -69,4 +93,6 @@ def build_optimizer(
         return factory(params, **kw)
     except TypeError as e:
         target = factory if not inspect.isfunction(factory) else opt_type
-        raise ValueError(f"optimizer.params for {opt_type}: {e} (given: {sorted(kw)}; target {target})") from e
+        raise ValueError(
+            f"optimizer.params for {opt_type}: {e} (given: {sorted(kw)}; target {target})"
+        ) from e

@@ -34,8 +34,13 @@ class Lamb(torch.optim.Optimizer):
         if min_coeff > max_coeff:
             raise ValueError(f"Lamb: min_coeff {min_coeff} > max_coeff {max_coeff}")
         defaults = dict(
-            lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
-            weight_decay=weight_decay, max_coeff=max_coeff, min_coeff=min_coeff,
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            max_coeff=max_coeff,
+            min_coeff=min_coeff,
         )
         super().__init__(params, defaults)
 

@@ -9,7 +9,13 @@ from typing import Any
 from zero_core.utils.repeating_loader import RepeatingLoader
 
 # name -> module that defines it (loaded on first access; they need the ZeRO machinery)
-_LAZY: dict[str, str] = {}
+_LAZY: dict[str, str] = {
+    "safe_get_full_fp32_param": "zero_core.zero.debug_access",
+    "safe_get_full_grad": "zero_core.zero.debug_access",
+    "safe_get_full_optimizer_state": "zero_core.zero.debug_access",
+    "safe_set_full_fp32_param": "zero_core.zero.debug_access",
+    "safe_set_full_optimizer_state": "zero_core.zero.debug_access",
+}
 
 
 def __getattr__(name: str) -> Any:

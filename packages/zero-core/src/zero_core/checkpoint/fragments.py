@@ -1,0 +1,271 @@
+"""The universal checkpoint representation: fragments of named parameters.
+
+Every strategy describes its state as :class:`Fragment` objects (see [Note: checkpoint
+format]): "elements ``[start, end)`` of the flattened ``kind`` value of parameter ``name``,
+whose full shape is ``shape``". A data-parallel rank emits whole tensors, a ZeRO-1/2 rank
+the segments of each parameter its flat shard covers, a ZeRO-3 rank its parameter shards.
+On load a strategy asks the :class:`CheckpointReader` for exactly the ranges it owns now,
+and the reader assembles them from whichever rank files hold them. That is what makes a
+checkpoint saved with N ranks at stage s load with M ranks at stage s'.
+
+Kinds: ``param`` (the module's weight in its training dtype), ``fp32`` (the fp32 master;
+absent when the module weight is itself the fp32 master, the reader then falls back to
+``param``), ``optim.<key>`` (optimizer state ``key``), ``buffer`` (module buffers).
+``elementwise`` says a value has one element per parameter element (weights, exp_avg) as
+opposed to a per-parameter value (Adam's ``step``), which is stored whole.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from zero_core.checkpoint.format import CheckpointError, dtype_from_name, dtype_name
+from zero_core.checkpoint.integrity import verify_file
+from zero_core.checkpoint.tensor_file import TensorFile
+
+PARAM = "param"
+FP32 = "fp32"
+BUFFER = "buffer"
+OPTIM_PREFIX = "optim."
+
+
+@dataclass
+class Fragment:
+    """Elements ``[start, end)`` of the flattened ``kind`` value of parameter ``name``."""
+
+    name: str
+    kind: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+    tensor: torch.Tensor
+    elementwise: bool = True
+    python_scalar: bool = False  # an optimizer state held as a Python number, not a tensor
+
+    def __post_init__(self) -> None:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        if not 0 <= self.start <= self.end <= numel:
+            raise ValueError(f"fragment {self.kind}:{self.name}: range [{self.start}, {self.end}) outside {numel} elements")
+        if self.tensor.numel() != self.end - self.start:
+            raise ValueError(
+                f"fragment {self.kind}:{self.name}: tensor has {self.tensor.numel()} elements for range "
+                f"[{self.start}, {self.end})"
+            )
+
+    @property
+    def key(self) -> str:
+        return f"{self.kind}:{self.name}:{self.start}"
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "kind": self.kind, "shape": list(self.shape), "dtype": dtype_name(self.tensor.dtype),
+            "start": self.start, "end": self.end, "key": self.key, "elementwise": self.elementwise,
+            "python_scalar": self.python_scalar,
+        }
+
+
+def optimizer_state_fragments(
+    name: str, shape: tuple[int, ...], state: dict[str, Any], segments: list[tuple[int, int, int]] | None = None,
+    *, elementwise_numel: int | None = None, emit_scalars: bool = True,
+) -> list[Fragment]:
+    """Fragments of one parameter's optimizer ``state``.
+
+    ``segments`` (state offset, parameter flat offset, length) maps a flat state tensor of
+    ``elementwise_numel`` elements onto the parameter; None means the state tensors have the
+    parameter's own shape. Tensors of another size (and Python numbers) are per-parameter
+    values, stored whole when ``emit_scalars``.
+    """
+    numel = 1
+    for d in shape:
+        numel *= d
+    per_elem = numel if elementwise_numel is None else elementwise_numel
+    out: list[Fragment] = []
+    for key, value in state.items():
+        kind = OPTIM_PREFIX + key
+        if torch.is_tensor(value) and value.numel() == per_elem and (segments is not None or value.shape == shape):
+            flat = value.detach().reshape(-1)
+            for so, po, n in segments if segments is not None else [(0, 0, numel)]:
+                out.append(Fragment(name, kind, shape, po, po + n, flat[so : so + n]))
+        elif emit_scalars:
+            if torch.is_tensor(value):
+                t = value.detach()
+                out.append(Fragment(name, kind, tuple(t.shape), 0, t.numel(), t.reshape(-1), elementwise=False))
+            elif isinstance(value, (bool, int, float)):
+                t = torch.tensor([value], dtype=torch.float64 if isinstance(value, float) else torch.int64)
+                out.append(Fragment(name, kind, (), 0, 1, t, elementwise=False, python_scalar=True))
+            else:
+                raise CheckpointError(
+                    f"optimizer state {key!r} of parameter {name!r} is a {type(value).__name__}; only tensors and "
+                    "numbers can be checkpointed"
+                )
+    return out
+
+
+@runtime_checkable
+class CheckpointableStrategy(Protocol):
+    """What a :class:`~zero_core.engine.strategy.TrainingStrategy` adds to be checkpointed."""
+
+    def checkpoint_fragments(self, exclude_frozen_parameters: bool = False) -> list[Fragment]:
+        """This rank's share of the model, master and optimizer state (collective-free)."""
+
+    def load_checkpoint_fragments(
+        self, reader: CheckpointReader, *, load_optimizer_states: bool = True, load_module_only: bool = False,
+        strict: bool = True,
+    ) -> None:
+        """Fill this rank's state from ``reader``, whatever world size and stage wrote it."""
+
+
+@dataclass
+class _Entry:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    elementwise: bool
+    python_scalar: bool
+    pieces: list[tuple[int, int, int, str]] = field(default_factory=list)  # (start, end, rank, key)
+
+
+class CheckpointReader:
+    """Index of every fragment of one checkpoint tag; reads any range of any (name, kind).
+
+    Rank tensor files are opened lazily and their checksum verified the first time they are
+    needed, so a rank reads (and verifies) only the files holding ranges it loads.
+    """
+
+    def __init__(self, tag_dir: str, rank_tables: list[dict[str, Any]]) -> None:
+        self.tag_dir = tag_dir
+        self._tables = rank_tables
+        self.exclude_frozen = False  # the saver dropped frozen parameters: their absence is not an error
+        self._files: dict[int, TensorFile] = {}
+        self._index: dict[tuple[str, str], _Entry] = {}
+        for rank, table in enumerate(rank_tables):
+            for rec in table["fragments"]:
+                k = (rec["name"], rec["kind"])
+                where = f"{tag_dir}/{table['file']}"
+                entry = self._index.get(k)
+                if entry is None:
+                    entry = self._index[k] = _Entry(
+                        tuple(rec["shape"]), dtype_from_name(rec["dtype"], where), bool(rec["elementwise"]),
+                        bool(rec.get("python_scalar", False)),
+                    )
+                entry.pieces.append((int(rec["start"]), int(rec["end"]), rank, rec["key"]))
+        for entry in self._index.values():
+            entry.pieces.sort()
+
+    # -- what is there ------------------------------------------------------------------
+    def names(self, kind: str = PARAM) -> list[str]:
+        return [n for (n, k) in self._index if k == kind]
+
+    def has(self, name: str, kind: str) -> bool:
+        return (name, kind) in self._index
+
+    def kinds(self, name: str) -> list[str]:
+        return [k for (n, k) in self._index if n == name]
+
+    def optimizer_keys(self, name: str) -> list[str]:
+        return [k[len(OPTIM_PREFIX) :] for k in self.kinds(name) if k.startswith(OPTIM_PREFIX)]
+
+    def shape(self, name: str, kind: str) -> tuple[int, ...]:
+        return self._entry(name, kind).shape
+
+    def dtype(self, name: str, kind: str) -> torch.dtype:
+        return self._entry(name, kind).dtype
+
+    def is_elementwise(self, name: str, kind: str) -> bool:
+        return self._entry(name, kind).elementwise
+
+    def is_python_scalar(self, name: str, kind: str) -> bool:
+        return self._entry(name, kind).python_scalar
+
+    def _entry(self, name: str, kind: str) -> _Entry:
+        try:
+            return self._index[(name, kind)]
+        except KeyError:
+            raise CheckpointError(f"checkpoint {self.tag_dir} holds no {kind!r} value for parameter {name!r}") from None
+
+    # -- reading ------------------------------------------------------------------------
+    def _file(self, rank: int) -> TensorFile:
+        f = self._files.get(rank)
+        if f is None:
+            table = self._tables[rank]
+            path = os.path.join(self.tag_dir, table["file"])
+            verify_file(path, table["file_record"])
+            f = self._files[rank] = TensorFile(path)
+        return f
+
+    def rank_table(self, rank: int) -> dict[str, Any]:
+        """Rank ``rank``'s JSON table (fragments, RNG metadata, file record)."""
+        return self._tables[rank]
+
+    @property
+    def world_size(self) -> int:
+        return len(self._tables)
+
+    def tensor_file(self, rank: int) -> TensorFile:
+        """Rank ``rank``'s tensor file, checksum verified."""
+        return self._file(rank)
+
+    def read(self, name: str, kind: str, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Elements ``[start, end)`` of the flattened value, assembled from every rank file holding them."""
+        entry = self._entry(name, kind)
+        numel = 1
+        for d in entry.shape:
+            numel *= d
+        end = numel if end is None else end
+        if not 0 <= start <= end <= numel:
+            raise CheckpointError(f"range [{start}, {end}) is outside {kind}:{name} of {numel} elements")
+        out = None
+        pos = start
+        for lo, hi, rank, key in entry.pieces:
+            if pos >= end:
+                break
+            if hi <= pos:
+                continue
+            if lo > pos:
+                break
+            take = min(hi, end)
+            piece = self._file(rank).read(key, pos - lo, take - lo)
+            if out is None and pos == start and take == end:
+                return piece
+            if out is None:
+                out = torch.empty(end - start, dtype=entry.dtype)
+            out[pos - start : take - start].copy_(piece)
+            pos = take
+        if pos < end:
+            raise CheckpointError(
+                f"checkpoint {self.tag_dir} does not hold elements [{pos}, {end}) of {kind}:{name} "
+                "(a rank file is missing from the fragment tables?)"
+            )
+        return out if out is not None else torch.empty(0, dtype=entry.dtype)
+
+    def read_full(self, name: str, kind: str) -> torch.Tensor:
+        return self.read(name, kind).view(self.shape(name, kind))
+
+    def read_fp32(self, name: str, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """The fp32 master range, or the module weight upcast where no separate master was saved."""
+        kind = FP32 if self.has(name, FP32) else PARAM
+        return self.read(name, kind, start, end).float()
+
+    def read_module_value(self, name: str, dtype: torch.dtype, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """The module weight range in ``dtype``: the saved weight if it has that dtype, else from the master."""
+        if self.has(name, PARAM) and self.dtype(name, PARAM) == dtype:
+            return self.read(name, PARAM, start, end)
+        return self.read_fp32(name, start, end).to(dtype)
+
+    def read_optimizer_state(self, name: str, key: str, start: int = 0, end: int | None = None) -> Any:
+        """A state range (elementwise) or the whole per-parameter value (tensor or Python number)."""
+        kind = OPTIM_PREFIX + key
+        if not self.is_elementwise(name, kind):
+            t = self.read_full(name, kind)
+            return t.item() if self.is_python_scalar(name, kind) else t
+        return self.read(name, kind, start, end)
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()

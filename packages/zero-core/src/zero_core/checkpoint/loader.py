@@ -1,0 +1,173 @@
+"""``engine.load_checkpoint``: open a tag, verify it, let the strategy take its ranges.
+
+The reader (``fragments.py``) makes the saved world size and stage irrelevant: the engine's
+strategy reads exactly the ranges it owns now. Engine-level state (counters, loss scaler, LR
+scheduler, optimizer hyper-parameters, buffers, RNG) is restored here.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from zero_core import comm
+from zero_core.checkpoint import rng
+from zero_core.checkpoint.format import (
+    COMMIT_FILE,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    LATEST_FILE,
+    CheckpointError,
+    read_json,
+    validate_tag,
+)
+from zero_core.checkpoint.fragments import BUFFER, CheckpointableStrategy, CheckpointReader
+from zero_core.checkpoint.integrity import verify_file
+
+
+def resolve_tag(load_dir: str, tag: Any) -> str | None:
+    """``tag`` validated, or the one ``latest`` names (None when there is no ``latest``)."""
+    if tag is not None:
+        return validate_tag(tag)
+    latest = os.path.join(load_dir, LATEST_FILE)
+    if not os.path.isfile(latest):
+        return None
+    with open(latest, encoding="utf-8") as f:
+        name = f.read().strip()
+    try:
+        return validate_tag(name)
+    except ValueError:
+        raise CheckpointError(f"{latest} names {name!r}, which is not a valid tag (corrupted file?)") from None
+
+
+def open_checkpoint(load_dir: str, tag: str) -> tuple[dict[str, Any], CheckpointReader]:
+    """Read and verify ``checkpoint.json`` and every rank table of ``load_dir/tag``."""
+    tag_dir = os.path.join(load_dir, tag)
+    commit = os.path.join(tag_dir, COMMIT_FILE)
+    if not os.path.isdir(tag_dir):
+        raise CheckpointError(f"checkpoint tag directory {tag_dir} does not exist")
+    if not os.path.isfile(commit):
+        raise CheckpointError(f"{commit} is missing: {tag_dir} is not a complete zero checkpoint")
+    meta = read_json(commit)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        raise CheckpointError(f"{commit} is not a zero checkpoint record (format {meta.get('format')!r})")
+    if int(meta.get("format_version", -1)) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{commit} has format version {meta['format_version']}; this zero_core reads up to {FORMAT_VERSION}"
+        )
+    tables = []
+    for r in range(int(meta["world_size"])):
+        name = f"rank_{r:05d}.json"
+        path = os.path.join(tag_dir, name)
+        if name not in meta.get("files", {}):
+            raise CheckpointError(f"{commit} has no record of {name}")
+        verify_file(path, meta["files"][name])
+        tables.append(read_json(path))
+    reader = CheckpointReader(tag_dir, tables)
+    reader.exclude_frozen = bool(meta.get("exclude_frozen_parameters", False))
+    return meta, reader
+
+
+@torch.no_grad()
+def _load_buffers(reader: CheckpointReader, module: torch.nn.Module, strict: bool) -> None:
+    params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    sd = module.state_dict(keep_vars=True)
+    mine = {n: t for n, t in sd.items() if n not in params and torch.is_tensor(t)}
+    saved = set(reader.names(BUFFER))
+    if strict and (set(mine) != saved):
+        raise CheckpointError(
+            f"checkpoint {reader.tag_dir} buffers do not match the model (load_module_strict=True): "
+            f"missing {sorted(set(mine) - saved)}, unexpected {sorted(saved - set(mine))}"
+        )
+    for name, t in mine.items():
+        if name in saved:
+            t.copy_(reader.read_full(name, BUFFER).to(t.dtype))
+
+
+def full_module_state_dict(reader: CheckpointReader, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The saved module weights and buffers as a whole state dict (what ``custom_load_fn`` gets)."""
+    out = {}
+    for name, p in module.named_parameters():
+        if reader.has(name, "param") or reader.has(name, "fp32"):
+            out[name] = reader.read_module_value(name, p.dtype).view(reader.shape(name, "param" if reader.has(
+                name, "param") else "fp32"))
+    for name in reader.names(BUFFER):
+        out[name] = reader.read_full(name, BUFFER)
+    return out
+
+
+def _restore_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]], where: str) -> None:
+    if len(saved) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"{where}: the checkpoint has {len(saved)} optimizer param groups, this optimizer has "
+            f"{len(optimizer.param_groups)}; pass load_optimizer_states=False to load the weights only"
+        )
+    for group, hp in zip(optimizer.param_groups, saved):
+        for k, v in hp.items():
+            group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
+
+
+def load_checkpoint(
+    engine: Any,
+    load_dir: str | os.PathLike[str],
+    tag: Any = None,
+    load_module_strict: bool = True,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+    custom_load_fn: Callable[..., Any] | None = None,
+) -> tuple[str | None, dict[str, Any] | None]:
+    """Load a checkpoint into ``engine``; returns ``(load_path, client_state)``, ``(None, None)`` if none."""
+    if not isinstance(load_dir, (str, os.PathLike)):
+        raise TypeError(f"load_checkpoint: load_dir must be a path, got {type(load_dir).__name__}")
+    if custom_load_fn is not None and not callable(custom_load_fn):
+        raise TypeError("load_checkpoint: custom_load_fn must be callable (called as custom_load_fn(src=..., dst=...))")
+    load_dir = os.fspath(load_dir)
+    tag = resolve_tag(load_dir, tag)
+    if tag is None:
+        warnings.warn(
+            f"load_checkpoint: no 'latest' file in {load_dir} and no tag given; nothing loaded", stacklevel=3
+        )
+        return None, None
+    strategy = engine.strategy
+    if not isinstance(strategy, CheckpointableStrategy):
+        raise CheckpointError(f"load_checkpoint: the {type(strategy).__name__} strategy cannot load checkpoints")
+    meta, reader = open_checkpoint(load_dir, tag)
+    try:
+        strategy.load_checkpoint_fragments(
+            reader, load_optimizer_states=load_optimizer_states and not load_module_only,
+            load_module_only=load_module_only, strict=load_module_strict,
+        )
+        _load_buffers(reader, engine.module, load_module_strict)
+        if custom_load_fn is not None:
+            custom_load_fn(src=full_module_state_dict(reader, engine.module), dst=engine.module)
+        if not load_module_only:
+            _restore_engine(engine, meta, reader, load_optimizer_states, load_lr_scheduler_states)
+    finally:
+        reader.close()
+    return reader.tag_dir, meta.get("client_state", {})
+
+
+def _restore_engine(engine: Any, meta: dict[str, Any], reader: CheckpointReader, load_opt: bool,
+                    load_sched: bool) -> None:
+    engine.global_steps = int(meta["global_steps"])
+    engine.global_samples = int(meta["global_samples"])
+    engine.skipped_steps = int(meta["skipped_steps"])
+    engine.micro_steps = int(meta["micro_steps"])
+    engine.loss_scaler.load_state_dict(meta["loss_scaler"])
+    if load_opt:
+        _restore_param_groups(engine.optimizer, meta["optimizer"]["param_groups"], reader.tag_dir)
+    sched = getattr(engine, "lr_scheduler", None)
+    if load_sched and sched is not None and meta.get("lr_scheduler") is not None:
+        sched.load_state_dict(meta["lr_scheduler"])
+    group = getattr(engine, "dp_group", None)
+    rank = comm.get_rank(group) if comm.is_initialized() else 0
+    world = comm.get_world_size(group) if comm.is_initialized() else 1
+    if world == reader.world_size:  # resharded runs keep their own generators: rank r has no saved twin
+        table = reader.rank_table(rank)
+        f = reader.tensor_file(rank)
+        rng.restore({k: f.read_tensor(k) for k in table.get("rng_tensors", [])}, table.get("rng", {}))

@@ -1,0 +1,108 @@
+"""Fragments of strategies in which every rank holds whole tensors (ZeRO stage 0).
+
+Rank 0 of the data-parallel group writes every tensor whole (the other ranks hold copies and
+write nothing); on load every rank reads whole tensors. The module-weight helpers here are
+also used by partitioned strategies whose module weights are replicated (stages 1 and 2).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zero_core.checkpoint.format import CheckpointError
+from zero_core.checkpoint.fragments import FP32, PARAM, CheckpointReader, Fragment, optimizer_state_fragments
+
+
+def module_fragments(module: torch.nn.Module, *, exclude_frozen_parameters: bool = False) -> list[Fragment]:
+    """Whole ``param`` fragments of every module parameter (frozen ones unless excluded)."""
+    out = []
+    for name, p in module.named_parameters():
+        if exclude_frozen_parameters and not p.requires_grad:
+            continue
+        out.append(Fragment(name, PARAM, tuple(p.shape), 0, p.numel(), p.detach().reshape(-1)))
+    return out
+
+
+def check_names(reader: CheckpointReader, module: torch.nn.Module, *, strict: bool) -> None:
+    """With ``strict``, the checkpoint's parameters must be exactly the module's."""
+    if not strict:
+        return
+    mine = {n: p for n, p in module.named_parameters()}
+    saved = set(reader.names(PARAM)) | set(reader.names(FP32))
+    missing = [n for n, p in mine.items() if n not in saved and not (reader.exclude_frozen and not p.requires_grad)]
+    unexpected = sorted(saved - set(mine))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint {reader.tag_dir} does not match the model (load_module_strict=True): "
+            f"missing parameters {missing}, unexpected parameters {unexpected}"
+        )
+
+
+@torch.no_grad()
+def load_module_params(reader: CheckpointReader, module: torch.nn.Module, *, strict: bool) -> None:
+    """Copy every saved module weight into ``module`` (whole tensors, in the module's dtype)."""
+    check_names(reader, module, strict=strict)
+    for name, p in module.named_parameters():
+        if reader.has(name, PARAM) or reader.has(name, FP32):
+            if reader.shape(name, PARAM if reader.has(name, PARAM) else FP32) != tuple(p.shape):
+                raise CheckpointError(
+                    f"parameter {name!r}: checkpoint shape {reader.shape(name, PARAM)} != model shape {tuple(p.shape)}"
+                )
+            p.copy_(reader.read_module_value(name, p.dtype).view_as(p))
+
+
+def replicated_fragments(
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    master: dict[torch.nn.Parameter, torch.nn.Parameter],
+    *,
+    rank: int,
+    exclude_frozen_parameters: bool = False,
+) -> list[Fragment]:
+    """Everything, whole, from group rank 0; nothing from the others (they hold copies)."""
+    if rank != 0:
+        return []
+    out = module_fragments(module, exclude_frozen_parameters=exclude_frozen_parameters)
+    for name, p in module.named_parameters():
+        if exclude_frozen_parameters and not p.requires_grad:
+            continue
+        target = master.get(p, p)
+        if target is not p:
+            out.append(Fragment(name, FP32, tuple(p.shape), 0, p.numel(), target.detach().reshape(-1)))
+        out += optimizer_state_fragments(name, tuple(p.shape), optimizer.state.get(target, {}))
+    return out
+
+
+@torch.no_grad()
+def load_replicated(
+    reader: CheckpointReader,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    master: dict[torch.nn.Parameter, torch.nn.Parameter],
+    *,
+    load_optimizer_states: bool = True,
+    load_module_only: bool = False,
+    strict: bool = True,
+) -> None:
+    """Load whole module weights, fp32 masters and (optionally) optimizer states on every rank."""
+    load_module_params(reader, module, strict=strict)
+    if load_module_only:
+        return
+    for name, p in module.named_parameters():
+        target = master.get(p, p)
+        if target is not p and (reader.has(name, FP32) or reader.has(name, PARAM)):
+            target.copy_(reader.read_fp32(name).view_as(target))
+        if not load_optimizer_states:
+            continue
+        keys = reader.optimizer_keys(name)
+        if not keys:
+            continue
+        state: dict[str, Any] = {}
+        for key in keys:
+            value = reader.read_optimizer_state(name, key)
+            if torch.is_tensor(value) and reader.is_elementwise(name, "optim." + key):
+                value = value.view_as(target).to(target.device)
+            state[key] = value
+        optimizer.state[target] = state

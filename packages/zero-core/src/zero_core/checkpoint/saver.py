@@ -1,0 +1,213 @@
+"""``engine.save_checkpoint``: every rank writes its fragments in parallel, rank 0 commits.
+
+Order (see [Note: checkpoint format]): validate everything that can be validated before a
+byte is written (tag, client_state); rank 0 prepares an empty staging directory; barrier;
+every rank writes ``rank_<r>.safetensors`` then ``rank_<r>.json`` (atomically); barrier;
+rank 0 checksums the rank tables, writes ``checkpoint.json`` and the conversion script,
+renames the staging directory to the tag, and only then replaces ``latest``; barrier.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+import zlib
+from typing import Any
+
+import torch
+
+from zero_core import comm
+from zero_core.checkpoint import rng
+from zero_core.checkpoint.atomic import atomic_write_bytes, fsync_dir
+from zero_core.checkpoint.format import (
+    COMMIT_FILE,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    LATEST_FILE,
+    SCRIPT_FILE,
+    CheckpointError,
+    check_json_compatible,
+    dtype_name,
+    dumps,
+    rank_json_name,
+    rank_tensor_name,
+    staging_dir_name,
+    validate_tag,
+)
+from zero_core.checkpoint.fragments import BUFFER, CheckpointableStrategy, Fragment
+from zero_core.checkpoint.integrity import CHECKSUM_ALGORITHM, file_checksum, file_record
+from zero_core.checkpoint.tensor_file import TensorEntry, write_tensor_file
+
+
+def _dist() -> tuple[bool, int, int]:
+    on = comm.is_initialized()
+    return on, (comm.get_rank() if on else 0), (comm.get_world_size() if on else 1)
+
+
+def _barrier(group: Any = None) -> None:
+    if comm.is_initialized() and comm.get_world_size(group) > 1:
+        comm.barrier(group=group)
+
+
+def buffer_fragments(module: torch.nn.Module) -> list[Fragment]:
+    """Whole ``buffer`` fragments of the module's persistent buffers (replicated on every rank)."""
+    params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    out = []
+    for name, t in module.state_dict(keep_vars=True).items():
+        if name in params or not torch.is_tensor(t):
+            continue
+        t = t.detach()
+        out.append(Fragment(name, BUFFER, tuple(t.shape), 0, t.numel(), t.reshape(-1)))
+    return out
+
+
+def _check_tags_agree(tag: str, mode: str, group: Any) -> None:
+    if mode.lower() == "ignore" or not comm.is_initialized() or comm.get_world_size(group) == 1:
+        return
+    h = zlib.crc32(tag.encode())
+    lo = torch.tensor([h], dtype=torch.int64)
+    hi = lo.clone()
+    comm.all_reduce(lo, op=comm.ReduceOp.MIN, group=group)
+    comm.all_reduce(hi, op=comm.ReduceOp.MAX, group=group)
+    if lo.item() != hi.item():
+        msg = f"save_checkpoint: ranks passed different tags (this rank: {tag!r}); pass the same tag on every rank"
+        if mode.lower() == "fail":
+            raise CheckpointError(msg)
+        warnings.warn(msg, stacklevel=3)
+
+
+def _param_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    out = []
+    for i, g in enumerate(optimizer.param_groups):
+        hp = {}
+        for k, v in g.items():
+            if k == "params":
+                continue
+            try:
+                check_json_compatible(v, f"optimizer.param_groups[{i}][{k!r}]")
+            except TypeError:
+                continue  # e.g. a tensor lr: the scheduler state restores it
+            hp[k] = list(v) if isinstance(v, tuple) else v
+        out.append(hp)
+    return out
+
+
+def _engine_meta(engine: Any, tag: str, world: int, client_state: dict[str, Any], exclude: bool) -> dict[str, Any]:
+    cfg = engine.config
+    zc = getattr(cfg, "zero_optimization", None)
+    sched = getattr(engine, "lr_scheduler", None)
+    sched_state = None
+    if sched is not None and hasattr(sched, "state_dict"):
+        sched_state = sched.state_dict()
+        check_json_compatible(sched_state, "lr_scheduler.state_dict()")
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "checksum": CHECKSUM_ALGORITHM,
+        "tag": tag,
+        "world_size": world,
+        "zero_stage": int(getattr(zc, "stage", 0) or 0),
+        "compute_dtype": dtype_name(engine.compute_dtype),
+        "exclude_frozen_parameters": bool(exclude),
+        "global_steps": int(engine.global_steps),
+        "global_samples": int(engine.global_samples),
+        "skipped_steps": int(engine.skipped_steps),
+        "micro_steps": int(engine.micro_steps),
+        "loss_scaler": engine.loss_scaler.state_dict(),
+        "lr_scheduler": sched_state,
+        "optimizer": {"class": type(engine.optimizer).__name__, "param_groups": _param_groups(engine.optimizer)},
+        "parameters": [[n, bool(p.requires_grad), list(p.shape)] for n, p in engine.module.named_parameters()],
+        "config": cfg.to_dict() if hasattr(cfg, "to_dict") else None,
+        "client_state": client_state,
+    }
+
+
+def _write_rank(stage_dir: str, rank: int, world: int, fragments: list[Fragment]) -> None:
+    rng_tensors, rng_meta = rng.capture()
+    entries = [
+        TensorEntry(f.key, (f.end - f.start,), f.tensor.dtype, (lambda t=f.tensor: t.reshape(-1))) for f in fragments
+    ]
+    entries += [TensorEntry(k, tuple(t.shape), t.dtype, (lambda t=t: t)) for k, t in rng_tensors.items()]
+    tensor_name = rank_tensor_name(rank)
+    nbytes, crc = write_tensor_file(os.path.join(stage_dir, tensor_name), entries)
+    table = {
+        "rank": rank,
+        "world_size": world,
+        "file": tensor_name,
+        "file_record": file_record(nbytes, crc),
+        "fragments": [f.record() for f in fragments],
+        "rng": rng_meta,
+        "rng_tensors": sorted(rng_tensors),
+    }
+    atomic_write_bytes(os.path.join(stage_dir, rank_json_name(rank)), dumps(table), sync_dir=False)
+
+
+def _commit(save_dir: str, stage_dir: str, tag: str, world: int, meta: dict[str, Any], save_latest: bool) -> None:
+    meta["files"] = {rank_json_name(r): file_record(*file_checksum(os.path.join(stage_dir, rank_json_name(r))))
+                     for r in range(world)}
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zero_to_fp32.py")
+    with open(script, "rb") as f:
+        atomic_write_bytes(os.path.join(stage_dir, SCRIPT_FILE), f.read(), sync_dir=False)
+    atomic_write_bytes(os.path.join(stage_dir, COMMIT_FILE), dumps(meta), sync_dir=False)
+    fsync_dir(stage_dir)
+    final = os.path.join(save_dir, tag)
+    old = None
+    if os.path.exists(final):
+        old = os.path.join(save_dir, f".{tag}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(stage_dir, final)
+    fsync_dir(save_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    if save_latest:
+        atomic_write_bytes(os.path.join(save_dir, LATEST_FILE), tag.encode())
+
+
+def save_checkpoint(
+    engine: Any,
+    save_dir: str | os.PathLike[str],
+    tag: Any = None,
+    client_state: dict[str, Any] | None = None,
+    save_latest: bool = True,
+    exclude_frozen_parameters: bool = False,
+) -> bool:
+    """Save ``engine``'s training state under ``save_dir/tag``; collective, call on every rank."""
+    if not isinstance(save_dir, (str, os.PathLike)):
+        raise TypeError(f"save_checkpoint: save_dir must be a path, got {type(save_dir).__name__}")
+    save_dir = os.fspath(save_dir)
+    tag = validate_tag(f"global_step{engine.global_steps}" if tag is None else tag)
+    client_state = {} if client_state is None else client_state
+    if not isinstance(client_state, dict):
+        raise TypeError(f"save_checkpoint: client_state must be a dict, got {type(client_state).__name__}")
+    check_json_compatible(client_state, "client_state")
+    strategy = engine.strategy
+    if not isinstance(strategy, CheckpointableStrategy):
+        raise CheckpointError(
+            f"save_checkpoint: the {type(strategy).__name__} strategy cannot be checkpointed "
+            "(it has no checkpoint_fragments/load_checkpoint_fragments)"
+        )
+    group = getattr(engine, "dp_group", None)
+    on = comm.is_initialized()
+    rank = comm.get_rank(group) if on else 0
+    world = comm.get_world_size(group) if on else 1
+    mode = str(getattr(getattr(engine.config, "checkpoint", None), "tag_validation", "Warn"))
+    _check_tags_agree(tag, mode, group)
+    meta = _engine_meta(engine, tag, world, client_state, exclude_frozen_parameters) if rank == 0 else None
+
+    stage_dir = os.path.join(save_dir, staging_dir_name(tag))
+    if rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        shutil.rmtree(stage_dir, ignore_errors=True)  # leftovers of a crashed save of this tag
+        os.makedirs(stage_dir)
+    _barrier(group)
+    fragments = strategy.checkpoint_fragments(exclude_frozen_parameters=exclude_frozen_parameters)
+    if rank == 0:
+        fragments = fragments + buffer_fragments(engine.module)
+    _write_rank(stage_dir, rank, world, fragments)
+    _barrier(group)
+    if rank == 0:
+        _commit(save_dir, stage_dir, tag, world, meta, save_latest)
+    _barrier(group)
+    return True

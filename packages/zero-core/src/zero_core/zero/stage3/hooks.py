@@ -1,0 +1,170 @@
+"""Module and gradient hooks that drive stage 3 without changes to model code.
+
+[Note: stage 3 hooks]
+* forward pre-hook: the root's starts an iteration (see [Note: stage 3 parameter coordinator]);
+  every module's gathers its parameters (and its external ones).
+* forward post-hook: releases them, except a parameter the module returns (the seed's second
+  external-parameter pattern: it is registered as external to the enclosing module, so it
+  stays gathered while that module runs and is gathered again for its backward). With grad
+  enabled it also puts a multi-grad hook on the outputs: it fires before the module's backward
+  and gathers the parameters again (this also covers recomputation under activation
+  checkpointing, whose re-run forward goes through the same hooks).
+* post-accumulate-grad hook of each trainable parameter: the gradient is complete, so it is
+  reduce-scattered into the owner's shard at once, the full gradient is dropped and the
+  gathered parameter released (no later backward node needs it).
+* end of backward (autograd engine callback): waits for reductions, releases the rest.
+* ``module._parameters`` becomes a :class:`ZeroParamDict`: reading a released parameter as a
+  module attribute inside some module's forward gathers it and registers it as external to
+  that module (the seed's first pattern: ``compute_logits(x, self.embeddings.weight)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten
+
+from zero_core.zero.stage3.param_coordinator import ParamCoordinator
+from zero_core.zero.stage3.partitioned_param import ParamStatus, ReduceHandle, reduce_scatter_grad
+
+# The runtime currently driving a forward (at most one per process); read by ZeroParamDict.
+_ACTIVE: list[Stage3Hooks] = []
+# Set by zero.Init while it constructs modules: gather-on-access without a forward.
+_ON_ACCESS_OUTSIDE_FORWARD: list[Callable[[torch.nn.Parameter], None]] = []
+
+
+class ZeroParamDict(dict):
+    """``module._parameters`` for stage 3: gathers a released parameter when model code reads it."""
+
+    def __getitem__(self, key: str) -> Any:
+        p = dict.__getitem__(self, key)
+        if p is not None and getattr(p, "zero_state", None) is not None and p.zero_state.status is not ParamStatus.AVAILABLE:
+            _on_access(p)
+        return p
+
+    def items(self):  # noqa: ANN201 (dict view)
+        if _ON_ACCESS_OUTSIDE_FORWARD:
+            for p in dict.values(self):
+                if p is not None and getattr(p, "zero_state", None) is not None:
+                    _ON_ACCESS_OUTSIDE_FORWARD[-1](p)
+        return dict.items(self)
+
+
+def _on_access(p: torch.nn.Parameter) -> None:
+    if _ACTIVE and _ACTIVE[-1].stack:
+        _ACTIVE[-1].external_access(p)
+    elif _ON_ACCESS_OUTSIDE_FORWARD:
+        _ON_ACCESS_OUTSIDE_FORWARD[-1](p)
+
+
+def install_param_dict(module: torch.nn.Module) -> None:
+    if not isinstance(module._parameters, ZeroParamDict):
+        module._parameters = ZeroParamDict(module._parameters)
+
+
+class Stage3Hooks:
+    """Installs and runs the hooks of [Note: stage 3 hooks] for one root module."""
+
+    def __init__(self, root: torch.nn.Module, coordinator: ParamCoordinator,
+                 on_grad_ready: Callable[[ReduceHandle], None]) -> None:
+        self.root = root
+        self.coordinator = coordinator
+        self.on_grad_ready = on_grad_ready
+        self.stack: list[torch.nn.Module] = []
+        self.handles: list[Any] = []
+        self.in_backward = False
+        self.grad_bytes_live = 0
+        self._backward_task: int | None = None
+        for m in root.modules():
+            install_param_dict(m)
+            self.handles.append(m.register_forward_pre_hook(self._pre_forward))
+            self.handles.append(m.register_forward_hook(self._post_forward))
+        seen: set[int] = set()
+        for p in root.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                self.handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    # -- forward ------------------------------------------------------------------------
+    def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if module is self.root and not self.stack and not self.in_backward:
+            self.coordinator.begin_iteration((self.root.training, torch.is_grad_enabled()))
+        if not self.stack:
+            _ACTIVE.append(self)
+        self.stack.append(module)
+        self.coordinator.fetch(module, "forward")
+
+    def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        leaves, _ = tree_flatten(output)
+        returned = [t for t in leaves if isinstance(t, torch.nn.Parameter) and hasattr(t, "zero_state")]
+        if self.stack and self.stack[-1] is module:
+            self.stack.pop()
+        if returned and self.stack:
+            # Pattern 2: the parent uses the returned parameter; it owns it from now on.
+            from zero_core.zero.stage3.external_params import register_external_parameter
+
+            for p in returned:
+                register_external_parameter(self.stack[-1], p)
+                p.zero_state.active += 1
+        self.coordinator.release_module(module, "forward", keep=returned)
+        if not self.stack and _ACTIVE and _ACTIVE[-1] is self:
+            _ACTIVE.pop()
+        if torch.is_grad_enabled():
+            tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                register_multi_grad_hook(tensors, lambda grads, m=module: self._pre_backward(m), mode="any")
+        return None
+
+    def external_access(self, p: torch.nn.Parameter) -> None:
+        """A released parameter read inside a forward: gather it, make it the module's external."""
+        from zero_core.zero.stage3.external_params import register_external_parameter
+
+        owner = self.stack[-1]
+        register_external_parameter(owner, p)
+        self.coordinator.ensure_available([p], f"access from module {type(owner).__name__}")
+        self.coordinator._track([p])
+        p.zero_state.active += 1
+
+    # -- backward -----------------------------------------------------------------------
+    def _pre_backward(self, module: torch.nn.Module) -> None:
+        if not self.in_backward:
+            self.in_backward = True
+            self._backward_task = torch._C._current_graph_task_id()
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self.coordinator.fetch(module, "backward")
+        # Parameters without gradients (frozen) are released at the end of backward.
+        for p in module.parameters(recurse=False):
+            if hasattr(p, "zero_state"):
+                p.zero_state.active = 0
+
+    def _grad_ready(self, param: torch.nn.Parameter) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        param.grad = None
+        if not hasattr(param, "zero_state"):
+            return
+        self.grad_bytes_live += grad.numel() * grad.element_size()
+        self.coordinator.extra_bytes = self.grad_bytes_live
+        self.coordinator.peak_bytes = max(self.coordinator.peak_bytes,
+                                          self.coordinator.live_bytes() + self.grad_bytes_live)
+        handle = reduce_scatter_grad(param, grad)
+        self.grad_bytes_live -= grad.numel() * grad.element_size()
+        self.coordinator.extra_bytes = self.grad_bytes_live
+        self.on_grad_ready(handle)
+        self.coordinator.release_after_grad(param)
+
+    def _end_backward(self) -> None:
+        if self._backward_task is not None and torch._C._current_graph_task_id() not in (-1, self._backward_task):
+            return
+        self.in_backward = False
+        self._backward_task = None
+        self.coordinator.end_iteration()

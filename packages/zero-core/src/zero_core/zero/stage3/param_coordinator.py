@@ -1,0 +1,244 @@
+"""When parameters are gathered and released: trace, prefetch, persistence and live bounds.
+
+[Note: stage 3 parameter coordinator]
+An *iteration* runs from one forward of the root module to the next (training: forward plus
+backward; eval: forward). Each time a module needs its parameters (forward or backward) the
+coordinator logs an event ``(module, phase)``. The event list of the first iteration is the
+*trace*, kept per mode ``(module.training, grad enabled)`` so that alternating train and eval
+loops do not invalidate each other.
+
+In later iterations, while events match the trace, the coordinator prefetches: it starts one
+all-gather for the parameters of the next modules in the trace, up to ``prefetch_bucket_size``
+elements and without taking the gathered total past ``max_live_parameters``. On release it
+keeps a parameter whose next use in the trace is less than ``max_reuse_distance`` elements of
+gathering away (again bounded by ``max_live_parameters``). On the first event that does not
+match (dynamic control flow) the trace is dropped: the rest of the iteration gathers on
+demand only and the next iteration records a new trace. Prefetched parameters that end up
+unused are waited for and released at the end of the iteration. Every decision depends only on
+the event sequence, so ranks that run the same modules issue the same collectives; ranks that
+do not are caught by [Note: stage 3 collective agreement]. A module never runs with a released
+parameter: ``fetch`` waits for every parameter of the module before returning.
+
+Parameters no larger than ``param_persistence_threshold`` elements (in module order, while the
+running total stays under ``model_persistence_threshold``) are *persistent*: gathered once,
+never released, refreshed after each optimizer step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from zero_core.zero.stage3.partitioned_param import (
+    GatherHandle,
+    ParamStatus,
+    gather_params,
+    param_name,
+    release_param,
+)
+
+Event = tuple[int, str]
+
+
+def module_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The partitioned parameters a module's forward needs: its own plus its external ones."""
+    own = [p for p in module._parameters.values() if p is not None and hasattr(p, "zero_state")]
+    ext = getattr(module, "_zero_external_params", None)
+    if ext:
+        own = own + [p for p in ext if p not in own]
+    return own
+
+
+class ParamCoordinator:
+    """Gathers and releases partitioned parameters around module execution."""
+
+    def __init__(
+        self,
+        modules: Iterable[torch.nn.Module],
+        group: Any = None,
+        *,
+        prefetch_bucket_size: int = 50_000_000,
+        max_live_parameters: int = 1_000_000_000,
+        max_reuse_distance: int = 1_000_000_000,
+    ) -> None:
+        for name, v in (("prefetch_bucket_size", prefetch_bucket_size), ("max_live_parameters", max_live_parameters),
+                        ("max_reuse_distance", max_reuse_distance)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"ParamCoordinator: {name} must be a non-negative int, got {v!r}")
+        self.modules = list(modules)
+        self.index = {id(m): i for i, m in enumerate(self.modules)}
+        self.group = group
+        self.prefetch_bucket_size = prefetch_bucket_size
+        self.max_live_parameters = max_live_parameters
+        self.max_reuse_distance = max_reuse_distance
+        self.traces: dict[tuple[bool, bool], list[Event]] = {}
+        self.recording: list[Event] = []
+        self.mode: tuple[bool, bool] | None = None
+        self.trace: list[Event] | None = None
+        self.pos = 0
+        self.inflight: dict[int, GatherHandle] = {}
+        self.gathered: dict[int, torch.nn.Parameter] = {}  # non-persistent params currently gathered
+        self.live_numel = 0
+        self.peak_bytes = 0
+        self.extra_bytes = 0  # full-size gradients not yet reduced (reported by the strategy)
+        self.fallbacks = 0
+        self.prefetched = 0
+
+    # -- iteration boundaries ----------------------------------------------------------
+    def begin_iteration(self, mode: tuple[bool, bool]) -> None:
+        self.end_iteration()
+        self.mode = mode
+        self.trace = self.traces.get(mode)
+        self.pos = 0
+        self.recording = []
+
+    def end_iteration(self) -> None:
+        if self.mode is not None and self.recording:
+            if self.trace is None or self.recording != self.trace:
+                self.traces[self.mode] = self.recording
+        self.mode = None
+        self.recording = []
+        self.release_all()
+
+    def release_all(self, force: bool = False) -> None:
+        """Wait for every in-flight gather and release every non-persistent parameter."""
+        for h in list(self.inflight.values()):
+            h.wait()
+        self.inflight.clear()
+        for p in list(self.gathered.values()):
+            p.zero_state.active = 0
+            self._release(p, force=force)
+
+    # -- fetch / release -------------------------------------------------------------------
+    def fetch(self, module: torch.nn.Module, phase: str) -> list[torch.nn.Parameter]:
+        """Make every parameter of ``module`` available (and prefetch the next ones)."""
+        params = module_params(module)
+        event = (self.index.get(id(module), -1), phase)
+        self._advance(event)
+        self._ensure(params, f"{phase} of module {type(module).__name__}#{event[0]}")
+        for p in params:
+            p.zero_state.active += 1
+        self._prefetch()
+        return params
+
+    def ensure_available(self, params: list[torch.nn.Parameter], what: str) -> None:
+        """Gather ``params`` now, outside the trace (on-demand access from model code)."""
+        self._ensure(params, what)
+
+    def _ensure(self, params: list[torch.nn.Parameter], what: str) -> None:
+        for p in params:
+            h = self.inflight.get(p.zero_state.id)
+            if h is not None:
+                h.wait()
+                for q in h.params:
+                    self.inflight.pop(q.zero_state.id, None)
+        handle = gather_params(params, what=what)
+        if handle is not None:
+            handle.wait()
+            self._track(handle.params)
+
+    def _track(self, params: list[torch.nn.Parameter]) -> None:
+        for p in params:
+            st = p.zero_state
+            if not st.persistent and st.id not in self.gathered:
+                self.gathered[st.id] = p
+                self.live_numel += st.padded_numel
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes() + self.extra_bytes)
+
+    def live_bytes(self) -> int:
+        return sum(p.zero_state.full.untyped_storage().nbytes() for p in self.gathered.values())
+
+    def release_module(self, module: torch.nn.Module, phase: str, keep: Iterable[torch.nn.Parameter] = ()) -> None:
+        """Called after a module's forward: release what is not reused soon."""
+        keep_ids = {p.zero_state.id for p in keep}
+        for p in module_params(module):
+            st = p.zero_state
+            st.active = max(st.active - 1, 0)
+            if st.active > 0 or st.id in keep_ids or self._reused_soon(p):
+                continue
+            self._release(p)
+
+    def release_after_grad(self, param: torch.nn.Parameter) -> None:
+        """A parameter whose gradient is complete is not needed again in this backward."""
+        st = param.zero_state
+        st.active = 0
+        if not self._reused_soon(param):
+            self._release(param)
+
+    def _release(self, p: torch.nn.Parameter, force: bool = False) -> None:
+        st = p.zero_state
+        if st.id in self.inflight:
+            return
+        if release_param(p, force=force) or st.status is ParamStatus.NOT_AVAILABLE:
+            if self.gathered.pop(st.id, None) is not None:
+                self.live_numel -= st.padded_numel
+
+    # -- trace following --------------------------------------------------------------------
+    def _advance(self, event: Event) -> None:
+        self.recording.append(event)
+        if self.trace is None:
+            return
+        if self.pos < len(self.trace) and self.trace[self.pos] == event:
+            self.pos += 1
+        else:
+            # Dynamic control flow: stop prefetching for this iteration, record a new trace.
+            self.trace = None
+            self.fallbacks += 1
+
+    def _prefetch(self) -> None:
+        if self.trace is None or self.prefetch_bucket_size == 0:
+            return
+        budget = self.prefetch_bucket_size
+        room = self.max_live_parameters - self.live_numel - sum(
+            q.zero_state.padded_numel for h in self.inflight.values() for q in h.params
+        )
+        bucket: list[torch.nn.Parameter] = []
+        seen: set[int] = set()
+        for idx, _phase in self.trace[self.pos:]:
+            if idx < 0:
+                continue
+            for p in module_params(self.modules[idx]):
+                st = p.zero_state
+                if st.status is not ParamStatus.NOT_AVAILABLE or st.id in seen:
+                    continue
+                if st.padded_numel > room or st.padded_numel > budget:
+                    budget = 0
+                    break
+                seen.add(st.id)
+                bucket.append(p)
+                budget -= st.padded_numel
+                room -= st.padded_numel
+            if budget <= 0:
+                break
+        if not bucket:
+            return
+        handle = gather_params(bucket, what="prefetch")
+        if handle is None:
+            return
+        self.prefetched += len(bucket)
+        for p in handle.params:
+            self.inflight[p.zero_state.id] = handle
+        self._track(handle.params)
+
+    def _reused_soon(self, p: torch.nn.Parameter) -> bool:
+        if self.trace is None or self.max_reuse_distance == 0:
+            return False
+        if self.live_numel > self.max_live_parameters:
+            return False
+        distance = 0
+        pid = p.zero_state.id
+        for idx, _phase in self.trace[self.pos:]:
+            if idx < 0:
+                continue
+            params = module_params(self.modules[idx])
+            if any(q.zero_state.id == pid for q in params):
+                return True
+            distance += sum(q.zero_state.padded_numel for q in params)
+            if distance >= self.max_reuse_distance:
+                return False
+        return False
+
+    def describe(self, p: torch.nn.Parameter) -> str:
+        return param_name(p)

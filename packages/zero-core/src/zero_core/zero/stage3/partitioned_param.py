@@ -1,0 +1,347 @@
+"""Per-parameter partition state of ZeRO stage 3: the local 1/N shard, gather and release.
+
+[Note: stage 3 parameter layout]
+A partitioned parameter ``p`` keeps its ``torch.nn.Parameter`` identity (optimizers, hooks
+and user references stay valid) and carries a :class:`PartitionState` as ``p.zero_state``.
+The parameter's values, flattened and zero-padded to a multiple of the group size N, are
+cut into N equal chunks; rank r keeps chunk r in ``p.zero_shard`` (our name for DeepSpeed's
+``param.ds_tensor``; ``p.zero_numel`` / ``p.zero_shape`` are ``ds_numel`` / ``ds_shape``).
+
+While released, ``p.data`` is an empty tensor: reading it outside a gather gives a
+shape-mismatch error, never stale or garbage values. While gathered, ``p.data`` is a view of
+``state.full``, a padded flat buffer of the whole parameter. Releasing resizes that buffer's
+*storage* to zero bytes (instead of dropping the tensor), which matters because autograd may
+have saved views of the weight (``weight.t()`` inside ``F.linear``): those views share the
+storage, so releasing really frees the memory, and re-gathering into the same storage makes
+the saved views valid again for backward. Autograd never reads them while released because
+every module's backward is preceded by a gather (see [Note: stage 3 hooks]).
+
+[Note: stage 3 collective agreement]
+Every stage-3 collective is preceded by a 32-byte all-gather of a header (kind, first
+parameter id, parameter count, payload bytes) that all ranks compare. Gloo aborts the
+process on collectives whose sizes differ across ranks and hangs on one a rank skipped, so
+this check turns both into a clear error naming the parameters on each side, and every wait
+is bounded by :func:`collective_timeout` (settable with :func:`set_collective_timeout` or the
+``ZERO_STAGE3_COLLECTIVE_TIMEOUT`` environment variable, default 300 s).
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import os
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from zero_core import comm
+
+_ALIGN = 16  # bytes; every shard starts at an address aligned for any dtype view
+
+
+class ParamStatus(enum.Enum):
+    NOT_AVAILABLE = 0
+    INFLIGHT = 1
+    AVAILABLE = 2
+
+
+class Stage3CollectiveError(RuntimeError):
+    """Ranks disagreed on (or did not join) a stage-3 collective."""
+
+
+_NEXT_ID = [0]
+_NAMES: dict[int, str] = {}
+_LOCK = threading.Lock()
+_TIMEOUT: list[float | None] = [None]
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """Bound every stage-3 collective wait to ``seconds`` (see [Note: stage 3 collective agreement])."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ValueError(f"set_collective_timeout: seconds must be a positive number, got {seconds!r}")
+    _TIMEOUT[0] = float(seconds)
+
+
+def collective_timeout() -> float:
+    if _TIMEOUT[0] is not None:
+        return _TIMEOUT[0]
+    env = os.environ.get("ZERO_STAGE3_COLLECTIVE_TIMEOUT")
+    if env:
+        try:
+            value = float(env)
+        except ValueError as exc:
+            raise ValueError(f"ZERO_STAGE3_COLLECTIVE_TIMEOUT must be a number of seconds, got {env!r}") from exc
+        if value > 0:
+            return value
+    return 300.0
+
+
+def set_param_name(param: torch.nn.Parameter, name: str) -> None:
+    """Record a readable name for error messages (the strategy uses qualified module names)."""
+    _NAMES[param.zero_state.id] = name
+
+
+def param_name(param_or_id: torch.nn.Parameter | int) -> str:
+    pid = param_or_id if isinstance(param_or_id, int) else param_or_id.zero_state.id
+    return _NAMES.get(pid, f"param#{pid}")
+
+
+class PartitionState:
+    """What a rank knows about one partitioned parameter (see [Note: stage 3 parameter layout])."""
+
+    __slots__ = (
+        "id", "shape", "numel", "padded_numel", "shard_numel", "group", "world", "rank",
+        "shard", "full", "status", "persistent", "grad_shard", "holds", "active", "empty",
+    )
+
+    def __init__(self, param: torch.nn.Parameter, group: Any) -> None:
+        with _LOCK:
+            self.id = _NEXT_ID[0]
+            _NEXT_ID[0] += 1
+        self.group = group
+        self.world = comm.get_world_size(group)
+        self.rank = comm.get_rank(group)
+        self.shape = param.shape
+        self.numel = param.numel()
+        self.shard_numel = -(-self.numel // self.world)
+        self.padded_numel = self.shard_numel * self.world
+        self.shard: torch.Tensor = torch.empty(0)
+        self.full: torch.Tensor = torch.empty(0)
+        self.status = ParamStatus.NOT_AVAILABLE
+        self.persistent = False
+        self.grad_shard: torch.Tensor | None = None
+        self.holds = 0  # GatheredParameters / construction-time holders
+        self.active = 0  # modules currently running that use it
+        self.empty = torch.empty(0, dtype=param.dtype, device=param.device)
+
+
+def is_partitioned(param: Any) -> bool:
+    return isinstance(param, torch.nn.Parameter) and hasattr(param, "zero_state")
+
+
+def _full_view(st: PartitionState) -> torch.Tensor:
+    return st.full[: st.numel].view(st.shape)
+
+
+def partition_param(param: torch.nn.Parameter, group: Any = None, *, broadcast_from: int | None = 0) -> None:
+    """Turn a full parameter into its 1/N shard, in place (values broadcast from ``broadcast_from``)."""
+    if not isinstance(param, torch.nn.Parameter):
+        raise TypeError(f"partition_param: expected a torch.nn.Parameter, got {type(param).__name__}")
+    if is_partitioned(param):
+        return
+    st = PartitionState(param, group)
+    data = param.data
+    if broadcast_from is not None and st.world > 1:
+        data = data.contiguous()
+        comm.broadcast(data, src=comm.get_global_rank(group, broadcast_from) if group is not None else broadcast_from,
+                       group=group)
+    flat = data.reshape(-1)
+    lo = st.rank * st.shard_numel
+    hi = min(lo + st.shard_numel, st.numel)
+    shard = torch.zeros(st.shard_numel, dtype=data.dtype, device=data.device)
+    if hi > lo:
+        shard[: hi - lo].copy_(flat[lo:hi])
+    st.shard = shard
+    st.full = torch.empty(st.padded_numel, dtype=data.dtype, device=data.device)
+    st.full.untyped_storage().resize_(0)
+    param.zero_state = st
+    param.zero_shard = shard
+    param.zero_numel = st.numel
+    param.zero_shape = st.shape
+    param.data = st.empty
+
+
+def set_shard_dtype(param: torch.nn.Parameter, dtype: torch.dtype) -> None:
+    """Cast a released partitioned parameter's storage (shard, gather buffer) to ``dtype``."""
+    st = param.zero_state
+    if st.shard.dtype == dtype:
+        return
+    if st.status is not ParamStatus.NOT_AVAILABLE:
+        release_param(param, force=True)
+    st.shard = st.shard.to(dtype)
+    param.zero_shard = st.shard
+    st.full = torch.empty(st.padded_numel, dtype=dtype, device=st.shard.device)
+    st.full.untyped_storage().resize_(0)
+    st.empty = torch.empty(0, dtype=dtype, device=st.shard.device)
+    param.data = st.empty
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _wait(work: Any, what: str) -> None:
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=collective_timeout()))
+    except Exception as exc:
+        raise Stage3CollectiveError(
+            f"ZeRO stage 3: {what} did not complete within {collective_timeout():g} s on rank {comm.get_rank()}: "
+            f"another rank did not join (ranks took different paths through the model?). Backend said: {exc}"
+        ) from exc
+
+
+def check_agreement(kind: int, params: Sequence[torch.nn.Parameter], nbytes: int, group: Any, what: str) -> None:
+    """All ranks must be about to run the same collective (see [Note: stage 3 collective agreement])."""
+    world = comm.get_world_size(group)
+    if world == 1:
+        return
+    first = params[0].zero_state.id if params else -1
+    mine = torch.tensor([kind, first, len(params), nbytes], dtype=torch.int64)
+    every = torch.empty(4 * world, dtype=torch.int64)
+    work = comm.all_gather_into_tensor(every, mine, group=group, async_op=True)
+    _wait(work, f"the agreement check before {what}")
+    rows = every.view(world, 4)
+    if bool((rows == mine).all()):
+        return
+    kinds = {0: "all-gather", 1: "reduce-scatter", 2: "broadcast"}
+
+    def describe(row: torch.Tensor) -> str:
+        k, pid, count, size = (int(x) for x in row)
+        names = [param_name(pid + i) for i in range(min(count, 4))]
+        more = f" and {count - 4} more" if count > 4 else ""
+        return f"{kinds.get(k, k)} of {names}{more} ({size} bytes)"
+
+    me = comm.get_rank(group)
+    lines = [f"  rank {r}: {describe(rows[r])}" for r in range(world)]
+    raise Stage3CollectiveError(
+        f"ZeRO stage 3: ranks disagree on the next collective (this is rank {me}, running {what}).\n"
+        + "\n".join(lines)
+        + "\nEvery rank must run the same modules in the same order (data-dependent control flow must agree)."
+    )
+
+
+class GatherHandle:
+    """An in-flight all-gather of a bucket of parameters; :meth:`wait` makes them available."""
+
+    def __init__(self, params: list[torch.nn.Parameter], work: Any, recv: torch.Tensor | None,
+                 offsets: list[int], chunk: int, what: str) -> None:
+        self.params = params
+        self._work = work
+        self._recv = recv
+        self._offsets = offsets
+        self._chunk = chunk
+        self._what = what
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        if self._work is not None:
+            _wait(self._work, self._what)
+        for p, off in zip(self.params, self._offsets):
+            st = p.zero_state
+            st.full.untyped_storage().resize_(st.padded_numel * st.full.element_size())
+            if self._recv is None:
+                st.full.copy_(st.shard)
+            else:
+                nb = st.shard_numel * st.full.element_size()
+                for r in range(st.world):
+                    start = r * self._chunk + off
+                    st.full[r * st.shard_numel:(r + 1) * st.shard_numel].copy_(
+                        self._recv[start:start + nb].view(st.full.dtype)
+                    )
+            p.data = _full_view(st)
+            st.status = ParamStatus.AVAILABLE
+        self._recv = None
+
+
+def gather_params(params: Iterable[torch.nn.Parameter], group: Any = None, what: str = "") -> GatherHandle | None:
+    """Start gathering the released parameters among ``params`` (one bucket, one collective).
+
+    All ranks must call this with the same parameters in the same order. Returns None when
+    nothing needed gathering.
+    """
+    todo = [p for p in params if p.zero_state.status is ParamStatus.NOT_AVAILABLE]
+    if not todo:
+        return None
+    if group is None:
+        group = todo[0].zero_state.group
+    label = f"all-gather of {[param_name(p) for p in todo[:4]]}" + (f" ({what})" if what else "")
+    world = todo[0].zero_state.world
+    offsets, chunk = [], 0
+    for p in todo:
+        offsets.append(chunk)
+        chunk += _aligned(p.zero_state.shard_numel * p.zero_state.shard.element_size())
+    for p in todo:
+        p.zero_state.status = ParamStatus.INFLIGHT
+    if world == 1:
+        return GatherHandle(todo, None, None, offsets, chunk, label)
+    check_agreement(0, todo, chunk, group, label)
+    device = todo[0].zero_state.shard.device
+    send = torch.empty(chunk, dtype=torch.uint8, device=device)
+    for p, off in zip(todo, offsets):
+        sh = p.zero_state.shard
+        send[off:off + sh.numel() * sh.element_size()].copy_(sh.view(torch.uint8))
+    recv = torch.empty(chunk * world, dtype=torch.uint8, device=device)
+    work = comm.all_gather_into_tensor(recv, send, group=group, async_op=True)
+    return GatherHandle(todo, work, recv, offsets, chunk, label)
+
+
+def release_param(param: torch.nn.Parameter, force: bool = False) -> bool:
+    """Free the gathered copy of ``param`` (kept if persistent or held, unless ``force``)."""
+    st = param.zero_state
+    if st.status is not ParamStatus.AVAILABLE:
+        return False
+    if not force and (st.persistent or st.holds > 0):
+        return False
+    param.data = st.empty
+    st.full.untyped_storage().resize_(0)
+    st.status = ParamStatus.NOT_AVAILABLE
+    return True
+
+
+@torch.no_grad()
+def shard_from_full(param: torch.nn.Parameter) -> None:
+    """Copy this rank's chunk of the gathered value back into the shard (after a modification)."""
+    st = param.zero_state
+    if st.status is not ParamStatus.AVAILABLE:
+        raise RuntimeError(f"shard_from_full: {param_name(param)} is not gathered")
+    st.shard.copy_(st.full[st.rank * st.shard_numel:(st.rank + 1) * st.shard_numel])
+
+
+class ReduceHandle:
+    """An in-flight reduce-scatter of one gradient into the owner's shard."""
+
+    def __init__(self, param: torch.nn.Parameter, work: Any, out: torch.Tensor, what: str) -> None:
+        self.param, self._work, self._out, self._what = param, work, out, what
+
+    def wait(self) -> None:
+        if self._work is not None:
+            _wait(self._work, self._what)
+        st = self.param.zero_state
+        out = self._out.div_(st.world) if st.world > 1 else self._out
+        if st.grad_shard is None:
+            st.grad_shard = out.to(st.shard.dtype)
+        else:
+            st.grad_shard.add_(out)
+
+
+def reduce_scatter_grad(param: torch.nn.Parameter, grad: torch.Tensor) -> ReduceHandle:
+    """Average ``grad`` (full size) over the group and keep this rank's chunk (started async)."""
+    st = param.zero_state
+    flat = grad.reshape(-1)
+    if st.padded_numel != st.numel:
+        padded = torch.zeros(st.padded_numel, dtype=grad.dtype, device=grad.device)
+        padded[: st.numel].copy_(flat)
+        flat = padded
+    what = f"reduce-scatter of the gradient of {param_name(param)}"
+    if st.world == 1:
+        return ReduceHandle(param, None, flat.clone(), what)
+    check_agreement(1, [param], flat.numel() * flat.element_size(), st.group, what)
+    out = torch.empty(st.shard_numel, dtype=grad.dtype, device=grad.device)
+    work = comm.reduce_scatter_tensor(out, flat, group=st.group, async_op=True)
+    return ReduceHandle(param, work, out, what)
+
+
+def broadcast_full(param: torch.nn.Parameter, src: int) -> None:
+    """Broadcast a gathered parameter's value from group rank ``src`` (modifier semantics)."""
+    st = param.zero_state
+    if st.world == 1:
+        return
+    what = f"broadcast of {param_name(param)} from rank {src}"
+    check_agreement(2, [param], st.padded_numel * st.full.element_size(), st.group, what)
+    src_global = comm.get_global_rank(st.group, src) if st.group is not None else src
+    _wait(comm.broadcast(st.full, src=src_global, group=st.group, async_op=True), what)

@@ -1,0 +1,287 @@
+"""ZeRO stage 3 as a :class:`~zero_core.engine.strategy.TrainingStrategy`.
+
+Each rank owns 1/N of every parameter (see [Note: stage 3 parameter layout]), of its gradient
+(reduce-scattered as soon as it is produced, see [Note: stage 3 hooks]) and of the optimizer
+state: the client optimizer's ``param_groups`` are rebound to fp32 *master shards*, one per
+parameter. In fp32 the master shard is the parameter's shard itself (no copy); in fp16/bf16 it
+is an fp32 copy and the 16-bit shard is refreshed from it after every step. Model-state bytes
+per rank are therefore (2 + 2 + 12)Ψ/N with 16-bit training and Adam, plus what is gathered.
+See [Note: engine strategies] for the contract with the engine.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import torch
+
+from zero_core import comm
+from zero_core.zero.stage3.gathered_parameters import SHARD_CHANGED, GatheredParameters
+from zero_core.zero.stage3.hooks import Stage3Hooks
+from zero_core.zero.stage3.param_coordinator import ParamCoordinator
+from zero_core.zero.stage3.partitioned_param import (
+    ParamStatus,
+    ReduceHandle,
+    gather_params,
+    is_partitioned,
+    partition_param,
+    release_param,
+    set_param_name,
+    set_shard_dtype,
+)
+
+# zero_state.id -> the strategy that owns the parameter (for the safe_* helpers)
+OWNERS: dict[int, Stage3Strategy] = {}
+
+
+def _bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _unique_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    seen: set[int] = set()
+    out = []
+    for p in module.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+class Stage3Strategy:
+    """Partitioned parameters, gradients and optimizer states."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        group: Any = None,
+        dtype: torch.dtype = torch.float32,
+        prefetch_bucket_size: int = 50_000_000,
+        param_persistence_threshold: int = 100_000,
+        model_persistence_threshold: int = sys.maxsize,
+        max_live_parameters: int = 1_000_000_000,
+        max_reuse_distance: int = 1_000_000_000,
+        gather_16bit_weights_on_model_save: bool = False,
+    ) -> None:
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"Stage3Strategy: module must be a torch.nn.Module, got {type(module).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"Stage3Strategy: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"Stage3Strategy: dtype must be float32, float16 or bfloat16, got {dtype}")
+        for name, v in (("param_persistence_threshold", param_persistence_threshold),
+                        ("model_persistence_threshold", model_persistence_threshold)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"Stage3Strategy: {name} must be a non-negative int, got {v!r}")
+        self.module = module
+        self.optimizer = optimizer
+        self.group = group
+        self.dtype = dtype
+        self.gather_16bit_weights_on_model_save = bool(gather_16bit_weights_on_model_save)
+        self.params = _unique_params(module)
+        self.master: dict[int, torch.nn.Parameter] = {}  # zero_state.id -> fp32 master shard
+        self._partition_and_make_masters()
+        for name, p in module.named_parameters():
+            set_param_name(p, name)
+        self.persistent = self._choose_persistent(param_persistence_threshold, model_persistence_threshold)
+        self.coordinator = ParamCoordinator(
+            module.modules(), group,
+            prefetch_bucket_size=int(prefetch_bucket_size), max_live_parameters=int(max_live_parameters),
+            max_reuse_distance=int(max_reuse_distance),
+        )
+        self.pending: list[ReduceHandle] = []
+        self.hooks = Stage3Hooks(module, self.coordinator, self.pending.append)
+        self._rebind_optimizer()
+        for p in self.params:
+            OWNERS[p.zero_state.id] = self
+        SHARD_CHANGED.append(self._refresh_master)
+
+    # -- construction ------------------------------------------------------------------
+    @torch.no_grad()
+    def _partition_and_make_masters(self) -> None:
+        for p in self.params:
+            if not is_partitioned(p):
+                partition_param(p, self.group, broadcast_from=0)
+            st = p.zero_state
+            if st.group is not self.group and comm.get_world_size(self.group) != st.world:
+                raise ValueError(
+                    "Stage3Strategy: a parameter was partitioned by zero.Init over a group of "
+                    f"{st.world} ranks but the engine's data-parallel group has {comm.get_world_size(self.group)}"
+                )
+            if not p.requires_grad:
+                set_shard_dtype(p, self.dtype)
+                continue
+            if st.shard.dtype == torch.float32 and self.dtype == torch.float32:
+                master = torch.nn.Parameter(st.shard)  # shares storage: no extra copy in fp32
+            else:
+                master = torch.nn.Parameter(st.shard.detach().float().clone())
+                set_shard_dtype(p, self.dtype)
+            self.master[st.id] = master
+
+    def _choose_persistent(self, threshold: int, model_threshold: int) -> list[torch.nn.Parameter]:
+        chosen, total = [], 0
+        for p in self.params:
+            n = p.zero_state.numel
+            if n <= threshold and total + n <= model_threshold:
+                chosen.append(p)
+                total += n
+        for p in chosen:
+            p.zero_state.persistent = True
+        handle = gather_params(chosen, what="persistent parameters")
+        if handle is not None:
+            handle.wait()
+        return chosen
+
+    def _rebind_optimizer(self) -> None:
+        by_param = {id(p): p for p in self.params}
+        for group in self.optimizer.param_groups:
+            masters = []
+            for p in group["params"]:
+                if id(p) not in by_param and not is_partitioned(p):
+                    raise ValueError(
+                        "Stage3Strategy: the optimizer holds a tensor that is not a parameter of the model "
+                        f"(shape {tuple(p.shape)}); build the optimizer from model.parameters()"
+                    )
+                if p.requires_grad and p.zero_state.id in self.master:
+                    masters.append(self.master[p.zero_state.id])
+            group["params"] = masters
+
+    def _refresh_master(self, p: torch.nn.Parameter) -> None:
+        m = self.master.get(p.zero_state.id)
+        if m is not None and m.data_ptr() != p.zero_state.shard.data_ptr():
+            with torch.no_grad():
+                m.copy_(p.zero_state.shard)
+
+    # -- TrainingStrategy --------------------------------------------------------------
+    def before_backward(self, is_boundary: bool) -> None:
+        pass
+
+    def after_backward(self, is_boundary: bool) -> None:
+        self.wait_reductions()
+
+    def wait_reductions(self) -> None:
+        for h in self.pending:
+            h.wait()
+        self.pending.clear()
+
+    def _grad_shards(self) -> list[torch.Tensor]:
+        return [p.zero_state.grad_shard for p in self.params if p.zero_state.grad_shard is not None]
+
+    def local_overflow(self) -> bool:
+        return any(not bool(torch.isfinite(g).all()) for g in self._grad_shards())
+
+    def grad_norm_sq(self) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32)
+        for g in self._grad_shards():
+            total += g.float().pow(2).sum().cpu()
+        return total
+
+    def norm_group(self) -> Any:
+        return self.group if comm.get_world_size(self.group) > 1 else None
+
+    @torch.no_grad()
+    def step(self, grad_scale: float) -> None:
+        self.wait_reductions()
+        self.coordinator.release_all()
+        for p in self.params:
+            st = p.zero_state
+            m = self.master.get(st.id)
+            if m is None:
+                continue
+            g = st.grad_shard
+            if g is None:
+                m.grad = None
+            elif g.dtype == torch.float32 and m.data_ptr() == st.shard.data_ptr():
+                m.grad = g.mul_(grad_scale) if grad_scale != 1.0 else g
+            else:
+                m.grad = g.float().mul_(grad_scale)
+        self.optimizer.step()
+        for p in self.params:
+            st = p.zero_state
+            m = self.master.get(st.id)
+            if m is not None and m.data_ptr() != st.shard.data_ptr():
+                st.shard.copy_(m)
+        self.refresh_persistent()
+
+    def refresh_persistent(self) -> None:
+        """Re-gather persistent parameters after their shards changed."""
+        for p in self.persistent:
+            release_param(p, force=True)
+        handle = gather_params(self.persistent, what="persistent parameters")
+        if handle is not None:
+            handle.wait()
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.zero_state.grad_shard = None
+            p.grad = None
+        for m in self.master.values():
+            m.grad = None
+
+    def memory_breakdown(self) -> dict[str, int]:
+        state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        shards = [p.zero_state.shard for p in self.params]
+        distinct_masters = [m for p in self.params if (m := self.master.get(p.zero_state.id)) is not None
+                            and m.data_ptr() != p.zero_state.shard.data_ptr()]
+        persistent = [p.zero_state.full for p in self.persistent if p.zero_state.status is ParamStatus.AVAILABLE]
+        return {
+            "parameters": _bytes(shards),
+            "gradients": _bytes(self._grad_shards()),
+            "master_weights": _bytes(distinct_masters),
+            "optimizer_states": _bytes(state),
+            "persistent_parameters": sum(t.untyped_storage().nbytes() for t in persistent),
+            "gathered_parameters": self.coordinator.live_bytes(),
+            "peak_gathered_and_full_grads": self.coordinator.peak_bytes,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "master": [self.master[p.zero_state.id].detach() for p in self.params if p.zero_state.id in self.master],
+            "shards": [p.zero_state.shard.detach() for p in self.params],
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        for p, saved in zip(self.params, state.get("shards", [])):
+            p.zero_state.shard.copy_(saved)
+        masters = [self.master[p.zero_state.id] for p in self.params if p.zero_state.id in self.master]
+        for m, saved in zip(masters, state.get("master", [])):
+            m.copy_(saved)
+        self.refresh_persistent()
+
+    # -- stage-3 extras -------------------------------------------------------------------
+    def empty_partition_cache(self) -> None:
+        """Release every gathered parameter, persistent ones included (they return on next use)."""
+        self.wait_reductions()
+        self.coordinator.release_all(force=True)
+        for p in self.params:
+            release_param(p, force=True)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.safetensors",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Gather the 16-bit weights and write them on rank 0 (collective: every rank calls it)."""
+        if not self.gather_16bit_weights_on_model_save:
+            if comm.get_rank() == 0:
+                print("[zero] save_16bit_model: not saving, zero_optimization.gather_16bit_weights_on_model_save "
+                      "is false (the weights are partitioned)", flush=True)
+            return False
+        from zero_core.zero.stage3.model_save import write_state_dict
+
+        state: dict[str, torch.Tensor] = {}
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            if is_partitioned(value):
+                if exclude_frozen_parameters and not value.requires_grad:
+                    continue
+                with GatheredParameters([value]):
+                    state[key] = value.detach().clone()
+            elif value is not None:
+                state[key] = value.detach().clone()
+        if comm.get_rank() == 0:
+            write_state_dict(state, os.path.join(save_dir, save_filename))
+        return True

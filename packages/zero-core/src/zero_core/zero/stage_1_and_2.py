@@ -1,0 +1,391 @@
+"""ZeRO stages 1 and 2: optimizer states (and, for stage 2, gradients) partitioned over ranks.
+
+[Note: optimizer on a shard]
+The client's real optimizer (Adam, AdamW, SGD with momentum, a user's own) is kept and
+wrapped, not re-implemented: each of its parameter groups is rebound to a single flat fp32
+``torch.nn.Parameter`` holding this rank's shard of that group (its pieces of the group's
+chunks, see [Note: padding]). The optimizer therefore creates states (exp_avg, exp_avg_sq,
+momentum_buffer) only for the shard, keeps each group's own hyper-parameters (lr, weight
+decay, betas), and LR schedulers drive it unchanged through ``optimizer.param_groups``.
+This is exact for element-wise optimizers; one that reduces over a whole tensor (LAMB's
+trust ratio) sees the shard as one tensor, as in DeepSpeed.
+
+A step is: reduced gradient shard -> fp32, times ``grad_scale`` (1/loss-scale and the clip
+factor, computed by the engine from the global norm) -> ``optimizer.step()`` on the shard ->
+the shard is cast to the training dtype and all-gathered into the flat low-precision
+parameter buffer of which every module parameter is a view, so the module's parameters are
+updated in place with no per-parameter copy. Frozen parameters (``requires_grad=False``) stay
+out of all of this: they are neither partitioned nor updated.
+
+``build_flat_masters`` and ``gather_shards`` are the reusable pieces (stage 3 can use them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zero_core import comm
+from zero_core.zero.flat_partition import FlatPartition
+from zero_core.zero.grad_reduce import GroupGrads, PartitionedGradReducer
+
+
+def _bytes(tensors: Any) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if t is None or t.numel() == 0:
+            continue
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+def _positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"zero_optimization.{name} must be a positive number of elements, got {value!r}")
+    return value
+
+
+def build_flat_masters(
+    layout: FlatPartition, params: list[torch.nn.Parameter], rank: int
+) -> torch.nn.Parameter:
+    """The fp32 shard of ``params`` owned by ``rank`` under ``layout``, as a flat Parameter.
+
+    Reads the parameters' current values (call it before they are cast to 16 bits).
+    """
+    shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=params[0].device if params else "cpu")
+    for chunk in layout.chunks:
+        a, b = chunk.piece_range(rank)
+        base = layout.shard_offsets[chunk.index] - a
+        for s in chunk.slices:
+            lo = max(a, chunk.start + s.chunk_lo)
+            hi = min(b, chunk.start + s.chunk_lo + s.numel)
+            if hi > lo:
+                src = params[s.param_index].detach().reshape(-1)
+                p_lo = s.param_lo + lo - (chunk.start + s.chunk_lo)
+                shard[base + lo : base + hi].copy_(src[p_lo : p_lo + hi - lo])
+    return torch.nn.Parameter(shard)
+
+
+def gather_shards(
+    layout: FlatPartition,
+    shard: torch.Tensor,
+    flat: torch.Tensor,
+    *,
+    rank: int,
+    group: Any = None,
+    bucket_numel: int | None = None,
+    use_all_gather: bool = True,
+) -> None:
+    """Fill ``flat`` (the padded buffer, any dtype) with every rank's ``shard`` (see [Note: padding]).
+
+    One all-gather per chunk straight into ``flat``; a chunk larger than ``bucket_numel`` is
+    gathered in sub-pieces through a bucket-sized scratch buffer. With ``use_all_gather``
+    False each rank broadcasts its pieces instead (``allgather_partitions: false``).
+    """
+    n = layout.world_size
+    works = []
+    for chunk in layout.chunks:
+        so = layout.shard_offsets[chunk.index]
+        piece = shard[so : so + chunk.piece].to(flat.dtype)
+        region = flat[chunk.start : chunk.start + chunk.padded]
+        if not use_all_gather:
+            a, b = chunk.piece_range(rank)
+            flat[a:b].copy_(piece)
+            for r in range(n):
+                src = comm.get_global_rank(group, r) if group is not None else r
+                works.append(comm.broadcast(region[r * chunk.piece : (r + 1) * chunk.piece], src=src,
+                                            group=group, async_op=True))
+            continue
+        q = chunk.piece if bucket_numel is None else max(1, bucket_numel // n)
+        if chunk.piece <= q:
+            if piece.data_ptr() == flat.data_ptr():  # never hand the backend aliased buffers
+                piece = piece.clone()
+            works.append(comm.all_gather_into_tensor(region, piece, group=group, async_op=True))
+            continue
+        for lo in range(0, chunk.piece, q):
+            hi = min(lo + q, chunk.piece)
+            tmp = torch.empty(n * (hi - lo), dtype=flat.dtype, device=flat.device)
+            comm.all_gather_into_tensor(tmp, piece[lo:hi].contiguous(), group=group)
+            region.view(n, chunk.piece)[:, lo:hi].copy_(tmp.view(n, hi - lo))
+    for w in works:
+        w.wait()
+
+
+class PartitionedOptimizerStrategy:
+    """The :class:`~zero_core.engine.strategy.TrainingStrategy` of ZeRO stages 1 and 2.
+
+    See [Note: optimizer on a shard] and [Note: partitioned gradient reduction].
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        stage: int,
+        group: Any = None,
+        dtype: torch.dtype = torch.float32,
+        reduce_bucket_size: int = 500_000_000,
+        allgather_bucket_size: int = 500_000_000,
+        allgather_partitions: bool = True,
+        overlap_comm: bool = False,
+        contiguous_gradients: bool = True,
+        reduce_scatter: bool = True,
+        use_multi_rank_bucket_allreduce: bool = True,
+        round_robin_gradients: bool = False,
+        ignore_unused_parameters: bool = True,
+        comm_dtype: torch.dtype | None = None,
+    ) -> None:
+        if stage not in (1, 2):
+            raise ValueError(f"PartitionedOptimizerStrategy implements zero_optimization.stage 1 and 2, got {stage!r}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"ZeRO stage {stage}: optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"ZeRO stage {stage}: training dtype must be fp32, fp16 or bf16, got {dtype}")
+        _positive_int(reduce_bucket_size, "reduce_bucket_size")
+        _positive_int(allgather_bucket_size, "allgather_bucket_size")
+        if len(optimizer.state) > 0:
+            raise ValueError(
+                f"ZeRO stage {stage}: the optimizer already has state (it has stepped); pass a fresh optimizer, "
+                "its states are created on this rank's partition only"
+            )
+        self.stage = stage
+        self.module = module
+        self.optimizer = optimizer
+        self.group = group
+        self.dtype = dtype
+        self.world_size = comm.get_world_size(group)
+        self.rank = comm.get_rank(group)
+        self.allgather_bucket_size = allgather_bucket_size
+        self.allgather_partitions = allgather_partitions
+        # Our chunk pieces already split every bucket's gradient work evenly over the ranks, which is
+        # what round_robin_gradients buys DeepSpeed; the flag is accepted and kept for reporting.
+        self.round_robin_gradients = round_robin_gradients
+
+        names = {id(p): n for n, p in module.named_parameters()}
+        registration = [p for p in module.parameters()]
+        backward_order = {id(p): k for k, p in enumerate(reversed(registration))}
+        in_groups: set[int] = set()
+        groups: list[GroupGrads] = []
+        for gi, pg in enumerate(optimizer.param_groups):
+            params = []
+            for p in pg["params"]:
+                if id(p) not in names:
+                    raise ValueError(
+                        f"ZeRO stage {stage}: optimizer param_groups[{gi}] holds a tensor of shape {tuple(p.shape)} "
+                        "that is not a parameter of the model"
+                    )
+                in_groups.add(id(p))
+                if p.requires_grad:
+                    params.append(p)
+            params.sort(key=lambda p: backward_order[id(p)])  # flat order = backward order
+            layout = FlatPartition([p.numel() for p in params], self.world_size, reduce_bucket_size)
+            groups.append(GroupGrads(params, [names[id(p)] for p in params], layout))
+        orphans = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in in_groups]
+        if orphans:
+            raise ValueError(
+                f"ZeRO stage {stage} partitions the optimizer's parameters, but these trainable parameters are in "
+                f"no optimizer param group: {', '.join(orphans)}. Add them to the optimizer or freeze them "
+                "(requires_grad=False) before zero.initialize."
+            )
+        self.groups = groups
+
+        # fp32 masters from the still-fp32 parameters, then the flat low-precision parameter buffers.
+        self.masters: list[torch.nn.Parameter] = []
+        self.flat_params: list[torch.Tensor] = []
+        with torch.no_grad():
+            for g, gg in enumerate(groups):
+                self.masters.append(build_flat_masters(gg.layout, gg.params, self.rank))
+                device = gg.params[0].device if gg.params else torch.device("cpu")
+                flat = torch.zeros(gg.layout.padded_numel, dtype=dtype, device=device)
+                for i, p in enumerate(gg.params):
+                    off = gg.layout.offsets[i]
+                    view = flat[off : off + p.numel()].view_as(p)
+                    view.copy_(p.detach())
+                    p.data = view
+                    p._zero_owner = self  # see [Note: safe_get owner protocol] in debug_access.py
+                    p._zero_location = (g, i)
+                self.flat_params.append(flat)
+                optimizer.param_groups[g]["params"] = [self.masters[g]]
+            if dtype != torch.float32:
+                module.to(dtype)  # frozen parameters and floating buffers; flat views are already cast
+
+        self.reducer = PartitionedGradReducer(
+            groups, group=group, partition_grads=stage == 2, overlap_comm=overlap_comm,
+            contiguous_gradients=contiguous_gradients, reduce_scatter=reduce_scatter,
+            use_multi_rank_bucket_allreduce=use_multi_rank_bucket_allreduce,
+            ignore_unused_parameters=ignore_unused_parameters, comm_dtype=comm_dtype,
+            backward_order=backward_order,
+        )
+
+    # -- TrainingStrategy --------------------------------------------------------------
+    def before_backward(self, is_boundary: bool) -> None:
+        self.reducer.arm(is_boundary)
+
+    def after_backward(self, is_boundary: bool) -> None:
+        self.reducer.finish()
+
+    def _shard_grads(self) -> list[torch.Tensor]:
+        return [self.reducer.shard_grad(g) for g in range(len(self.groups))]
+
+    def local_overflow(self) -> bool:
+        return any(not bool(torch.isfinite(s).all()) for s in self._shard_grads() if s.numel())
+
+    def grad_norm_sq(self) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32)
+        for s in self._shard_grads():
+            if s.numel():
+                f = s.float()
+                total += torch.dot(f, f).cpu()
+        return total
+
+    def norm_group(self) -> Any:
+        return self.group if self.group is not None else dist.GroupMember.WORLD
+
+    @torch.no_grad()
+    def step(self, grad_scale: float) -> None:
+        for g, m in enumerate(self.masters):
+            # fp32 gradients are scaled in place: they are zeroed right after the step anyway
+            grad = self.reducer.shard_grad(g).float()
+            if grad_scale != 1.0:
+                grad.mul_(grad_scale)
+            m.grad = grad
+        self.optimizer.step()
+        for m in self.masters:
+            m.grad = None
+        self._publish_params()
+
+    def _publish_params(self) -> None:
+        """Cast each rank's updated shard and all-gather it into the module's parameters."""
+        for g, gg in enumerate(self.groups):
+            gather_shards(
+                gg.layout, self.masters[g].detach(), self.flat_params[g], rank=self.rank, group=self.group,
+                bucket_numel=self.allgather_bucket_size, use_all_gather=self.allgather_partitions,
+            )
+
+    def zero_grad(self) -> None:
+        self.reducer.zero_grad()
+        for m in self.masters:
+            m.grad = None
+
+    def memory_breakdown(self) -> dict[str, int]:
+        state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        grads = [*self.reducer.flat_grads, *self.reducer.grad_shards]
+        grads += [p.grad for p in self.module.parameters() if p.grad is not None]
+        return {
+            "parameters": _bytes([*self.flat_params, *self.module.parameters()]),
+            "gradients": _bytes(grads),
+            "master_weights": _bytes(self.masters),
+            "optimizer_states": _bytes(state),
+            "buffers": self.reducer.buffer_bytes(),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "zero_stage": self.stage,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "layout": [[gg.layout.numel, gg.layout.padded_numel, len(gg.layout.chunks)] for gg in self.groups],
+            "optimizer": self.optimizer.state_dict(),
+            "master": [m.detach().clone() for m in self.masters],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a state saved by the same rank of a run with the same layout (collective)."""
+        if not isinstance(state, dict) or "master" not in state or "optimizer" not in state:
+            raise ValueError("ZeRO stage 1/2 load_state_dict: expected the dict returned by state_dict()")
+        mine = [[gg.layout.numel, gg.layout.padded_numel, len(gg.layout.chunks)] for gg in self.groups]
+        if int(state.get("world_size", -1)) != self.world_size or [list(x) for x in state.get("layout", [])] != mine:
+            raise ValueError(
+                f"ZeRO stage 1/2 load_state_dict: the state was saved with world_size {state.get('world_size')} and "
+                f"layout {state.get('layout')}; this run has world_size {self.world_size} and layout {mine} "
+                "(same world size, model, param groups and reduce_bucket_size are required)"
+            )
+        if int(state.get("rank", self.rank)) != self.rank:
+            raise ValueError(
+                f"ZeRO stage 1/2 load_state_dict: the state belongs to rank {state['rank']}, this is rank {self.rank}"
+            )
+        self.optimizer.load_state_dict(state["optimizer"])
+        for g, gg in enumerate(self.optimizer.param_groups):
+            gg["params"] = [self.masters[g]]
+        with torch.no_grad():
+            for m, saved in zip(self.masters, state["master"]):
+                if saved.shape != m.shape:
+                    raise ValueError(f"ZeRO stage 1/2 load_state_dict: master shard shape {tuple(saved.shape)} "
+                                     f"!= {tuple(m.shape)}")
+                m.copy_(saved)
+        self._publish_params()
+
+    # -- safe_get / safe_set owner protocol (see zero_core/zero/debug_access.py) ------
+    def _own_segments(self, g: int, i: int) -> list[tuple[int, int, int]]:
+        """(shard offset, param flat offset, length) of param ``i``'s elements this rank owns."""
+        layout = self.groups[g].layout
+        out = []
+        for chunk, s in layout.chunks_of_param(i):
+            a, b = chunk.piece_range(self.rank)
+            lo = max(a, chunk.start + s.chunk_lo)
+            hi = min(b, chunk.start + s.chunk_lo + s.numel)
+            if hi > lo:
+                out.append((layout.shard_offsets[chunk.index] + lo - a, s.param_lo + lo - (chunk.start + s.chunk_lo),
+                            hi - lo))
+        return out
+
+    def _gather_param(self, p: torch.nn.Parameter, shard: torch.Tensor) -> torch.Tensor:
+        g, i = p._zero_location
+        layout = self.groups[g].layout
+        out = torch.empty(p.numel(), dtype=torch.float32, device=p.device)
+        for chunk, s in layout.chunks_of_param(i):
+            so = layout.shard_offsets[chunk.index]
+            full = torch.empty(chunk.padded, dtype=torch.float32, device=p.device)
+            comm.all_gather_into_tensor(full, shard[so : so + chunk.piece].float().contiguous(), group=self.group)
+            out[s.param_lo : s.param_hi].copy_(full[s.chunk_lo : s.chunk_lo + s.numel])
+        return out.view(p.shape)
+
+    def _state_shard(self, p: torch.nn.Parameter, key: str) -> torch.Tensor:
+        g, _ = p._zero_location
+        st = self.optimizer.state.get(self.masters[g], {})
+        if key not in st:
+            raise KeyError(
+                f"optimizer state '{key}' does not exist for this parameter (known: {sorted(st)}); "
+                "states exist after the first optimizer step"
+            )
+        return st[key]
+
+    def full_fp32_param(self, p: torch.nn.Parameter) -> torch.Tensor:
+        return self._gather_param(p, self.masters[p._zero_location[0]].detach())
+
+    def full_grad(self, p: torch.nn.Parameter) -> torch.Tensor:
+        return self._gather_param(p, self.reducer.shard_grad(p._zero_location[0]))
+
+    def full_optimizer_state(self, p: torch.nn.Parameter, key: str) -> torch.Tensor:
+        st = self._state_shard(p, key)
+        if st.shape != self.masters[p._zero_location[0]].shape:
+            return st.clone()  # a scalar state such as Adam's "step"
+        return self._gather_param(p, st)
+
+    @torch.no_grad()
+    def set_full_fp32_param(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
+        g, i = p._zero_location
+        flat = value.detach().reshape(-1).to(torch.float32)
+        for so, po, n in self._own_segments(g, i):
+            self.masters[g][so : so + n].copy_(flat[po : po + n])
+        p.data.copy_(value.detach().to(p.dtype).view_as(p))  # every rank holds the full value: no comm
+
+    @torch.no_grad()
+    def set_full_optimizer_state(self, p: torch.nn.Parameter, value: torch.Tensor, key: str) -> None:
+        st = self._state_shard(p, key)
+        g, i = p._zero_location
+        if st.shape != self.masters[g].shape:
+            st.copy_(value)
+            return
+        flat = value.detach().reshape(-1).to(st.dtype)
+        for so, po, n in self._own_segments(g, i):
+            st[so : so + n].copy_(flat[po : po + n])

@@ -1,0 +1,253 @@
+"""The ``zero`` console script: ``zero run`` through torchrun and mpiexec, ``zero env``, help."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.machinery
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+from zero_core.launcher import cli
+from zero_core.launcher.run import (
+    LaunchError,
+    add_run_arguments,
+    find_mpiexec,
+    mpiexec_command,
+    torchrun_argv,
+)
+
+BIN = Path(sys.executable).parent
+JOB = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch, torch.distributed as dist
+    from zero_core.distributed import init_distributed, world_info
+    init_distributed(verbose=False)
+    info = world_info()
+    t = torch.tensor([float(info.rank + 1)])
+    dist.all_reduce(t)
+    out = {"rank": info.rank, "world": info.world_size, "source": info.source, "sum": t.item(),
+           "omp": os.environ.get("OMP_NUM_THREADS"), "args": sys.argv[2:]}
+    with open(os.path.join(sys.argv[1], f"rank{info.rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    """
+)
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
+
+
+def _run_zero(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    return subprocess.run(
+        [str(BIN / "zero"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        stdin=subprocess.DEVNULL,
+        cwd=tmp_path,
+    )
+
+
+@pytest.mark.parametrize(
+    "launch, source",
+    [(["run", "--nproc", "2"], "torchrun env"), (["run", "--launcher", "mpi", "-n", "2"], "MPI")],
+    ids=["torchrun", "mpiexec"],
+)
+def test_zero_run_two_ranks(tmp_path, launch, source):
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    proc = _run_zero([*launch, str(script), str(tmp_path), "--lr", "0.5"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for r in range(2):
+        out = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert out == {
+            "rank": r,
+            "world": 2,
+            "source": source,
+            "sum": 3.0,
+            "omp": "1",
+            "args": ["--lr", "0.5"],
+        }
+
+
+def test_zero_run_failing_script_exits_nonzero(tmp_path):
+    script = tmp_path / "bad.py"
+    script.write_text("raise SystemExit(3)\n")
+    proc = _run_zero(["run", "--nproc", "1", str(script)], tmp_path)
+    assert proc.returncode != 0
+    assert "failed" in proc.stderr
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_torchrun_argv_single_node_is_standalone(tmp_path):
+    script = tmp_path / "t.py"
+    script.write_text("")
+    argv = torchrun_argv(_parse(["--nproc", "3", str(script), "--x", "1"]))
+    assert argv == ["--nproc-per-node", "3", "--standalone", str(script), "--x", "1"]
+
+
+def test_torchrun_argv_multi_node_flags(tmp_path):
+    script = tmp_path / "t.py"
+    script.write_text("")
+    ns = _parse(
+        [
+            "--nproc_per_node",
+            "8",
+            "--nnodes",
+            "2",
+            "--node_rank",
+            "1",
+            "--master_addr",
+            "node0",
+            "--master-port",
+            "29600",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "node0:29400",
+            "--rdzv-id",
+            "job7",
+            "--max-restarts",
+            "2",
+            str(script),
+        ]
+    )
+    argv = torchrun_argv(ns)
+    assert argv == [
+        "--nproc-per-node",
+        "8",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--master-addr",
+        "node0",
+        "--master-port",
+        "29600",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "node0:29400",
+        "--rdzv-id",
+        "job7",
+        "--max-restarts",
+        "2",
+        str(script),
+    ]
+
+
+def test_mpiexec_command(tmp_path):
+    script = tmp_path / "t.py"
+    script.write_text("")
+    env: dict[str, str] = {}
+    cmd = mpiexec_command(_parse(["--launcher", "mpi", "-n", "4", "--mpi-args=-v", str(script), "a"]), env)
+    assert cmd[:3] == [str(BIN / "mpiexec"), "-n", "4"]
+    assert cmd[3:6] == ["-genv", "OMP_NUM_THREADS", "1"]  # the venv's mpiexec is MPICH's hydra
+    assert cmd[6:] == ["-v", sys.executable, str(script), "a"]
+    assert env["OMP_NUM_THREADS"] == "1"
+    env = {"OMP_NUM_THREADS": "2"}
+    mpiexec_command(_parse(["--launcher", "mpi", str(script)]), env)
+    assert env["OMP_NUM_THREADS"] == "2"  # a user's choice is kept
+
+
+def test_mpi_launcher_rejects_torchrun_flags(tmp_path):
+    script = tmp_path / "t.py"
+    script.write_text("")
+    with pytest.raises(LaunchError, match="--nnodes.*torchrun options"):
+        mpiexec_command(_parse(["--launcher", "mpi", "--nnodes", "2", str(script)]), {})
+
+
+def test_missing_mpiexec_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(LaunchError, match="pip install mpich mpi4py"):
+        find_mpiexec()
+
+
+def test_missing_script_and_bad_nproc(tmp_path, capsys):
+    assert cli.main(["run", "--nproc", "2", str(tmp_path / "nope.py")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    script = tmp_path / "t.py"
+    script.write_text("")
+    assert cli.main(["run", "--nproc", "0", str(script)]) == 2
+    assert "--nproc must be >= 1" in capsys.readouterr().err
+
+
+def test_env_report_text(capsys):
+    assert cli.main(["env"]) == 0
+    out = capsys.readouterr().out
+    import torch
+
+    assert f"torch ......................... {torch.__version__}" in out
+    assert "zero-core ....................." in out
+    assert "backend gloo .................. available" in out
+    assert "communication_backend ......... gloo" in out
+    assert "mpi4py" in out and "mpiexec" in out and "MPICH" in out
+
+
+def test_env_report_json_lists_native_ops(capsys, monkeypatch):
+    fake = types.ModuleType("zero_ops")
+    fake.__spec__ = importlib.machinery.ModuleSpec("zero_ops", None)
+    fake.op_report = lambda: [
+        {"name": "cpu_adam", "status": "compiled", "isa": "avx512", "reason": ""},
+        {"name": "cpu_lion", "status": "fallback", "isa": "", "reason": "no compiler"},
+    ]
+    monkeypatch.setitem(sys.modules, "zero_ops", fake)
+    assert cli.main(["env", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["native_ops"]["ops"][0] == {
+        "name": "cpu_adam",
+        "status": "compiled",
+        "isa": "avx512",
+        "reason": "",
+    }
+    assert report["distributed_backends"]["gloo"] is True
+    assert "zero-core" in report["zero_family"]
+    assert cli.main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "cpu_adam ......................" in out and "compiled (isa=avx512)" in out
+    assert "fallback (reason=no compiler)" in out
+
+
+def test_env_report_without_zero_ops(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "zero_ops", None)
+    monkeypatch.setattr("zero_core.launcher.env_report.is_available", lambda name: False)
+    assert cli.main(["env"]) == 0
+    assert "zero-ops not installed" in capsys.readouterr().out
+
+
+def test_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "run" in out and "env" in out and "zero run --launcher mpi -n 4 train.py" in out
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--help"])
+    out = capsys.readouterr().out
+    for flag in (
+        "--nproc",
+        "--launcher",
+        "--nnodes",
+        "--node-rank",
+        "--master-addr",
+        "--rdzv-endpoint",
+        "--standalone",
+        "--max-restarts",
+        "--mpi-args",
+    ):
+        assert flag in out
+    assert cli.main([]) == 2  # no command: help and a usage error code

@@ -1,0 +1,141 @@
+"""The config's ``optimizer`` section builds the right optimizer; Lamb follows FusedLamb's math."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import types
+
+import pytest
+import torch
+
+from zero_core import plugins
+from zero_core.optim import Lamb, build_optimizer
+
+
+def _params() -> list[torch.nn.Parameter]:
+    torch.manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.zeros(3))]
+
+
+@pytest.mark.parametrize(
+    "name,params,cls",
+    [
+        ("Adam", {"lr": 1e-3}, torch.optim.AdamW),  # DeepSpeed's Adam is AdamW unless adam_w_mode is false
+        ("adam", {"lr": 1e-3, "adam_w_mode": False}, torch.optim.Adam),
+        ("AdamW", {"lr": 1e-3, "betas": [0.8, 0.9], "weight_decay": 0.1}, torch.optim.AdamW),
+        ("SGD", {"lr": 0.1, "momentum": 0.9}, torch.optim.SGD),
+        ("Adagrad", {"lr": 0.1}, torch.optim.Adagrad),
+        ("Lamb", {"lr": 1e-3, "weight_decay": 0.01}, Lamb),
+        ("FusedAdam", {"lr": 1e-3}, torch.optim.AdamW),
+        ("RMSprop", {"lr": 1e-3}, torch.optim.RMSprop),  # any torch.optim class name
+    ],
+)
+def test_builds_each_config_type(name, params, cls):
+    opt = build_optimizer(_params(), name, params)
+    assert type(opt) is cls
+    assert opt.param_groups[0]["lr"] == params["lr"]
+    if "betas" in params:
+        assert opt.param_groups[0]["betas"] == tuple(params["betas"])
+
+
+def test_unknown_type_and_bad_params_are_clear_errors():
+    with pytest.raises(ValueError, match=r"optimizer.type: 'Adamax' is not supported; use one of .*Lamb"):
+        build_optimizer(_params(), "Adamax", {})
+    with pytest.raises(ValueError, match=r"optimizer.type: 'OneBitAdam' is not provided by this build"):
+        build_optimizer(_params(), "OneBitAdam", {})
+    with pytest.raises(ValueError, match=r"optimizer.params for SGD: .*nesterov_typo"):
+        build_optimizer(_params(), "SGD", {"lr": 0.1, "nesterov_typo": True})
+
+
+def _fake_importlib(present: dict[str, types.ModuleType] | None) -> types.SimpleNamespace:
+    """An ``importlib`` for ``zero_core.plugins`` that sees zero_ops as absent (None) or as ``present``."""
+
+    def find_spec(name: str):
+        if name == "zero_ops":
+            return None if present is None else object()
+        return importlib.util.find_spec(name)
+
+    def import_module(name: str):
+        if present is not None and name in present:
+            return present[name]
+        return importlib.import_module(name)
+
+    return types.SimpleNamespace(util=types.SimpleNamespace(find_spec=find_spec), import_module=import_module,
+                                 metadata=importlib.metadata)
+
+
+def test_cpu_adam_without_zero_ops_names_the_package(monkeypatch):
+    monkeypatch.setattr(plugins, "importlib", _fake_importlib(None))
+    with pytest.raises(plugins.MissingPackageError, match=r"optimizer type CPUAdam needs the 'zero-ops' package"):
+        build_optimizer(_params(), "CPUAdam", {"lr": 1e-3})
+    with pytest.raises(plugins.MissingPackageError, match="pip install zero-ops"):
+        build_optimizer(_params(), "DeepSpeedCPUAdam", {"lr": 1e-3})
+
+
+def test_cpu_adam_with_zero_ops_builds_its_cpu_adam(monkeypatch):
+    class CPUAdam(torch.optim.Adam):
+        pass
+
+    fake = types.ModuleType("zero_ops.adam")
+    fake.CPUAdam = CPUAdam
+    monkeypatch.setattr(plugins, "importlib", _fake_importlib({"zero_ops.adam": fake}))
+    opt = build_optimizer(_params(), "CPUAdam", {"lr": 1e-3, "torch_adam": True})
+    assert type(opt) is CPUAdam
+
+
+def _reference_lamb(ws, grads_per_step, lr, b1, b2, eps, wd, max_coeff, min_coeff, bias_correction=True):
+    """FusedLamb's per-tensor update, written from the formula in float64:
+
+    m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;  (bias-corrected m/(1-b1^t), v/(1-b2^t))
+    u = m_hat / (sqrt(v_hat) + eps) + wd * w
+    ratio = clamp(||w|| / ||u||, min_coeff, max_coeff), or 1 if either norm is 0
+    w = w - lr * ratio * u
+    """
+    ws = [w.double().clone() for w in ws]
+    ms = [torch.zeros_like(w) for w in ws]
+    vs = [torch.zeros_like(w) for w in ws]
+    for t, grads in enumerate(grads_per_step, start=1):
+        for i, g in enumerate(grads):
+            g = g.double()
+            ms[i] = b1 * ms[i] + (1 - b1) * g
+            vs[i] = b2 * vs[i] + (1 - b2) * g * g
+            m_hat = ms[i] / (1 - b1**t) if bias_correction else ms[i]
+            v_hat = vs[i] / (1 - b2**t) if bias_correction else vs[i]
+            u = m_hat / (v_hat.sqrt() + eps) + wd * ws[i]
+            wn = math.sqrt(float((ws[i] ** 2).sum()))
+            un = math.sqrt(float((u**2).sum()))
+            ratio = min(max(wn / un, min_coeff), max_coeff) if wn > 0 and un > 0 else 1.0
+            ws[i] = ws[i] - lr * ratio * u
+    return ws
+
+
+@pytest.mark.parametrize("wd,bias_correction,max_coeff,min_coeff", [(0.0, True, 10.0, 0.01), (0.1, False, 0.5, 0.3)])
+def test_lamb_matches_fused_lamb_formula(wd, bias_correction, max_coeff, min_coeff):
+    params = _params()  # a random matrix and a zero bias (trust ratio 1 on the first step)
+    init = [p.detach().clone() for p in params]
+    g = torch.Generator().manual_seed(1)
+    grads = [[torch.randn(p.shape, generator=g) for p in params] for _ in range(6)]
+    opt = build_optimizer(params, "Lamb", {
+        "lr": 0.05, "betas": [0.9, 0.99], "eps": 1e-6, "weight_decay": wd,
+        "bias_correction": bias_correction, "max_coeff": max_coeff, "min_coeff": min_coeff,
+    })
+    for step_grads in grads:
+        for p, gr in zip(params, step_grads):
+            p.grad = gr.clone()
+        opt.step()
+    ref = _reference_lamb(init, grads, 0.05, 0.9, 0.99, 1e-6, wd, max_coeff, min_coeff, bias_correction)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p.detach(), r.float(), rtol=1e-5, atol=1e-6)
+    assert all(not torch.equal(p.detach(), w0) for p, w0 in zip(params, init))
+
+
+def test_lamb_rejects_bad_hyperparameters():
+    with pytest.raises(ValueError, match="lr must be >= 0"):
+        Lamb(_params(), lr=-1)
+    with pytest.raises(ValueError, match=r"betas must be in \[0, 1\)"):
+        Lamb(_params(), betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="eps must be > 0"):
+        Lamb(_params(), eps=0)
+    with pytest.raises(ValueError, match="min_coeff 2 > max_coeff 1"):
+        Lamb(_params(), min_coeff=2, max_coeff=1)

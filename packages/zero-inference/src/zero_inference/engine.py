@@ -1,0 +1,213 @@
+"""``InferenceEngine`` and ``init_inference``: compose the inference transformations on a model.
+
+[Note: order of the inference transformations]
+1. checkpoint: weights come from ``checkpoint`` (HF safetensors dir/file or our TP-sharded
+   format), read slice by slice for this rank (see [Note: reading only the shard]);
+2. dtype: floating tensors are cast to the compute dtype (int8 computes in fp16 on CUDA and in
+   the model's own float dtype on CPU);
+3. tensor parallelism over ``tp_size`` ranks (see [Note: auto TP discovery]);
+4. kernel injection: recognized architectures run a fused decoder/encoder path built on the
+   (possibly sharded) modules, so TP and int8 compose with it (see [Note: kernel injection]);
+5. int8 weight-only quantization of every linear (see [Note: int8 weight groups]);
+6. ZeRO-Inference (``zero.stage: 3``): weights partitioned over ranks and gathered per layer;
+7. ``save_mp_checkpoint_path``: the TP-sharded result is written for fast reload.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from zero_core import comm
+from zero_core.plugins import require
+
+from zero_inference import checkpoint_loading, kernel_inject
+from zero_inference.auto_tp import apply_plan, discover_plan
+from zero_inference.config import DeepSpeedInferenceConfig, check_machine, load_inference_config
+from zero_inference.generation import decode, hf_step
+from zero_inference.quantize import quantize_model_
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.device.type != "meta":
+            return t.device
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _model_float_dtype(model: nn.Module) -> torch.dtype:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+class InferenceEngine(nn.Module):
+    """A wrapped model for inference. See [Note: order of the inference transformations]."""
+
+    def __init__(self, model: nn.Module, config: DeepSpeedInferenceConfig) -> None:
+        super().__init__()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"InferenceEngine: model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(config, DeepSpeedInferenceConfig):
+            raise TypeError(
+                f"InferenceEngine: config must be a DeepSpeedInferenceConfig, got {type(config).__name__}; "
+                "use zero_inference.init_inference(model, config_dict)"
+            )
+        self._config = config
+        self.device = _model_device(model)
+        check_machine(config, self.device)
+        self._check_moe(model)
+        model.eval()
+        self.tp_size = config.tp_size
+        self.tp_group = config.tensor_parallel.tp_group
+        self.tp_rank = 0
+        if self.tp_size > 1:
+            self._init_tp_world()
+
+        self.int8 = config.dtype == torch.int8
+        if self.int8:
+            self.dtype = torch.float16 if self.device.type == "cuda" else _model_float_dtype(model)
+        else:
+            self.dtype = config.dtype
+
+        source = None
+        ckpt = config.checkpoint or config.checkpoint_config.checkpoint_dir
+        if ckpt is not None:
+            source = checkpoint_loading.open_checkpoint(ckpt, config.base_dir or config.checkpoint_config.base_dir)
+            source = checkpoint_loading.check_tp(source, self.tp_size, self.tp_rank)
+        with torch.no_grad():
+            self._transform(model, source)
+        self.module = model
+        save_path = config.checkpoint_save_path
+        if save_path:
+            checkpoint_loading.save_mp_checkpoint(model, save_path, self.tp_rank, self.tp_size, self._plan)
+        self.injected = kernel_inject.inject(model) if config.replace_with_kernel_inject else None
+        if self.int8:
+            quantize_model_(model, config.quant.weight.q_groups)
+        self.zero_partitioner = None
+        if config.zero.stage == 3:
+            from zero_inference.zero_inference import ZeroInferencePartitioner
+
+            self.zero_partitioner = ZeroInferencePartitioner(model, config.zero)
+
+    def _check_moe(self, model: nn.Module) -> None:
+        cfg = self._config
+        has_moe = any(type(m).__name__ in ("MoE", "MOELayer") for m in model.modules())
+        ep = cfg.moe.ep_size if not isinstance(cfg.moe, bool) else cfg.ep_size
+        if has_moe or ep > 1:
+            require("zero_moe", "MoE inference (moe / ep_size)")
+
+    def _init_tp_world(self) -> None:
+        if not comm.is_initialized():
+            raise RuntimeError(
+                f"tensor_parallel.tp_size={self.tp_size} needs torch.distributed initialised "
+                "(zero_core.distributed.init_distributed() or a launcher such as `zero run`)"
+            )
+        world = comm.get_world_size(self.tp_group)
+        if world != self.tp_size:
+            raise ValueError(
+                f"tensor_parallel.tp_size={self.tp_size} but the tensor-parallel group has {world} ranks; "
+                "launch tp_size processes or pass tensor_parallel.tp_group"
+            )
+        self.tp_rank = comm.get_rank(self.tp_group)
+
+    def _transform(self, model: nn.Module, source: Any) -> None:
+        cfg = self._config
+        self._plan = None
+        if source is not None and not isinstance(source, checkpoint_loading.TPShardSource):
+            # A full checkpoint: replicated tensors are read whole, sharded ones slice by slice.
+            if self.tp_size > 1:
+                self._plan = discover_plan(model, self.tp_size, cfg.injection_policy)
+            checkpoint_loading.load_replicated(model, source, self._plan, self.dtype, self.device)
+            if self._plan is not None:
+                apply_plan(
+                    model, self._plan, self.tp_rank, self.tp_size, group=self.tp_group,
+                    source=source, dtype=self.dtype, device=self.device,
+                )
+            return
+        if source is not None:  # our TP-sharded checkpoint: structure first, then this rank's file
+            if self.tp_size > 1:
+                self._plan = discover_plan(model, self.tp_size, cfg.injection_policy)
+                # Meta (or throwaway) tensors give the shapes; the values come from the rank's file.
+                apply_plan(model, self._plan, self.tp_rank, self.tp_size, group=self.tp_group)
+            checkpoint_loading.load_rank_shard(model, source, self.dtype, self.device)
+            return
+        if model_has_meta(model):
+            raise ValueError("the model has parameters on the meta device; pass checkpoint= to load its weights")
+        model.to(dtype=self.dtype)
+        if self.tp_size > 1:
+            self._plan = discover_plan(model, self.tp_size, cfg.injection_policy)
+            apply_plan(model, self._plan, self.tp_rank, self.tp_size, group=self.tp_group)
+
+    @property
+    def config(self) -> DeepSpeedInferenceConfig:
+        return self._config
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Run the wrapped model (its fused path when kernels were injected)."""
+        with torch.no_grad():
+            if self.injected is not None:
+                return self.injected(*inputs, **kwargs)
+            return self.module(*inputs, **kwargs)
+
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        max_new_tokens: int = 20,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        eos_token_id: int | list[int] | None = None,
+        pad_token_id: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Generate ``max_new_tokens`` tokens after ``input_ids`` (greedy, or sampling with ``do_sample``).
+
+        Returns ``[batch, prompt_len + generated]`` like transformers' ``generate``. Stops early
+        when every sequence produced ``eos_token_id`` (finished rows are filled with ``pad_token_id``).
+        """
+        if self.injected is not None and hasattr(self.injected, "step"):
+            step = self.injected.step_fn(batch=input_ids.shape[0], max_len=input_ids.shape[1] + max_new_tokens)
+        else:
+            if not hasattr(self.module, "get_output_embeddings") or self.module.get_output_embeddings() is None:
+                raise TypeError(
+                    f"generate() needs a causal language model with an LM head; {type(self.module).__name__} has none"
+                )
+            step = hf_step(self.module)
+        with torch.no_grad():
+            return decode(
+                step,
+                input_ids,
+                attention_mask,
+                max_new_tokens=max_new_tokens,
+                do_sample=do_sample,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                eos_token_id=eos_token_id,
+                pad_token_id=pad_token_id,
+                generator=generator,
+                max_out_tokens=self._config.max_out_tokens,
+                min_out_tokens=self._config.min_out_tokens,
+                group=self.tp_group if self.tp_size > 1 else None,
+            )
+
+
+def model_has_meta(model: nn.Module) -> bool:
+    return any(p.device.type == "meta" for p in model.parameters())
+
+
+def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> InferenceEngine:
+    """Wrap ``model`` in an :class:`InferenceEngine`.
+
+    ``config`` is a dict, a path to a JSON file or a ``DeepSpeedInferenceConfig``; ``kwargs`` are
+    config keys and take precedence over ``config`` (the four cases of DeepSpeed's API).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"init_inference: model must be a torch.nn.Module, got {type(model).__name__}")
+    return InferenceEngine(model, load_inference_config(config, **kwargs))
