@@ -17,7 +17,6 @@ import subprocess
 import time
 
 import torch
-
 from zero_ops import op_report
 from zero_ops.aio import AsyncIOHandle
 
@@ -42,9 +41,11 @@ def main() -> None:
     try:
         for _ in range(args.reps):
             results.setdefault("dd write (bs=1M, conv=fdatasync)", []).append(
-                dd(["if=/dev/zero", f"of={path}", "bs=1M", f"count={args.mib}", "conv=fdatasync"]))
+                dd(["if=/dev/zero", f"of={path}", "bs=1M", f"count={args.mib}", "conv=fdatasync"])
+            )
             results.setdefault("dd read (bs=1M, iflag=direct)", []).append(
-                dd([f"if={path}", "of=/dev/null", "bs=1M", "iflag=direct"]))
+                dd([f"if={path}", "of=/dev/null", "bs=1M", "iflag=direct"])
+            )
         for t in args.threads:
             h = AsyncIOHandle(block_size=1 << 20, queue_depth=8, thread_count=t)
             buf = h.new_cpu_locked_tensor(nbytes // 4, torch.float32)
@@ -57,36 +58,57 @@ def main() -> None:
                 fd = os.open(path, os.O_RDONLY)
                 os.fsync(fd)
                 os.close(fd)
-                results.setdefault(f"zero_ops write, {t} thread(s) (+fsync)", []).append(time.perf_counter() - t0)
+                results.setdefault(f"zero_ops write, {t} thread(s) (+fsync)", []).append(
+                    time.perf_counter() - t0
+                )
                 t0 = time.perf_counter()
                 h.async_pread(buf, path)
                 h.wait()
-                results.setdefault(f"zero_ops read, {t} thread(s) (O_DIRECT)", []).append(time.perf_counter() - t0)
+                results.setdefault(f"zero_ops read, {t} thread(s) (O_DIRECT)", []).append(
+                    time.perf_counter() - t0
+                )
             assert h.direct_bytes() > 0
     finally:
         if os.path.exists(path):
             os.unlink(path)
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(__file__)).stdout.strip() or "uncommitted"
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=os.path.dirname(__file__)
+            ).stdout.strip()
+            or "uncommitted"
+        )
     except OSError:
         commit = "uncommitted"
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    fs = subprocess.run(["df", "-T", args.dir], capture_output=True, text=True).stdout.splitlines()[-1].split()[1]
+    cpu = next(
+        (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?"
+    )
+    fs = (
+        subprocess.run(["df", "-T", args.dir], capture_output=True, text=True)
+        .stdout.splitlines()[-1]
+        .split()[1]
+    )
     dd_w = statistics.median(results["dd write (bs=1M, conv=fdatasync)"])
     dd_r = statistics.median(results["dd read (bs=1M, iflag=direct)"])
-    lines = ["# Async I/O sequential throughput", "",
-             f"- machine: nproc={os.cpu_count()}, CPU: {cpu}, {platform.machine()}; file system of {args.dir}: {fs}",
-             f"- torch {torch.__version__}, git commit {commit}; zero_ops: {op_report()[-1]}",
-             f"- command: `python tools/bench/bench_aio.py --mib {args.mib} --dir {args.dir} --threads "
-             f"{' '.join(map(str, args.threads))} --reps {args.reps}`",
-             f"- file size {args.mib} MiB; median of {args.reps} (spread min..max); ratio vs dd of the same direction",
-             "", "| variant | median s | spread s | MB/s | vs dd |", "|---|---|---|---|---|"]
+    lines = [
+        "# Async I/O sequential throughput",
+        "",
+        f"- machine: nproc={os.cpu_count()}, CPU: {cpu}, {platform.machine()}; file system of {args.dir}: {fs}",
+        f"- torch {torch.__version__}, git commit {commit}; zero_ops: {op_report()[-1]}",
+        f"- command: `python tools/bench/bench_aio.py --mib {args.mib} --dir {args.dir} --threads "
+        f"{' '.join(map(str, args.threads))} --reps {args.reps}`",
+        f"- file size {args.mib} MiB; median of {args.reps} (spread min..max); ratio vs dd of the same direction",
+        "",
+        "| variant | median s | spread s | MB/s | vs dd |",
+        "|---|---|---|---|---|",
+    ]
     for name, ts in results.items():
         med = statistics.median(ts)
         base = dd_w if "write" in name else dd_r
-        lines.append(f"| {name} | {med:.3f} | {min(ts):.3f}..{max(ts):.3f} | {nbytes / med / 1e6:.0f} | "
-                     f"{base / med:.2f} |")
+        lines.append(
+            f"| {name} | {med:.3f} | {min(ts):.3f}..{max(ts):.3f} | {nbytes / med / 1e6:.0f} | "
+            f"{base / med:.2f} |"
+        )
     text = "\n".join(lines) + "\n"
     print(text)
     with open(args.out, "w") as f:

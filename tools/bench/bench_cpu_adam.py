@@ -16,7 +16,6 @@ import subprocess
 import time
 
 import torch
-
 from zero_ops import op_report
 from zero_ops.adam import cpu_adam_step
 
@@ -35,19 +34,35 @@ def bench(n, threads, reps):
     torch.set_num_threads(threads)
     rows = []
     a, b = torch.randn(n), torch.randn(n)
-    rows.append(("axpy roofline a.add_(b, alpha) (12 B/elem)", timeit(lambda: a.add_(b, alpha=1e-9), reps), 12))
-    del a, b
+    rows.append(
+        ("axpy roofline a.add_(b, alpha) (12 B/elem)", timeit(lambda: a.add_(b, alpha=1e-9), reps), 12)
+    )
+    a = b = None  # free the roofline buffers before the optimizer ones
     p, g, m, v = torch.randn(n), torch.randn(n) * 1e-3, torch.zeros(n), torch.zeros(n)
     step = [0]
 
     def ours():
         step[0] += 1
-        cpu_adam_step(p, g, m, v, step=step[0], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
-                      threads=threads)
+        cpu_adam_step(
+            p,
+            g,
+            m,
+            v,
+            step=step[0],
+            lr=1e-3,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.01,
+            threads=threads,
+        )
 
     rows.append(("zero_ops cpu_adam_step fp32", timeit(ours, reps), 28))
-    for name, kw in (("torch AdamW fused", {"fused": True}), ("torch AdamW foreach", {"foreach": True}),
-                     ("torch AdamW default", {})):
+    for name, kw in (
+        ("torch AdamW fused", {"fused": True}),
+        ("torch AdamW foreach", {"foreach": True}),
+        ("torch AdamW default", {}),
+    ):
         if name.endswith("default") and n > 60e6 and reps > 3:
             r = 3
         else:
@@ -73,8 +88,20 @@ def bench(n, threads, reps):
 
     def ours_bf16():
         step[0] += 1
-        cpu_adam_step(p, gb, m, v, step=step[0], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
-                      low_precision_out=out, threads=threads)
+        cpu_adam_step(
+            p,
+            gb,
+            m,
+            v,
+            step=step[0],
+            lr=1e-3,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.01,
+            low_precision_out=out,
+            threads=threads,
+        )
 
     rows.append(("zero_ops fused fp32 master + bf16 copy (bf16 grad)", timeit(ours_bf16, reps), None))
     prm = torch.nn.Parameter(p.clone())
@@ -98,40 +125,62 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "bench_cpu_adam.md"))
     args = ap.parse_args()
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(__file__)).stdout.strip() or "uncommitted"
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=os.path.dirname(__file__)
+            ).stdout.strip()
+            or "uncommitted"
+        )
     except OSError:
         commit = "uncommitted"
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    lines = ["# CPU Adam update throughput", "",
-             f"- machine: nproc={os.cpu_count()}, CPU: {cpu}, {platform.machine()}",
-             f"- python {platform.python_version()}, torch {torch.__version__}, git commit {commit}",
-             f"- zero_ops op: {op_report()[0]}",
-             f"- command: `OMP_NUM_THREADS=1 python tools/bench/bench_cpu_adam.py --sizes "
-             f"{' '.join(f'{s:g}' for s in args.sizes)} --threads {' '.join(map(str, args.threads))} "
-             f"--reps {args.reps}`",
-             "- median of reps (spread = min..max); GB/s counts 28 B per fp32 param step (12 B for axpy);",
-             "  ratio = time of the axpy roofline scaled to 28 B / time of the row (1.0 = at the roofline)", ""]
+    cpu = next(
+        (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?"
+    )
+    lines = [
+        "# CPU Adam update throughput",
+        "",
+        f"- machine: nproc={os.cpu_count()}, CPU: {cpu}, {platform.machine()}",
+        f"- python {platform.python_version()}, torch {torch.__version__}, git commit {commit}",
+        f"- zero_ops op: {op_report()[0]}",
+        f"- command: `OMP_NUM_THREADS=1 python tools/bench/bench_cpu_adam.py --sizes "
+        f"{' '.join(f'{s:g}' for s in args.sizes)} --threads {' '.join(map(str, args.threads))} "
+        f"--reps {args.reps}`",
+        "- median of reps (spread = min..max); GB/s counts 28 B per fp32 param step (12 B for axpy);",
+        "  ratio = time of the axpy roofline scaled to 28 B / time of the row (1.0 = at the roofline)",
+        "",
+    ]
     for n in args.sizes:
         n = int(n)
         for t in args.threads:
             rows = bench(n, t, args.reps)
             roof = rows[0][1][0] * 28 / 12
-            lines += [f"## {n / 1e6:g}M parameters, {t} thread(s)", "",
-                      "| variant | median ms | spread ms | G params/s | GB/s | vs roofline |", "|---|---|---|---|---|---|"]
+            lines += [
+                f"## {n / 1e6:g}M parameters, {t} thread(s)",
+                "",
+                "| variant | median ms | spread ms | G params/s | GB/s | vs roofline |",
+                "|---|---|---|---|---|---|",
+            ]
             for name, res, bytes_per in rows:
                 if res is None:
                     lines.append(f"| {name} | - | - | - | - | - |")
                     continue
                 med, lo, hi = res
                 gbs = f"{n * bytes_per / med / 1e9:.1f}" if bytes_per else "-"
-                ratio = f"{roof / med:.2f}" if bytes_per == 28 else ("1.00 (def.)" if bytes_per == 12 else "-")
-                lines.append(f"| {name} | {med * 1e3:.1f} | {lo * 1e3:.1f}..{hi * 1e3:.1f} | {n / med / 1e9:.2f} | "
-                             f"{gbs} | {ratio} |")
+                ratio = (
+                    f"{roof / med:.2f}" if bytes_per == 28 else ("1.00 (def.)" if bytes_per == 12 else "-")
+                )
+                lines.append(
+                    f"| {name} | {med * 1e3:.1f} | {lo * 1e3:.1f}..{hi * 1e3:.1f} | {n / med / 1e9:.2f} | "
+                    f"{gbs} | {ratio} |"
+                )
             fused = next(r[1][0] for r in rows if r[0].startswith("zero_ops fused"))
             sep = next(r[1][0] for r in rows if r[0].startswith("torch AdamW fused fp32 +"))
-            lines += ["", f"bf16-copy case: zero_ops fused is {sep / fused:.2f}x faster than torch fused + cast.", ""]
-            print("\n".join(lines[-len(rows) - 6:]), flush=True)
+            lines += [
+                "",
+                f"bf16-copy case: zero_ops fused is {sep / fused:.2f}x faster than torch fused + cast.",
+                "",
+            ]
+            print("\n".join(lines[-len(rows) - 6 :]), flush=True)
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("wrote", args.out)

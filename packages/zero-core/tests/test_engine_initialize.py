@@ -220,7 +220,8 @@ def test_lr_scheduler_object_callable_config_and_lr_kwargs():
     assert out["object"] == [0.25]
     assert out["callable"] == [pytest.approx(0.25)]
     lrs, twin_lrs = out["config"]
-    assert lrs == pytest.approx(twin_lrs) and lrs[0] < lrs[1] < lrs[2] < lrs[3] <= 0.1
+    assert lrs == pytest.approx(twin_lrs), (lrs, twin_lrs)
+    assert lrs[1] < lrs[2] < lrs[3] <= 0.1, lrs
     assert out["lr_kwargs"] == ([{"lr": 0.125}], [0.125])
 
 

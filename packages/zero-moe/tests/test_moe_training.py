@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+import pytest
 from zero_core.testing import run_multirank
 from zero_moe import MoE, reduce_moe_gradients, split_params_into_different_moe_groups_for_optimizer
 
@@ -134,3 +135,47 @@ def test_two_rank_training_matches_single_process():
     losses = run_multirank(_train_worker, 2, timeout=180)
     assert len(losses) == 2 and all(len(rank_losses) == STEPS for rank_losses in losses)
     assert losses[0] != losses[1]  # the ranks really trained on different data
+
+
+# The same training through zero-core's engine: it reduces expert gradients over the
+# expert-data-parallel group only (zero_core's [Note: expert parameters]) and keeps each
+# rank's own experts when it synchronises the initial weights.
+def _engine_worker(stage: int) -> list[float]:
+    import zero_core
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, ref = _build((2, 1)), _build((1, 1))
+    config = {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 1000,
+        "zero_optimization": {"stage": stage},
+    }
+    engine, _, _, _ = zero_core.initialize(model=model, optimizer=_optimizer(model), config=config)
+    ref_opt = _optimizer(ref)
+    losses = []
+    for step in range(STEPS):
+        loss = engine(*_batch(step, rank))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        ref_opt.zero_grad()
+        for r in range(world):
+            (ref(*_batch(step, r)) / world).backward()
+        ref_opt.step()
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(
+            p.detach(),
+            ref_params[_ref_name(model, name)].detach(),
+            rtol=1e-5,
+            atol=1e-6,
+            msg=lambda m, name=name: f"{name}: {m}",
+        )
+    return losses
+
+
+@pytest.mark.parametrize("stage", [0])
+def test_engine_training_matches_single_process(stage):
+    losses = run_multirank(_engine_worker, 2, args=(stage,), timeout=180)
+    assert losses[0] != losses[1]

@@ -27,6 +27,11 @@ _LAZY: dict[str, str] = {
     "build_lr_scheduler": "zero_core.lr_schedules:build_lr_scheduler",
     "MonitorMaster": "zero_core.monitor:MonitorMaster",
     "RepeatingLoader": "zero_core.utils:RepeatingLoader",
+    "Init": "zero_core.zero.stage3.init_context:Init",
+    "GatheredParameters": "zero_core.zero.stage3.gathered_parameters:GatheredParameters",
+    "register_external_parameter": "zero_core.zero.stage3.external_params:register_external_parameter",
+    "unregister_external_parameter": "zero_core.zero.stage3.external_params:unregister_external_parameter",
+    "TiledLinear": "zero_core.zero.stage3.tiled_linear:TiledLinear",
 }
 
 

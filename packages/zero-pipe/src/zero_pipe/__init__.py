@@ -1,7 +1,9 @@
 """zero-pipe: pipeline parallelism for the zero training engine."""
 
 from zero_pipe.data import RepeatingLoader
+from zero_pipe.config import PipelineSectionConfig
 from zero_pipe.engine import PipelineConfigError, PipelineEngine
+from zero_pipe.initialize import initialize_pipeline
 from zero_pipe.instructions import (
     BackwardPass,
     BufferOpInstruction,
@@ -51,6 +53,7 @@ __all__ = [
     "PipelineConfigError",
     "PipelineEngine",
     "PipelineModule",
+    "PipelineSectionConfig",
     "PipelineParallelGrid",
     "ProcessTopology",
     "RecvActivation",
@@ -63,4 +66,5 @@ __all__ = [
     "TiedLayerSpec",
     "TrainSchedule",
     "__version__",
+    "initialize_pipeline",
 ]

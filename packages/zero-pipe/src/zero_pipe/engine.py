@@ -279,6 +279,31 @@ class PipelineEngine:
             return result, (self._outputs if self.is_last_stage() else None)
         return result
 
+    def save_checkpoint(
+        self, save_dir: str, tag: Any = None, client_state: dict | None = None, save_latest: bool = True
+    ) -> str:
+        """Save layers, optimizer, scheduler, loss scaler and counters (call on every rank).
+        See [Note: per-layer pipeline checkpoints]."""
+        from zero_pipe.checkpoint import save_engine_checkpoint
+
+        return save_engine_checkpoint(self, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: Any = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str | None, dict]:
+        """Load a checkpoint of :meth:`save_checkpoint`; returns ``(path, client_state)``."""
+        from zero_pipe.checkpoint import load_engine_checkpoint
+
+        return load_engine_checkpoint(
+            self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states, load_module_only
+        )
+
     # -- execution -----------------------------------------------------------------------
     def _virtual(self, chunk_id: int) -> int:
         return chunk_id * self.num_stages + self.stage_id

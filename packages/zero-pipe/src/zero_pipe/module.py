@@ -395,6 +395,19 @@ class PipelineModule(nn.Module):
         idx = self._local_indices[local_layer_idx]
         return sorted(glob.glob(os.path.join(ckpt_dir, f"layer_{idx:02d}-*model_states.safetensors")))
 
+    def save_state_dict(self, save_dir: str) -> None:
+        """Write this stage's layers, one safetensors file per layer (collective when distributed).
+        See [Note: per-layer pipeline checkpoints] in ``checkpoint.py``."""
+        from zero_pipe.checkpoint import save_module_layers
+
+        save_module_layers(self, save_dir)
+
+    def load_state_dir(self, load_dir: str, strict: bool = True) -> None:
+        """Load this stage's layers from per-layer files saved with any number of stages."""
+        from zero_pipe.checkpoint import load_module_layers
+
+        load_module_layers(self, load_dir, strict=strict)
+
     def layer_modules(self) -> dict[int, nn.Module]:
         """Global layer index -> the module holding that layer's state (tied: first position)."""
         out: dict[int, nn.Module] = {}

@@ -98,7 +98,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     try:
         return _DTYPE_NAMES[dtype]
     except KeyError:
-        raise CheckpointError(f"tensors of dtype {dtype} cannot be checkpointed (allowed: {sorted(_DTYPES)})") from None
+        raise CheckpointError(
+            f"tensors of dtype {dtype} cannot be checkpointed (allowed: {sorted(_DTYPES)})"
+        ) from None
 
 
 def dtype_from_name(name: str, where: str) -> torch.dtype:

@@ -51,7 +51,9 @@ class Fragment:
         for d in self.shape:
             numel *= d
         if not 0 <= self.start <= self.end <= numel:
-            raise ValueError(f"fragment {self.kind}:{self.name}: range [{self.start}, {self.end}) outside {numel} elements")
+            raise ValueError(
+                f"fragment {self.kind}:{self.name}: range [{self.start}, {self.end}) outside {numel} elements"
+            )
         if self.tensor.numel() != self.end - self.start:
             raise ValueError(
                 f"fragment {self.kind}:{self.name}: tensor has {self.tensor.numel()} elements for range "
@@ -64,15 +66,26 @@ class Fragment:
 
     def record(self) -> dict[str, Any]:
         return {
-            "name": self.name, "kind": self.kind, "shape": list(self.shape), "dtype": dtype_name(self.tensor.dtype),
-            "start": self.start, "end": self.end, "key": self.key, "elementwise": self.elementwise,
+            "name": self.name,
+            "kind": self.kind,
+            "shape": list(self.shape),
+            "dtype": dtype_name(self.tensor.dtype),
+            "start": self.start,
+            "end": self.end,
+            "key": self.key,
+            "elementwise": self.elementwise,
             "python_scalar": self.python_scalar,
         }
 
 
 def optimizer_state_fragments(
-    name: str, shape: tuple[int, ...], state: dict[str, Any], segments: list[tuple[int, int, int]] | None = None,
-    *, elementwise_numel: int | None = None, emit_scalars: bool = True,
+    name: str,
+    shape: tuple[int, ...],
+    state: dict[str, Any],
+    segments: list[tuple[int, int, int]] | None = None,
+    *,
+    elementwise_numel: int | None = None,
+    emit_scalars: bool = True,
 ) -> list[Fragment]:
     """Fragments of one parameter's optimizer ``state``.
 
@@ -88,14 +101,20 @@ def optimizer_state_fragments(
     out: list[Fragment] = []
     for key, value in state.items():
         kind = OPTIM_PREFIX + key
-        if torch.is_tensor(value) and value.numel() == per_elem and (segments is not None or value.shape == shape):
+        if (
+            torch.is_tensor(value)
+            and value.numel() == per_elem
+            and (segments is not None or value.shape == shape)
+        ):
             flat = value.detach().reshape(-1)
             for so, po, n in segments if segments is not None else [(0, 0, numel)]:
                 out.append(Fragment(name, kind, shape, po, po + n, flat[so : so + n]))
         elif emit_scalars:
             if torch.is_tensor(value):
                 t = value.detach()
-                out.append(Fragment(name, kind, tuple(t.shape), 0, t.numel(), t.reshape(-1), elementwise=False))
+                out.append(
+                    Fragment(name, kind, tuple(t.shape), 0, t.numel(), t.reshape(-1), elementwise=False)
+                )
             elif isinstance(value, (bool, int, float)):
                 t = torch.tensor([value], dtype=torch.float64 if isinstance(value, float) else torch.int64)
                 out.append(Fragment(name, kind, (), 0, 1, t, elementwise=False, python_scalar=True))
@@ -115,7 +134,11 @@ class CheckpointableStrategy(Protocol):
         """This rank's share of the model, master and optimizer state (collective-free)."""
 
     def load_checkpoint_fragments(
-        self, reader: CheckpointReader, *, load_optimizer_states: bool = True, load_module_only: bool = False,
+        self,
+        reader: CheckpointReader,
+        *,
+        load_optimizer_states: bool = True,
+        load_module_only: bool = False,
         strict: bool = True,
     ) -> None:
         """Fill this rank's state from ``reader``, whatever world size and stage wrote it."""
@@ -150,7 +173,9 @@ class CheckpointReader:
                 entry = self._index.get(k)
                 if entry is None:
                     entry = self._index[k] = _Entry(
-                        tuple(rec["shape"]), dtype_from_name(rec["dtype"], where), bool(rec["elementwise"]),
+                        tuple(rec["shape"]),
+                        dtype_from_name(rec["dtype"], where),
+                        bool(rec["elementwise"]),
                         bool(rec.get("python_scalar", False)),
                     )
                 entry.pieces.append((int(rec["start"]), int(rec["end"]), rank, rec["key"]))
@@ -186,7 +211,9 @@ class CheckpointReader:
         try:
             return self._index[(name, kind)]
         except KeyError:
-            raise CheckpointError(f"checkpoint {self.tag_dir} holds no {kind!r} value for parameter {name!r}") from None
+            raise CheckpointError(
+                f"checkpoint {self.tag_dir} holds no {kind!r} value for parameter {name!r}"
+            ) from None
 
     # -- reading ------------------------------------------------------------------------
     def _file(self, rank: int) -> TensorFile:
@@ -251,7 +278,9 @@ class CheckpointReader:
         kind = FP32 if self.has(name, FP32) else PARAM
         return self.read(name, kind, start, end).float()
 
-    def read_module_value(self, name: str, dtype: torch.dtype, start: int = 0, end: int | None = None) -> torch.Tensor:
+    def read_module_value(
+        self, name: str, dtype: torch.dtype, start: int = 0, end: int | None = None
+    ) -> torch.Tensor:
         """The module weight range in ``dtype``: the saved weight if it has that dtype, else from the master."""
         if self.has(name, PARAM) and self.dtype(name, PARAM) == dtype:
             return self.read(name, PARAM, start, end)

@@ -41,7 +41,9 @@ def resolve_tag(load_dir: str, tag: Any) -> str | None:
     try:
         return validate_tag(name)
     except ValueError:
-        raise CheckpointError(f"{latest} names {name!r}, which is not a valid tag (corrupted file?)") from None
+        raise CheckpointError(
+            f"{latest} names {name!r}, which is not a valid tag (corrupted file?)"
+        ) from None
 
 
 def open_checkpoint(load_dir: str, tag: str) -> tuple[dict[str, Any], CheckpointReader]:
@@ -93,8 +95,9 @@ def full_module_state_dict(reader: CheckpointReader, module: torch.nn.Module) ->
     out = {}
     for name, p in module.named_parameters():
         if reader.has(name, "param") or reader.has(name, "fp32"):
-            out[name] = reader.read_module_value(name, p.dtype).view(reader.shape(name, "param" if reader.has(
-                name, "param") else "fp32"))
+            out[name] = reader.read_module_value(name, p.dtype).view(
+                reader.shape(name, "param" if reader.has(name, "param") else "fp32")
+            )
     for name in reader.names(BUFFER):
         out[name] = reader.read_full(name, BUFFER)
     return out
@@ -125,7 +128,9 @@ def load_checkpoint(
     if not isinstance(load_dir, (str, os.PathLike)):
         raise TypeError(f"load_checkpoint: load_dir must be a path, got {type(load_dir).__name__}")
     if custom_load_fn is not None and not callable(custom_load_fn):
-        raise TypeError("load_checkpoint: custom_load_fn must be callable (called as custom_load_fn(src=..., dst=...))")
+        raise TypeError(
+            "load_checkpoint: custom_load_fn must be callable (called as custom_load_fn(src=..., dst=...))"
+        )
     load_dir = os.fspath(load_dir)
     tag = resolve_tag(load_dir, tag)
     if tag is None:
@@ -135,12 +140,16 @@ def load_checkpoint(
         return None, None
     strategy = engine.strategy
     if not isinstance(strategy, CheckpointableStrategy):
-        raise CheckpointError(f"load_checkpoint: the {type(strategy).__name__} strategy cannot load checkpoints")
+        raise CheckpointError(
+            f"load_checkpoint: the {type(strategy).__name__} strategy cannot load checkpoints"
+        )
     meta, reader = open_checkpoint(load_dir, tag)
     try:
         strategy.load_checkpoint_fragments(
-            reader, load_optimizer_states=load_optimizer_states and not load_module_only,
-            load_module_only=load_module_only, strict=load_module_strict,
+            reader,
+            load_optimizer_states=load_optimizer_states and not load_module_only,
+            load_module_only=load_module_only,
+            strict=load_module_strict,
         )
         _load_buffers(reader, engine.module, load_module_strict)
         if custom_load_fn is not None:
@@ -152,8 +161,9 @@ def load_checkpoint(
     return reader.tag_dir, meta.get("client_state", {})
 
 
-def _restore_engine(engine: Any, meta: dict[str, Any], reader: CheckpointReader, load_opt: bool,
-                    load_sched: bool) -> None:
+def _restore_engine(
+    engine: Any, meta: dict[str, Any], reader: CheckpointReader, load_opt: bool, load_sched: bool
+) -> None:
     engine.global_steps = int(meta["global_steps"])
     engine.global_samples = int(meta["global_samples"])
     engine.skipped_steps = int(meta["skipped_steps"])

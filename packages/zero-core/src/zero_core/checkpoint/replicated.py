@@ -31,7 +31,9 @@ def check_names(reader: CheckpointReader, module: torch.nn.Module, *, strict: bo
         return
     mine = {n: p for n, p in module.named_parameters()}
     saved = set(reader.names(PARAM)) | set(reader.names(FP32))
-    missing = [n for n, p in mine.items() if n not in saved and not (reader.exclude_frozen and not p.requires_grad)]
+    missing = [
+        n for n, p in mine.items() if n not in saved and not (reader.exclude_frozen and not p.requires_grad)
+    ]
     unexpected = sorted(saved - set(mine))
     if missing or unexpected:
         raise CheckpointError(
@@ -88,13 +90,12 @@ def load_replicated(
 ) -> None:
     """Load whole module weights, fp32 masters and (optionally) optimizer states on every rank."""
     load_module_params(reader, module, strict=strict)
-    if load_module_only:
-        return
     for name, p in module.named_parameters():
         target = master.get(p, p)
+        # Masters follow the weights even for load_module_only: a stale master would undo the load at the next step.
         if target is not p and (reader.has(name, FP32) or reader.has(name, PARAM)):
             target.copy_(reader.read_fp32(name).view_as(target))
-        if not load_optimizer_states:
+        if not load_optimizer_states or load_module_only:
             continue
         keys = reader.optimizer_keys(name)
         if not keys:

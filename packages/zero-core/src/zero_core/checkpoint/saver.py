@@ -93,7 +93,9 @@ def _param_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return out
 
 
-def _engine_meta(engine: Any, tag: str, world: int, client_state: dict[str, Any], exclude: bool) -> dict[str, Any]:
+def _engine_meta(
+    engine: Any, tag: str, world: int, client_state: dict[str, Any], exclude: bool
+) -> dict[str, Any]:
     cfg = engine.config
     zc = getattr(cfg, "zero_optimization", None)
     sched = getattr(engine, "lr_scheduler", None)
@@ -116,8 +118,13 @@ def _engine_meta(engine: Any, tag: str, world: int, client_state: dict[str, Any]
         "micro_steps": int(engine.micro_steps),
         "loss_scaler": engine.loss_scaler.state_dict(),
         "lr_scheduler": sched_state,
-        "optimizer": {"class": type(engine.optimizer).__name__, "param_groups": _param_groups(engine.optimizer)},
-        "parameters": [[n, bool(p.requires_grad), list(p.shape)] for n, p in engine.module.named_parameters()],
+        "optimizer": {
+            "class": type(engine.optimizer).__name__,
+            "param_groups": _param_groups(engine.optimizer),
+        },
+        "parameters": [
+            [n, bool(p.requires_grad), list(p.shape)] for n, p in engine.module.named_parameters()
+        ],
         "config": cfg.to_dict() if hasattr(cfg, "to_dict") else None,
         "client_state": client_state,
     }
@@ -126,7 +133,8 @@ def _engine_meta(engine: Any, tag: str, world: int, client_state: dict[str, Any]
 def _write_rank(stage_dir: str, rank: int, world: int, fragments: list[Fragment]) -> None:
     rng_tensors, rng_meta = rng.capture()
     entries = [
-        TensorEntry(f.key, (f.end - f.start,), f.tensor.dtype, (lambda t=f.tensor: t.reshape(-1))) for f in fragments
+        TensorEntry(f.key, (f.end - f.start,), f.tensor.dtype, (lambda t=f.tensor: t.reshape(-1)))
+        for f in fragments
     ]
     entries += [TensorEntry(k, tuple(t.shape), t.dtype, (lambda t=t: t)) for k, t in rng_tensors.items()]
     tensor_name = rank_tensor_name(rank)
@@ -143,9 +151,13 @@ def _write_rank(stage_dir: str, rank: int, world: int, fragments: list[Fragment]
     atomic_write_bytes(os.path.join(stage_dir, rank_json_name(rank)), dumps(table), sync_dir=False)
 
 
-def _commit(save_dir: str, stage_dir: str, tag: str, world: int, meta: dict[str, Any], save_latest: bool) -> None:
-    meta["files"] = {rank_json_name(r): file_record(*file_checksum(os.path.join(stage_dir, rank_json_name(r))))
-                     for r in range(world)}
+def _commit(
+    save_dir: str, stage_dir: str, tag: str, world: int, meta: dict[str, Any], save_latest: bool
+) -> None:
+    meta["files"] = {
+        rank_json_name(r): file_record(*file_checksum(os.path.join(stage_dir, rank_json_name(r))))
+        for r in range(world)
+    }
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zero_to_fp32.py")
     with open(script, "rb") as f:
         atomic_write_bytes(os.path.join(stage_dir, SCRIPT_FILE), f.read(), sync_dir=False)

@@ -74,7 +74,11 @@ def _header_bytes(entries: list[TensorEntry], metadata: dict[str, str] | None) -
             raise CheckpointError(f"tensor {e.name!r}: dtype {e.dtype} cannot be stored in safetensors")
         if e.name in header:
             raise CheckpointError(f"tensor name {e.name!r} appears twice in one file")
-        header[e.name] = {"dtype": _CODES[e.dtype], "shape": list(e.shape), "data_offsets": [off, off + e.nbytes]}
+        header[e.name] = {
+            "dtype": _CODES[e.dtype],
+            "shape": list(e.shape),
+            "data_offsets": [off, off + e.nbytes],
+        }
         off += e.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # data section 8-byte aligned, as the safetensors library does
@@ -130,13 +134,17 @@ class TensorFile:
     def _bad(self, why: str) -> CheckpointError:
         return CheckpointError(f"{self.path} is not a valid safetensors tensor file: {why}")
 
-    def _parse_header(self) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...], int, int]], dict[str, str], int]:
+    def _parse_header(
+        self,
+    ) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...], int, int]], dict[str, str], int]:
         head = os.pread(self._fd, 8, 0)
         if len(head) < 8:
             raise self._bad(f"only {self.size} bytes (truncated?)")
         (n,) = struct.unpack("<Q", head)
         if n > _MAX_HEADER or 8 + n > self.size:
-            raise self._bad(f"header length {n} does not fit the file of {self.size} bytes (truncated or not safetensors)")
+            raise self._bad(
+                f"header length {n} does not fit the file of {self.size} bytes (truncated or not safetensors)"
+            )
         raw = os.pread(self._fd, n, 8)
         try:
             header = json.loads(raw.decode("utf-8"))
@@ -190,7 +198,9 @@ class TensorFile:
         numel = (end - start) // item
         hi = numel if hi is None else hi
         if not 0 <= lo <= hi <= numel:
-            raise CheckpointError(f"{self.path}: range [{lo}, {hi}) is outside tensor {name!r} of {numel} elements")
+            raise CheckpointError(
+                f"{self.path}: range [{lo}, {hi}) is outside tensor {name!r} of {numel} elements"
+            )
         out = torch.empty(hi - lo, dtype=dtype)
         buf = memoryview(out.view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
         offset = self._data_start + start + lo * item

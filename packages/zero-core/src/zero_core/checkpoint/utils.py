@@ -18,7 +18,9 @@ def clone_tensors_for_torch_save(item: Any, device: torch.device | str = torch.d
     try:
         device = torch.device(device)
     except (TypeError, RuntimeError) as e:
-        raise ValueError(f"clone_tensors_for_torch_save: device must be a torch.device or device string: {e}") from None
+        raise ValueError(
+            f"clone_tensors_for_torch_save: device must be a torch.device or device string: {e}"
+        ) from None
     return _clone(item, device)
 
 

@@ -137,3 +137,19 @@ class DataParallelStrategy:
         with torch.no_grad():
             for m, saved in zip(self.master.values(), state.get("master", [])):
                 m.copy_(saved)
+
+    # -- checkpointing (see [Note: checkpoint format] in zero_core/checkpoint/format.py) --
+    def checkpoint_fragments(self, exclude_frozen_parameters: bool = False) -> list[Any]:
+        from zero_core import comm
+        from zero_core.checkpoint.replicated import replicated_fragments
+
+        rank = comm.get_rank(self.group) if comm.is_initialized() else 0
+        return replicated_fragments(self.module, self.optimizer, self.master, rank=rank,
+                                    exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def load_checkpoint_fragments(self, reader: Any, *, load_optimizer_states: bool = True,
+                                  load_module_only: bool = False, strict: bool = True) -> None:
+        from zero_core.checkpoint.replicated import load_replicated
+
+        load_replicated(reader, self.module, self.optimizer, self.master, load_optimizer_states=load_optimizer_states,
+                        load_module_only=load_module_only, strict=strict)

@@ -10,6 +10,7 @@ stage itself.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -100,6 +101,39 @@ class ZeroEngine(torch.nn.Module):
         """Bytes held on this rank by category, measured from live tensors."""
         return self.strategy.memory_breakdown()
 
+    def empty_partition_cache(self) -> None:
+        """Release parameters kept gathered between steps (ZeRO stage 3; a no-op otherwise)."""
+        release = getattr(self.strategy, "empty_partition_cache", None)
+        if release is not None:
+            release()
+
+    def save_16bit_model(
+        self, save_dir: str, save_filename: str = "pytorch_model.safetensors", exclude_frozen_parameters: bool = False
+    ) -> bool:
+        """Write the model's weights in the training dtype as one safetensors file (rank 0 writes).
+
+        Collective under ZeRO stage 3 (every rank must call it). Returns False when nothing was
+        saved (stage 3 without ``gather_16bit_weights_on_model_save``).
+        """
+        if not isinstance(save_dir, (str, os.PathLike)):
+            raise TypeError(f"save_16bit_model: save_dir must be a path, got {type(save_dir).__name__}")
+        if not isinstance(save_filename, str) or not save_filename or os.sep in save_filename:
+            raise ValueError(f"save_16bit_model: save_filename must be a plain file name, got {save_filename!r}")
+        saver = getattr(self.strategy, "save_16bit_model", None)
+        if saver is not None:
+            return bool(saver(str(save_dir), save_filename, exclude_frozen_parameters))
+        from zero_core.zero.stage3.model_save import write_state_dict
+
+        frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+        state = {
+            k: (v.to(self.compute_dtype) if v.is_floating_point() else v)
+            for k, v in self.module.state_dict().items()
+            if not (exclude_frozen_parameters and k in frozen)
+        }
+        if self.global_rank == 0:
+            write_state_dict(state, os.path.join(str(save_dir), save_filename))
+        return True
+
     # -- the loop -----------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.profiler is not None and self.micro_steps % self.gradient_accumulation_steps() == 0:
@@ -186,6 +220,37 @@ class ZeroEngine(torch.nn.Module):
 
     def zero_grad(self) -> None:
         self.strategy.zero_grad()
+
+    # -- checkpoints (zero_core.checkpoint; see [Note: checkpoint format]) --------------
+    def save_checkpoint(
+        self,
+        save_dir: str,
+        tag: Any = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """Save the full training state under ``save_dir/tag`` (collective: call on every rank)."""
+        from zero_core.checkpoint.saver import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag, client_state if client_state is not None else {},
+                               save_latest, exclude_frozen_parameters)
+
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: Any = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn: Callable[..., Any] | None = None,
+    ) -> tuple[str | None, dict[str, Any] | None]:
+        """Load a checkpoint saved at any world size and stage; returns ``(load_path, client_state)``."""
+        from zero_core.checkpoint.loader import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                               load_lr_scheduler_states, load_module_only, custom_load_fn)
 
     # -- reporting ----------------------------------------------------------------------
     def _report(self) -> None:

@@ -38,13 +38,26 @@ def compute_dtype(cfg: Any) -> torch.dtype:
 
 
 def _broadcast_module(module: torch.nn.Module, group: Any) -> None:
-    """Make every rank start from rank 0's parameters and buffers."""
+    """Make every rank start from the same parameters and buffers.
+
+    Each parameter comes from the first rank of the group it is reduced over: the
+    data-parallel group, or for an expert parameter its expert-data-parallel group (ranks of
+    one expert-parallel group hold different experts). See [Note: expert parameters].
+    """
     if comm.get_world_size(group) == 1:
         return
-    src = comm.get_global_rank(group, 0) if group is not None else 0
+    from zero_core.engine.param_groups import reduction_groups
+
     with torch.no_grad():
-        for t in [*module.parameters(), *module.buffers()]:
-            comm.broadcast(t.data, src=src, group=group)
+        for reduce_group, params in reduction_groups(list(module.parameters()), group):
+            if comm.get_world_size(reduce_group) == 1:
+                continue
+            src = comm.get_global_rank(reduce_group, 0) if reduce_group is not None else 0
+            for p in params:
+                comm.broadcast(p.data, src=src, group=reduce_group)
+        src = comm.get_global_rank(group, 0) if group is not None else 0
+        for b in module.buffers():
+            comm.broadcast(b.data, src=src, group=group)
 
 
 def _build_optimizer(optimizer: Any, params: Any, cfg: Any) -> torch.optim.Optimizer:
@@ -74,8 +87,20 @@ def _build_optimizer(optimizer: Any, params: Any, cfg: Any) -> torch.optim.Optim
 
 def _build_scheduler(lr_scheduler: Any, optimizer: torch.optim.Optimizer, cfg: Any) -> Any:
     if lr_scheduler is not None:
-        if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-            return lr_scheduler(optimizer)
+        # A scheduler class is a callable too (it has a ``step`` attribute, unbound): call it.
+        if isinstance(lr_scheduler, type) or (callable(lr_scheduler) and not hasattr(lr_scheduler, "step")):
+            built = lr_scheduler(optimizer)
+            if not callable(getattr(built, "step", None)):
+                raise TypeError(
+                    f"initialize: the lr_scheduler callable returned {type(built).__name__}, "
+                    "which has no step() method"
+                )
+            return built
+        if not callable(getattr(lr_scheduler, "step", None)):
+            raise TypeError(
+                f"initialize: lr_scheduler must be a scheduler (with step()) or a callable taking the "
+                f"optimizer, got {type(lr_scheduler).__name__}"
+            )
         return lr_scheduler
     section = _section(cfg, "scheduler")
     if section is None or getattr(section, "type", None) is None:
@@ -163,6 +188,19 @@ def _build_strategy(module: torch.nn.Module, optimizer: torch.optim.Optimizer, c
             round_robin_gradients=bool(zc.round_robin_gradients),
             ignore_unused_parameters=bool(zc.ignore_unused_parameters),
             comm_dtype=comm_dtype,
+        )
+    if stage == 3:
+        # Partitioning and the 16-bit cast of parameters are the strategy's business here.
+        from zero_core.zero.stage3.strategy import Stage3Strategy
+
+        return Stage3Strategy(
+            module, optimizer, group=group, dtype=dtype,
+            prefetch_bucket_size=int(zc.prefetch_bucket_size),
+            param_persistence_threshold=int(zc.param_persistence_threshold),
+            model_persistence_threshold=int(zc.model_persistence_threshold),
+            max_live_parameters=int(zc.max_live_parameters),
+            max_reuse_distance=int(zc.max_reuse_distance),
+            gather_16bit_weights_on_model_save=bool(zc.gather_16bit_weights_on_model_save),
         )
     raise NotImplementedError(f"zero_optimization.stage {stage} is not available in this build")
 

@@ -47,6 +47,16 @@ def _bytes(tensors: Any) -> int:
     return total
 
 
+def _snapshot(obj: Any) -> Any:
+    if torch.is_tensor(obj):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_snapshot(v) for v in obj]
+    return obj
+
+
 def _positive_int(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"zero_optimization.{name} must be a positive number of elements, got {value!r}")
@@ -101,8 +111,11 @@ def gather_shards(
             flat[a:b].copy_(piece)
             for r in range(n):
                 src = comm.get_global_rank(group, r) if group is not None else r
-                works.append(comm.broadcast(region[r * chunk.piece : (r + 1) * chunk.piece], src=src,
-                                            group=group, async_op=True))
+                works.append(
+                    comm.broadcast(
+                        region[r * chunk.piece : (r + 1) * chunk.piece], src=src, group=group, async_op=True
+                    )
+                )
             continue
         q = chunk.piece if bucket_numel is None else max(1, bucket_numel // n)
         if chunk.piece <= q:
@@ -145,9 +158,13 @@ class PartitionedOptimizerStrategy:
         comm_dtype: torch.dtype | None = None,
     ) -> None:
         if stage not in (1, 2):
-            raise ValueError(f"PartitionedOptimizerStrategy implements zero_optimization.stage 1 and 2, got {stage!r}")
+            raise ValueError(
+                f"PartitionedOptimizerStrategy implements zero_optimization.stage 1 and 2, got {stage!r}"
+            )
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"ZeRO stage {stage}: optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
+            raise TypeError(
+                f"ZeRO stage {stage}: optimizer must be a torch.optim.Optimizer, got {type(optimizer)}"
+            )
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"ZeRO stage {stage}: training dtype must be fp32, fp16 or bf16, got {dtype}")
         _positive_int(reduce_bucket_size, "reduce_bucket_size")
@@ -219,10 +236,15 @@ class PartitionedOptimizerStrategy:
                 module.to(dtype)  # frozen parameters and floating buffers; flat views are already cast
 
         self.reducer = PartitionedGradReducer(
-            groups, group=group, partition_grads=stage == 2, overlap_comm=overlap_comm,
-            contiguous_gradients=contiguous_gradients, reduce_scatter=reduce_scatter,
+            groups,
+            group=group,
+            partition_grads=stage == 2,
+            overlap_comm=overlap_comm,
+            contiguous_gradients=contiguous_gradients,
+            reduce_scatter=reduce_scatter,
             use_multi_rank_bucket_allreduce=use_multi_rank_bucket_allreduce,
-            ignore_unused_parameters=ignore_unused_parameters, comm_dtype=comm_dtype,
+            ignore_unused_parameters=ignore_unused_parameters,
+            comm_dtype=comm_dtype,
             backward_order=backward_order,
         )
 
@@ -267,8 +289,13 @@ class PartitionedOptimizerStrategy:
         """Cast each rank's updated shard and all-gather it into the module's parameters."""
         for g, gg in enumerate(self.groups):
             gather_shards(
-                gg.layout, self.masters[g].detach(), self.flat_params[g], rank=self.rank, group=self.group,
-                bucket_numel=self.allgather_bucket_size, use_all_gather=self.allgather_partitions,
+                gg.layout,
+                self.masters[g].detach(),
+                self.flat_params[g],
+                rank=self.rank,
+                group=self.group,
+                bucket_numel=self.allgather_bucket_size,
+                use_all_gather=self.allgather_partitions,
             )
 
     def zero_grad(self) -> None:
@@ -293,8 +320,11 @@ class PartitionedOptimizerStrategy:
             "zero_stage": self.stage,
             "world_size": self.world_size,
             "rank": self.rank,
-            "layout": [[gg.layout.numel, gg.layout.padded_numel, len(gg.layout.chunks)] for gg in self.groups],
-            "optimizer": self.optimizer.state_dict(),
+            "layout": [
+                [gg.layout.numel, gg.layout.padded_numel, len(gg.layout.chunks)] for gg in self.groups
+            ],
+            # a snapshot (torch's optimizer state_dict shares the live state tensors)
+            "optimizer": _snapshot(self.optimizer.state_dict()),
             "master": [m.detach().clone() for m in self.masters],
         }
 
@@ -303,7 +333,10 @@ class PartitionedOptimizerStrategy:
         if not isinstance(state, dict) or "master" not in state or "optimizer" not in state:
             raise ValueError("ZeRO stage 1/2 load_state_dict: expected the dict returned by state_dict()")
         mine = [[gg.layout.numel, gg.layout.padded_numel, len(gg.layout.chunks)] for gg in self.groups]
-        if int(state.get("world_size", -1)) != self.world_size or [list(x) for x in state.get("layout", [])] != mine:
+        if (
+            int(state.get("world_size", -1)) != self.world_size
+            or [list(x) for x in state.get("layout", [])] != mine
+        ):
             raise ValueError(
                 f"ZeRO stage 1/2 load_state_dict: the state was saved with world_size {state.get('world_size')} and "
                 f"layout {state.get('layout')}; this run has world_size {self.world_size} and layout {mine} "
@@ -319,8 +352,10 @@ class PartitionedOptimizerStrategy:
         with torch.no_grad():
             for m, saved in zip(self.masters, state["master"]):
                 if saved.shape != m.shape:
-                    raise ValueError(f"ZeRO stage 1/2 load_state_dict: master shard shape {tuple(saved.shape)} "
-                                     f"!= {tuple(m.shape)}")
+                    raise ValueError(
+                        f"ZeRO stage 1/2 load_state_dict: master shard shape {tuple(saved.shape)} "
+                        f"!= {tuple(m.shape)}"
+                    )
                 m.copy_(saved)
         self._publish_params()
 
@@ -334,8 +369,13 @@ class PartitionedOptimizerStrategy:
             lo = max(a, chunk.start + s.chunk_lo)
             hi = min(b, chunk.start + s.chunk_lo + s.numel)
             if hi > lo:
-                out.append((layout.shard_offsets[chunk.index] + lo - a, s.param_lo + lo - (chunk.start + s.chunk_lo),
-                            hi - lo))
+                out.append(
+                    (
+                        layout.shard_offsets[chunk.index] + lo - a,
+                        s.param_lo + lo - (chunk.start + s.chunk_lo),
+                        hi - lo,
+                    )
+                )
         return out
 
     def _gather_param(self, p: torch.nn.Parameter, shard: torch.Tensor) -> torch.Tensor:
@@ -345,7 +385,9 @@ class PartitionedOptimizerStrategy:
         for chunk, s in layout.chunks_of_param(i):
             so = layout.shard_offsets[chunk.index]
             full = torch.empty(chunk.padded, dtype=torch.float32, device=p.device)
-            comm.all_gather_into_tensor(full, shard[so : so + chunk.piece].float().contiguous(), group=self.group)
+            comm.all_gather_into_tensor(
+                full, shard[so : so + chunk.piece].float().contiguous(), group=self.group
+            )
             out[s.param_lo : s.param_hi].copy_(full[s.chunk_lo : s.chunk_lo + s.numel])
         return out.view(p.shape)
 
@@ -389,3 +431,81 @@ class PartitionedOptimizerStrategy:
         flat = value.detach().reshape(-1).to(st.dtype)
         for so, po, n in self._own_segments(g, i):
             st[so : so + n].copy_(flat[po : po + n])
+
+    # -- checkpointing (zero_core.checkpoint; see [Note: checkpoint format] in checkpoint/format.py) --
+    def checkpoint_fragments(self, exclude_frozen_parameters: bool = False) -> list[Any]:
+        """The fp32 master and optimizer-state segments this rank's shard holds, named per parameter.
+
+        Rank 0 adds the whole module weights that the masters do not already give exactly (16-bit
+        weights, frozen parameters) and the per-group scalar states (Adam's ``step``).
+        """
+        from zero_core.checkpoint.fragments import FP32, Fragment, optimizer_state_fragments
+        from zero_core.checkpoint.replicated import module_fragments
+
+        out = []
+        if self.rank == 0:
+            partitioned = {n for gg in self.groups for n in gg.names}
+            out = [
+                f
+                for f in module_fragments(self.module, exclude_frozen_parameters=exclude_frozen_parameters)
+                if self.dtype != torch.float32 or f.name not in partitioned
+            ]
+        for g, gg in enumerate(self.groups):
+            master = self.masters[g].detach()
+            state = self.optimizer.state.get(self.masters[g], {})
+            for i, (p, name) in enumerate(zip(gg.params, gg.names)):
+                segments = self._own_segments(g, i)
+                for so, po, n in segments:
+                    out.append(Fragment(name, FP32, tuple(p.shape), po, po + n, master[so : so + n]))
+                out += optimizer_state_fragments(
+                    name,
+                    tuple(p.shape),
+                    state,
+                    segments,
+                    elementwise_numel=master.numel(),
+                    emit_scalars=self.rank == 0,
+                )
+        return out
+
+    @torch.no_grad()
+    def load_checkpoint_fragments(
+        self,
+        reader: Any,
+        *,
+        load_optimizer_states: bool = True,
+        load_module_only: bool = False,
+        strict: bool = True,
+    ) -> None:
+        """Whole module weights, then this rank's master segments and optimizer states, from any layout."""
+        from zero_core.checkpoint.fragments import OPTIM_PREFIX
+        from zero_core.checkpoint.replicated import load_module_params
+
+        load_module_params(reader, self.module, strict=strict)
+        for g, gg in enumerate(self.groups):
+            master = self.masters[g]
+            owned = [
+                (name, self._own_segments(g, i))
+                for i, name in enumerate(gg.names)
+                if reader.has(name, "fp32") or reader.has(name, "param")
+            ]
+            for name, segments in owned:
+                for so, po, n in segments:
+                    master[so : so + n].copy_(reader.read_fp32(name, po, po + n))
+            if not load_optimizer_states or load_module_only or not owned:
+                continue
+            first = owned[0][0]
+            state: dict[str, Any] = {}
+            for key in reader.optimizer_keys(first):
+                kind = OPTIM_PREFIX + key
+                if not reader.is_elementwise(first, kind):
+                    state[key] = reader.read_optimizer_state(
+                        first, key
+                    )  # per group: the same for all its params
+                    continue
+                buf = torch.zeros(master.shape, dtype=reader.dtype(first, kind), device=master.device)
+                for name, segments in owned:
+                    for so, po, n in segments:
+                        buf[so : so + n].copy_(reader.read(name, kind, po, po + n))
+                state[key] = buf
+            if state:
+                self.optimizer.state[master] = state

@@ -47,7 +47,8 @@ def module_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     own = [p for p in module._parameters.values() if p is not None and hasattr(p, "zero_state")]
     ext = getattr(module, "_zero_external_params", None)
     if ext:
-        own = own + [p for p in ext if p not in own]
+        ids = {id(p) for p in own}
+        own = own + [p for p in ext if id(p) not in ids]
     return own
 
 

@@ -1,0 +1,223 @@
+"""``zero.Init``: build a model already partitioned, one submodule at a time.
+
+[Note: stage 3 construction]
+Inside the context every ``nn.Module`` subclass's ``__init__`` is wrapped: when the outermost
+``__init__`` of an object returns, its direct parameters are broadcast from rank 0 (so ranks
+agree whatever their RNG), cast to the target dtype and cut to the local 1/N shard. A
+parent's ``__init__`` thus never sees its children's full parameters and the largest full
+tensor ever allocated is one submodule's. Code that reads a released parameter during
+construction (``self.child.weight.data.normal_()``, ``named_parameters()`` inside an init
+function) gets it gathered on access; it is re-partitioned, with rank 0's value, when the
+``__init__`` (or ``apply`` function) that touched it returns. With ``override_module_apply``
+``Module.apply`` gathers each module's parameters around the function the same way.
+``Init(module=m)`` partitions an already-built model.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from typing import Any
+
+import torch
+
+from zero_core import comm
+from zero_core.zero.stage3.hooks import _ON_ACCESS_OUTSIDE_FORWARD, install_param_dict
+from zero_core.zero.stage3.partitioned_param import (
+    ParamStatus,
+    broadcast_full,
+    gather_params,
+    is_partitioned,
+    partition_param,
+    release_param,
+    shard_from_full,
+)
+
+
+def _load_cfg(config_dict_or_path: Any, config: Any) -> Any:
+    src = config if config is not None else config_dict_or_path
+    if src is None:
+        return None
+    if isinstance(src, (str, os.PathLike)):
+        with open(src) as fh:
+            src = json.load(fh)
+    if isinstance(src, dict):
+        from zero_core.config import load_config
+
+        return load_config(src, world_size=comm.get_world_size() if comm.is_initialized() else 1)
+    return src  # an already-loaded ZeroConfig
+
+
+def _all_subclasses(cls: type) -> list[type]:
+    out, todo = [], [cls]
+    while todo:
+        c = todo.pop()
+        for s in c.__subclasses__():
+            out.append(s)
+            todo.append(s)
+    return out
+
+
+class Init:
+    """Context in which modules are partitioned as they are constructed (ZeRO stage 3)."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module | None = None,
+        data_parallel_group: Any = None,
+        mem_efficient_linear: bool = True,
+        remote_device: str | None = None,
+        pin_memory: bool = False,
+        config_dict_or_path: Any = None,
+        config: Any = None,
+        enabled: bool = True,
+        dtype: torch.dtype | None = None,
+        mpu: Any = None,
+    ) -> None:
+        if module is not None and not isinstance(module, torch.nn.Module):
+            raise TypeError(f"zero.Init: module must be a torch.nn.Module, got {type(module).__name__}")
+        if remote_device not in (None, "cpu", "none", "nvme") and not str(remote_device).startswith("cuda"):
+            raise ValueError(f"zero.Init: remote_device must be None, 'cpu', 'cuda' or 'nvme', got {remote_device!r}")
+        if remote_device == "nvme":
+            raise ValueError("zero.Init: remote_device='nvme' needs zero_optimization.offload_param, "
+                             "which this build's stage 3 does not provide; use None or 'cpu'")
+        if dtype is not None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"zero.Init: dtype must be torch.float32, float16 or bfloat16, got {dtype}")
+        if mpu is not None and data_parallel_group is not None:
+            raise ValueError("zero.Init: give data_parallel_group or mpu, not both")
+        self.enabled = bool(enabled)
+        self.pin_memory = bool(pin_memory)
+        self.remote_device = remote_device
+        self.mem_efficient_linear = bool(mem_efficient_linear)
+        if self.enabled and not comm.is_initialized():
+            from zero_core.distributed import init_distributed
+
+            init_distributed()
+        self.group = mpu.get_data_parallel_group() if mpu is not None else data_parallel_group
+        cfg = _load_cfg(config_dict_or_path, config)
+        if dtype is None and cfg is not None:
+            if getattr(getattr(cfg, "fp16", None), "enabled", False):
+                dtype = torch.float16
+            elif getattr(getattr(cfg, "bf16", None), "enabled", False):
+                dtype = torch.bfloat16
+        self.dtype = dtype
+        zc = getattr(cfg, "zero_optimization", None)
+        self.override_module_apply = bool(getattr(zc, "override_module_apply", True))
+        self._patched: list[tuple[type, str, Any]] = []
+        self._dirty: dict[int, torch.nn.Parameter] = {}
+        if self.enabled and module is not None:
+            for m in module.modules():
+                self._convert(m)
+
+    # -- partitioning --------------------------------------------------------------------
+    @torch.no_grad()
+    def _convert(self, module: torch.nn.Module) -> None:
+        for name, p in list(module._parameters.items()):
+            if p is None or is_partitioned(p):
+                continue
+            if self.dtype is not None and p.dtype.is_floating_point and p.dtype != self.dtype:
+                p.data = p.data.to(self.dtype)
+            if self.pin_memory and torch.cuda.is_available():
+                p.data = p.data.pin_memory()
+            partition_param(p, self.group, broadcast_from=0)
+        install_param_dict(module)
+
+    def _touch(self, p: torch.nn.Parameter) -> None:
+        """Gather a parameter read during construction; re-partitioned by :meth:`_flush`."""
+        st = p.zero_state
+        if st.status is ParamStatus.AVAILABLE or st.id in self._dirty:
+            return
+        handle = gather_params([p], self.group, what="access during zero.Init construction")
+        if handle is not None:
+            handle.wait()
+        st.holds += 1
+        self._dirty[st.id] = p
+
+    @torch.no_grad()
+    def _flush(self, scope: torch.nn.Module | None) -> None:
+        if not self._dirty:
+            return
+        if scope is None:
+            params = list(self._dirty.values())
+        else:
+            ids = {id(p) for p in scope.parameters()}
+            params = [p for p in self._dirty.values() if id(p) in ids]
+        for p in params:
+            del self._dirty[p.zero_state.id]
+            p.zero_state.holds -= 1
+            broadcast_full(p, 0)
+            shard_from_full(p)
+            release_param(p)
+
+    # -- patches --------------------------------------------------------------------------
+    def _wrap_init(self, cls: type) -> None:
+        orig = cls.__dict__["__init__"]
+        ctx = self
+
+        @functools.wraps(orig)
+        def __init__(module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+            depth = module.__dict__.get("_zero_init_depth", 0)
+            module.__dict__["_zero_init_depth"] = depth + 1
+            try:
+                orig(module, *args, **kwargs)
+            finally:
+                module.__dict__["_zero_init_depth"] = depth
+            if depth == 0:
+                del module.__dict__["_zero_init_depth"]
+                ctx._convert(module)
+                ctx._flush(module)
+
+        self._patched.append((cls, "__init__", orig))
+        cls.__init__ = __init__
+
+    def _patch_apply(self) -> None:
+        orig = torch.nn.Module.apply
+        ctx = self
+
+        def apply(module: torch.nn.Module, fn: Any) -> torch.nn.Module:
+            for child in module.children():
+                child.apply(fn)
+            own = [p for p in module._parameters.values() if p is not None and is_partitioned(p)]
+            for p in own:
+                ctx._touch(p)
+            fn(module)
+            ctx._flush(module)
+            return module
+
+        self._patched.append((torch.nn.Module, "apply", orig))
+        torch.nn.Module.apply = apply
+
+    def __enter__(self) -> Init:
+        if not self.enabled:
+            return self
+        for cls in [torch.nn.Module, *_all_subclasses(torch.nn.Module)]:
+            if "__init__" in cls.__dict__ and cls is not torch.nn.Module:
+                self._wrap_init(cls)
+        ctx = self
+        orig_init_subclass = torch.nn.Module.__dict__.get("__init_subclass__")
+
+        def __init_subclass__(cls: type, **kwargs: Any) -> None:
+            super(torch.nn.Module, cls).__init_subclass__(**kwargs)
+            if "__init__" in cls.__dict__:
+                ctx._wrap_init(cls)
+
+        self._patched.append((torch.nn.Module, "__init_subclass__", orig_init_subclass))
+        torch.nn.Module.__init_subclass__ = classmethod(__init_subclass__)
+        if self.override_module_apply:
+            self._patch_apply()
+        _ON_ACCESS_OUTSIDE_FORWARD.append(self._touch)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self.enabled:
+            return
+        _ON_ACCESS_OUTSIDE_FORWARD.remove(self._touch)
+        for cls, name, orig in reversed(self._patched):
+            if orig is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, orig)
+        self._patched.clear()
+        if exc[0] is None:
+            self._flush(None)
