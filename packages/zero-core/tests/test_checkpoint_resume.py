@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from zero_core.testing import run_multirank
 
 D = 8
@@ -82,7 +81,7 @@ def _resumed(tmp: str, stage: int) -> tuple[list[float], dict, int]:
     return losses, client, engine.global_steps
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_exact_resume_bitwise(tmp_path, stage):
     from zero_core.checkpoint.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 

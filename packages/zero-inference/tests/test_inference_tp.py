@@ -5,11 +5,10 @@ from __future__ import annotations
 import os
 import tempfile
 
-import torch
-from zero_core.testing import run_multirank
-
 import inference_models as M
+import torch
 import zero_inference as zi
+from zero_core.testing import run_multirank
 
 TOL = 1e-5
 
@@ -29,7 +28,18 @@ def _tp_checks(tp: int, ckpt_dir: str) -> dict[str, float | bool]:
         out[f"{name}_logits"] = _close(engine(x).logits, want)
         if name != "bert":
             gen = engine.generate(x, max_new_tokens=6)
-            out[f"{name}_generate"] = bool(torch.equal(gen, ref.generate(x, max_new_tokens=6, do_sample=False, pad_token_id=0)))
+            out[f"{name}_generate"] = bool(
+                torch.equal(
+                    gen,
+                    ref.generate(
+                        x,
+                        attention_mask=torch.ones_like(x),
+                        max_new_tokens=6,
+                        do_sample=False,
+                        pad_token_id=0,
+                    ),
+                )
+            )
             inj = zi.init_inference(make(), mp_size=tp, dtype="fp32", replace_with_kernel_inject=True)
             out[f"{name}_inject_logits"] = _close(inj(x).logits, want)
             out[f"{name}_inject_generate"] = bool(torch.equal(inj.generate(x, max_new_tokens=6), gen))
@@ -40,12 +50,16 @@ def _tp_checks(tp: int, ckpt_dir: str) -> dict[str, float | bool]:
     with torch.no_grad():
         want = ref(x).logits
     pol = zi.init_inference(
-        M.llama(vocab=90), tensor_parallel={"tp_size": tp}, dtype="fp32",
+        M.llama(vocab=90),
+        tensor_parallel={"tp_size": tp},
+        dtype="fp32",
         injection_policy={LlamaDecoderLayer: ("self_attn.o_proj", "mlp.down_proj")},
     )
     out["policy_logits"] = _close(pol(x).logits, want)
     # save_mp_checkpoint_path writes the shards; reload into an empty model reads one file per rank.
-    zi.init_inference(M.gpt2(), tensor_parallel={"tp_size": tp}, dtype="fp32", save_mp_checkpoint_path=ckpt_dir)
+    zi.init_inference(
+        M.gpt2(), tensor_parallel={"tp_size": tp}, dtype="fp32", save_mp_checkpoint_path=ckpt_dir
+    )
     torch.distributed.barrier()
     with zi.empty_model():
         empty = M.gpt2(seed=5)

@@ -30,7 +30,14 @@ ROW_NAMES = {"o_proj", "out_proj", "c_proj", "down_proj", "fc2", "wo", "w2", "de
 ROW_PARENTS_OF_DENSE = {"output", "attention", "self_attention", "attn"}
 REPLICATED_NAMES = {"gate", "router", "q_attn"}
 FUSED_BLOCKS = {"c_attn": 3, "qkv_proj": 3, "Wqkv": 3, "gate_up_proj": 2}
-HEAD_ATTRS = ("split_size", "num_heads", "num_attention_heads", "num_key_value_heads", "all_head_size", "n_head")
+HEAD_ATTRS = (
+    "split_size",
+    "num_heads",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "all_head_size",
+    "n_head",
+)
 
 
 def is_linear(module: nn.Module) -> bool:
@@ -223,10 +230,10 @@ def apply_plan(
     for name in plan.row:
         wname, bname = f"{name}.weight", f"{name}.bias"
         if name in plan.transposed:
-            (start, stop), = iter_blocks(src.shape(wname)[0], 1, rank, world)
+            ((start, stop),) = iter_blocks(src.shape(wname)[0], 1, rank, world)
             weight = src.rows(wname, start, stop).t()
         else:
-            (start, stop), = iter_blocks(src.shape(wname)[1], 1, rank, world)
+            ((start, stop),) = iter_blocks(src.shape(wname)[1], 1, rank, world)
             weight = src.cols(wname, start, stop)
         bias = _cast(src.full(bname), dtype, device) if bname in src.names() else None
         set_module(name, RowParallelLinear(_cast(weight, dtype, device), bias, group=group))
@@ -242,7 +249,11 @@ def apply_plan(
         start = rank * per
         rows = _pad_rows(src.rows(f"{name}.weight", start, min(start + per, vocab)), per)
         new = VocabParallelEmbedding(
-            _cast(rows, dtype, device), start=start, num_embeddings=vocab, padding_idx=old.padding_idx, group=group
+            _cast(rows, dtype, device),
+            start=start,
+            num_embeddings=vocab,
+            padding_idx=old.padding_idx,
+            group=group,
         )
         set_module(name, new)
         shared = new.weight

@@ -61,7 +61,9 @@ class TPShardSource:
         with open(os.path.join(path, INDEX_NAME)) as f:
             self.index = json.load(f)
         if self.index.get("format") != FORMAT:
-            raise ValueError(f"{path}/{INDEX_NAME}: not a {FORMAT} index (format={self.index.get('format')!r})")
+            raise ValueError(
+                f"{path}/{INDEX_NAME}: not a {FORMAT} index (format={self.index.get('format')!r})"
+            )
         self.path = path
         self.tp_size = int(self.index["tp_size"])
         self.rank: int | None = None
@@ -78,7 +80,9 @@ def _policy_files(policy: dict[str, Any], base_dir: str) -> list[str]:
     if isinstance(files, dict):  # {"non_tp": [...], "tp": [...]} in DeepSpeed's policy files
         files = [f for v in files.values() for f in (v if isinstance(v, list) else [v])]
     if not isinstance(files, list) or not files or not all(isinstance(f, str) for f in files):
-        raise ValueError(f"checkpoint load policy: 'checkpoints' must be a non-empty list of file names, got {files!r}")
+        raise ValueError(
+            f"checkpoint load policy: 'checkpoints' must be a non-empty list of file names, got {files!r}"
+        )
     base = policy.get("base_dir") or base_dir
     return [os.path.join(base, f) if base else f for f in files]
 
@@ -98,7 +102,9 @@ def open_checkpoint(checkpoint: str | dict[str, Any], base_dir: str | None = Non
             [SafetensorsSource(f) for f in _policy_files(policy, base_dir or os.path.dirname(path))]
         )
     if path.endswith((".pt", ".bin", ".pth")):
-        raise ValueError(f"checkpoint {path!r}: pickle checkpoints are not loaded (unsafe); convert to safetensors")
+        raise ValueError(
+            f"checkpoint {path!r}: pickle checkpoints are not loaded (unsafe); convert to safetensors"
+        )
     return SafetensorsSource(path)
 
 
@@ -148,7 +154,12 @@ def load_replicated(
     """Load every tensor of ``model`` outside the planned (sharded) modules from ``source``, whole."""
     sharded = set()
     if plan is not None:
-        sharded = set(plan.column) | set(plan.row) | set(plan.embeddings) | ({plan.lm_head} if plan.lm_head else set())
+        sharded = (
+            set(plan.column)
+            | set(plan.row)
+            | set(plan.embeddings)
+            | ({plan.lm_head} if plan.lm_head else set())
+        )
     names = source.names()
     groups: dict[int, list[tuple[str, nn.Module, str, bool]]] = {}
     for mod_name, module in model.named_modules(remove_duplicate=False):
@@ -165,11 +176,15 @@ def load_replicated(
         if found is None:
             if any(e[0] in sharded for e in entries):
                 continue
-            if any(e[1]._parameters.get(e[2]) is not None and e[1]._parameters[e[2]].is_meta for e in entries if e[3]) or any(
-                not e[3] and e[1]._buffers[e[2]].is_meta for e in entries
-            ):
-                raise KeyError(f"checkpoint has no tensor for {entries[0][0]} (and the model holds no value for it)")
-            for full, module, local, is_param in entries:  # not in the checkpoint: keep the model's value
+            if any(
+                e[1]._parameters.get(e[2]) is not None and e[1]._parameters[e[2]].is_meta
+                for e in entries
+                if e[3]
+            ) or any(not e[3] and e[1]._buffers[e[2]].is_meta for e in entries):
+                raise KeyError(
+                    f"checkpoint has no tensor for {entries[0][0]} (and the model holds no value for it)"
+                )
+            for _full, module, local, is_param in entries:  # not in the checkpoint: keep the model's value
                 t = module._parameters[local] if is_param else module._buffers[local]
                 t.data = t.data.to(dtype=dtype if t.is_floating_point() and dtype else t.dtype, device=device)
             continue
@@ -178,15 +193,18 @@ def load_replicated(
             value = value.to(dtype)
         value = value.to(device)
         shared = None
-        for full, module, local, is_param in entries:
+        for _full, module, local, is_param in entries:
             if is_param:
-                shared = shared or nn.Parameter(value, requires_grad=False)
+                if shared is None:
+                    shared = nn.Parameter(value, requires_grad=False)
                 module._parameters[local] = shared
             else:
                 module._buffers[local] = value
 
 
-def load_rank_shard(model: nn.Module, source: TPShardSource, dtype: torch.dtype | None, device: torch.device) -> None:
+def load_rank_shard(
+    model: nn.Module, source: TPShardSource, dtype: torch.dtype | None, device: torch.device
+) -> None:
     """Load this rank's file of our TP-sharded format into the (already sharded) model."""
     sd = source.state_dict()
     for k, v in sd.items():
@@ -248,6 +266,13 @@ def save_mp_checkpoint(model: nn.Module, path: str, rank: int, tp_size: int, pla
     _atomic_save(tensors, os.path.join(path, files[rank]), {"format": FORMAT, "tp_rank": str(rank)})
     if rank == 0:
         _atomic_json(
-            {"format": FORMAT, "version": 1, "tp_size": tp_size, "dtype": dtype, "files": files, "aliases": aliases},
+            {
+                "format": FORMAT,
+                "version": 1,
+                "tp_size": tp_size,
+                "dtype": dtype,
+                "files": files,
+                "aliases": aliases,
+            },
             os.path.join(path, INDEX_NAME),
         )

@@ -84,7 +84,9 @@ class DeepSpeedMoEConfig(ConfigModel):
 
     enabled: bool = True
     ep_size: PosInt = 1
-    moe_experts: list[int] = Field(default_factory=lambda: [1], validation_alias=aliases("moe_experts", "num_experts"))
+    moe_experts: list[int] = Field(
+        default_factory=lambda: [1], validation_alias=aliases("moe_experts", "num_experts")
+    )
     type: one_of(("standard", "residual")) = "standard"
     ep_mp_group: Any = None
     ep_group: Any = Field(None, validation_alias=aliases("ep_group", "expert_group"))
@@ -158,7 +160,8 @@ class DeepSpeedInferenceConfig(ConfigModel):
     set_empty_params: bool = False
     save_mp_checkpoint_path: str | None = None
     checkpoint_config: InferenceCheckpointConfig = Field(
-        default_factory=InferenceCheckpointConfig, validation_alias=aliases("checkpoint_config", "ckpt_config")
+        default_factory=InferenceCheckpointConfig,
+        validation_alias=aliases("checkpoint_config", "ckpt_config"),
     )
     return_tuple: bool = True
     training_mp_size: PosInt = 1
@@ -207,7 +210,9 @@ class DeepSpeedInferenceConfig(ConfigModel):
         if self.triton_autotune and not self.use_triton:
             problems.append("triton_autotune: true needs use_triton: true")
         if self.zero.stage == 3 and self.tp_size > 1:
-            problems.append("zero.stage 3 (ZeRO-Inference) cannot be combined with tensor_parallel.tp_size > 1")
+            problems.append(
+                "zero.stage 3 (ZeRO-Inference) cannot be combined with tensor_parallel.tp_size > 1"
+            )
         if self.zero.stage in (1, 2):
             problems.append(
                 f"zero.stage {self.zero.stage} partitions optimizer state, which inference does not have; "
@@ -258,7 +263,9 @@ def _read_config(config: Any) -> dict[str, Any]:
     if isinstance(config, dict):
         return dict(config)
     raise ConfigError(
-        [f"config: expected a dict, a path to a JSON file or a DeepSpeedInferenceConfig, got {type(config).__name__}"]
+        [
+            f"config: expected a dict, a path to a JSON file or a DeepSpeedInferenceConfig, got {type(config).__name__}"
+        ]
     )
 
 

@@ -75,7 +75,9 @@ class InferenceEngine(nn.Module):
         source = None
         ckpt = config.checkpoint or config.checkpoint_config.checkpoint_dir
         if ckpt is not None:
-            source = checkpoint_loading.open_checkpoint(ckpt, config.base_dir or config.checkpoint_config.base_dir)
+            source = checkpoint_loading.open_checkpoint(
+                ckpt, config.base_dir or config.checkpoint_config.base_dir
+            )
             source = checkpoint_loading.check_tp(source, self.tp_size, self.tp_rank)
         with torch.no_grad():
             self._transform(model, source)
@@ -123,8 +125,14 @@ class InferenceEngine(nn.Module):
             checkpoint_loading.load_replicated(model, source, self._plan, self.dtype, self.device)
             if self._plan is not None:
                 apply_plan(
-                    model, self._plan, self.tp_rank, self.tp_size, group=self.tp_group,
-                    source=source, dtype=self.dtype, device=self.device,
+                    model,
+                    self._plan,
+                    self.tp_rank,
+                    self.tp_size,
+                    group=self.tp_group,
+                    source=source,
+                    dtype=self.dtype,
+                    device=self.device,
                 )
             return
         if source is not None:  # our TP-sharded checkpoint: structure first, then this rank's file
@@ -135,7 +143,9 @@ class InferenceEngine(nn.Module):
             checkpoint_loading.load_rank_shard(model, source, self.dtype, self.device)
             return
         if model_has_meta(model):
-            raise ValueError("the model has parameters on the meta device; pass checkpoint= to load its weights")
+            raise ValueError(
+                "the model has parameters on the meta device; pass checkpoint= to load its weights"
+            )
         model.to(dtype=self.dtype)
         if self.tp_size > 1:
             self._plan = discover_plan(model, self.tp_size, cfg.injection_policy)
@@ -172,9 +182,14 @@ class InferenceEngine(nn.Module):
         when every sequence produced ``eos_token_id`` (finished rows are filled with ``pad_token_id``).
         """
         if self.injected is not None and hasattr(self.injected, "step"):
-            step = self.injected.step_fn(batch=input_ids.shape[0], max_len=input_ids.shape[1] + max_new_tokens)
+            step = self.injected.step_fn(
+                batch=input_ids.shape[0], max_len=input_ids.shape[1] + max_new_tokens
+            )
         else:
-            if not hasattr(self.module, "get_output_embeddings") or self.module.get_output_embeddings() is None:
+            if (
+                not hasattr(self.module, "get_output_embeddings")
+                or self.module.get_output_embeddings() is None
+            ):
                 raise TypeError(
                     f"generate() needs a causal language model with an LM head; {type(self.module).__name__} has none"
                 )

@@ -127,7 +127,9 @@ def decode(
 def hf_step(model: torch.nn.Module) -> StepFn:
     """Step function running an HF causal LM with its own cache object."""
 
-    def step(ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
+    def step(
+        ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any
+    ) -> tuple[torch.Tensor, Any]:
         kwargs: dict[str, Any] = {"attention_mask": mask, "use_cache": True, "position_ids": pos}
         if cache is not None:
             kwargs["past_key_values"] = cache

@@ -76,17 +76,27 @@ class _FusedCausalLM(nn.Module):
     head_dim: int
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        **kwargs: Any,
     ) -> InjectedOutput:
-        unsupported = {k for k, v in kwargs.items() if v is not None and k not in ("use_cache", "return_dict")}
+        """Logits of the whole sequence; positions default to ``0..T-1`` as in the HF models' forward."""
+        unsupported = {
+            k for k, v in kwargs.items() if v is not None and k not in ("use_cache", "return_dict")
+        }
         if unsupported:
             raise TypeError(f"kernel-injected forward does not take {sorted(unsupported)}")
         mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
-        pos = (mask.long().cumsum(-1) - 1).clamp_min(0)
-        return InjectedOutput(self._run(input_ids, mask, pos, None))
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        return InjectedOutput(self._run(input_ids, mask, position_ids, None))
 
     def step_fn(self, batch: int, max_len: int):  # noqa: ANN201 (generation.StepFn)
-        def step(ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
+        def step(
+            ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any
+        ) -> tuple[torch.Tensor, Any]:
             if cache is None:
                 cache = _KVCache(self.n_layers, batch, self.kv_heads, max_len, self.head_dim, self._like())
             logits = self._run(ids, mask, pos, cache, last_only=True)
@@ -107,7 +117,9 @@ class _FusedCausalLM(nn.Module):
             return k, v, 0
         past, t = cache.length, k.shape[2]
         if past + t > cache.max_len:
-            raise ValueError(f"KV cache holds {cache.max_len} tokens; {past + t} needed (raise max_out_tokens)")
+            raise ValueError(
+                f"KV cache holds {cache.max_len} tokens; {past + t} needed (raise max_out_tokens)"
+            )
         cache.k[layer][:, :, past : past + t] = k
         cache.v[layer][:, :, past : past + t] = v
         return cache.k[layer][:, :, : past + t], cache.v[layer][:, :, : past + t], past
@@ -122,10 +134,16 @@ class FusedGPT2(_FusedCausalLM):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         cfg = model.config
-        if getattr(cfg, "scale_attn_by_inverse_layer_idx", False) or getattr(cfg, "reorder_and_upcast_attn", False):
-            raise ValueError("kernel injection: GPT-2 with scale_attn_by_inverse_layer_idx/reorder_and_upcast_attn is not supported")
+        if getattr(cfg, "scale_attn_by_inverse_layer_idx", False) or getattr(
+            cfg, "reorder_and_upcast_attn", False
+        ):
+            raise ValueError(
+                "kernel injection: GPT-2 with scale_attn_by_inverse_layer_idx/reorder_and_upcast_attn is not supported"
+            )
         if cfg.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise ValueError(f"kernel injection: GPT-2 activation {cfg.activation_function!r} is not supported")
+            raise ValueError(
+                f"kernel injection: GPT-2 activation {cfg.activation_function!r} is not supported"
+            )
         self.body = model.transformer
         self.lm_head = model.lm_head
         self.n_layers = len(self.body.h)

@@ -108,7 +108,9 @@ class SafetensorsSource:
 def iter_blocks(total: int, blocks: int, rank: int, world: int) -> Iterator[tuple[int, int]]:
     """(start, stop) of this rank's slice inside each of ``blocks`` equal blocks of a dimension."""
     if total % blocks or (total // blocks) % world:
-        raise ValueError(f"cannot split dimension {total} into {blocks} block(s) over {world} tensor-parallel ranks")
+        raise ValueError(
+            f"cannot split dimension {total} into {blocks} block(s) over {world} tensor-parallel ranks"
+        )
     block = total // blocks
     per = block // world
     for b in range(blocks):

@@ -39,7 +39,9 @@ def quantize_weight(weight: torch.Tensor, q_groups: int = 1) -> tuple[torch.Tens
     return q.reshape(out_f, in_f), scales
 
 
-def dequantize_weight(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_weight(
+    q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Inverse of :func:`quantize_weight` (up to rounding)."""
     out_f, in_f = q.shape
     groups = scales.shape[1]
@@ -90,7 +92,9 @@ class QuantizedLinear(nn.Module):
         return self.weight.linear(x, self.bias)
 
 
-def apply_linear(weight: torch.Tensor | Int8Weight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def apply_linear(
+    weight: torch.Tensor | Int8Weight, x: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """``F.linear`` for a plain or an int8 weight."""
     if isinstance(weight, Int8Weight):
         return weight.linear(x, bias)

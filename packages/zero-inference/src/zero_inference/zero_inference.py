@@ -37,7 +37,9 @@ class ZeroInferencePartitioner:
         self.pin = bool(offload is not None and offload.pin_memory and torch.cuda.is_available())
         self.layers = [m for m in model.modules() if type(m) in _auto_layer_classes(model)]
         if not self.layers:
-            raise ValueError(f"ZeRO-Inference found no transformer layers to partition in {type(model).__name__}")
+            raise ValueError(
+                f"ZeRO-Inference found no transformer layers to partition in {type(model).__name__}"
+            )
         self.handles = []
         self.partitions: dict[int, list[tuple[nn.Parameter, torch.Size, torch.Tensor]]] = {}
         for layer in self.layers:

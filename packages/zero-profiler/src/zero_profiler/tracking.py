@@ -20,11 +20,14 @@ Each operator falls in one phase:
 * outside: anything else (loss functions, optimizer steps, data preparation). Not part of
   the model's totals.
 
-Backward attribution follows the hooks ``torch.utils.module_tracker`` uses: a module becomes
-active when the gradient of any of its outputs is computed and inactive when the gradient of
-any of its inputs is. A module whose inputs need no gradient (the first embedding) never gets
-the second signal, so when a module enters backward, active modules that are not its
-forward-time ancestors are retired: backward of a sequential model runs one module at a time.
+Backward work is credited to the module whose forward created the autograd node that is
+running: see [Note: exact backward attribution] in :mod:`zero_profiler.autograd_attribution`.
+
+[Note: dispatch fast path]
+Every ATen operator of the profiled run goes through ``_CountingMode.__torch_dispatch__``, so
+its Python cost is the profiler's overhead. The formula of each ``OpOverload`` is looked up
+once and cached (most operators of a forward are views and copies with no formula), operators
+without a formula return right after running, and only counted operators touch the tracker.
 """
 
 from __future__ import annotations
@@ -34,13 +37,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
+from zero_profiler.autograd_attribution import IGNORED, GraphClaims
 from zero_profiler.flop_formulas import FORMULAS
 
 _current_autograd_node = torch._C._current_autograd_node
+_MISSING = object()
 
 
 @dataclass
@@ -71,32 +74,43 @@ class Totals:
     outside_macs: int = 0
     bwd_first_op: float | None = None
     bwd_last_op: float | None = None
-    # FLOPs per ATen overload packet, over every phase (outside included).
+    # FLOPs per ATen overload packet, over every phase (outside included, ignored modules not).
     by_op: dict[Any, int] = field(default_factory=dict)
 
 
 class _CountingMode(TorchDispatchMode):
-    """Runs each operator, then hands its cost to the tracker. See [Note: attribution by executed operator]."""
+    """Runs each operator, then hands its cost to the tracker.
+
+    See [Note: attribution by executed operator] and [Note: dispatch fast path].
+    """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # TorchDispatchMode wraps __torch_dispatch__ in torch._disable_dynamo, which costs about
+        # 2.5 us per operator; the profiler refuses to run under torch.compile instead
+        # (ModuleTracker.start_counting), so the wrapper is not needed.
+        return False
 
     def __init__(self, tracker: ModuleTracker) -> None:
         super().__init__()
         self._tracker = tracker
+        self._time_backward = tracker.track_backward
+        self._formulas: dict[Any, Any] = {}  # OpOverload -> (formula, packet) or None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        tracker = self._tracker
-        if tracker.track_backward and _current_autograd_node() is not None:
-            now = time.perf_counter()
-            totals = tracker.totals
-            if totals.bwd_first_op is None:
-                totals.bwd_first_op = now
-            totals.bwd_last_op = now
-        formula = FORMULAS.get(func.overloadpacket)
-        if formula is not None:
-            flops, macs = formula(args, kwargs, out)
-            if flops or macs:
-                tracker.record(int(flops), int(macs), func.overloadpacket)
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        if self._time_backward and _current_autograd_node() is not None:
+            self._tracker.mark_backward_op()
+        entry = self._formulas.get(func, _MISSING)
+        if entry is _MISSING:
+            packet = func.overloadpacket
+            formula = FORMULAS.get(packet)
+            entry = self._formulas[func] = None if formula is None else (formula, packet)
+        if entry is None:
+            return out
+        flops, macs = entry[0](args, kwargs or {}, out)
+        if flops or macs:
+            self._tracker.record(int(flops), int(macs), entry[1])
         return out
 
 
@@ -110,7 +124,7 @@ class ModuleTracker:
         self.stats: dict[torch.nn.Module, ModuleStats] = {}
         self.totals = Totals()
         self.fwd_stack: list[torch.nn.Module] = []
-        self.bwd_active: dict[torch.nn.Module, frozenset[int]] = {}
+        self.claims = GraphClaims()
         self._starts: list[tuple[float, bool]] = []
         self._suppress = 0
         self._handles: list[Any] = []
@@ -122,20 +136,20 @@ class ModuleTracker:
     def reset(self) -> None:
         self.stats = {m: ModuleStats() for m in self.model.modules()}
         self.totals = Totals()
-        self.bwd_active = {}
+        self.claims.clear()
 
     def attach_hooks(self) -> None:
         if self._handles:
             return
         for module in self.model.modules():
             if self.ignore_types and isinstance(module, self.ignore_types):
-                self._handles.append(module.register_forward_pre_hook(self._ignored_pre))
-                self._handles.append(module.register_forward_hook(self._ignored_post, always_call=True))
+                pre, post = self._ignored_pre, self._ignored_post
             else:
-                self._handles.append(module.register_forward_pre_hook(self._pre))
-                # always_call: a forward that raises (non-reentrant checkpointing stops its
-                # replay early by raising) must still leave the stack.
-                self._handles.append(module.register_forward_hook(self._post, always_call=True))
+                pre, post = self._pre, self._post
+            self._handles.append(module.register_forward_pre_hook(pre))
+            # always_call: a forward that raises (non-reentrant checkpointing stops its replay
+            # early by raising) must still leave the stack.
+            self._handles.append(module.register_forward_hook(post, always_call=True))
 
     def detach_hooks(self) -> None:
         for handle in self._handles:
@@ -144,6 +158,11 @@ class ModuleTracker:
 
     def start_counting(self) -> None:
         if self._mode is None:
+            if torch.compiler.is_compiling():
+                raise RuntimeError(
+                    "FlopsProfiler: start_profile was called inside torch.compile; profile the model "
+                    "outside the compiled region"
+                )
             self._mode = _CountingMode(self)
             self._mode.__enter__()
             # The first operator dispatched to a Python mode in a process pays a one-time setup
@@ -161,82 +180,91 @@ class ModuleTracker:
 
     # -- recording --------------------------------------------------------------------------------
 
+    def mark_backward_op(self) -> None:
+        now = time.perf_counter()
+        totals = self.totals
+        if totals.bwd_first_op is None:
+            totals.bwd_first_op = now
+        totals.bwd_last_op = now
+
     def record(self, flops: int, macs: int, packet: Any = None) -> None:
+        """Credit one operator's cost to the current phase and modules."""
         if self._suppress:
             return
         totals = self.totals
-        totals.by_op[packet] = totals.by_op.get(packet, 0) + flops
-        in_backward = _current_autograd_node() is not None
-        if in_backward and self.fwd_stack:
+        if _current_autograd_node() is None:
+            if self.fwd_stack:
+                totals.fwd_flops += flops
+                totals.fwd_macs += macs
+                for module in self.fwd_stack:
+                    s = self.stats[module]
+                    s.fwd_flops += flops
+                    s.fwd_macs += macs
+            else:
+                totals.outside_flops += flops
+                totals.outside_macs += macs
+        elif self.fwd_stack:  # a forward replayed inside backward
             totals.recompute_flops += flops
             totals.recompute_macs += macs
             for module in self.fwd_stack:
                 s = self.stats[module]
                 s.recompute_flops += flops
                 s.recompute_macs += macs
-        elif in_backward and self.bwd_active:
-            totals.bwd_flops += flops
-            totals.bwd_macs += macs
-            for module in self.bwd_active:
-                s = self.stats[module]
-                s.bwd_flops += flops
-                s.bwd_macs += macs
-        elif not in_backward and self.fwd_stack:
-            totals.fwd_flops += flops
-            totals.fwd_macs += macs
-            for module in self.fwd_stack:
-                s = self.stats[module]
-                s.fwd_flops += flops
-                s.fwd_macs += macs
         else:
-            totals.outside_flops += flops
-            totals.outside_macs += macs
+            stack = self.claims.stack_of_current_node()
+            if stack is None:
+                totals.outside_flops += flops
+                totals.outside_macs += macs
+            elif stack is IGNORED:
+                return
+            else:
+                totals.bwd_flops += flops
+                totals.bwd_macs += macs
+                for module in stack:
+                    s = self.stats[module]
+                    s.bwd_flops += flops
+                    s.bwd_macs += macs
+        totals.by_op[packet] = totals.by_op.get(packet, 0) + flops
 
     # -- forward hooks ----------------------------------------------------------------------------
 
     def _ignored_pre(self, module, args):
         self._suppress += 1
+        if self.track_backward:
+            self.claims.enter()
 
     def _ignored_post(self, module, args, output):
+        if self.track_backward:
+            self.claims.exit(output, IGNORED if torch.is_grad_enabled() else None)
         self._suppress -= 1
 
     def _pre(self, module, args):
         if module not in self.stats:  # a module added to the model after profiling started
             self.stats[module] = ModuleStats()
         self.fwd_stack.append(module)
-        replay = _current_autograd_node() is not None
-        self._starts.append((time.perf_counter(), replay))
-        if self.track_backward and not replay and torch.is_grad_enabled():
-            inputs = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.requires_grad]
-            if inputs:
-                register_multi_grad_hook(inputs, lambda _g, m=module: self._bwd_end(m), mode="any")
+        self._starts.append((time.perf_counter(), _current_autograd_node() is not None))
+        if self.track_backward:
+            self.claims.enter()
 
     def _post(self, module, args, output):
         start, replay = self._starts.pop()
+        if self.track_backward:
+            self.claims.exit(output, self._claim_stack(replay) if torch.is_grad_enabled() else None)
         self.fwd_stack.pop()
         if replay:
             return
         stats = self.stats[module]
         stats.fwd_duration += time.perf_counter() - start
         stats.calls += 1
-        if self.track_backward and torch.is_grad_enabled():
-            outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
-            if outputs:
-                ancestors = frozenset(id(m) for m in self.fwd_stack) | {id(module)}
-                register_multi_grad_hook(
-                    outputs, lambda _g, m=module, a=ancestors: self._bwd_begin(m, a), mode="any"
-                )
 
-    # -- backward hooks ---------------------------------------------------------------------------
-
-    def _bwd_begin(self, module: torch.nn.Module, ancestors: frozenset[int]) -> None:
-        # Retire modules that cannot still be running: neither forward-time ancestors nor
-        # descendants of this one (a parent and its last child share an output).
-        for other in [
-            m for m, anc in self.bwd_active.items() if id(m) not in ancestors and id(module) not in anc
-        ]:
-            del self.bwd_active[other]
-        self.bwd_active[module] = ancestors
-
-    def _bwd_end(self, module: torch.nn.Module) -> None:
-        self.bwd_active.pop(module, None)
+    def _claim_stack(self, replay: bool) -> tuple:
+        """The modules a call's backward is credited to: the forward stack, this module included."""
+        if self._suppress:
+            return IGNORED  # inside an ignored module
+        stack = tuple(self.fwd_stack)
+        if replay:
+            # A forward replayed in backward (reentrant checkpointing backpropagates through the
+            # replay): its ancestors are those of the node being run, not the (empty) stack.
+            outer = self.claims.stack_of_current_node() or ()
+            stack = outer + tuple(m for m in stack if m not in outer)
+        return stack

@@ -161,8 +161,12 @@ class ZeroEngine(torch.nn.Module):
             self.timers.start("backward")
         self.strategy.before_backward(boundary)
         scaled.backward(retain_graph=retain_graph)
+        if self._wall_clock:
+            # the communication left after backward: waiting for the gradient reduction
+            self.timers.start("backward_allreduce")
         self.strategy.after_backward(boundary)
         if self._wall_clock:
+            self.timers.stop("backward_allreduce")
             self.timers.stop("backward")
         return loss
 
@@ -262,6 +266,7 @@ class ZeroEngine(torch.nn.Module):
         self._last_loss = loss
         self._losses.clear()
         step = self.global_steps
+        events: list[tuple[str, float, int]] = []
         if self.monitor is not None and getattr(self.monitor, "enabled", False):
             events = [
                 ("Train/Samples/train_loss", loss, self.global_samples),
@@ -271,25 +276,45 @@ class ZeroEngine(torch.nn.Module):
             ]
             if self._global_grad_norm is not None:
                 events.append(("Train/Samples/grad_norm", self._global_grad_norm, self.global_samples))
-            every = int(getattr(self.config, "steps_per_print", 10) or 10)
-            if step % every == 0:
-                mem = self.memory_breakdown()
-                events.append(
-                    ("Train/Memory/model_states_MB", sum(mem.values()) / 2**20, self.global_samples)
-                )
-            self.monitor.write_events(events)
         every = int(getattr(self.config, "steps_per_print", 10) or 10)
-        if step % every == 0 and self.global_rank == 0:
-            mem_mb = sum(self.memory_breakdown().values()) / 2**20
+        # collective: every rank is at the same step, so every rank takes this branch
+        mem_per_rank = self._model_state_mb_per_rank() if step % every == 0 else None
+        if self.monitor is not None and getattr(self.monitor, "enabled", False):
+            if mem_per_rank is not None:
+                events.append(("Train/Memory/model_states_MB_max", max(mem_per_rank), self.global_samples))
+                events += [
+                    (f"Train/Memory/model_states_MB_rank{r}", mb, self.global_samples)
+                    for r, mb in enumerate(mem_per_rank)
+                ]
+            self.monitor.write_events(events)
+        if mem_per_rank is not None and self.global_rank == 0:
             line = (
                 f"[zero] step {step} | loss {loss:.4f} | lr {self.get_lr()[0]:.3e} | "
-                f"samples/s {self._samples_per_sec:.1f} | model states {mem_mb:.1f} MB/rank"
+                f"samples/s {self._samples_per_sec:.1f} | model states {max(mem_per_rank):.1f} MB/rank (max)"
             )
             if self.loss_scaler.dynamic:
                 line += f" | loss scale {self.loss_scaler.loss_scale:g} | skipped {self.skipped_steps}"
             if self._wall_clock:
                 line += " | " + ", ".join(f"{k} {v:.1f} ms" for k, v in self.timers.means_ms().items())
             print(line, flush=True)
+
+    def _model_state_mb_per_rank(self) -> list[float]:
+        """Model-state MiB held by each global rank (gathered: monitors write on rank 0 only).
+
+        [Note: per-rank model-state memory]
+        Monitors and the progress line live on global rank 0, but partitioned stages hold
+        different amounts on different ranks, so at ``steps_per_print`` every rank contributes
+        its own measurement: the monitors get one scalar per rank
+        (``Train/Memory/model_states_MB_rank{r}``) plus their maximum, and the progress line
+        prints the maximum (the figure that decides whether a job fits).
+        """
+        mine = sum(self.memory_breakdown().values()) / 2**20
+        if not comm.is_initialized() or comm.get_world_size() == 1:
+            return [mine]
+        world = comm.get_world_size()
+        gathered = torch.zeros(world, dtype=torch.float64, device=self.device)
+        comm.all_gather_into_tensor(gathered, torch.tensor([mine], dtype=torch.float64, device=self.device))
+        return gathered.tolist()
 
     @property
     def last_loss(self) -> float | None:

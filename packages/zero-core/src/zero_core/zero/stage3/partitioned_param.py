@@ -177,8 +177,8 @@ def _wait(work: Any, what: str) -> None:
         work.wait(timeout=datetime.timedelta(seconds=collective_timeout()))
     except Exception as exc:
         raise Stage3CollectiveError(
-            f"ZeRO stage 3: {what} did not complete within {collective_timeout():g} s on rank {comm.get_rank()}: "
-            f"another rank did not join (ranks took different paths through the model?). Backend said: {exc}"
+            f"ZeRO stage 3: {what} failed or did not complete within {collective_timeout():g} s on rank "
+            f"{comm.get_rank()}: another rank did not join or failed (ranks took different paths through the model?). Backend said: {exc}"
         ) from exc
 
 

@@ -285,3 +285,67 @@ class Stage3Strategy:
         if comm.get_rank() == 0:
             write_state_dict(state, os.path.join(save_dir, save_filename))
         return True
+
+    # -- checkpointing (zero_core.checkpoint; see [Note: checkpoint format] in checkpoint/format.py) --
+    def _owned_range(self, p: torch.nn.Parameter) -> tuple[int, int]:
+        st = p.zero_state
+        lo = min(st.rank * st.shard_numel, st.numel)
+        return lo, min(lo + st.shard_numel, st.numel)
+
+    def checkpoint_fragments(self, exclude_frozen_parameters: bool = False) -> list[Any]:
+        """Each parameter's shard range: fp32 master, optimizer states, and the 16-bit (or frozen) weight."""
+        from zero_core.checkpoint.fragments import FP32, PARAM, Fragment, optimizer_state_fragments
+
+        out = []
+        for name, p in self.module.named_parameters():
+            st = p.zero_state
+            if exclude_frozen_parameters and not p.requires_grad:
+                continue
+            lo, hi = self._owned_range(p)
+            shape = tuple(st.shape)
+            m = self.master.get(st.id)
+            if m is None or m.data_ptr() != st.shard.data_ptr():  # 16-bit or frozen: the weight is not the master
+                out.append(Fragment(name, PARAM, shape, lo, hi, st.shard.detach()[: hi - lo]))
+            if m is None:
+                continue
+            out.append(Fragment(name, FP32, shape, lo, hi, m.detach()[: hi - lo]))
+            out += optimizer_state_fragments(name, shape, self.optimizer.state.get(m, {}), [(0, lo, hi - lo)],
+                                             elementwise_numel=st.shard_numel, emit_scalars=st.rank == 0)
+        return out
+
+    @torch.no_grad()
+    def load_checkpoint_fragments(self, reader: Any, *, load_optimizer_states: bool = True,
+                                  load_module_only: bool = False, strict: bool = True) -> None:
+        """This rank's shard range of every parameter, master and optimizer state, from any layout (collective)."""
+        from zero_core.checkpoint.format import CheckpointError
+        from zero_core.checkpoint.fragments import FP32, OPTIM_PREFIX, PARAM
+        from zero_core.checkpoint.replicated import check_names
+
+        check_names(reader, self.module, strict=strict)
+        self.empty_partition_cache()
+        for name, p in self.module.named_parameters():
+            st = p.zero_state
+            if not (reader.has(name, PARAM) or reader.has(name, FP32)):
+                continue
+            saved = reader.shape(name, FP32 if reader.has(name, FP32) else PARAM)
+            if saved != tuple(st.shape):
+                raise CheckpointError(f"parameter {name!r}: checkpoint shape {saved} != model shape {tuple(st.shape)}")
+            lo, hi = self._owned_range(p)
+            m = self.master.get(st.id)
+            if m is not None:
+                m[: hi - lo].copy_(reader.read_fp32(name, lo, hi))
+            if m is None or m.data_ptr() != st.shard.data_ptr():
+                st.shard[: hi - lo].copy_(reader.read_module_value(name, st.shard.dtype, lo, hi))
+            if m is None or not load_optimizer_states or load_module_only:
+                continue
+            state: dict[str, Any] = {}
+            for key in reader.optimizer_keys(name):
+                if not reader.is_elementwise(name, OPTIM_PREFIX + key):
+                    state[key] = reader.read_optimizer_state(name, key)
+                    continue
+                buf = torch.zeros(m.shape, dtype=reader.dtype(name, OPTIM_PREFIX + key), device=m.device)
+                buf[: hi - lo].copy_(reader.read(name, OPTIM_PREFIX + key, lo, hi))
+                state[key] = buf
+            if state:
+                self.optimizer.state[m] = state
+        self.refresh_persistent()

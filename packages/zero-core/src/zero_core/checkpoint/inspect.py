@@ -1,0 +1,70 @@
+"""``tools/inspect_checkpoint.py``: what a checkpoint holds, with every checksum verified."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from zero_core.checkpoint.format import COMMIT_FILE, LATEST_FILE, CheckpointError
+from zero_core.checkpoint.fragments import FP32, PARAM
+from zero_core.checkpoint.loader import open_checkpoint
+
+
+def describe(checkpoint_dir: str) -> str:
+    """A report of every complete tag under ``checkpoint_dir``; raises CheckpointError on a bad file."""
+    if not os.path.isdir(checkpoint_dir):
+        raise CheckpointError(f"{checkpoint_dir} is not a directory")
+    latest = None
+    if os.path.isfile(os.path.join(checkpoint_dir, LATEST_FILE)):
+        latest = open(os.path.join(checkpoint_dir, LATEST_FILE)).read().strip()
+    tags = sorted(
+        t for t in os.listdir(checkpoint_dir) if os.path.isfile(os.path.join(checkpoint_dir, t, COMMIT_FILE))
+    )
+    lines = [f"checkpoint dir: {checkpoint_dir}", f"latest: {latest}", f"tags: {tags}"]
+    for tag in tags:
+        meta, reader = open_checkpoint(checkpoint_dir, tag)
+        try:
+            names = sorted(set(reader.names(PARAM)) | set(reader.names(FP32)))
+            count = sum(_numel(reader.shape(n, FP32 if reader.has(n, FP32) else PARAM)) for n in names)
+            dtypes = sorted(
+                {str(reader.dtype(n, PARAM)) for n in names if reader.has(n, PARAM)}
+                | ({"torch.float32 (master)"} if any(reader.has(n, FP32) for n in names) else set())
+            )
+            lines += [
+                f"[{tag}] world_size {meta['world_size']} | zero stage {meta['zero_stage']} | "
+                f"compute dtype {meta['compute_dtype']} | step {meta['global_steps']} | "
+                f"parameters {count:,} in {len(names)} tensors | dtypes {dtypes}"
+            ]
+            for r in range(reader.world_size):
+                reader.tensor_file(r)  # verifies the checksum
+                rec = reader.rank_table(r)["file_record"]
+                lines.append(
+                    f"    {reader.rank_table(r)['file']}: {rec['bytes']:,} bytes, crc32 {rec['crc32']:#010x} OK"
+                )
+        finally:
+            reader.close()
+    return "\n".join(lines)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Describe a zero checkpoint and verify its checksums.")
+    parser.add_argument("checkpoint_dir")
+    args = parser.parse_args(argv)
+    try:
+        print(describe(args.checkpoint_dir))
+    except CheckpointError as e:
+        print(f"inspect_checkpoint: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""fp32 consolidation: equals the gathered master weights exactly; shards, index, tool, bin output."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file
+from zero_core.testing import run_multirank
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(7, 33)
+        self.l2 = nn.Linear(33, 9)
+        self.frozen = nn.Linear(9, 2)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.frozen(torch.relu(self.l2(torch.relu(self.l1(x))))).pow(2).mean()
+
+
+def _train_and_gather(tmp: str) -> dict:
+    import torch.distributed as dist
+    import zero_core
+
+    torch.manual_seed(0)
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "steps_per_print": 10**6,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 64},
+    }
+    engine, *_ = zero_core.initialize(model=Net(), config=cfg)
+    for _ in range(3):
+        engine.backward(engine(torch.randn(2, 7).bfloat16()))
+        engine.step()
+    engine.save_checkpoint(tmp)
+    masters = {
+        n: engine.strategy.full_fp32_param(p).clone()
+        for n, p in engine.module.named_parameters()
+        if p.requires_grad
+    }
+    frozen = {
+        n: p.detach().float().clone() for n, p in engine.module.named_parameters() if not p.requires_grad
+    }
+    return {**masters, **frozen} if dist.get_rank() == 0 else {}
+
+
+def test_conversion_equals_gathered_masters(tmp_path):
+    from zero_core.checkpoint import zero_to_fp32 as z
+
+    ckpt = str(tmp_path / "ckpt")
+    expected = run_multirank(_train_and_gather, 2, args=(ckpt,))[0]
+    got = z.get_fp32_state_dict_from_zero_checkpoint(ckpt)
+    assert set(got) == set(expected)
+    for k, v in expected.items():
+        assert got[k].dtype == torch.float32 and torch.equal(got[k], v), k
+    # the bf16 weights were rounded: the masters really are the fp32 values, not the upcast weights
+    assert not torch.equal(got["l1.weight"], got["l1.weight"].bfloat16().float())
+
+    no_frozen = z.get_fp32_state_dict_from_zero_checkpoint(ckpt, exclude_frozen_parameters=True)
+    assert set(no_frozen) == {"l1.weight", "l1.bias", "l2.weight", "l2.bias"}
+
+    # sharded safetensors with a Hugging Face index
+    out = tmp_path / "out" / "model.safetensors"
+    files = z.convert_zero_checkpoint_to_fp32_state_dict(ckpt, out, max_shard_size=1000, progress=False)
+    index = json.load(open(tmp_path / "out" / "model.safetensors.index.json"))
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    merged = {}
+    for s in shards:
+        merged.update(load_file(str(tmp_path / "out" / s)))
+    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in merged.values())
+    assert all(torch.equal(merged[k], v) for k, v in expected.items()) and len(files) == len(shards) + 1
+
+    # the tool, from the copy inside the checkpoint, into a single file
+    single = tmp_path / "single.safetensors"
+    assert z.main([ckpt, str(single), "-q"]) == 0
+    assert os.path.isfile(os.path.join(ckpt, "global_step3", "zero_to_fp32.py"))
+    assert all(torch.equal(load_file(str(single))[k], v) for k, v in expected.items())
+    # torch .bin only on request
+    binf = tmp_path / "m.bin"
+    z.convert_zero_checkpoint_to_fp32_state_dict(ckpt, binf, safe_serialization=False, progress=False)
+    assert torch.equal(torch.load(binf, weights_only=True)["l2.bias"], expected["l2.bias"])
+
+    model = z.load_state_dict_from_zero_checkpoint(Net(), ckpt)
+    assert torch.equal(model.l1.weight.detach(), expected["l1.weight"])
+    assert z.main([ckpt, str(single), "--max-shard-size", "lots"]) == 1
+
+
+def test_inspect_and_clone_helpers(tmp_path):
+    import collections
+
+    from zero_core.checkpoint.inspect import describe
+    from zero_core.checkpoint.utils import clone_tensors_for_torch_save
+
+    ckpt = str(tmp_path / "ckpt")
+    run_multirank(_train_and_gather, 2, args=(ckpt,))
+    text = describe(ckpt)
+    assert "world_size 2 | zero stage 2" in text and "rank_00001.safetensors" in text and "OK" in text
+    assert "parameters 662 in 6 tensors" in text
+
+    base = torch.arange(10.0)
+    item = collections.OrderedDict(a=base[2:4], b=[base[:1], (base[5:6], 3)], c="x")
+    out = clone_tensors_for_torch_save(item)
+    assert type(out) is collections.OrderedDict and out["c"] == "x" and out["b"][1][1] == 3
+    assert torch.equal(out["a"], base[2:4]) and out["a"].untyped_storage().nbytes() == 8
+    assert out["a"].data_ptr() != base[2:4].data_ptr()

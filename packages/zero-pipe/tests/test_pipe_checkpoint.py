@@ -1,0 +1,116 @@
+"""Per-layer pipeline checkpoints: saved at 2 stages, loaded at 4 and at 1 with the same
+outputs; engine save/load resumes training exactly; files are safetensors + JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from torch import nn
+from zero_core.testing import run_multirank
+from zero_pipe import LayerSpec, PipelineEngine, PipelineModule, TiedLayerSpec
+
+DIM, VOCAB, MB, MBS = 8, 11, 2, 2
+
+
+class Embed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(VOCAB, DIM) * 0.5)
+
+    def forward(self, ids):
+        return self.weight[ids]
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+def _logits(embed, x):
+    return x @ embed.weight.t()
+
+
+def specs():
+    return [TiedLayerSpec("embed", Embed)] + [LayerSpec(Block) for _ in range(4)] + [
+        TiedLayerSpec("embed", Embed, forward_fn=_logits)
+    ]
+
+
+def data(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, VOCAB, (MB,), generator=g), torch.randint(0, VOCAB, (MB,), generator=g)) for _ in range(n)]
+
+
+def _engine(stages, seed_layers=True):
+    model = PipelineModule(specs(), num_stages=stages, loss_fn=nn.functional.cross_entropy, seed_layers=seed_layers,
+                           base_seed=99 if not seed_layers else 1234, partition_method="uniform")
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return model, PipelineEngine(model, opt, {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": MBS},
+                                 lr_scheduler=sched)
+
+
+def _train(engine, batches, seed):
+    d = data(batches * MBS, seed)
+    return [engine.train_batch(iter(d[b * MBS : (b + 1) * MBS])).item() for b in range(batches)]
+
+
+def _save_rank(root):
+    model, engine = _engine(2)
+    _train(engine, 3, seed=1)
+    engine.save_checkpoint(root, tag="t3", client_state={"epoch": 4})
+    cont = _train(engine, 2, seed=2)
+    _, logits = engine.eval_batch(iter(data(MBS, seed=3)), return_logits=True)
+    # A fresh engine (other init) resumes from the checkpoint: same losses as continuing.
+    _, engine2 = _engine(2, seed_layers=False)
+    path, client = engine2.load_checkpoint(root)
+    resumed = _train(engine2, 2, seed=2)
+    return cont, resumed, client, engine2.global_steps, engine2.get_lr(), logits
+
+
+def _load_rank(root):
+    model, engine = _engine(4, seed_layers=False)
+    engine.load_checkpoint(root, tag="t3", load_optimizer_states=False)
+    _, logits = engine.eval_batch(iter(data(MBS, seed=3)), return_logits=True, num_micro_batches=MBS)
+    return logits
+
+
+def test_checkpoint_roundtrip_and_other_stage_counts(tmp_path):
+    root = str(tmp_path / "ckpt")
+    res = run_multirank(_save_rank, 2, args=(root,))
+    for cont, resumed, client, steps, lr, _ in res:
+        torch.testing.assert_close(torch.tensor(resumed), torch.tensor(cont), rtol=1e-6, atol=1e-7)
+        assert client == {"epoch": 4} and steps == 5 and lr == [0.01 * 0.5**2]
+    ckpt = os.path.join(root, "t3")
+    files = sorted(os.listdir(ckpt))
+    assert not any(f.endswith((".pt", ".pkl", ".bin")) or ".tmp" in f for f in files)
+    layer_files = [f for f in files if f.startswith("layer_")]
+    assert layer_files == [f"layer_{i:02d}-model_00-model_states.safetensors" for i in range(5)]  # tied: once
+    assert json.load(open(os.path.join(ckpt, "pipe_layers.json")))["saved_num_stages"] == 2
+    assert open(os.path.join(root, "latest")).read() == "t3"
+
+    # The model as saved (after 3 steps), evaluated at 2 stages, 4 stages and 1 stage.
+    logits4 = run_multirank(_load_rank, 4, args=(root,))[-1]
+    one = PipelineModule(specs(), num_stages=1, stage_id=0, loss_fn=nn.functional.cross_entropy,
+                         seed_layers=True, base_seed=7)
+    one.load_state_dir(ckpt)
+    with torch.no_grad():
+        logits1 = [one(x) for x, _ in data(MBS, seed=3)]
+    two = run_multirank(_eval_saved_rank, 2, args=(root,))[-1]
+    assert logits4 is not None and len(logits4) == MBS
+    for a, b, c in zip(two, logits4, logits1):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(a, c, rtol=1e-6, atol=1e-7)
+
+
+def _eval_saved_rank(root):
+    model, engine = _engine(2, seed_layers=False)
+    engine.load_checkpoint(root, tag="t3")
+    _, logits = engine.eval_batch(iter(data(MBS, seed=3)), return_logits=True)
+    return logits
