@@ -41,9 +41,14 @@ def _zero_pipe_rank(stages, m, chunks):
 
     torch.set_num_threads(1)
     layers = [LayerSpec(Block) for _ in range(BLOCKS_PER_STAGE * stages)]
-    model = PipelineModule(layers, num_stages=stages, loss_fn=_loss, partition_method="uniform", num_chunks=chunks)
-    engine = PipelineEngine(model, torch.optim.SGD(model.parameters(), lr=1e-3),
-                            {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": m})
+    model = PipelineModule(
+        layers, num_stages=stages, loss_fn=_loss, partition_method="uniform", num_chunks=chunks
+    )
+    engine = PipelineEngine(
+        model,
+        torch.optim.SGD(model.parameters(), lr=1e-3),
+        {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": m},
+    )
     data = [(torch.randn(MB, DIM), torch.randn(MB, DIM)) for _ in range(m)]
     traces, walls = [], []
     for b in range(WARMUP + BATCHES):
@@ -74,7 +79,7 @@ def _torch_rank(stages, m, schedule_name):
     sched = cls(stage_objs if chunks > 1 else stage_objs[0], n_microbatches=m, loss_fn=_loss)
     x, y = torch.randn(MB * m, DIM), torch.randn(MB * m, DIM)
     walls = []
-    for b in range(WARMUP + BATCHES):
+    for _b in range(WARMUP + BATCHES):
         torch.distributed.barrier()
         t0 = time.perf_counter()
         if rank == 0:
@@ -114,25 +119,61 @@ def main() -> None:
                 wall = statistics.median(max(r[1][b] for r in res) for b in range(BATCHES))
                 theory = (stages - 1) / (chunks * m + stages - 1)
                 name = "zero_pipe 1F1B" if chunks == 1 else "zero_pipe interleaved (2 chunks)"
-                rows.append((stages, m, name, f"{med:.3f} [{lo:.3f}, {hi:.3f}]", f"{theory:.3f}",
-                             f"{(med - theory) * 100:+.1f}", wall, MB * m / wall))
+                rows.append(
+                    (
+                        stages,
+                        m,
+                        name,
+                        f"{med:.3f} [{lo:.3f}, {hi:.3f}]",
+                        f"{theory:.3f}",
+                        f"{(med - theory) * 100:+.1f}",
+                        wall,
+                        MB * m / wall,
+                    )
+                )
                 print(rows[-1], flush=True)
             for sname in ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B"):
                 try:
                     res = run_multirank(_torch_rank, stages, args=(stages, m, sname), timeout=300)
                     wall = statistics.median(max(r[b] for r in res) for b in range(BATCHES))
-                    rows.append((stages, m, f"torch.distributed.pipelining {sname}", "n/a", "", "", wall, MB * m / wall))
+                    rows.append(
+                        (
+                            stages,
+                            m,
+                            f"torch.distributed.pipelining {sname}",
+                            "n/a",
+                            "",
+                            "",
+                            wall,
+                            MB * m / wall,
+                        )
+                    )
                 except Exception as err:  # record, do not hide, what does not run on gloo CPU
-                    rows.append((stages, m, f"torch.distributed.pipelining {sname}", f"failed: {str(err)[:80]}",
-                                 "", "", float("nan"), float("nan")))
+                    rows.append(
+                        (
+                            stages,
+                            m,
+                            f"torch.distributed.pipelining {sname}",
+                            f"failed: {str(err)[:80]}",
+                            "",
+                            "",
+                            float("nan"),
+                            float("nan"),
+                        )
+                    )
                 print(rows[-1], flush=True)
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except Exception:
         commit = "uncommitted"
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    cpu = next(
+        (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?"
+    )
     lines = [
-        "# bench_pipe: pipeline bubble and throughput", "",
+        "# bench_pipe: pipeline bubble and throughput",
+        "",
         f"- machine: nproc={os.cpu_count()}, CPU: {cpu}, {platform.platform()}",
         f"- versions: python {platform.python_version()}, torch {torch.__version__}",
         f"- git commit: {commit}",
@@ -141,7 +182,8 @@ def main() -> None:
         f"{BATCHES} measured batches after {WARMUP} warm-up; medians, [min, max] over batches",
         "- idle = mean over stages of 1 - busy(F+B compute) / batch span; theory (p-1)/(c*m+p-1) "
         "(c = chunks per stage); diff = measured - theory in points",
-        "", "| stages p | micro-batches m | schedule | idle measured | idle theory | diff (pts) | s/batch | samples/s |",
+        "",
+        "| stages p | micro-batches m | schedule | idle measured | idle theory | diff (pts) | s/batch | samples/s |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

@@ -73,10 +73,17 @@ def _variant(name: str, steps: int, precision: str = "fp32", time_it: bool = Tru
             return _bytes(model.parameters()) + _bytes(p.grad for p in model.parameters()) + _bytes(st)
     else:
         stage = int(name[-1])
-        cfg = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**9,
-               "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "adam_w_mode": False}},
-               "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET,
-                                     "overlap_comm": True}}
+        cfg = {
+            "train_micro_batch_size_per_gpu": MICRO,
+            "steps_per_print": 10**9,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "adam_w_mode": False}},
+            "zero_optimization": {
+                "stage": stage,
+                "reduce_bucket_size": BUCKET,
+                "allgather_bucket_size": BUCKET,
+                "overlap_comm": True,
+            },
+        }
         if precision != "fp32":
             cfg[precision] = {"enabled": True}
         engine = zero_core.initialize(model=model, config=cfg)[0]
@@ -100,8 +107,12 @@ def _variant(name: str, steps: int, precision: str = "fp32", time_it: bool = Tru
             times.append(time.perf_counter() - t)
         if not time_it and s >= 1:
             break
-    return {"times": times, "states": states(), "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "params": sum(p.numel() for p in model.parameters())}
+    return {
+        "times": times,
+        "states": states(),
+        "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "params": sum(p.numel() for p in model.parameters()),
+    }
 
 
 def _cpu_model() -> str:
@@ -116,8 +127,12 @@ def _cpu_model() -> str:
 
 def _commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip() + " (plus uncommitted changes)"
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+            ).stdout.strip()
+            + " (plus uncommitted changes)"
+        )
     except (OSError, subprocess.CalledProcessError):
         return "uncommitted"
 
@@ -133,7 +148,7 @@ def main() -> None:
         raise SystemExit("--steps must be >= 1")
 
     rows = {}
-    for rep in range(2):  # interleave two passes: the machine is shared and noisy
+    for _rep in range(2):  # interleave two passes: the machine is shared and noisy
         for name in ("ddp", "stage0", "stage1", "stage2"):
             res = run_multirank(_variant, 2, args=(name, args.steps), timeout=600)
             r = rows.setdefault(name, {"times": [], "states": 0, "rss": 0, "params": res[0]["params"]})
@@ -176,8 +191,13 @@ def main() -> None:
             f"| {name} | {med * 1e3:.1f} | {p10 * 1e3:.1f}-{p90 * 1e3:.1f} | {med / base:.2f} | "
             f"{r['states'] / 2**20:.1f} | {r['states'] / rows['ddp']['states']:.2f} | {r['rss'] / 2**20:.0f} |"
         )
-    lines += ["", "## 4 ranks: model-state bytes per rank (live tensors, max over ranks)", "",
-              "| variant | precision | model states/rank (MiB) | ratio vs DDP fp32 |", "|---|---|---|---|"]
+    lines += [
+        "",
+        "## 4 ranks: model-state bytes per rank (live tensors, max over ranks)",
+        "",
+        "| variant | precision | model states/rank (MiB) | ratio vs DDP fp32 |",
+        "|---|---|---|---|",
+    ]
     ddp4 = mem4[("ddp", "fp32")]
     for (name, precision), b in mem4.items():
         lines.append(f"| {name} | {precision} | {b / 2**20:.1f} | {b / ddp4:.2f} |")

@@ -103,7 +103,7 @@ def test_inspect_and_clone_helpers(tmp_path):
     run_multirank(_train_and_gather, 2, args=(ckpt,))
     text = describe(ckpt)
     assert "world_size 2 | zero stage 2" in text and "rank_00001.safetensors" in text and "OK" in text
-    assert "parameters 662 in 6 tensors" in text
+    assert "parameters 590 in 6 tensors" in text
 
     base = torch.arange(10.0)
     item = collections.OrderedDict(a=base[2:4], b=[base[:1], (base[5:6], 3)], c="x")

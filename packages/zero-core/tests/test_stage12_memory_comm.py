@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-
 from zero_core.testing import run_multirank
 
 DIM = 97  # 2 x (97*97 + 97) + 97*5 + 5 = 19306 + 490 = 19 k parameters, not divisible by 4
@@ -97,6 +96,10 @@ def test_stage12_memory_and_comm_volume_match_theory(world: int) -> None:
                 # bucket buffers are listed apart and bounded by the bucket size (here: freed after backward)
                 assert 0 <= mem["buffers"] <= 3 * 4000 * 4, where
             psi, rs, ag, ar = res[("comm", stage)]
-            assert abs(rs - 4 * psi) <= 0.05 * 4 * psi, f"rank {rank} stage {stage}: reduce-scattered {rs} B, Ψ={psi}"
-            assert abs(ag - 4 * psi) <= 0.05 * 4 * psi, f"rank {rank} stage {stage}: all-gathered {ag} B, Ψ={psi}"
+            assert abs(rs - 4 * psi) <= 0.05 * 4 * psi, (
+                f"rank {rank} stage {stage}: reduce-scattered {rs} B, Ψ={psi}"
+            )
+            assert abs(ag - 4 * psi) <= 0.05 * 4 * psi, (
+                f"rank {rank} stage {stage}: all-gathered {ag} B, Ψ={psi}"
+            )
             assert ar < 0.01 * 4 * psi, f"rank {rank} stage {stage}: unexpected all_reduce volume {ar} B"

@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from zero_core.testing import run_multirank
 
 STEPS = 20
@@ -54,8 +53,10 @@ def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
     if name == "groups":  # different lr and weight decay per group
         decay = [p for n, p in model.named_parameters() if n.endswith("weight") and "norm" not in n]
         rest = [p for n, p in model.named_parameters() if not (n.endswith("weight") and "norm" not in n)]
-        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.2}, {"params": rest, "lr": 3e-3,
-                                  "weight_decay": 0.0}], lr=1e-2)
+        return torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.2}, {"params": rest, "lr": 3e-3, "weight_decay": 0.0}],
+            lr=1e-2,
+        )
     return torch.optim.Adam(model.parameters(), lr=1e-2)
 
 
@@ -137,20 +138,46 @@ CASES_2 = [
     dict(stage=1, opt="adamw", gas=1, clip=0.0, bucket=60, overlap=False),
     dict(stage=2, opt="groups", gas=1, clip=0.3, bucket=200, overlap=True, sched=True),
     dict(stage=1, opt="groups", gas=2, clip=0.0, bucket=BIG, overlap=True),
-    dict(stage=2, opt="config_adamw", gas=1, clip=0.0, bucket=500, overlap=True,
-         zero={"contiguous_gradients": False, "allgather_bucket_size": 50}),
-    dict(stage=2, opt="adam", gas=2, clip=0.0, bucket=400, overlap=True,
-         zero={"reduce_scatter": False, "allgather_partitions": False}),
-    dict(stage=1, opt="adam", gas=1, clip=0.0, bucket=400, overlap=False,
-         zero={"reduce_scatter": False, "use_multi_rank_bucket_allreduce": False, "round_robin_gradients": True}),
+    dict(
+        stage=2,
+        opt="config_adamw",
+        gas=1,
+        clip=0.0,
+        bucket=500,
+        overlap=True,
+        zero={"contiguous_gradients": False, "allgather_bucket_size": 50},
+    ),
+    dict(
+        stage=2,
+        opt="adam",
+        gas=2,
+        clip=0.0,
+        bucket=400,
+        overlap=True,
+        zero={"reduce_scatter": False, "allgather_partitions": False},
+    ),
+    dict(
+        stage=1,
+        opt="adam",
+        gas=1,
+        clip=0.0,
+        bucket=400,
+        overlap=False,
+        zero={
+            "reduce_scatter": False,
+            "use_multi_rank_bucket_allreduce": False,
+            "round_robin_gradients": True,
+        },
+    ),
 ]
 CASES_4 = [
     dict(stage=1, opt="adamw", gas=1, clip=0.5, bucket=BIG, overlap=True),
     dict(stage=2, opt="adam", gas=1, clip=0.0, bucket=BIG, overlap=False),
     dict(stage=2, opt="sgd", gas=3, clip=0.5, bucket=700, overlap=True),
     dict(stage=1, opt="sgd", gas=2, clip=0.0, bucket=250, overlap=False),
-    dict(stage=2, opt="groups", gas=2, clip=0.0, bucket=333, overlap=True,
-         zero={"allgather_bucket_size": 100}),
+    dict(
+        stage=2, opt="groups", gas=2, clip=0.0, bucket=333, overlap=True, zero={"allgather_bucket_size": 100}
+    ),
     dict(stage=1, opt="adam", gas=1, clip=0.2, bucket=BIG, overlap=True, zero={"reduce_scatter": False}),
 ]
 
@@ -163,8 +190,14 @@ def test_stage12_matches_single_process(world: int, cases: list[dict]) -> None:
         for rank, per_rank in enumerate(results):
             losses, state = per_rank[ci]
             where = f"case {case}, rank {rank}"
-            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6,
-                                       msg=lambda m, w=where: f"losses, {w}: {m}")
+            torch.testing.assert_close(
+                torch.tensor(losses),
+                torch.tensor(ref_losses),
+                rtol=1e-5,
+                atol=1e-6,
+                msg=lambda m, w=where: f"losses, {w}: {m}",
+            )
             for k, v in ref_state.items():
-                torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6,
-                                           msg=lambda m, k=k, w=where: f"{k}, {w}: {m}")
+                torch.testing.assert_close(
+                    state[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k, w=where: f"{k}, {w}: {m}"
+                )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-
 from zero_core.testing import run_multirank
 
 DIM = 33
@@ -50,7 +49,7 @@ def _run() -> dict:
         engine, model = _engine(stage, "fp16")
         poison = {"on": False}
         target = model[2].weight
-        target.register_hook(lambda g: g.fill_(float("inf")) if poison["on"] else g)
+        target.register_hook(lambda g, poison=poison: g.fill_(float("inf")) if poison["on"] else g)
         scales, skipped, changed = [], [], []
         for step in range(4):
             poison["on"] = step == 2 and rank == 1
@@ -64,7 +63,12 @@ def _run() -> dict:
             moved = any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
             moved |= any(not torch.equal(a, b) for a, b in zip(masters, engine.strategy.masters))
             changed.append(moved)
-        out[("fp16", stage)] = (scales, skipped, changed, [p.detach().float().clone() for p in model.parameters()])
+        out[("fp16", stage)] = (
+            scales,
+            skipped,
+            changed,
+            [p.detach().float().clone() for p in model.parameters()],
+        )
 
         engine, model = _engine(stage, "bf16")
         losses = []
@@ -74,7 +78,11 @@ def _run() -> dict:
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
-        out[("bf16", stage)] = (losses, model[0].weight.dtype, [p.detach().float().clone() for p in model.parameters()])
+        out[("bf16", stage)] = (
+            losses,
+            model[0].weight.dtype,
+            [p.detach().float().clone() for p in model.parameters()],
+        )
     return out
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-
 from zero_core.testing import run_multirank
 
 STEPS = 3
@@ -36,8 +35,13 @@ def _reference(world: int) -> dict:
         opt.step()
         opt.zero_grad()
     w = model[2].weight
-    return {"param": w.detach().clone(), "grad": w.grad.clone(), "exp_avg": opt.state[w]["exp_avg"].clone(),
-            "exp_avg_sq": opt.state[w]["exp_avg_sq"].clone(), "step": float(opt.state[w]["step"])}
+    return {
+        "param": w.detach().clone(),
+        "grad": w.grad.clone(),
+        "exp_avg": opt.state[w]["exp_avg"].clone(),
+        "exp_avg_sq": opt.state[w]["exp_avg_sq"].clone(),
+        "step": float(opt.state[w]["step"]),
+    }
 
 
 def _run(stage: int) -> dict:
@@ -53,23 +57,31 @@ def _run(stage: int) -> dict:
 
     rank = comm.get_rank()
     model = _model()
-    cfg = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10**6,
-           "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "adam_w_mode": False}},
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": 50}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "steps_per_print": 10**6,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "adam_w_mode": False}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 50},
+    }
     engine = zero_core.initialize(model=model, config=cfg)[0]
     for step in range(STEPS + 1):
         engine.backward(engine(_data(step, rank)).pow(2).mean())
         if step < STEPS:
             engine.step()
     w = model[2].weight
-    out = {"param": safe_get_full_fp32_param(w), "grad": safe_get_full_grad(w),
-           "exp_avg": safe_get_full_optimizer_state(w, "exp_avg"),
-           "exp_avg_sq": safe_get_full_optimizer_state(w, "exp_avg_sq"),
-           "step": float(safe_get_full_optimizer_state(w, "step"))}
+    out = {
+        "param": safe_get_full_fp32_param(w),
+        "grad": safe_get_full_grad(w),
+        "exp_avg": safe_get_full_optimizer_state(w, "exp_avg"),
+        "exp_avg_sq": safe_get_full_optimizer_state(w, "exp_avg_sq"),
+        "step": float(safe_get_full_optimizer_state(w, "step")),
+    }
     errors = []
-    for call in (lambda: safe_set_full_fp32_param(w, torch.zeros(2, 2)),
-                 lambda: safe_get_full_optimizer_state(w, "momentum_buffer"),
-                 lambda: safe_get_full_fp32_param("w")):
+    for call in (
+        lambda: safe_set_full_fp32_param(w, torch.zeros(2, 2)),
+        lambda: safe_get_full_optimizer_state(w, "momentum_buffer"),
+        lambda: safe_get_full_fp32_param("w"),
+    ):
         try:
             call()
         except (ValueError, KeyError, TypeError) as e:
@@ -104,7 +116,9 @@ def test_stage12_safe_get_set_and_state_dict(stage: int) -> None:
     ref = _reference(world)
     for rank, res in enumerate(run_multirank(_run, world, args=(stage,), timeout=120)):
         for key in ("param", "grad", "exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(res[key], ref[key], rtol=1e-5, atol=1e-7, msg=lambda m, k=key: f"{k}: {m}")
+            torch.testing.assert_close(
+                res[key], ref[key], rtol=1e-5, atol=1e-7, msg=lambda m, k=key: f"{k}: {m}"
+            )
         assert res["step"] == ref["step"]
         assert len(res["errors"]) == 3, res["errors"]
         assert "shape (2, 2)" in res["errors"][0] and "(3, 11)" in res["errors"][0]

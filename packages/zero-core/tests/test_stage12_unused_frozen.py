@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-
 from zero_core.testing import run_multirank
 
 STEPS = 5
@@ -57,8 +56,12 @@ def _engine(stage: int, ignore_unused: bool, model: nn.Module, params=None):
     cfg = {
         "train_micro_batch_size_per_gpu": 4,
         "steps_per_print": 10**6,
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 20, "overlap_comm": True,
-                              "ignore_unused_parameters": ignore_unused},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 20,
+            "overlap_comm": True,
+            "ignore_unused_parameters": ignore_unused,
+        },
     }
     params = params if params is not None else [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=0.1)
@@ -105,10 +108,12 @@ def test_stage12_unused_and_frozen_parameters() -> None:
     trainable = sum(p.numel() for p in Net().parameters() if p.requires_grad)
     results = run_multirank(_run, world, timeout=120)
     for stage in (1, 2):
-        for rank, res in enumerate(results):
+        for res in results:
             state = res[("ignore", stage)]
             for k, v in ref.items():
-                torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k} s{stage}: {m}")
+                torch.testing.assert_close(
+                    state[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k, s=stage: f"{k} s{s}: {m}"
+                )
             assert res[("frozen_in_shards", stage)] == trainable
             msg = res[("strict", stage)]
             assert "never.weight" in msg and "never.bias" in msg and "ignore_unused_parameters" in msg, msg

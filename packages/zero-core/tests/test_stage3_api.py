@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from zero_core.testing import run_multirank
 
 
 def _engine(model: torch.nn.Module, zero: dict, bf16: bool = False):  # noqa: ANN202
     import zero_core
 
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "zero_optimization": {"stage": 3, **zero}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": 3, **zero},
+    }
     if bf16:
         cfg["bf16"] = {"enabled": True}
-    engine, *_ = zero_core.initialize(model=model, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3), config=cfg)
+    engine, *_ = zero_core.initialize(
+        model=model, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3), config=cfg
+    )
     return engine
 
 
@@ -90,7 +95,11 @@ def _api_rank() -> dict:
             rl.backward()
             opt.step()
             opt.zero_grad()
-            assert abs(loss.item() - rl.item()) <= 1e-5 * abs(rl.item()) + 1e-6, (cls.__name__, loss.item(), rl.item())
+            assert abs(loss.item() - rl.item()) <= 1e-5 * abs(rl.item()) + 1e-6, (
+                cls.__name__,
+                loss.item(),
+                rl.item(),
+            )
     # Manual registration and its validation.
     m = torch.nn.Linear(2, 2)
     zero_core.register_external_parameter(m, lin.weight)
@@ -117,8 +126,16 @@ def _memory_rank() -> dict:
 
     with zero_core.Init(dtype=torch.bfloat16):
         model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)], torch.nn.Linear(256, 512))
-    e = _engine(model, {"param_persistence_threshold": 0, "prefetch_bucket_size": 0, "max_live_parameters": 1000,
-                        "max_reuse_distance": 0}, bf16=True)
+    e = _engine(
+        model,
+        {
+            "param_persistence_threshold": 0,
+            "prefetch_bucket_size": 0,
+            "max_live_parameters": 1000,
+            "max_reuse_distance": 0,
+        },
+        bf16=True,
+    )
     x = torch.randn(2, 256, dtype=torch.bfloat16)
     comm.comms_logger.enable()
     for _ in range(2):
@@ -133,7 +150,13 @@ def _memory_rank() -> dict:
     with torch.no_grad():
         e.eval()
         y = e(x)
-    return {"mem": mem, "ag": ag, "rs": rs, "world": comm.get_world_size(), "eval_ok": bool(torch.isfinite(y).all())}
+    return {
+        "mem": mem,
+        "ag": ag,
+        "rs": rs,
+        "world": comm.get_world_size(),
+        "eval_ok": bool(torch.isfinite(y).all()),
+    }
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -11,7 +11,6 @@ import os
 
 import pytest
 import torch
-
 from zero_core.testing import run_multirank
 
 transformers = pytest.importorskip("transformers")
@@ -22,18 +21,42 @@ STEPS, BATCH, SEQ, VOCAB = 10, 2, 8, 64
 def _build(kind: str) -> torch.nn.Module:
     t = transformers
     if kind == "gpt2":
-        cfg = t.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=16, n_layer=2, n_head=2,
-                           tie_word_embeddings=True, attn_implementation="eager",
-                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        cfg = t.GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=32,
+            n_embd=16,
+            n_layer=2,
+            n_head=2,
+            tie_word_embeddings=True,
+            attn_implementation="eager",
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
         return t.GPT2LMHeadModel(cfg)
     if kind == "llama":
-        cfg = t.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-                            attn_implementation="eager")
+        cfg = t.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=32,
+            attn_implementation="eager",
+        )
         return t.LlamaForCausalLM(cfg)
-    cfg = t.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                       intermediate_size=32, max_position_embeddings=32, hidden_dropout_prob=0.0,
-                       attention_probs_dropout_prob=0.0, attn_implementation="eager")
+    cfg = t.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        attn_implementation="eager",
+    )
     return t.BertForMaskedLM(cfg)
 
 
@@ -68,16 +91,24 @@ def _rank(kind: str, world: int, save_dir: str) -> tuple:
     from zero_core import comm
 
     rank = comm.get_rank()
-    cfg = {"train_micro_batch_size_per_gpu": BATCH, "gradient_clipping": 0.0,
-           "zero_optimization": {"stage": 3, "param_persistence_threshold": 0, "prefetch_bucket_size": 2000,
-                                 "gather_16bit_weights_on_model_save": True}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {
+            "stage": 3,
+            "param_persistence_threshold": 0,
+            "prefetch_bucket_size": 2000,
+            "gather_16bit_weights_on_model_save": True,
+        },
+    }
     torch.manual_seed(0)
     with zero_core.Init(config_dict_or_path=cfg):
         model = _build(kind)
     model.train()
     largest_local = max(p.numel() for p in model.parameters())  # released: empty data
-    engine, *_ = zero_core.initialize(model=model, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
-                                      config=cfg)
+    engine, *_ = zero_core.initialize(
+        model=model, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), config=cfg
+    )
     data, losses = _data(world), []
     for s in range(STEPS):
         loss = _loss(engine, data[s, rank])

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from zero_core.testing import run_multirank
 
 VOCAB, DIM, SEQ, BATCH, STEPS = 32, 16, 8, 2, 4
@@ -116,8 +115,12 @@ CASES = {
     "prefetch": {"prefetch_bucket_size": 10_000, "param_persistence_threshold": 0},
     "no_prefetch": {"prefetch_bucket_size": 0, "param_persistence_threshold": 0},
     "persist_all": {"param_persistence_threshold": 10**9},
-    "tiny_live": {"max_live_parameters": 100, "prefetch_bucket_size": 10_000, "max_reuse_distance": 0,
-                  "param_persistence_threshold": 0},
+    "tiny_live": {
+        "max_live_parameters": 100,
+        "prefetch_bucket_size": 10_000,
+        "max_reuse_distance": 0,
+        "param_persistence_threshold": 0,
+    },
 }
 
 
@@ -137,7 +140,9 @@ def _check(ref: tuple, got: list, world: int) -> None:
 )
 def test_parity(world: int, case: str) -> None:
     steps = 3
-    got = run_multirank(_rank_fn, world, args=(world, 1, steps, CASES[case], False, case == "prefetch"), timeout=120)
+    got = run_multirank(
+        _rank_fn, world, args=(world, 1, steps, CASES[case], False, case == "prefetch"), timeout=120
+    )
     _check(_reference(world, 1, steps, False), got, world)
     if case == "prefetch":
         assert got[0][2] > 0, "the trace should have driven prefetches"

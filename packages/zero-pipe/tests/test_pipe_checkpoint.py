@@ -37,23 +37,38 @@ def _logits(embed, x):
 
 
 def specs():
-    return [TiedLayerSpec("embed", Embed)] + [LayerSpec(Block) for _ in range(4)] + [
-        TiedLayerSpec("embed", Embed, forward_fn=_logits)
-    ]
+    return (
+        [TiedLayerSpec("embed", Embed)]
+        + [LayerSpec(Block) for _ in range(4)]
+        + [TiedLayerSpec("embed", Embed, forward_fn=_logits)]
+    )
 
 
 def data(n, seed):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, VOCAB, (MB,), generator=g), torch.randint(0, VOCAB, (MB,), generator=g)) for _ in range(n)]
+    return [
+        (torch.randint(0, VOCAB, (MB,), generator=g), torch.randint(0, VOCAB, (MB,), generator=g))
+        for _ in range(n)
+    ]
 
 
 def _engine(stages, seed_layers=True):
-    model = PipelineModule(specs(), num_stages=stages, loss_fn=nn.functional.cross_entropy, seed_layers=seed_layers,
-                           base_seed=99 if not seed_layers else 1234, partition_method="uniform")
+    model = PipelineModule(
+        specs(),
+        num_stages=stages,
+        loss_fn=nn.functional.cross_entropy,
+        seed_layers=seed_layers,
+        base_seed=99 if not seed_layers else 1234,
+        partition_method="uniform",
+    )
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    return model, PipelineEngine(model, opt, {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": MBS},
-                                 lr_scheduler=sched)
+    return model, PipelineEngine(
+        model,
+        opt,
+        {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": MBS},
+        lr_scheduler=sched,
+    )
 
 
 def _train(engine, batches, seed):
@@ -97,8 +112,9 @@ def test_checkpoint_roundtrip_and_other_stage_counts(tmp_path):
 
     # The model as saved (after 3 steps), evaluated at 2 stages, 4 stages and 1 stage.
     logits4 = run_multirank(_load_rank, 4, args=(root,))[-1]
-    one = PipelineModule(specs(), num_stages=1, stage_id=0, loss_fn=nn.functional.cross_entropy,
-                         seed_layers=True, base_seed=7)
+    one = PipelineModule(
+        specs(), num_stages=1, stage_id=0, loss_fn=nn.functional.cross_entropy, seed_layers=True, base_seed=7
+    )
     one.load_state_dir(ckpt)
     with torch.no_grad():
         logits1 = [one(x) for x, _ in data(MBS, seed=3)]

@@ -11,7 +11,12 @@ DIM, MB = 6, 2
 
 
 def specs():
-    return [LayerSpec(nn.Linear, DIM, DIM), LayerSpec(nn.Tanh), LayerSpec(nn.Linear, DIM, DIM), LayerSpec(nn.Linear, DIM, 3)]
+    return [
+        LayerSpec(nn.Linear, DIM, DIM),
+        LayerSpec(nn.Tanh),
+        LayerSpec(nn.Linear, DIM, DIM),
+        LayerSpec(nn.Linear, DIM, 3),
+    ]
 
 
 class Pairs(torch.utils.data.Dataset):
@@ -36,7 +41,10 @@ def _init_rank():
         "train_micro_batch_size_per_gpu": MB,
         "gradient_accumulation_steps": 4,
         "optimizer": {"type": "Adam", "params": {"lr": 0.05}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.05, "warmup_num_steps": 2}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.05, "warmup_num_steps": 2},
+        },
         "pipeline": {"stages": 2, "activation_checkpoint_interval": 1},
         "gradient_clipping": 0.0,
     }
@@ -53,8 +61,15 @@ def _init_rank():
         err = None
     except PipelineConfigError as e:
         err = str(e)
-    return (type(engine) is PipelineEngine, opt is engine.optimizer, sched is engine.lr_scheduler, losses,
-            isinstance(engine.config.pipeline, PipelineSectionConfig), model.activation_checkpoint_interval, err)
+    return (
+        type(engine) is PipelineEngine,
+        opt is engine.optimizer,
+        sched is engine.lr_scheduler,
+        losses,
+        isinstance(engine.config.pipeline, PipelineSectionConfig),
+        model.activation_checkpoint_interval,
+        err,
+    )
 
 
 def test_initialize_builds_pipeline_engine_from_config():

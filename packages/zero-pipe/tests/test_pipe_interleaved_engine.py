@@ -22,7 +22,11 @@ class Block(nn.Module):
 
 
 def specs(n_blocks):
-    return [LayerSpec(nn.Linear, DIM, DIM)] + [LayerSpec(Block) for _ in range(n_blocks)] + [LayerSpec(nn.Linear, DIM, 3)]
+    return (
+        [LayerSpec(nn.Linear, DIM, DIM)]
+        + [LayerSpec(Block) for _ in range(n_blocks)]
+        + [LayerSpec(nn.Linear, DIM, 3)]
+    )
 
 
 def reference(layer_specs):
@@ -41,14 +45,27 @@ def data(n, seed=0):
 def _interleaved_rank(layer_specs, chunks, micro_batches, batches):
     stages = torch.distributed.get_world_size()
     model = PipelineModule(
-        layer_specs, num_stages=stages, loss_fn=nn.functional.cross_entropy, seed_layers=True,
-        partition_method="uniform", num_chunks=chunks,
+        layer_specs,
+        num_stages=stages,
+        loss_fn=nn.functional.cross_entropy,
+        seed_layers=True,
+        partition_method="uniform",
+        num_chunks=chunks,
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    engine = PipelineEngine(model, opt, {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": micro_batches})
+    engine = PipelineEngine(
+        model, opt, {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": micro_batches}
+    )
     d = data(batches * micro_batches)
-    losses = [engine.train_batch(iter(d[b * micro_batches : (b + 1) * micro_batches])).item() for b in range(batches)]
-    params = {f"{i}.{n}": p.detach().clone() for i, m in model.layer_modules().items() for n, p in m.named_parameters()}
+    losses = [
+        engine.train_batch(iter(d[b * micro_batches : (b + 1) * micro_batches])).item()
+        for b in range(batches)
+    ]
+    params = {
+        f"{i}.{n}": p.detach().clone()
+        for i, m in model.layer_modules().items()
+        for n, p in m.named_parameters()
+    }
     loss, logits = engine.eval_batch(iter(data(micro_batches, seed=7)), return_logits=True)
     return losses, params, loss.item(), logits, len(model.chunk_funcs)
 
@@ -64,7 +81,9 @@ def test_interleaved_engine_matches_single_process(world, n_blocks, micro_batche
     for b in range(batches):
         chunk = d[b * micro_batches : (b + 1) * micro_batches]
         opt.zero_grad()
-        loss = nn.functional.cross_entropy(ref(torch.cat([c[0] for c in chunk])), torch.cat([c[1] for c in chunk]))
+        loss = nn.functional.cross_entropy(
+            ref(torch.cat([c[0] for c in chunk])), torch.cat([c[1] for c in chunk])
+        )
         loss.backward()
         opt.step()
         ref_losses.append(loss.item())
@@ -121,14 +140,30 @@ def mask_specs():
 
 
 def _mask_rank(micro_batches, batches):
-    model = PipelineModule(mask_specs(), num_stages=2, loss_fn=nn.functional.cross_entropy, seed_layers=True,
-                           partition_method="uniform")
+    model = PipelineModule(
+        mask_specs(),
+        num_stages=2,
+        loss_fn=nn.functional.cross_entropy,
+        seed_layers=True,
+        partition_method="uniform",
+    )
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    engine = PipelineEngine(model, opt, {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": micro_batches},
-                            has_bool_tensors=True)
+    engine = PipelineEngine(
+        model,
+        opt,
+        {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": micro_batches},
+        has_bool_tensors=True,
+    )
     d = data(batches * micro_batches, seed=5)
-    losses = [engine.train_batch(iter(d[b * micro_batches : (b + 1) * micro_batches])).item() for b in range(batches)]
-    return losses, {f"{i}.{n}": p.detach().clone() for i, m in model.layer_modules().items() for n, p in m.named_parameters()}
+    losses = [
+        engine.train_batch(iter(d[b * micro_batches : (b + 1) * micro_batches])).item()
+        for b in range(batches)
+    ]
+    return losses, {
+        f"{i}.{n}": p.detach().clone()
+        for i, m in model.layer_modules().items()
+        for n, p in m.named_parameters()
+    }
 
 
 def test_tuple_and_bool_activations_match_single_process():
@@ -141,7 +176,9 @@ def test_tuple_and_bool_activations_match_single_process():
     for b in range(batches):
         chunk = d[b * micro_batches : (b + 1) * micro_batches]
         opt.zero_grad()
-        loss = nn.functional.cross_entropy(ref(torch.cat([c[0] for c in chunk])), torch.cat([c[1] for c in chunk]))
+        loss = nn.functional.cross_entropy(
+            ref(torch.cat([c[0] for c in chunk])), torch.cat([c[1] for c in chunk])
+        )
         loss.backward()
         opt.step()
         ref_losses.append(loss.item())

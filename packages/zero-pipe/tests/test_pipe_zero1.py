@@ -34,21 +34,38 @@ def _logits(embed, x):
 
 
 def specs():
-    return [TiedLayerSpec("embed", Embed), LayerSpec(Block), LayerSpec(Block), LayerSpec(Block),
-            TiedLayerSpec("embed", Embed, forward_fn=_logits)]
+    return [
+        TiedLayerSpec("embed", Embed),
+        LayerSpec(Block),
+        LayerSpec(Block),
+        LayerSpec(Block),
+        TiedLayerSpec("embed", Embed, forward_fn=_logits),
+    ]
 
 
 def data(n):
     g = torch.Generator().manual_seed(11)
-    return [(torch.randint(0, VOCAB, (MB,), generator=g), torch.randint(0, VOCAB, (MB,), generator=g)) for _ in range(n)]
+    return [
+        (torch.randint(0, VOCAB, (MB,), generator=g), torch.randint(0, VOCAB, (MB,), generator=g))
+        for _ in range(n)
+    ]
 
 
 def _engine(stage, micro_batches):
-    model = PipelineModule(specs(), num_stages=2, loss_fn=nn.functional.cross_entropy, seed_layers=True,
-                           partition_method="uniform")
+    model = PipelineModule(
+        specs(),
+        num_stages=2,
+        loss_fn=nn.functional.cross_entropy,
+        seed_layers=True,
+        partition_method="uniform",
+    )
     opt = torch.optim.Adam(model.parameters(), lr=0.02)
-    cfg = {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": micro_batches,
-           "gradient_clipping": CLIP, "zero_optimization": {"stage": stage}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MB,
+        "gradient_accumulation_steps": micro_batches,
+        "gradient_clipping": CLIP,
+        "zero_optimization": {"stage": stage},
+    }
     return model, PipelineEngine(model, opt, cfg)
 
 
@@ -63,7 +80,11 @@ def _zero1_rank(micro_batches, batches):
             start = (b * dp + dp_rank) * micro_batches
             losses.append(engine.train_batch(iter(d[start : start + micro_batches])).item())
             norms.append(engine.get_global_grad_norm())
-        params = {f"{i}.{n}": p.detach().clone() for i, m in model.layer_modules().items() for n, p in m.named_parameters()}
+        params = {
+            f"{i}.{n}": p.detach().clone()
+            for i, m in model.layer_modules().items()
+            for n, p in m.named_parameters()
+        }
         out[stage] = (losses, norms, params, engine.memory_breakdown()["optimizer_states"])
     errors = []
     for bad in (2, 3):

@@ -49,33 +49,63 @@ def dequantize_weight(
     return w.reshape(out_f, in_f)
 
 
+def _cpu_kernel_ok(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
 class Int8Weight(nn.Module):
-    """An int8 weight with its scales; ``linear(x, bias)`` is ``F.linear`` with the dequantized weight."""
+    """An int8 weight with its scales; ``linear(x, bias)`` is ``F.linear`` with the dequantized weight.
+
+    ``qweight`` is stored group-major, ``[q_groups, out, in / q_groups]``, so each group is one
+    contiguous ``[out, in / q_groups]`` matrix that the CPU int8 kernel takes as is. See
+    [Note: int8 weight groups].
+    """
 
     def __init__(self, weight: torch.Tensor, q_groups: int = 1) -> None:
         super().__init__()
         q, scales = quantize_weight(weight, q_groups)
-        self.register_buffer("qweight", q)
+        out_f, in_f = q.shape
+        grouped = q.reshape(out_f, q_groups, in_f // q_groups).permute(1, 0, 2).contiguous()
+        self.register_buffer("qweight", grouped)
         self.register_buffer("scales", scales)
+        # The CPU kernel multiplies by a per-output-row scale in the activation dtype (bf16).
+        self.register_buffer("kernel_scales", scales.t().contiguous().to(torch.bfloat16), persistent=False)
         self.q_groups = q_groups
+        self.out_features, self.in_features = out_f, in_f
 
     @property
     def shape(self) -> torch.Size:
-        return self.qweight.shape
+        return torch.Size((self.out_features, self.in_features))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The ``[out, in]`` weight in ``dtype`` (a temporary; used off the CPU kernel path)."""
+        g, out_f, k = self.qweight.shape
+        w = self.qweight.to(dtype) * self.scales.t().to(dtype).unsqueeze(-1)
+        return w.permute(1, 0, 2).reshape(out_f, g * k)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.q_groups == 1 and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
-            # Fused int8-weight matmul: reads the int8 weight once, no dequantized temporary.
-            flat = x.reshape(-1, x.shape[-1])
-            if not flat.is_contiguous():
-                flat = flat.contiguous()
-            out = torch._weight_int8pack_mm(flat, self.qweight, self.scales[:, 0].to(x.dtype))
-            out = out.reshape(*x.shape[:-1], out.shape[-1])
-            return out + bias if bias is not None else out
-        return F.linear(x, dequantize_weight(self.qweight, self.scales, x.dtype), bias)
+        if not _cpu_kernel_ok(x):
+            return F.linear(x, self.dequantize(x.dtype), bias)
+        # torch's fused int8-weight kernel reads the int8 weight directly (never a dequantized
+        # copy); its vectorised (AMX/AVX-512) CPU path is the bf16 one, so activations enter in bf16.
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        if self.q_groups == 1:
+            out = torch._weight_int8pack_mm(flat.contiguous(), self.qweight[0], self.kernel_scales[0])
+            out = out.to(x.dtype)
+        else:
+            k = self.in_features // self.q_groups
+            out = None
+            for g in range(self.q_groups):  # one kernel call per group, accumulated in fp32
+                part = torch._weight_int8pack_mm(
+                    flat[:, g * k : (g + 1) * k].contiguous(), self.qweight[g], self.kernel_scales[g]
+                )
+                out = part.float() if out is None else out.add_(part)
+            out = out.to(x.dtype)
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out + bias if bias is not None else out
 
     def extra_repr(self) -> str:
-        return f"shape={tuple(self.qweight.shape)}, q_groups={self.q_groups}"
+        return f"shape={tuple(self.shape)}, q_groups={self.q_groups}"
 
 
 class QuantizedLinear(nn.Module):

@@ -1,7 +1,7 @@
 """zero-pipe: pipeline parallelism for the zero training engine."""
 
-from zero_pipe.data import RepeatingLoader
 from zero_pipe.config import PipelineSectionConfig
+from zero_pipe.data import RepeatingLoader
 from zero_pipe.engine import PipelineConfigError, PipelineEngine
 from zero_pipe.initialize import initialize_pipeline
 from zero_pipe.instructions import (

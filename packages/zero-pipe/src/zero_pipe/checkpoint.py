@@ -73,7 +73,9 @@ def save_module_layers(module: PipelineModule, save_dir: str) -> None:
                 atomic_write_safetensors(state, module.ckpt_layer_path(save_dir, local))
     _barrier(module)
     if grid is None or _dist.get_rank() == 0:
-        files = sorted(os.path.basename(f) for f in glob.glob(os.path.join(save_dir, "layer_*model_states.safetensors")))
+        files = sorted(
+            os.path.basename(f) for f in glob.glob(os.path.join(save_dir, "layer_*model_states.safetensors"))
+        )
         index = {
             "format_version": FORMAT_VERSION,
             "num_layers": len(module.layer_specs),
@@ -92,11 +94,15 @@ def load_module_layers(module: PipelineModule, load_dir: str, strict: bool = Tru
         raise TypeError(f"load_module_layers: module must be a PipelineModule, got {type(module)}")
     index_path = os.path.join(load_dir, LAYERS_INDEX)
     if not os.path.isfile(index_path):
-        raise FileNotFoundError(f"load_module_layers: {index_path} not found; is {load_dir!r} a pipeline checkpoint?")
+        raise FileNotFoundError(
+            f"load_module_layers: {index_path} not found; is {load_dir!r} a pipeline checkpoint?"
+        )
     with open(index_path) as fh:
         index = json.load(fh)
     if index.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"load_module_layers: unknown format_version {index.get('format_version')!r} in {index_path}")
+        raise ValueError(
+            f"load_module_layers: unknown format_version {index.get('format_version')!r} in {index_path}"
+        )
     if index["num_layers"] != len(module.layer_specs):
         raise ValueError(
             f"load_module_layers: the checkpoint has {index['num_layers']} layers, the module "
@@ -104,7 +110,7 @@ def load_module_layers(module: PipelineModule, load_dir: str, strict: bool = Tru
         )
     modules = module.layer_modules()
     with torch.no_grad():
-        for local, idx in enumerate(module.local_layer_indices()):
+        for _local, idx in enumerate(module.local_layer_indices()):
             if idx not in modules:
                 continue
             owner = _layer_owner_index(module, idx)
@@ -114,7 +120,9 @@ def load_module_layers(module: PipelineModule, load_dir: str, strict: bool = Tru
             paths = sorted(glob.glob(os.path.join(load_dir, f"layer_{owner:02d}-*model_states.safetensors")))
             if not paths:
                 raise FileNotFoundError(f"load_module_layers: no file for layer {owner} in {load_dir}")
-            path = os.path.join(load_dir, f"layer_{owner:02d}-model_{module._rank_repr()}-model_states.safetensors")
+            path = os.path.join(
+                load_dir, f"layer_{owner:02d}-model_{module._rank_repr()}-model_states.safetensors"
+            )
             if not os.path.isfile(path):
                 if len(paths) != 1:
                     raise FileNotFoundError(f"load_module_layers: {path} not found among {paths}")
@@ -126,8 +134,9 @@ def _rank_stem(ckpt_dir: str, stage: int, dp: int) -> str:
     return os.path.join(ckpt_dir, f"optim_states-pp_{stage:02d}-dp_{dp:02d}")
 
 
-def save_engine_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: dict | None = None,
-                           save_latest: bool = True) -> str:
+def save_engine_checkpoint(
+    engine: Any, save_dir: str, tag: Any = None, client_state: dict | None = None, save_latest: bool = True
+) -> str:
     """Save module layers, optimizer/scheduler/loss-scaler state and counters (collective)."""
     if not isinstance(save_dir, (str, os.PathLike)):
         raise TypeError(f"save_checkpoint: save_dir must be a path, got {type(save_dir)}")
@@ -173,9 +182,15 @@ def save_engine_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_s
     return ckpt_dir
 
 
-def load_engine_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool = True,
-                           load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                           load_module_only: bool = False) -> tuple[str | None, dict]:
+def load_engine_checkpoint(
+    engine: Any,
+    load_dir: str,
+    tag: Any = None,
+    load_module_strict: bool = True,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+) -> tuple[str | None, dict]:
     """Load what :func:`save_engine_checkpoint` wrote; returns ``(checkpoint dir, client_state)``.
 
     Module layers load with any number of stages; optimizer states need the same stages,
@@ -197,9 +212,18 @@ def load_engine_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_mod
     with open(os.path.join(ckpt_dir, ENGINE_INDEX)) as fh:
         meta = json.load(fh)
     grid = engine.grid
-    state = load_state(_rank_stem(ckpt_dir, grid.stage_id, grid.data_parallel_id)) if load_optimizer_states else None
+    state = (
+        load_state(_rank_stem(ckpt_dir, grid.stage_id, grid.data_parallel_id))
+        if load_optimizer_states
+        else None
+    )
     if load_optimizer_states:
-        mine = (engine.num_stages, engine.num_chunks, engine.dp_size, int(engine.config.zero_optimization.stage))
+        mine = (
+            engine.num_stages,
+            engine.num_chunks,
+            engine.dp_size,
+            int(engine.config.zero_optimization.stage),
+        )
         saved = (meta["num_stages"], meta["num_chunks"], meta["data_parallel_size"], meta["zero_stage"])
         if mine != saved:
             raise ValueError(

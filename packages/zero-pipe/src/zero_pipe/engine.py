@@ -81,7 +81,9 @@ class PipelineEngine:
                 "PipelineEngine: the PipelineModule was built without a process group; init one first"
             )
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"PipelineEngine: optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
+            raise TypeError(
+                f"PipelineEngine: optimizer must be a torch.optim.Optimizer, got {type(optimizer)}"
+            )
         if not isinstance(has_bool_tensors, bool):
             raise TypeError(f"PipelineEngine: has_bool_tensors must be a bool, got {has_bool_tensors!r}")
         if module.loss_fn is None:
@@ -210,10 +212,14 @@ class PipelineEngine:
             ch.reset()
 
     def forward(self, *args: Any, **kwargs: Any) -> None:
-        raise RuntimeError("PipelineEngine: forward() is disabled for pipeline parallelism; use train_batch()")
+        raise RuntimeError(
+            "PipelineEngine: forward() is disabled for pipeline parallelism; use train_batch()"
+        )
 
     def backward(self, *args: Any, **kwargs: Any) -> None:
-        raise RuntimeError("PipelineEngine: backward() is disabled for pipeline parallelism; use train_batch()")
+        raise RuntimeError(
+            "PipelineEngine: backward() is disabled for pipeline parallelism; use train_batch()"
+        )
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError("PipelineEngine: step() is disabled for pipeline parallelism; use train_batch()")
@@ -301,7 +307,13 @@ class PipelineEngine:
         from zero_pipe.checkpoint import load_engine_checkpoint
 
         return load_engine_checkpoint(
-            self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states, load_module_only
+            self,
+            load_dir,
+            tag,
+            load_module_strict,
+            load_optimizer_states,
+            load_lr_scheduler_states,
+            load_module_only,
         )
 
     # -- execution -----------------------------------------------------------------------
@@ -421,7 +433,9 @@ class PipelineEngine:
 
     def _exec_send_grad(self, ins: SendGrad) -> None:
         tensors, _ = as_tensors(self._inputs.pop(ins.buffer_id), "SendGrad")
-        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in tensors if t.is_floating_point()]
+        grads = [
+            t.grad if t.grad is not None else torch.zeros_like(t) for t in tensors if t.is_floating_point()
+        ]
         send_grads(grads, self._stage_rank(self._virtual(ins.chunk_id) - 1))
 
     def _exec_recv_grad(self, ins: RecvGrad) -> None:

@@ -29,7 +29,9 @@ def _optimizer(optimizer: Any, params: Any, cfg: ZeroConfig) -> torch.optim.Opti
             )
         built = optimizer(params)
         if not isinstance(built, torch.optim.Optimizer):
-            raise TypeError(f"initialize: the optimizer callable returned {type(built).__name__}, not an optimizer")
+            raise TypeError(
+                f"initialize: the optimizer callable returned {type(built).__name__}, not an optimizer"
+            )
         return built
     section = getattr(cfg, "optimizer", None)
     if section is None or getattr(section, "type", None) is None:
@@ -95,7 +97,9 @@ def initialize_pipeline(
             "zero.init_distributed() before constructing it"
         )
     if not isinstance(config, ZeroConfig):
-        raise TypeError(f"initialize_pipeline: config must be a parsed ZeroConfig, got {type(config).__name__}")
+        raise TypeError(
+            f"initialize_pipeline: config must be a parsed ZeroConfig, got {type(config).__name__}"
+        )
     _apply_pipeline_section(model, config)
     params = model_parameters if model_parameters is not None else model.parameters()
     opt = _optimizer(optimizer, params, config)

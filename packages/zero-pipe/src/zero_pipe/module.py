@@ -290,7 +290,9 @@ class PipelineModule(nn.Module):
     def forward(self, forward_input: Any, chunk_id: int = 0) -> Any:
         """Run this stage's layers (of model chunk ``chunk_id``) on ``forward_input``."""
         if not isinstance(chunk_id, int) or not 0 <= chunk_id < self.num_chunks:
-            raise ValueError(f"PipelineModule.forward: chunk_id must be in [0, {self.num_chunks}), got {chunk_id!r}")
+            raise ValueError(
+                f"PipelineModule.forward: chunk_id must be in [0, {self.num_chunks}), got {chunk_id!r}"
+            )
         x = forward_input
         interval = self.activation_checkpoint_interval
         funcs = self.chunk_funcs[chunk_id]

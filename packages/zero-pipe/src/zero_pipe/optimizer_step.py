@@ -59,8 +59,10 @@ def build_strategy(
 
     Casts the module to ``dtype`` (fp32 master weights stay in the strategy).
     """
-    opt = (lambda name, default: getattr(zero_section, name, default) or default) if zero_section else (
-        lambda name, default: default
+    opt = (
+        (lambda name, default: getattr(zero_section, name, default) or default)
+        if zero_section
+        else (lambda name, default: default)
     )
     if zero_stage == 0:
         strategy = DataParallelStrategy(

@@ -218,14 +218,18 @@ class InterleavedInferenceSchedule(_PlannedSchedule):
     def __init__(self, micro_batches: int, stages: int, stage_id: int, chunks: int = 2) -> None:
         self.chunks = _check_int("chunks", chunks, 1, type(self).__name__)
         if isinstance(stages, int) and stages < 2 and self.chunks > 1:
-            raise ValueError(f"InterleavedInferenceSchedule needs stages >= 2 with several chunks (got {stages})")
+            raise ValueError(
+                f"InterleavedInferenceSchedule needs stages >= 2 with several chunks (got {stages})"
+            )
         super().__init__(micro_batches, stages, stage_id)
 
     def _compute_order(self, stage: int) -> list[Compute]:
         p, m = self.stages, self.micro_batches
         order = []
         for first in range(0, m, p):
-            order.extend(Compute("F", c, i) for c in range(self.chunks) for i in range(first, min(first + p, m)))
+            order.extend(
+                Compute("F", c, i) for c in range(self.chunks) for i in range(first, min(first + p, m))
+            )
         return order
 
     def num_pipe_buffers(self) -> int:

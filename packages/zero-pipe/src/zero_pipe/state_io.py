@@ -61,7 +61,11 @@ def _encode(obj: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
     if isinstance(obj, _SCALARS):
         return obj
     if isinstance(obj, dict):
-        return {"__dict__": [[_encode(k, tensors, where), _encode(v, tensors, f"{where}.{k}")] for k, v in obj.items()]}
+        return {
+            "__dict__": [
+                [_encode(k, tensors, where), _encode(v, tensors, f"{where}.{k}")] for k, v in obj.items()
+            ]
+        }
     if isinstance(obj, tuple):
         return {"__tuple__": [_encode(v, tensors, f"{where}[{i}]") for i, v in enumerate(obj)]}
     if isinstance(obj, list):

@@ -100,7 +100,9 @@ class FlopsProfiler:
     def start_profile(self, ignore_list: Sequence[type] | None = None) -> None:
         """Start profiling: hook every module and start counting executed operators.
 
-        ``ignore_list``: module classes whose forward work is not counted at all.
+        ``ignore_list``: module classes whose work is not counted at all: neither their forward
+        nor (when backward is tracked) their backward, in their own profile, their parents' or
+        the totals.
         """
         ignore = _ignore_types(ignore_list, "start_profile: ignore_list")
         if self.started:
@@ -189,7 +191,7 @@ class FlopsProfiler:
     def get_total_duration(self, as_string: bool = False) -> float | str:
         """Latency of the model's forward pass(es), in seconds."""
         tracker = self._require("get_total_duration")
-        duration = tracker.stats[self.model].fwd_duration
+        duration = report.effective_stats(self.model, tracker.stats)[self.model].fwd_duration
         return duration_to_string(duration) if as_string else duration
 
     def get_total_backward_duration(self) -> float | None:
@@ -200,7 +202,10 @@ class FlopsProfiler:
         return t.bwd_last_op - t.bwd_first_op
 
     def get_total_params(self, as_string: bool = False) -> int | str:
-        """Parameters stored by the model on this rank, shared parameters counted once."""
+        """Parameters of the model, shared parameters counted once.
+
+        A ZeRO-3 partitioned parameter counts its full size (``zero_numel``/``ds_numel``).
+        """
         params = report.count_params(self.model)
         return params_to_string(params) if as_string else params
 
@@ -227,7 +232,7 @@ class FlopsProfiler:
             fwd_macs=tracker.totals.fwd_macs,
             bwd_flops=tracker.totals.bwd_flops if measured else None,
             train_flops=int(self.get_total_train_flops()),
-            fwd_latency=tracker.stats[self.model].fwd_duration,
+            fwd_latency=report.effective_stats(self.model, tracker.stats)[self.model].fwd_duration,
             bwd_latency=self.get_total_backward_duration() if measured else None,
             step_latency=self.step_latency,
         )

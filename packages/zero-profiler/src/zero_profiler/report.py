@@ -20,21 +20,77 @@ from zero_profiler.units import (
 )
 
 
+# Attributes holding the full element count of a partitioned (ZeRO stage 3) parameter whose
+# local tensor is a shard or empty: zero-core's name first, then DeepSpeed's.
+FULL_NUMEL_ATTRS = ("zero_numel", "ds_numel")
+
+
+def param_numel(p: torch.Tensor) -> int:
+    """Elements of the whole parameter ``p``, also when this rank holds only a ZeRO-3 shard.
+
+    Under ZeRO stage 3 ``p.numel()`` is 0 (released) or the full size (gathered); the
+    partitioner records the full count as ``p.zero_numel`` (zero-core) or ``p.ds_numel``
+    (DeepSpeed), which is used when present.
+    """
+    for attr in FULL_NUMEL_ATTRS:
+        n = getattr(p, attr, None)
+        if n is not None:
+            return int(n)
+    return p.numel()
+
+
 def count_params(module: torch.nn.Module) -> int:
     """Parameters of ``module`` and its children, each shared tensor counted once.
 
     Parameters are deduplicated by identity (``Module.parameters`` already does) and, for real
-    storage, by data pointer too, so two ``Parameter`` objects viewing one tensor count once.
+    unpartitioned storage, by data pointer too, so two ``Parameter`` objects viewing one tensor
+    count once. Partitioned parameters count their full size (:func:`param_numel`).
     """
     seen: set = set()
     total = 0
     for p in module.parameters():
-        key = (p.data_ptr(), p.dtype, tuple(p.shape)) if p.device.type != "meta" and p.numel() else id(p)
+        partitioned = any(hasattr(p, attr) for attr in FULL_NUMEL_ATTRS)
+        if partitioned or p.device.type == "meta" or not p.numel():
+            key = id(p)
+        else:
+            key = (p.data_ptr(), p.dtype, tuple(p.shape))
         if key in seen:
             continue
         seen.add(key)
-        total += p.numel()
+        total += param_numel(p)
     return total
+
+
+def effective_stats(model: torch.nn.Module, stats: dict[torch.nn.Module, ModuleStats]) -> dict:
+    """Per-module stats for printing: a module never called shows the sum of its children.
+
+    Containers such as ``nn.ModuleList`` are never called themselves (their owner iterates over
+    them), so their own counters are 0; like DeepSpeed, the profile shows the sum of their
+    children's (recursively) instead. Called modules keep their own inclusive counters.
+    """
+    out: dict[torch.nn.Module, ModuleStats] = {}
+
+    def visit(m: torch.nn.Module) -> ModuleStats:
+        if m in out:
+            return out[m]
+        s = stats.get(m, ModuleStats())
+        if s.calls == 0:
+            total = ModuleStats()
+            for child in m.children():
+                c = visit(child)
+                total.fwd_flops += c.fwd_flops
+                total.fwd_macs += c.fwd_macs
+                total.bwd_flops += c.bwd_flops
+                total.bwd_macs += c.bwd_macs
+                total.recompute_flops += c.recompute_flops
+                total.recompute_macs += c.recompute_macs
+                total.fwd_duration += c.fwd_duration
+            s = total
+        out[m] = s
+        return s
+
+    visit(model)
+    return out
 
 
 @dataclass
@@ -137,6 +193,7 @@ def aggregated_rows(
     ``module_depth=-1`` means every depth.
     """
     depths = _depth_map(model)
+    stats = effective_stats(model, stats)
     max_depth = max(depths.values())
     wanted = range(max_depth + 1) if module_depth < 0 else range(min(module_depth, max_depth) + 1)
     out = []
@@ -181,6 +238,7 @@ def detailed_text(
     show_backward: bool,
 ) -> str:
     """The module tree, each module annotated with its profile (DeepSpeed's detailed layout)."""
+    stats = effective_stats(model, stats)
     root = stats.get(model, ModuleStats())
     total_params = max(count_params(model), 1)
     total_macs = max(root.fwd_macs, 1)
@@ -196,7 +254,8 @@ def detailed_text(
         "",
         "Note: 1. A module's profile includes every operator executed while its forward ran,",
         "children and functional calls included; a module called n times accumulates n calls.",
-        "2. Operators outside any module (e.g. the loss) are not attributed to the model.\n",
+        "2. Operators outside any module (e.g. the loss) are not attributed to the model.",
+        "3. A module that was never called itself (e.g. a ModuleList) shows the sum of its children.\n",
     ]
 
     def profile(m: torch.nn.Module) -> str:

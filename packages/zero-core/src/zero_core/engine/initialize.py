@@ -194,7 +194,10 @@ def _build_strategy(module: torch.nn.Module, optimizer: torch.optim.Optimizer, c
         from zero_core.zero.stage3.strategy import Stage3Strategy
 
         return Stage3Strategy(
-            module, optimizer, group=group, dtype=dtype,
+            module,
+            optimizer,
+            group=group,
+            dtype=dtype,
             prefetch_bucket_size=int(zc.prefetch_bucket_size),
             param_persistence_threshold=int(zc.param_persistence_threshold),
             model_persistence_threshold=int(zc.model_persistence_threshold),

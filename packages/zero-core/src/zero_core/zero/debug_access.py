@@ -25,7 +25,9 @@ import torch
 
 def _check_param(param: Any, where: str) -> Any:
     if not isinstance(param, torch.Tensor):
-        raise TypeError(f"{where}: param must be a model parameter (torch.nn.Parameter), got {type(param).__name__}")
+        raise TypeError(
+            f"{where}: param must be a model parameter (torch.nn.Parameter), got {type(param).__name__}"
+        )
     return getattr(param, "_zero_owner", None)
 
 
@@ -33,7 +35,9 @@ def _check_value(param: torch.Tensor, value: Any, where: str) -> None:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{where}: value must be a torch.Tensor, got {type(value).__name__}")
     if tuple(value.shape) != tuple(param.shape):
-        raise ValueError(f"{where}: value has shape {tuple(value.shape)}, the parameter has {tuple(param.shape)}")
+        raise ValueError(
+            f"{where}: value has shape {tuple(value.shape)}, the parameter has {tuple(param.shape)}"
+        )
 
 
 def _check_key(key: Any, where: str) -> None:
@@ -84,7 +88,9 @@ def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> 
     owner.set_full_fp32_param(param, value)
 
 
-def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
+def safe_set_full_optimizer_state(
+    param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str
+) -> None:
     """Set the full optimizer state ``optim_state_key`` of ``param``. Every rank passes the same value."""
     owner = _check_param(param, "safe_set_full_optimizer_state")
     _check_value(param, value, "safe_set_full_optimizer_state")

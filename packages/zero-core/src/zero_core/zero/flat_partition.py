@@ -106,7 +106,9 @@ class FlatPartition:
                 if hi > lo:
                     slices.append(ParamSlice(q, lo - self.offsets[q], hi - self.offsets[q], lo - start))
                 q += 1
-            self.chunks.append(Chunk(len(self.chunks), start, end - start, padded, padded // n, tuple(slices)))
+            self.chunks.append(
+                Chunk(len(self.chunks), start, end - start, padded, padded // n, tuple(slices))
+            )
             self.shard_offsets.append(shard)
             shard += padded // n
             start = end
@@ -126,7 +128,9 @@ class FlatPartition:
         """``[start, end)`` of rank ``rank`` in the padded flat buffer; only defined for one chunk."""
         _check_int(rank, "rank", 0)
         if rank >= self.world_size:
-            raise ValueError(f"FlatPartition.rank_range: rank {rank} is not below world_size {self.world_size}")
+            raise ValueError(
+                f"FlatPartition.rank_range: rank {rank} is not below world_size {self.world_size}"
+            )
         if len(self.chunks) > 1:
             raise ValueError("FlatPartition.rank_range: the layout has several chunks; use Chunk.piece_range")
         return rank * self.shard_numel, (rank + 1) * self.shard_numel

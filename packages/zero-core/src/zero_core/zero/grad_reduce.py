@@ -93,8 +93,9 @@ class PartitionedGradReducer:
         self.multi_rank_allreduce = use_multi_rank_bucket_allreduce
         self.ignore_unused = ignore_unused_parameters
         self.comm_dtype = comm_dtype
-        self._global_ranks = [comm.get_global_rank(group, r) if group is not None else r
-                              for r in range(self.world_size)]
+        self._global_ranks = [
+            comm.get_global_rank(group, r) if group is not None else r for r in range(self.world_size)
+        ]
         # Global launch order of the chunks: by the earliest backward position of their params.
         order = backward_order or {}
         keyed = []
@@ -128,8 +129,9 @@ class PartitionedGradReducer:
         self._shard_has_grad = False
         self.armed = False
         self._reset_round()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
-                       for gg in self.groups for p in gg.params]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad) for gg in self.groups for p in gg.params
+        ]
 
     # -- storage ----------------------------------------------------------------------------
     def _grad_view(self, g: int, i: int) -> torch.Tensor:
@@ -257,7 +259,9 @@ class PartitionedGradReducer:
             else:
                 for r in range(self.world_size):
                     part = inp[r * chunk.piece : (r + 1) * chunk.piece]
-                    pend.works.append(comm.reduce(part, dst=self._global_ranks[r], group=self.group, async_op=True))
+                    pend.works.append(
+                        comm.reduce(part, dst=self._global_ranks[r], group=self.group, async_op=True)
+                    )
         self._pending.append(pend)
         if self.overlap and len(self._pending) > _MAX_IN_FLIGHT:
             self._complete(self._pending.popleft())

@@ -36,26 +36,37 @@ def _as_list(params: Any) -> list[Any]:
         return [params]
     if isinstance(params, Iterable):
         return list(params)
-    raise TypeError(f"GatheredParameters: params must be a Parameter or an iterable of them, got {type(params).__name__}")
+    raise TypeError(
+        f"GatheredParameters: params must be a Parameter or an iterable of them, got {type(params).__name__}"
+    )
 
 
 class GatheredParameters:
     """Gather ``params`` on entry; with ``modifier_rank`` broadcast and re-partition on exit."""
 
-    def __init__(self, params: Any, modifier_rank: int | None = None, fwd_module: torch.nn.Module | None = None,
-                 enabled: bool = True) -> None:
+    def __init__(
+        self,
+        params: Any,
+        modifier_rank: int | None = None,
+        fwd_module: torch.nn.Module | None = None,
+        enabled: bool = True,
+    ) -> None:
         items = _as_list(params)
         for i, p in enumerate(items):
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"GatheredParameters: params[{i}] is a {type(p).__name__}, not a tensor")
         if modifier_rank is not None:
             if isinstance(modifier_rank, bool) or not isinstance(modifier_rank, int):
-                raise TypeError(f"GatheredParameters: modifier_rank must be an int or None, got {modifier_rank!r}")
+                raise TypeError(
+                    f"GatheredParameters: modifier_rank must be an int or None, got {modifier_rank!r}"
+                )
             world = comm.get_world_size() if comm.is_initialized() else 1
             if not 0 <= modifier_rank < world:
                 raise ValueError(f"GatheredParameters: modifier_rank {modifier_rank} is outside [0, {world})")
         if fwd_module is not None and not isinstance(fwd_module, torch.nn.Module):
-            raise TypeError(f"GatheredParameters: fwd_module must be a torch.nn.Module, got {type(fwd_module).__name__}")
+            raise TypeError(
+                f"GatheredParameters: fwd_module must be a torch.nn.Module, got {type(fwd_module).__name__}"
+            )
         self.enabled = bool(enabled)
         self.params = [p for p in items if is_partitioned(p)]
         self.modifier_rank = modifier_rank

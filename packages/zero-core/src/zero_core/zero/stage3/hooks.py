@@ -41,7 +41,11 @@ class ZeroParamDict(dict):
 
     def __getitem__(self, key: str) -> Any:
         p = dict.__getitem__(self, key)
-        if p is not None and getattr(p, "zero_state", None) is not None and p.zero_state.status is not ParamStatus.AVAILABLE:
+        if (
+            p is not None
+            and getattr(p, "zero_state", None) is not None
+            and p.zero_state.status is not ParamStatus.AVAILABLE
+        ):
             _on_access(p)
         return p
 
@@ -68,8 +72,12 @@ def install_param_dict(module: torch.nn.Module) -> None:
 class Stage3Hooks:
     """Installs and runs the hooks of [Note: stage 3 hooks] for one root module."""
 
-    def __init__(self, root: torch.nn.Module, coordinator: ParamCoordinator,
-                 on_grad_ready: Callable[[ReduceHandle], None]) -> None:
+    def __init__(
+        self,
+        root: torch.nn.Module,
+        coordinator: ParamCoordinator,
+        on_grad_ready: Callable[[ReduceHandle], None],
+    ) -> None:
         self.root = root
         self.coordinator = coordinator
         self.on_grad_ready = on_grad_ready
@@ -154,8 +162,9 @@ class Stage3Hooks:
             return
         self.grad_bytes_live += grad.numel() * grad.element_size()
         self.coordinator.extra_bytes = self.grad_bytes_live
-        self.coordinator.peak_bytes = max(self.coordinator.peak_bytes,
-                                          self.coordinator.live_bytes() + self.grad_bytes_live)
+        self.coordinator.peak_bytes = max(
+            self.coordinator.peak_bytes, self.coordinator.live_bytes() + self.grad_bytes_live
+        )
         handle = reduce_scatter_grad(param, grad)
         self.grad_bytes_live -= grad.numel() * grad.element_size()
         self.coordinator.extra_bytes = self.grad_bytes_live
@@ -163,7 +172,10 @@ class Stage3Hooks:
         self.coordinator.release_after_grad(param)
 
     def _end_backward(self) -> None:
-        if self._backward_task is not None and torch._C._current_graph_task_id() not in (-1, self._backward_task):
+        if self._backward_task is not None and torch._C._current_graph_task_id() not in (
+            -1,
+            self._backward_task,
+        ):
             return
         self.in_backward = False
         self._backward_task = None

@@ -78,10 +78,14 @@ class Init:
         if module is not None and not isinstance(module, torch.nn.Module):
             raise TypeError(f"zero.Init: module must be a torch.nn.Module, got {type(module).__name__}")
         if remote_device not in (None, "cpu", "none", "nvme") and not str(remote_device).startswith("cuda"):
-            raise ValueError(f"zero.Init: remote_device must be None, 'cpu', 'cuda' or 'nvme', got {remote_device!r}")
+            raise ValueError(
+                f"zero.Init: remote_device must be None, 'cpu', 'cuda' or 'nvme', got {remote_device!r}"
+            )
         if remote_device == "nvme":
-            raise ValueError("zero.Init: remote_device='nvme' needs zero_optimization.offload_param, "
-                             "which this build's stage 3 does not provide; use None or 'cpu'")
+            raise ValueError(
+                "zero.Init: remote_device='nvme' needs zero_optimization.offload_param, "
+                "which this build's stage 3 does not provide; use None or 'cpu'"
+            )
         if dtype is not None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"zero.Init: dtype must be torch.float32, float16 or bfloat16, got {dtype}")
         if mpu is not None and data_parallel_group is not None:
@@ -113,7 +117,7 @@ class Init:
     # -- partitioning --------------------------------------------------------------------
     @torch.no_grad()
     def _convert(self, module: torch.nn.Module) -> None:
-        for name, p in list(module._parameters.items()):
+        for p in list(module._parameters.values()):
             if p is None or is_partitioned(p):
                 continue
             if self.dtype is not None and p.dtype.is_floating_point and p.dtype != self.dtype:

@@ -64,8 +64,11 @@ class ParamCoordinator:
         max_live_parameters: int = 1_000_000_000,
         max_reuse_distance: int = 1_000_000_000,
     ) -> None:
-        for name, v in (("prefetch_bucket_size", prefetch_bucket_size), ("max_live_parameters", max_live_parameters),
-                        ("max_reuse_distance", max_reuse_distance)):
+        for name, v in (
+            ("prefetch_bucket_size", prefetch_bucket_size),
+            ("max_live_parameters", max_live_parameters),
+            ("max_reuse_distance", max_reuse_distance),
+        ):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"ParamCoordinator: {name} must be a non-negative int, got {v!r}")
         self.modules = list(modules)
@@ -151,7 +154,9 @@ class ParamCoordinator:
     def live_bytes(self) -> int:
         return sum(p.zero_state.full.untyped_storage().nbytes() for p in self.gathered.values())
 
-    def release_module(self, module: torch.nn.Module, phase: str, keep: Iterable[torch.nn.Parameter] = ()) -> None:
+    def release_module(
+        self, module: torch.nn.Module, phase: str, keep: Iterable[torch.nn.Parameter] = ()
+    ) -> None:
         """Called after a module's forward: release what is not reused soon."""
         keep_ids = {p.zero_state.id for p in keep}
         for p in module_params(module):
@@ -192,12 +197,14 @@ class ParamCoordinator:
         if self.trace is None or self.prefetch_bucket_size == 0:
             return
         budget = self.prefetch_bucket_size
-        room = self.max_live_parameters - self.live_numel - sum(
-            q.zero_state.padded_numel for h in self.inflight.values() for q in h.params
+        room = (
+            self.max_live_parameters
+            - self.live_numel
+            - sum(q.zero_state.padded_numel for h in self.inflight.values() for q in h.params)
         )
         bucket: list[torch.nn.Parameter] = []
         seen: set[int] = set()
-        for idx, _phase in self.trace[self.pos:]:
+        for idx, _phase in self.trace[self.pos :]:
             if idx < 0:
                 continue
             for p in module_params(self.modules[idx]):
@@ -230,7 +237,7 @@ class ParamCoordinator:
             return False
         distance = 0
         pid = p.zero_state.id
-        for idx, _phase in self.trace[self.pos:]:
+        for idx, _phase in self.trace[self.pos :]:
             if idx < 0:
                 continue
             params = module_params(self.modules[idx])

@@ -72,7 +72,9 @@ def collective_timeout() -> float:
         try:
             value = float(env)
         except ValueError as exc:
-            raise ValueError(f"ZERO_STAGE3_COLLECTIVE_TIMEOUT must be a number of seconds, got {env!r}") from exc
+            raise ValueError(
+                f"ZERO_STAGE3_COLLECTIVE_TIMEOUT must be a number of seconds, got {env!r}"
+            ) from exc
         if value > 0:
             return value
     return 300.0
@@ -92,8 +94,22 @@ class PartitionState:
     """What a rank knows about one partitioned parameter (see [Note: stage 3 parameter layout])."""
 
     __slots__ = (
-        "id", "shape", "numel", "padded_numel", "shard_numel", "group", "world", "rank",
-        "shard", "full", "status", "persistent", "grad_shard", "holds", "active", "empty",
+        "id",
+        "shape",
+        "numel",
+        "padded_numel",
+        "shard_numel",
+        "group",
+        "world",
+        "rank",
+        "shard",
+        "full",
+        "status",
+        "persistent",
+        "grad_shard",
+        "holds",
+        "active",
+        "empty",
     )
 
     def __init__(self, param: torch.nn.Parameter, group: Any) -> None:
@@ -135,8 +151,11 @@ def partition_param(param: torch.nn.Parameter, group: Any = None, *, broadcast_f
     data = param.data
     if broadcast_from is not None and st.world > 1:
         data = data.contiguous()
-        comm.broadcast(data, src=comm.get_global_rank(group, broadcast_from) if group is not None else broadcast_from,
-                       group=group)
+        comm.broadcast(
+            data,
+            src=comm.get_global_rank(group, broadcast_from) if group is not None else broadcast_from,
+            group=group,
+        )
     flat = data.reshape(-1)
     lo = st.rank * st.shard_numel
     hi = min(lo + st.shard_numel, st.numel)
@@ -182,7 +201,9 @@ def _wait(work: Any, what: str) -> None:
         ) from exc
 
 
-def check_agreement(kind: int, params: Sequence[torch.nn.Parameter], nbytes: int, group: Any, what: str) -> None:
+def check_agreement(
+    kind: int, params: Sequence[torch.nn.Parameter], nbytes: int, group: Any, what: str
+) -> None:
     """All ranks must be about to run the same collective (see [Note: stage 3 collective agreement])."""
     world = comm.get_world_size(group)
     if world == 1:
@@ -215,8 +236,15 @@ def check_agreement(kind: int, params: Sequence[torch.nn.Parameter], nbytes: int
 class GatherHandle:
     """An in-flight all-gather of a bucket of parameters; :meth:`wait` makes them available."""
 
-    def __init__(self, params: list[torch.nn.Parameter], work: Any, recv: torch.Tensor | None,
-                 offsets: list[int], chunk: int, what: str) -> None:
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        work: Any,
+        recv: torch.Tensor | None,
+        offsets: list[int],
+        chunk: int,
+        what: str,
+    ) -> None:
         self.params = params
         self._work = work
         self._recv = recv
@@ -240,15 +268,17 @@ class GatherHandle:
                 nb = st.shard_numel * st.full.element_size()
                 for r in range(st.world):
                     start = r * self._chunk + off
-                    st.full[r * st.shard_numel:(r + 1) * st.shard_numel].copy_(
-                        self._recv[start:start + nb].view(st.full.dtype)
+                    st.full[r * st.shard_numel : (r + 1) * st.shard_numel].copy_(
+                        self._recv[start : start + nb].view(st.full.dtype)
                     )
             p.data = _full_view(st)
             st.status = ParamStatus.AVAILABLE
         self._recv = None
 
 
-def gather_params(params: Iterable[torch.nn.Parameter], group: Any = None, what: str = "") -> GatherHandle | None:
+def gather_params(
+    params: Iterable[torch.nn.Parameter], group: Any = None, what: str = ""
+) -> GatherHandle | None:
     """Start gathering the released parameters among ``params`` (one bucket, one collective).
 
     All ranks must call this with the same parameters in the same order. Returns None when
@@ -274,7 +304,7 @@ def gather_params(params: Iterable[torch.nn.Parameter], group: Any = None, what:
     send = torch.empty(chunk, dtype=torch.uint8, device=device)
     for p, off in zip(todo, offsets):
         sh = p.zero_state.shard
-        send[off:off + sh.numel() * sh.element_size()].copy_(sh.view(torch.uint8))
+        send[off : off + sh.numel() * sh.element_size()].copy_(sh.view(torch.uint8))
     recv = torch.empty(chunk * world, dtype=torch.uint8, device=device)
     work = comm.all_gather_into_tensor(recv, send, group=group, async_op=True)
     return GatherHandle(todo, work, recv, offsets, chunk, label)
@@ -299,7 +329,7 @@ def shard_from_full(param: torch.nn.Parameter) -> None:
     st = param.zero_state
     if st.status is not ParamStatus.AVAILABLE:
         raise RuntimeError(f"shard_from_full: {param_name(param)} is not gathered")
-    st.shard.copy_(st.full[st.rank * st.shard_numel:(st.rank + 1) * st.shard_numel])
+    st.shard.copy_(st.full[st.rank * st.shard_numel : (st.rank + 1) * st.shard_numel])
 
 
 class ReduceHandle:

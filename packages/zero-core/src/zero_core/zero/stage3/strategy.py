@@ -70,11 +70,15 @@ class Stage3Strategy:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"Stage3Strategy: module must be a torch.nn.Module, got {type(module).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"Stage3Strategy: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            raise TypeError(
+                f"Stage3Strategy: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"Stage3Strategy: dtype must be float32, float16 or bfloat16, got {dtype}")
-        for name, v in (("param_persistence_threshold", param_persistence_threshold),
-                        ("model_persistence_threshold", model_persistence_threshold)):
+        for name, v in (
+            ("param_persistence_threshold", param_persistence_threshold),
+            ("model_persistence_threshold", model_persistence_threshold),
+        ):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"Stage3Strategy: {name} must be a non-negative int, got {v!r}")
         self.module = module
@@ -89,8 +93,10 @@ class Stage3Strategy:
             set_param_name(p, name)
         self.persistent = self._choose_persistent(param_persistence_threshold, model_persistence_threshold)
         self.coordinator = ParamCoordinator(
-            module.modules(), group,
-            prefetch_bucket_size=int(prefetch_bucket_size), max_live_parameters=int(max_live_parameters),
+            module.modules(),
+            group,
+            prefetch_bucket_size=int(prefetch_bucket_size),
+            max_live_parameters=int(max_live_parameters),
             max_reuse_distance=int(max_reuse_distance),
         )
         self.pending: list[ReduceHandle] = []
@@ -225,9 +231,15 @@ class Stage3Strategy:
     def memory_breakdown(self) -> dict[str, int]:
         state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
         shards = [p.zero_state.shard for p in self.params]
-        distinct_masters = [m for p in self.params if (m := self.master.get(p.zero_state.id)) is not None
-                            and m.data_ptr() != p.zero_state.shard.data_ptr()]
-        persistent = [p.zero_state.full for p in self.persistent if p.zero_state.status is ParamStatus.AVAILABLE]
+        distinct_masters = [
+            m
+            for p in self.params
+            if (m := self.master.get(p.zero_state.id)) is not None
+            and m.data_ptr() != p.zero_state.shard.data_ptr()
+        ]
+        persistent = [
+            p.zero_state.full for p in self.persistent if p.zero_state.status is ParamStatus.AVAILABLE
+        ]
         return {
             "parameters": _bytes(shards),
             "gradients": _bytes(self._grad_shards()),
@@ -241,7 +253,9 @@ class Stage3Strategy:
     def state_dict(self) -> dict[str, Any]:
         return {
             "optimizer": self.optimizer.state_dict(),
-            "master": [self.master[p.zero_state.id].detach() for p in self.params if p.zero_state.id in self.master],
+            "master": [
+                self.master[p.zero_state.id].detach() for p in self.params if p.zero_state.id in self.master
+            ],
             "shards": [p.zero_state.shard.detach() for p in self.params],
         }
 
@@ -263,13 +277,20 @@ class Stage3Strategy:
         for p in self.params:
             release_param(p, force=True)
 
-    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.safetensors",
-                         exclude_frozen_parameters: bool = False) -> bool:
+    def save_16bit_model(
+        self,
+        save_dir: str,
+        save_filename: str = "pytorch_model.safetensors",
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
         """Gather the 16-bit weights and write them on rank 0 (collective: every rank calls it)."""
         if not self.gather_16bit_weights_on_model_save:
             if comm.get_rank() == 0:
-                print("[zero] save_16bit_model: not saving, zero_optimization.gather_16bit_weights_on_model_save "
-                      "is false (the weights are partitioned)", flush=True)
+                print(
+                    "[zero] save_16bit_model: not saving, zero_optimization.gather_16bit_weights_on_model_save "
+                    "is false (the weights are partitioned)",
+                    flush=True,
+                )
             return False
         from zero_core.zero.stage3.model_save import write_state_dict
 
@@ -304,18 +325,32 @@ class Stage3Strategy:
             lo, hi = self._owned_range(p)
             shape = tuple(st.shape)
             m = self.master.get(st.id)
-            if m is None or m.data_ptr() != st.shard.data_ptr():  # 16-bit or frozen: the weight is not the master
+            if (
+                m is None or m.data_ptr() != st.shard.data_ptr()
+            ):  # 16-bit or frozen: the weight is not the master
                 out.append(Fragment(name, PARAM, shape, lo, hi, st.shard.detach()[: hi - lo]))
             if m is None:
                 continue
             out.append(Fragment(name, FP32, shape, lo, hi, m.detach()[: hi - lo]))
-            out += optimizer_state_fragments(name, shape, self.optimizer.state.get(m, {}), [(0, lo, hi - lo)],
-                                             elementwise_numel=st.shard_numel, emit_scalars=st.rank == 0)
+            out += optimizer_state_fragments(
+                name,
+                shape,
+                self.optimizer.state.get(m, {}),
+                [(0, lo, hi - lo)],
+                elementwise_numel=st.shard_numel,
+                emit_scalars=st.rank == 0,
+            )
         return out
 
     @torch.no_grad()
-    def load_checkpoint_fragments(self, reader: Any, *, load_optimizer_states: bool = True,
-                                  load_module_only: bool = False, strict: bool = True) -> None:
+    def load_checkpoint_fragments(
+        self,
+        reader: Any,
+        *,
+        load_optimizer_states: bool = True,
+        load_module_only: bool = False,
+        strict: bool = True,
+    ) -> None:
         """This rank's shard range of every parameter, master and optimizer state, from any layout (collective)."""
         from zero_core.checkpoint.format import CheckpointError
         from zero_core.checkpoint.fragments import FP32, OPTIM_PREFIX, PARAM
@@ -329,7 +364,9 @@ class Stage3Strategy:
                 continue
             saved = reader.shape(name, FP32 if reader.has(name, FP32) else PARAM)
             if saved != tuple(st.shape):
-                raise CheckpointError(f"parameter {name!r}: checkpoint shape {saved} != model shape {tuple(st.shape)}")
+                raise CheckpointError(
+                    f"parameter {name!r}: checkpoint shape {saved} != model shape {tuple(st.shape)}"
+                )
             lo, hi = self._owned_range(p)
             m = self.master.get(st.id)
             if m is not None:

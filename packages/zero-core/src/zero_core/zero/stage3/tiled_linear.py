@@ -37,14 +37,22 @@ class TiledLinear(torch.nn.Module):
         **kwargs: Any,
     ) -> None:
         super().__init__()
-        for name, v in (("in_features", in_features), ("out_features", out_features),
-                        ("in_splits", in_splits), ("out_splits", out_splits)):
+        for name, v in (
+            ("in_features", in_features),
+            ("out_features", out_features),
+            ("in_splits", in_splits),
+            ("out_splits", out_splits),
+        ):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"TiledLinear: {name} must be a positive int, got {v!r}")
         if in_splits > in_features:
-            raise ValueError(f"TiledLinear: in_splits ({in_splits}) cannot exceed in_features ({in_features})")
+            raise ValueError(
+                f"TiledLinear: in_splits ({in_splits}) cannot exceed in_features ({in_features})"
+            )
         if out_splits > out_features:
-            raise ValueError(f"TiledLinear: out_splits ({out_splits}) cannot exceed out_features ({out_features})")
+            raise ValueError(
+                f"TiledLinear: out_splits ({out_splits}) cannot exceed out_features ({out_features})"
+            )
         if not (isinstance(linear_cls, type) and issubclass(linear_cls, torch.nn.Module)):
             raise TypeError(f"TiledLinear: linear_cls must be an nn.Module class, got {linear_cls!r}")
         self.in_features, self.out_features = in_features, out_features
@@ -73,7 +81,9 @@ class TiledLinear(torch.nn.Module):
             parts = list(input_)
         else:
             if input_.shape[-1] != self.in_features:
-                raise ValueError(f"TiledLinear: input has {input_.shape[-1]} features, expected {self.in_features}")
+                raise ValueError(
+                    f"TiledLinear: input has {input_.shape[-1]} features, expected {self.in_features}"
+                )
             parts = list(torch.split(input_, self.in_parts, dim=-1))
         outs = []
         for row in self.linears:
