@@ -235,6 +235,11 @@ def initialize(
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     group = mpu.get_data_parallel_group() if mpu is not None else None
     dp_world = comm.get_world_size(group)
+    is_pipeline = type(model).__name__ == "PipelineModule" and type(model).__module__.startswith("zero_pipe")
+    if is_pipeline and mpu is None:
+        # A pipeline's data-parallel degree is the world divided by its stages: batch sizes
+        # are per data-parallel replica, not per process.
+        dp_world = max(1, comm.get_world_size() // int(getattr(model, "num_stages", 1)))
     info = world_info()
     cfg = load_config(
         config if config is not None else config_params,
@@ -245,7 +250,7 @@ def initialize(
 
     _configure_side_systems(cfg)
 
-    if type(model).__name__ == "PipelineModule" and type(model).__module__.startswith("zero_pipe"):
+    if is_pipeline:
         pipe = require("zero_pipe", "training a PipelineModule")
         return pipe.initialize_pipeline(
             model=model,

@@ -16,7 +16,7 @@ import torch
 
 from zero_ops import _native
 from zero_ops.aio._threadpool import ThreadPoolEngine
-from zero_ops.aio.buffers import aligned_empty
+from zero_ops.aio.buffers import locked_empty
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -136,13 +136,15 @@ class AsyncIOHandle:
 
     # -- buffers -------------------------------------------------------------------------
     def new_cpu_locked_tensor(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """A 4096-byte-aligned CPU tensor, so transfers can use O_DIRECT.
+        """A page-aligned CPU tensor (so transfers can use O_DIRECT), page-locked where allowed.
 
-        (On a CPU-only machine there is no page-locking to do; the alignment is what matters.)
+        Locked with torch's pinned allocator when CUDA is present, with mlock(2) otherwise; when
+        RLIMIT_MEMLOCK (or the sandbox) refuses, the buffer stays unlocked and one warning says
+        why. See [Note: locked buffers] in zero_ops.aio.buffers; ``is_locked(t)`` tells.
         """
-        if isinstance(numel, torch.Tensor):  # DeepSpeed passes an example tensor's numel
+        if isinstance(numel, torch.Tensor):  # DeepSpeed passes an example tensor
             numel = numel.numel()
-        return aligned_empty(numel, dtype)
+        return locked_empty(numel, dtype)
 
     def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> None:
         """Releases a buffer from :meth:`new_cpu_locked_tensor` (memory is freed with its last reference)."""
