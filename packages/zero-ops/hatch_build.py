@@ -11,6 +11,8 @@ Environment knobs:
   CXX                  compiler (default ``c++``)
   ZERO_OPS_CXXFLAGS    extra flags appended to every compile (e.g. ``-march=native`` locally)
   ZERO_OPS_NO_OPENMP=1 build without OpenMP (single-threaded kernels)
+  ZERO_OPS_NO_LIBAIO=1 build without libaio even when <libaio.h> is present (async I/O then
+                       uses its thread-pool backend only)
 """
 
 from __future__ import annotations
@@ -63,6 +65,21 @@ def _compiler_accepts(cxx: str, flags: list[str]) -> bool:
         return proc.returncode == 0
 
 
+def _libaio_available(cxx: str) -> bool:
+    """Whether <libaio.h> compiles and -laio links (Debian/Ubuntu: libaio-dev; Fedora: libaio-devel)."""
+    if platform.system() != "Linux" or os.environ.get("ZERO_OPS_NO_LIBAIO") == "1":
+        return False
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "probe_aio.cpp")
+        with open(src, "w") as f:
+            f.write(
+                "#include <libaio.h>\nint main() { io_context_t c = 0; "
+                "return io_setup(1, &c) == 0 ? io_destroy(c) : 0; }\n"
+            )
+        proc = subprocess.run([cxx, src, "-o", os.path.join(tmp, "probe_aio"), "-laio"], capture_output=True)
+        return proc.returncode == 0
+
+
 def build_extension(root: str, out_path: str) -> None:
     """Compiles csrc/ into the shared library ``out_path``."""
     import pybind11
@@ -74,6 +91,11 @@ def build_extension(root: str, out_path: str) -> None:
     omp = ["-fopenmp"] if openmp else []
     includes = ["-I", csrc, "-I", pybind11.get_include(), "-I", sysconfig.get_paths()["include"]]
     variants = X86_VARIANTS if _is_x86_64() else {"generic": []}
+    # Kernel AIO for the async I/O engine when present; the thread pool otherwise (see
+    # [Note: aio backends] in csrc/aio_engine.h).
+    libaio = _libaio_available(cxx)
+    aio_def = ["-DZERO_OPS_HAVE_LIBAIO"] if libaio else []
+    aio_lib = ["-laio"] if libaio else []
 
     with tempfile.TemporaryDirectory() as objdir:
         jobs: list[tuple[list[str], str]] = []
@@ -81,9 +103,9 @@ def build_extension(root: str, out_path: str) -> None:
             obj = os.path.join(objdir, f"optim_{name}.o")
             cmd = [cxx, *COMMON_FLAGS, *omp, *isa_flags, f"-DZERO_OPS_ISA_NS={name}", *includes, *extra]
             jobs.append(([*cmd, "-c", os.path.join(csrc, "optim_kernels.cpp"), "-o", obj], obj))
-        for src in ("aio_engine.cpp", "bindings.cpp"):
+        for src in ("aio_engine.cpp", "aio_libaio.cpp", "bindings.cpp"):
             obj = os.path.join(objdir, src.replace(".cpp", ".o"))
-            cmd = [cxx, *COMMON_FLAGS, *omp, *includes, *extra, "-c", os.path.join(csrc, src), "-o", obj]
+            cmd = [cxx, *COMMON_FLAGS, *omp, *aio_def, *includes, *extra, "-c", os.path.join(csrc, src), "-o", obj]
             jobs.append((cmd, obj))
 
         def run(cmd: list[str]) -> None:
@@ -96,7 +118,7 @@ def build_extension(root: str, out_path: str) -> None:
         with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
             list(pool.map(run, [cmd for cmd, _ in jobs]))
         tmp_out = out_path + ".tmp"
-        run([cxx, "-shared", *omp, *[obj for _, obj in jobs], "-o", tmp_out, "-lpthread"])
+        run([cxx, "-shared", *omp, *[obj for _, obj in jobs], "-o", tmp_out, *aio_lib, "-lpthread"])
         os.replace(tmp_out, out_path)  # atomic: a running interpreter never sees half a library
 
 

@@ -20,47 +20,88 @@ std::string describe(const char* what, int64_t nbytes, int64_t offset, const std
 
 }  // namespace
 
-// One tensor <-> file range transfer. Owns its file descriptors; they close when the last
-// block finishes (the shared_ptr held by the tasks goes away).
-struct AioRequest {
-  bool is_write = false;
-  std::string path;
-  char* buffer = nullptr;
-  int64_t nbytes = 0;
-  int64_t offset = 0;
-  int64_t block_size = 0;
-  int fd_buffered = -1;
-  int fd_direct = -1;  // -1 when O_DIRECT is unavailable for this file
-  std::mutex mu;
-  int err = 0;
-  std::string error;  // first failure, empty when none
+AioRequest::~AioRequest() {
+  if (fd_buffered >= 0) ::close(fd_buffered);
+  if (fd_direct >= 0) ::close(fd_direct);
+}
 
-  ~AioRequest() {
-    if (fd_buffered >= 0) ::close(fd_buffered);
-    if (fd_direct >= 0) ::close(fd_direct);
+void AioRequest::fail(int e, const std::string& msg) {
+  std::lock_guard<std::mutex> lock(mu);
+  if (error.empty()) {
+    err = e;
+    error = msg;
   }
+}
 
-  void fail(int e, const std::string& msg) {
-    std::lock_guard<std::mutex> lock(mu);
-    if (error.empty()) {
-      err = e;
-      error = msg;
+bool AioRequest::failed() {
+  std::lock_guard<std::mutex> lock(mu);
+  return !error.empty();
+}
+
+AioRequest::Block AioRequest::block(int64_t b) const {
+  const int64_t start = b * block_size;
+  const int64_t len = std::min(block_size, nbytes - start);
+  char* buf = buffer + start;
+  const int64_t file_off = offset + start;
+  const bool aligned = reinterpret_cast<uintptr_t>(buf) % kDirectAlignment == 0 &&
+                       file_off % kDirectAlignment == 0 && len % kDirectAlignment == 0;
+  const bool direct = aligned && fd_direct >= 0;
+  return Block{buf, file_off, len, direct ? fd_direct : fd_buffered, direct};
+}
+
+bool AioRequest::transfer_sync(int fd, char* buf, int64_t len, int64_t file_off) {
+  int64_t done = 0;
+  while (done < len) {
+    const ssize_t n = is_write ? ::pwrite(fd, buf + done, len - done, file_off + done)
+                               : ::pread(fd, buf + done, len - done, file_off + done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      const int e = errno;
+      fail(e, std::string(is_write ? "write" : "read") + " failed: " +
+                  describe(is_write ? "writing" : "reading", len - done, file_off + done, path) + ": " +
+                  std::strerror(e));
+      return false;
     }
+    if (n == 0) {
+      if (is_write) {
+        fail(ENOSPC, "write made no progress: " + describe("writing", len - done, file_off + done, path));
+      } else {
+        fail(EIO, "short read: " + describe("expected", nbytes, offset, path) + ", the file ended at byte " +
+                      std::to_string(file_off + done));
+      }
+      return false;
+    }
+    done += n;
   }
-};
+  return true;
+}
 
 AioEngine::AioEngine(int64_t block_size, int queue_depth, bool single_submit, bool overlap_events,
-                     int thread_count, bool use_direct)
+                     int thread_count, bool use_direct, const std::string& engine)
     : block_size_(block_size),
       queue_depth_(queue_depth),
       single_submit_(single_submit),
       overlap_events_(overlap_events),
-      use_direct_(use_direct) {
+      use_direct_(use_direct),
+      thread_count_(thread_count) {
   if (block_size <= 0 || queue_depth <= 0 || thread_count <= 0) {
     throw std::invalid_argument("block_size, queue_depth and thread_count must be positive");
   }
+  if (engine != "auto" && engine != "libaio" && engine != "threads") {
+    throw std::invalid_argument("engine must be 'auto', 'libaio' or 'threads', got '" + engine + "'");
+  }
+  if (engine == "libaio" || (engine == "auto" && LibaioQueue::compiled())) {
+    // See [Note: aio backends]: "auto" quietly stays on threads when kernel AIO is refused here.
+    try {
+      for (int i = 0; i < thread_count; ++i) queues_.push_back(std::make_unique<LibaioQueue>(queue_depth));
+      backend_ = AioBackend::kLibaio;
+    } catch (const IoError&) {
+      queues_.clear();
+      if (engine == "libaio") throw;
+    }
+  }
   workers_.reserve(thread_count);
-  for (int i = 0; i < thread_count; ++i) workers_.emplace_back([this] { worker_loop(); });
+  for (int i = 0; i < thread_count; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
 }
 
 AioEngine::~AioEngine() {
@@ -107,7 +148,12 @@ void AioEngine::submit(bool is_write, const std::string& path, uintptr_t buffer,
   const int64_t blocks = nbytes == 0 ? 0 : (nbytes + block_size_ - 1) / block_size_;
   // A task takes up to queue_depth consecutive blocks (one at a time with single_submit), so a
   // worker keeps a batch of blocks in flight without going back to the shared queue.
-  const int64_t per_task = single_submit_ ? 1 : std::max<int64_t>(1, std::min<int64_t>(queue_depth_, 4));
+  // With libaio a worker keeps its own queue_depth blocks in flight, so it claims an even share
+  // of the request (at least queue_depth blocks) to keep that window full.
+  const int64_t per_task =
+      backend_ == AioBackend::kLibaio
+          ? std::max<int64_t>(queue_depth_, (blocks + thread_count_ - 1) / thread_count_)
+          : (single_submit_ ? 1 : std::max<int64_t>(1, std::min<int64_t>(queue_depth_, 4)));
   {
     std::lock_guard<std::mutex> lock(mu_);
     ++requests_since_wait_;
@@ -119,7 +165,7 @@ void AioEngine::submit(bool is_write, const std::string& path, uintptr_t buffer,
   work_cv_.notify_all();
 }
 
-void AioEngine::worker_loop() {
+void AioEngine::worker_loop(int index) {
   for (;;) {
     AioTask task;
     {
@@ -129,7 +175,14 @@ void AioEngine::worker_loop() {
       task = std::move(queue_.front());
       queue_.pop_front();
     }
-    run_task(task);
+    if (backend_ == AioBackend::kLibaio) {
+      if (!task.request->failed()) {
+        queues_[index]->run(*task.request, task.first_block, task.block_count, single_submit_,
+                            overlap_events_, direct_bytes_, buffered_bytes_);
+      }
+    } else {
+      run_task(task);
+    }
     std::shared_ptr<AioRequest> failed;
     {
       std::lock_guard<std::mutex> lock(task.request->mu);
@@ -149,42 +202,10 @@ void AioEngine::worker_loop() {
 void AioEngine::run_task(const AioTask& task) {
   AioRequest& r = *task.request;
   for (int64_t b = task.first_block; b < task.first_block + task.block_count; ++b) {
-    {
-      std::lock_guard<std::mutex> lock(r.mu);
-      if (!r.error.empty()) return;  // the request already failed; skip its remaining blocks
-    }
-    const int64_t start = b * r.block_size;
-    const int64_t len = std::min(r.block_size, r.nbytes - start);
-    char* buf = r.buffer + start;
-    const int64_t file_off = r.offset + start;
-    const bool aligned = reinterpret_cast<uintptr_t>(buf) % kDirectAlignment == 0 &&
-                         file_off % kDirectAlignment == 0 && len % kDirectAlignment == 0;
-    const int fd = (aligned && r.fd_direct >= 0) ? r.fd_direct : r.fd_buffered;
-    int64_t done = 0;
-    while (done < len) {
-      const ssize_t n = r.is_write ? ::pwrite(fd, buf + done, len - done, file_off + done)
-                                   : ::pread(fd, buf + done, len - done, file_off + done);
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        const int e = errno;
-        r.fail(e, std::string(r.is_write ? "write" : "read") + " failed: " +
-                      describe(r.is_write ? "writing" : "reading", len - done, file_off + done, r.path) +
-                      ": " + std::strerror(e));
-        return;
-      }
-      if (n == 0) {
-        if (r.is_write) {
-          r.fail(ENOSPC, "write made no progress: " +
-                             describe("writing", len - done, file_off + done, r.path));
-        } else {
-          r.fail(EIO, "short read: " + describe("expected", r.nbytes, r.offset, r.path) +
-                          ", the file ended at byte " + std::to_string(file_off + done));
-        }
-        return;
-      }
-      done += n;
-    }
-    (fd == r.fd_direct ? direct_bytes_ : buffered_bytes_) += len;
+    if (r.failed()) return;  // the request already failed; skip its remaining blocks
+    const AioRequest::Block blk = r.block(b);
+    if (!r.transfer_sync(blk.fd, blk.buf, blk.len, blk.file_off)) return;
+    (blk.direct ? direct_bytes_ : buffered_bytes_) += blk.len;
   }
 }
 

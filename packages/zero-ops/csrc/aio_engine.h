@@ -1,4 +1,6 @@
-// Asynchronous file I/O engine for NVMe offload: a pool of worker threads doing pread/pwrite.
+// Asynchronous file I/O engine for NVMe offload: a pool of worker threads that either do
+// pread/pwrite themselves ("threads" backend) or each drive a Linux kernel AIO queue ("libaio"
+// backend, compiled when <libaio.h> is found at build time). See [Note: aio backends].
 //
 // A request (one tensor <-> one file range) is split into `block_size` blocks that the workers
 // transfer in parallel. Blocks whose buffer address, file offset and length are all multiples
@@ -36,7 +38,73 @@ class IoError : public std::runtime_error {
   std::string path_;
 };
 
-struct AioRequest;
+// [Note: aio backends]
+// threads: each worker claims min(queue_depth, 4) consecutive blocks (1 with single_submit) and
+//   moves them with blocking pread/pwrite; parallelism = thread_count. overlap_events has no
+//   effect (there are no completion events to overlap).
+// libaio: each worker owns an io_context of queue_depth slots and claims a contiguous share of a
+//   request's blocks. It keeps up to queue_depth blocks in flight in the kernel: with
+//   overlap_events a completed slot is refilled at once (a sliding window); without it the
+//   worker submits a batch of queue_depth, waits for all of it, then submits the next batch
+//   (DeepSpeed's two modes). single_submit issues one io_submit call per block instead of one per
+//   batch. O_DIRECT blocks are truly asynchronous; buffered ones complete inside io_submit.
+// "auto" picks libaio when it was compiled in and io_setup works here (containers may forbid
+// it), else threads; AioEngine::backend() says which one runs.
+enum class AioBackend { kThreads, kLibaio };
+
+// One tensor <-> file range transfer. Owns its file descriptors; they close when the last
+// block finishes (the shared_ptr held by the tasks goes away).
+struct AioRequest {
+  bool is_write = false;
+  std::string path;
+  char* buffer = nullptr;
+  int64_t nbytes = 0;
+  int64_t offset = 0;
+  int64_t block_size = 0;
+  int fd_buffered = -1;
+  int fd_direct = -1;  // -1 when O_DIRECT is unavailable for this file
+  std::mutex mu;
+  int err = 0;
+  std::string error;  // first failure, empty when none
+
+  ~AioRequest();
+  void fail(int e, const std::string& msg);
+  bool failed();
+
+  // Geometry of block b: buffer, file offset, length and the descriptor to use (O_DIRECT when
+  // buffer, offset and length are all aligned and the file system accepted O_DIRECT).
+  struct Block {
+    char* buf;
+    int64_t file_off;
+    int64_t len;
+    int fd;
+    bool direct;
+  };
+  Block block(int64_t b) const;
+  // Blocking pread/pwrite of [buf, buf+len) at file_off until done; records a failure (with
+  // the path) and returns false on error, EOF (short read) or no progress (disk full).
+  bool transfer_sync(int fd, char* buf, int64_t len, int64_t file_off);
+};
+
+// A kernel AIO queue of `depth` slots (libaio), owned by one worker thread.
+class LibaioQueue {
+ public:
+  explicit LibaioQueue(int depth);  // throws IoError when io_setup fails or libaio is absent
+  ~LibaioQueue();
+  LibaioQueue(const LibaioQueue&) = delete;
+  LibaioQueue& operator=(const LibaioQueue&) = delete;
+  // Moves blocks [first, first + count) of r; calls on_bytes(direct, nbytes) per finished block.
+  void run(AioRequest& r, int64_t first, int64_t count, bool single_submit, bool overlap_events,
+           std::atomic<int64_t>& direct_bytes, std::atomic<int64_t>& buffered_bytes);
+
+  static bool compiled();
+  // '' when a kernel AIO context can be created here, else why not.
+  static std::string probe();
+
+ private:
+  void* ctx_ = nullptr;  // io_context_t
+  int depth_;
+};
 
 struct AioTask {
   std::shared_ptr<AioRequest> request;
@@ -46,8 +114,9 @@ struct AioTask {
 
 class AioEngine {
  public:
+  // engine: "auto", "libaio" or "threads" (see [Note: aio backends]).
   AioEngine(int64_t block_size, int queue_depth, bool single_submit, bool overlap_events,
-            int thread_count, bool use_direct);
+            int thread_count, bool use_direct, const std::string& engine = "auto");
   ~AioEngine();
   AioEngine(const AioEngine&) = delete;
   AioEngine& operator=(const AioEngine&) = delete;
@@ -65,9 +134,11 @@ class AioEngine {
   // How many bytes went through O_DIRECT / buffered descriptors (for tests and reports).
   int64_t direct_bytes() const { return direct_bytes_.load(); }
   int64_t buffered_bytes() const { return buffered_bytes_.load(); }
+  // "libaio" or "threads": the backend this engine runs on.
+  std::string backend() const { return backend_ == AioBackend::kLibaio ? "libaio" : "threads"; }
 
  private:
-  void worker_loop();
+  void worker_loop(int index);
   void run_task(const AioTask& task);
 
   const int64_t block_size_;
@@ -75,6 +146,9 @@ class AioEngine {
   const bool single_submit_;
   const bool overlap_events_;
   const bool use_direct_;
+  const int thread_count_;
+  AioBackend backend_ = AioBackend::kThreads;
+  std::vector<std::unique_ptr<LibaioQueue>> queues_;  // one per worker with the libaio backend
 
   mutable std::mutex mu_;
   std::condition_variable work_cv_;

@@ -168,9 +168,10 @@ PYBIND11_MODULE(_C, m) {
   });
 
   py::class_<AioEngine>(m, "AioEngine")
-      .def(py::init<int64_t, int, bool, bool, int, bool>(), py::arg("block_size"), py::arg("queue_depth"),
-           py::arg("single_submit"), py::arg("overlap_events"), py::arg("thread_count"),
-           py::arg("use_direct"))
+      .def(py::init<int64_t, int, bool, bool, int, bool, const std::string&>(), py::arg("block_size"),
+           py::arg("queue_depth"), py::arg("single_submit"), py::arg("overlap_events"),
+           py::arg("thread_count"), py::arg("use_direct"), py::arg("engine") = "auto")
+      .def("backend", &AioEngine::backend)
       .def("submit", &AioEngine::submit, py::arg("is_write"), py::arg("path"), py::arg("buffer"),
            py::arg("nbytes"), py::arg("offset"))
       .def("wait", &AioEngine::wait, py::call_guard<py::gil_scoped_release>())
@@ -178,4 +179,6 @@ PYBIND11_MODULE(_C, m) {
       .def("direct_bytes", &AioEngine::direct_bytes)
       .def("buffered_bytes", &AioEngine::buffered_bytes);
   m.attr("DIRECT_ALIGNMENT") = kDirectAlignment;
+  m.def("libaio_compiled", &LibaioQueue::compiled);
+  m.def("libaio_probe", &LibaioQueue::probe, "'' when kernel AIO works here, else why not");
 }

@@ -71,10 +71,11 @@ def test_parallel_branches_are_attributed_exactly():
 class TwoInput(nn.Module):
     """A block with two inputs and two branches; the shallow branch's backward runs first."""
 
-    def __init__(self):
+    def __init__(self, shared: bool = False):
         super().__init__()
         self.deep = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
-        self.lin = nn.Linear(8, 8)
+        # shared: the shallow branch is the deep branch's first Linear, called a second time
+        self.lin = self.deep[0] if shared else nn.Linear(8, 8)
 
     def forward(self, x1, x2):
         return self.deep(x2) + self.lin(x1)
@@ -83,11 +84,11 @@ class TwoInput(nn.Module):
 class Mixer(nn.Module):
     """Feeds a learned tensor (a leaf) and a computed one into the two-input block."""
 
-    def __init__(self, m: int):
+    def __init__(self, m: int, shared: bool = False):
         super().__init__()
         self.pos = nn.Parameter(torch.randn(m, 8))
         self.pre = nn.Linear(8, 8)
-        self.mix = TwoInput()
+        self.mix = TwoInput(shared)
 
     def forward(self, x):
         return self.mix(self.pos, self.pre(x))
@@ -107,6 +108,23 @@ def test_block_stays_active_until_all_its_branches_ran():
     assert bwd(prof, model.mix) == refs["deep"] + refs["lin"]
     assert bwd(prof, model.pre) == ref_pre
     assert bwd(prof, model) == refs["deep"] + refs["lin"] + ref_pre == prof.get_total_backward_flops()
+    prof.end_profile()
+
+
+def test_shared_submodule_in_both_branches_of_a_block():
+    m = 3
+    model = Mixer(m, shared=True)
+    shared = model.mix.lin
+    ref_deep = alone_bwd(model.mix.deep, (m, 8), True)
+    ref_lin = alone_bwd(shared, (m, 8), True)
+    ref_pre = alone_bwd(nn.Linear(8, 8), (m, 8), False)
+    prof = profile_train(model, torch.randn(m, 8))
+    weight_sum = 8 * 8 + 8  # the two gradients of the shared weight and bias, summed
+    assert bwd(prof, shared) == 2 * ref_lin + weight_sum
+    assert bwd(prof, model.mix.deep[2]) == alone_bwd(nn.Linear(8, 8), (m, 8), True)
+    assert bwd(prof, model.mix.deep) in (ref_deep, ref_deep + weight_sum)
+    assert bwd(prof, model.mix) == ref_deep + ref_lin + weight_sum
+    assert bwd(prof, model) == ref_deep + ref_lin + weight_sum + ref_pre == prof.get_total_backward_flops()
     prof.end_profile()
 
 

@@ -90,7 +90,8 @@ class DataParallelStrategy:
     def grad_norm_sq(self) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32)
         for g in self._grads():
-            total += g.float().pow(2).sum().cpu()
+            # fp32 accumulation without a full-size temporary (g.float().pow(2) would allocate two)
+            total += torch.linalg.vector_norm(g, dtype=torch.float32).square().cpu()
         return total
 
     def norm_group(self) -> Any:

@@ -16,6 +16,12 @@ carries one extra element per parameter holding 1 if this rank produced a gradie
 the SUM the count tells whether any rank did. A parameter no rank produced a gradient for
 keeps ``grad = None`` (so optimizers skip it exactly as in single-process PyTorch); one that
 only some ranks used is averaged with zeros from the others.
+
+Each bucket's flat buffer is allocated once and reused: a fresh multi-megabyte buffer per step
+costs page faults on every step. After the reduction the averaged gradients are left as views
+of the buffer (no copy back; the buffer is divided once). The engine sets ``grad = None`` after
+every optimizer step, so a boundary's backward always produces gradients in new tensors before
+they are copied into the buffer; a gradient that still is its own slot is not copied.
 """
 
 from __future__ import annotations
@@ -94,7 +100,6 @@ class BucketedAllReduce:
         for b in self.buckets:
             b.ready.clear()
             b.launched = False
-            b.buffer = None
             b.work = None
         self._next = 0
         self.armed = True
@@ -119,15 +124,20 @@ class BucketedAllReduce:
         n = len(bucket.params)
         grads = [p.grad for p in bucket.params]
         dtype = self.comm_dtype or next((g.dtype for g in grads if g is not None), bucket.params[0].dtype)
-        device = bucket.params[0].device
-        buf = torch.zeros(bucket.numel + n, dtype=dtype, device=device)
+        buf = bucket.buffer
+        if buf is None or buf.dtype != dtype:
+            # allocated once and reused every step (see [Note: gradient buckets])
+            buf = torch.empty(bucket.numel + n, dtype=dtype, device=bucket.params[0].device)
+            bucket.buffer = buf
         for p, off, g in zip(bucket.params, bucket.offsets, grads):
-            if g is not None:
-                buf[off : off + p.numel()].copy_(g.reshape(-1))
+            dst = buf[off : off + p.numel()]
+            if g is None:
+                dst.zero_()
+            elif g.data_ptr() != dst.data_ptr():  # not already this slot (see finish())
+                dst.copy_(g.reshape(-1))
         buf[bucket.numel :] = torch.tensor([g is not None for g in grads], dtype=dtype)
         if self.predivide_factor != 1.0:
             buf[: bucket.numel].div_(self.predivide_factor)
-        bucket.buffer = buf
         bucket.launched = True
         bucket.work = comm.all_reduce(buf, group=self.group, async_op=True)
 
@@ -143,17 +153,16 @@ class BucketedAllReduce:
             bucket.work.wait()
             buf = bucket.buffer
             assert buf is not None
-            counts = buf[bucket.numel :]
-            for i, (p, off) in enumerate(zip(bucket.params, bucket.offsets)):
-                if counts[i].item() == 0:
+            buf[: bucket.numel].div_(post)
+            counts = buf[bucket.numel :].tolist()
+            for p, off, count in zip(bucket.params, bucket.offsets, counts):
+                if count == 0:
                     p.grad = None
                     continue
                 reduced = buf[off : off + p.numel()].view_as(p)
-                if p.grad is None:
-                    p.grad = torch.empty_like(p)
-                p.grad.copy_(reduced)
-                p.grad.div_(post)
-            bucket.buffer = None
+                # The averaged gradient is a view of the bucket: no copy back. The engine drops
+                # it (zero_grad) before the bucket is refilled by the next boundary's backward.
+                p.grad = reduced if reduced.dtype == p.dtype else reduced.to(p.dtype)
             bucket.work = None
         self.armed = False
 
