@@ -20,11 +20,29 @@ MARGIN_NATS = 0.5
 def test_demo_loss_falls_on_two_ranks(tmp_path):
     out_dir = tmp_path / "out"
     cmd = [
-        sys.executable, "-m", "zero_core.launcher", "run", "--nproc", "2",
+        sys.executable,
+        "-m",
+        "zero_core.launcher",
+        "run",
+        "--nproc",
+        "2",
         os.path.join(ROOT, "examples", "train_gpt.py"),
-        "--zero_config", os.path.join(ROOT, "examples", "configs", "stage0.json"),
-        "--steps", str(STEPS), "--seq_len", "64", "--d_model", "64", "--n_layers", "2", "--n_heads", "2",
-        "--corpus_bytes", "300000", "--out_dir", str(out_dir),
+        "--zero_config",
+        os.path.join(ROOT, "examples", "configs", "stage0.json"),
+        "--steps",
+        str(STEPS),
+        "--seq_len",
+        "64",
+        "--d_model",
+        "64",
+        "--n_layers",
+        "2",
+        "--n_heads",
+        "2",
+        "--corpus_bytes",
+        "300000",
+        "--out_dir",
+        str(out_dir),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)

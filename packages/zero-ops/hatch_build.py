@@ -105,7 +105,18 @@ def build_extension(root: str, out_path: str) -> None:
             jobs.append(([*cmd, "-c", os.path.join(csrc, "optim_kernels.cpp"), "-o", obj], obj))
         for src in ("aio_engine.cpp", "aio_libaio.cpp", "bindings.cpp"):
             obj = os.path.join(objdir, src.replace(".cpp", ".o"))
-            cmd = [cxx, *COMMON_FLAGS, *omp, *aio_def, *includes, *extra, "-c", os.path.join(csrc, src), "-o", obj]
+            cmd = [
+                cxx,
+                *COMMON_FLAGS,
+                *omp,
+                *aio_def,
+                *includes,
+                *extra,
+                "-c",
+                os.path.join(csrc, src),
+                "-o",
+                obj,
+            ]
             jobs.append((cmd, obj))
 
         def run(cmd: list[str]) -> None:

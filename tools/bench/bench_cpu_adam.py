@@ -1,7 +1,9 @@
 """CPU Adam update throughput: zero_ops CPUAdam kernel vs torch.optim.AdamW (default, foreach,
 fused), optionally DeepSpeedCPUAdam (when importable), and an in-place axpy roofline, all in one run.
 
-Usage: OMP_NUM_THREADS=1 python tools/bench/bench_cpu_adam.py [--sizes 50e6 200e6] [--threads 1 2]
+Run it with DeepSpeed available (see tools/bench/results/bench_cpu_adam.md for the venv) so all
+baselines share one process:
+  DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 /tmp/dsvenv/bin/python tools/bench/bench_cpu_adam.py [--sizes 50e6 200e6] [--threads 1 2]
        [--reps 5] [--out tools/bench/results/bench_cpu_adam.md]
 Effective bandwidth counts 28 bytes per fp32 parameter step (read p, g, m, v; write p, m, v).
 """
@@ -13,6 +15,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 
 import torch
@@ -20,101 +23,122 @@ from zero_ops import op_report
 from zero_ops.adam import cpu_adam_step
 
 
-def timeit(fn, reps):
-    fn()  # warm-up
-    ts = []
+def interleaved(fns, reps):
+    """Times every variant once per round, round after round, so that the machine's noise (it is
+    shared) hits all of them alike; returns {name: (median, min, max)} in seconds."""
+    for f in fns.values():
+        f()  # warm-up (first-touch of states, JIT of DeepSpeed's op)
+    times = {k: [] for k in fns}
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts), min(ts), max(ts)
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t0)
+    return {k: (statistics.median(v), min(v), max(v)) for k, v in times.items()}
 
 
-def bench(n, threads, reps):
+def _adam_kw(step):
+    return dict(step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+
+
+def _deepspeed_adam():
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # only in the bench venv
+
+        return DeepSpeedCPUAdam, ""
+    except Exception as exc:  # noqa: BLE001 - report why the baseline is missing
+        return None, f"{type(exc).__name__}: {exc}"[:80]
+
+
+def bench_fp32(n, threads, reps):
+    """fp32 params/grads/states: axpy roofline, ours, torch fused, DeepSpeedCPUAdam (interleaved);
+    then torch foreach/default (slow, fewer rounds). All share one p and g to save memory."""
     torch.set_num_threads(threads)
-    rows = []
-    a, b = torch.randn(n), torch.randn(n)
-    rows.append(
-        ("axpy roofline a.add_(b, alpha) (12 B/elem)", timeit(lambda: a.add_(b, alpha=1e-9), reps), 12)
-    )
-    a = b = None  # free the roofline buffers before the optimizer ones
-    p, g, m, v = torch.randn(n), torch.randn(n) * 1e-3, torch.zeros(n), torch.zeros(n)
+    p, g = torch.randn(n), torch.randn(n) * 1e-3
+    m, v = torch.zeros(n), torch.zeros(n)
     step = [0]
 
     def ours():
         step[0] += 1
-        cpu_adam_step(
-            p,
-            g,
-            m,
-            v,
-            step=step[0],
-            lr=1e-3,
-            beta1=0.9,
-            beta2=0.999,
-            eps=1e-8,
-            weight_decay=0.01,
-            threads=threads,
-        )
+        cpu_adam_step(p, g, m, v, **_adam_kw(step[0]), threads=threads)
 
-    rows.append(("zero_ops cpu_adam_step fp32", timeit(ours, reps), 28))
+    prm = torch.nn.Parameter(p)  # shares p's storage
+    prm.grad = g
+    fused = torch.optim.AdamW([prm], lr=1e-3, weight_decay=0.01, fused=True)
+    fns = {
+        "axpy roofline p.add_(g, alpha) (12 B/elem)": lambda: p.add_(g, alpha=1e-9),
+        "zero_ops cpu_adam_step fp32": ours,
+        "torch AdamW fused fp32": fused.step,
+    }
+    DS, why = _deepspeed_adam()
+    if DS is not None:
+        fns["DeepSpeedCPUAdam fp32"] = DS([prm], lr=1e-3, weight_decay=0.01).step
+    res = interleaved(fns, reps)
+    rows = [(k, res[k], 12 if k.startswith("axpy") else 28) for k in fns]
+    if DS is None:
+        rows.append((f"DeepSpeedCPUAdam: not available ({why})", None, 28))
+    del fns, fused
     for name, kw in (
-        ("torch AdamW fused", {"fused": True}),
-        ("torch AdamW foreach", {"foreach": True}),
-        ("torch AdamW default", {}),
+        ("torch AdamW foreach fp32", {"foreach": True}),
+        ("torch AdamW default fp32", {"foreach": False}),
     ):
-        if name.endswith("default") and n > 60e6 and reps > 3:
-            r = 3
-        else:
-            r = reps
-        prm = torch.nn.Parameter(p.clone())
-        prm.grad = g.clone()
         opt = torch.optim.AdamW([prm], lr=1e-3, weight_decay=0.01, **kw)
-        rows.append((name + " fp32", timeit(opt.step, r), 28))
-        del opt, prm
-    try:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam  # only in the bench venv
+        rows.append((name, interleaved({name: opt.step}, max(2, reps // 3))[name], 28))
+        del opt
+    return rows
 
-        prm = torch.nn.Parameter(p.clone())
-        prm.grad = g.clone()
-        ds = DeepSpeedCPUAdam([prm], lr=1e-3, weight_decay=0.01)
-        rows.append(("DeepSpeedCPUAdam fp32", timeit(ds.step, reps), 28))
-        del ds, prm
-    except Exception as exc:  # noqa: BLE001 - report why the baseline is missing
-        rows.append((f"DeepSpeedCPUAdam: not available ({type(exc).__name__})", None, 28))
-    # bf16 parameters, fp32 master + states: ours writes the bf16 copy in the same pass.
+
+def bench_bf16(n, threads, reps):
+    """bf16 model parameters (what the device holds) with fp32 master + states on the CPU."""
+    torch.set_num_threads(threads)
+    p, m, v = torch.randn(n), torch.zeros(n), torch.zeros(n)
+    gb = (torch.randn(n) * 1e-3).to(torch.bfloat16)
     out = torch.empty(n, dtype=torch.bfloat16)
-    gb = g.to(torch.bfloat16)
+    step = [0]
 
-    def ours_bf16():
+    def ours():
         step[0] += 1
-        cpu_adam_step(
-            p,
-            gb,
-            m,
-            v,
-            step=step[0],
-            lr=1e-3,
-            beta1=0.9,
-            beta2=0.999,
-            eps=1e-8,
-            weight_decay=0.01,
-            low_precision_out=out,
-            threads=threads,
-        )
+        cpu_adam_step(p, gb, m, v, **_adam_kw(step[0]), low_precision_out=out, threads=threads)
 
-    rows.append(("zero_ops fused fp32 master + bf16 copy (bf16 grad)", timeit(ours_bf16, reps), None))
     prm = torch.nn.Parameter(p.clone())
-    prm.grad = g.clone()
-    opt = torch.optim.AdamW([prm], lr=1e-3, weight_decay=0.01, fused=True)
+    prm.grad = torch.empty(n)
+    fused = torch.optim.AdamW([prm], lr=1e-3, weight_decay=0.01, fused=True)
 
-    def torch_bf16():
+    def torch_cast():
         prm.grad.copy_(gb)  # widen the bf16 gradient
-        opt.step()
+        fused.step()
         out.copy_(prm.detach())  # separate cast to the bf16 copy
 
-    rows.append(("torch AdamW fused fp32 + grad widen + separate bf16 cast", timeit(torch_bf16, reps), None))
+    fns = {
+        "zero_ops fused: fp32 master + bf16 copy (bf16 grad)": ours,
+        "torch AdamW fused fp32 + grad widen + separate bf16 cast": torch_cast,
+    }
+    pb = torch.nn.Parameter(p.to(torch.bfloat16))
+    pb.grad = gb
+    fns["torch AdamW fused on bf16 params (bf16 states, no fp32 master)"] = torch.optim.AdamW(
+        [pb], lr=1e-3, weight_decay=0.01, fused=True
+    ).step
+    DS, why = _deepspeed_adam()
+    if DS is not None:
+        pd = torch.nn.Parameter(p.to(torch.bfloat16))
+        pd.grad = gb
+        fns["DeepSpeedCPUAdam on bf16 params (fp32 states, no fp32 master)"] = DS(
+            [pd], lr=1e-3, weight_decay=0.01
+        ).step
+    res = interleaved(fns, reps)
+    rows = [(k, res[k], None) for k in fns]
+    if DS is None:
+        rows.append((f"DeepSpeedCPUAdam: not available ({why})", None, None))
     return rows
+
+
+def _ds_version():
+    try:
+        import deepspeed
+
+        return f"deepspeed {deepspeed.__version__}"
+    except Exception as exc:  # noqa: BLE001
+        return f"not importable ({type(exc).__name__})"
 
 
 def main():
@@ -142,9 +166,12 @@ def main():
         f"- machine: nproc={os.cpu_count()}, CPU: {cpu}, {platform.machine()}",
         f"- python {platform.python_version()}, torch {torch.__version__}, git commit {commit}",
         f"- zero_ops op: {op_report()[0]}",
-        f"- command: `OMP_NUM_THREADS=1 python tools/bench/bench_cpu_adam.py --sizes "
+        f"- DeepSpeed: {_ds_version()}",
+        f"- load average at start: {os.getloadavg()}",
+        f"- command: `OMP_NUM_THREADS=1 {os.path.basename(sys.executable)} tools/bench/bench_cpu_adam.py --sizes "
         f"{' '.join(f'{s:g}' for s in args.sizes)} --threads {' '.join(map(str, args.threads))} "
         f"--reps {args.reps}`",
+        "- variants of one table are timed round-robin (one call each per round) so noise hits all alike;",
         "- median of reps (spread = min..max); GB/s counts 28 B per fp32 param step (12 B for axpy);",
         "  ratio = time of the axpy roofline scaled to 28 B / time of the row (1.0 = at the roofline)",
         "",
@@ -152,8 +179,9 @@ def main():
     for n in args.sizes:
         n = int(n)
         for t in args.threads:
-            rows = bench(n, t, args.reps)
+            rows = bench_fp32(n, t, args.reps)
             roof = rows[0][1][0] * 28 / 12
+            rows += bench_bf16(n, t, args.reps)
             lines += [
                 f"## {n / 1e6:g}M parameters, {t} thread(s)",
                 "",
@@ -173,14 +201,19 @@ def main():
                     f"| {name} | {med * 1e3:.1f} | {lo * 1e3:.1f}..{hi * 1e3:.1f} | {n / med / 1e9:.2f} | "
                     f"{gbs} | {ratio} |"
                 )
-            fused = next(r[1][0] for r in rows if r[0].startswith("zero_ops fused"))
-            sep = next(r[1][0] for r in rows if r[0].startswith("torch AdamW fused fp32 +"))
+            get = {r[0]: r[1][0] for r in rows if r[1] is not None}
+            ours, fused = get["zero_ops cpu_adam_step fp32"], get["torch AdamW fused fp32"]
+            bf = get["zero_ops fused: fp32 master + bf16 copy (bf16 grad)"]
+            sep = get["torch AdamW fused fp32 + grad widen + separate bf16 cast"]
             lines += [
                 "",
-                f"bf16-copy case: zero_ops fused is {sep / fused:.2f}x faster than torch fused + cast.",
-                "",
+                f"fp32: zero_ops / roofline = {roof / ours:.2f}; zero_ops is {fused / ours:.2f}x torch fused",
             ]
-            print("\n".join(lines[-len(rows) - 6 :]), flush=True)
+            ds = get.get("DeepSpeedCPUAdam fp32")
+            if ds:
+                lines[-1] += f", {ds / ours:.2f}x DeepSpeedCPUAdam"
+            lines += [f"bf16 copy: zero_ops fused is {sep / bf:.2f}x faster than torch fused + cast.", ""]
+            print("\n".join(lines[-len(rows) - 8 :]), flush=True)
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("wrote", args.out)

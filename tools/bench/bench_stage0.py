@@ -14,7 +14,7 @@ median and [min, max] after warm-up, ratio = ours / DDP of the same precision.
 Peak RSS per rank: each engine again in a fresh pair of forked ranks (VmHWM of the process, reset
 with /proc/self/clear_refs when the rank starts, read after the steps), max over the ranks.
 
-Run: OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_stage0.py [--rounds 6] [--out PATH]
+Run: OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_stage0.py [--rounds 4] [--out PATH]
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class _DDPRunner:
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
 
 class _ZeroRunner:
@@ -74,17 +74,21 @@ class _ZeroRunner:
         import zero_core
 
         cfg = {
-            "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**9, "gradient_clipping": 0.0,
-            "zero_optimization": {"stage": 0}, "bf16": {"enabled": precision == "bf16"},
+            "train_micro_batch_size_per_gpu": MICRO,
+            "steps_per_print": 10**9,
+            "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": 0},
+            "bf16": {"enabled": precision == "bf16"},
         }
         self.engine, _, _, _ = zero_core.initialize(
-            model=_model(), optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR), config=cfg)
+            model=_model(), optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR), config=cfg
+        )
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         loss = self.engine(x, y)
         self.engine.backward(loss)
         self.engine.step()
-        return float(loss)
+        return float(loss.detach())
 
 
 def _runner(name: str, precision: str):
@@ -140,9 +144,15 @@ def _cpu_model() -> str:
 
 def _commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "packages/zero-core/src"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "packages/zero-core/src"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
         return out.stdout.strip() + (" (with uncommitted changes in zero-core)" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "uncommitted"
@@ -150,9 +160,9 @@ def _commit() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=6, help="timed rounds (each: 2 steps of every engine)")
+    p.add_argument("--rounds", type=int, default=4, help="timed rounds (each: 2 steps of every engine)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
-    p.add_argument("--rss_steps", type=int, default=3)
+    p.add_argument("--rss_steps", type=int, default=2)
     p.add_argument("--out", default=str(ROOT / "tools" / "bench" / "results" / "bench_stage0.md"))
     args = p.parse_args(argv)
     for name, value in (("rounds", args.rounds), ("rss_steps", args.rss_steps)):
@@ -173,8 +183,17 @@ def main(argv: list[str] | None = None) -> None:
         t = [1000 * x for x in timing["times"][(name, precision)]]
         med = statistics.median(t)
         base = statistics.median(timing["times"][("ddp", precision)]) * 1000
-        rows.append((precision, "torch DDP" if name == "ddp" else "zero stage 0", med, min(t), max(t), med / base,
-                     rss[(name, precision)] / 2**30))
+        rows.append(
+            (
+                precision,
+                "torch DDP" if name == "ddp" else "zero stage 0",
+                med,
+                min(t),
+                max(t),
+                med / base,
+                rss[(name, precision)] / 2**30,
+            )
+        )
     lines = [
         "# bench_stage0: ZeRO stage 0 vs torch DDP, 2 ranks (gloo, CPU)",
         "",
@@ -187,18 +206,23 @@ def main(argv: list[str] | None = None) -> None:
         f"- model: examples/gpt.py GPT d_model 512, 6 layers, 8 heads, seq 128, {n_params / 1e6:.1f}M parameters; "
         f"micro-batch {MICRO} per rank; AdamW lr {LR}; no clipping",
         "- bf16: ours = bf16 module + fp32 master weights and AdamW states (engine `bf16.enabled`); "
-        "DDP = fp32 parameters under `torch.autocast(\"cpu\", torch.bfloat16)`",
+        'DDP = fp32 parameters under `torch.autocast("cpu", torch.bfloat16)`',
         f"- timed steps per engine: {2 * args.rounds} (after {2 * args.warmup} warm-up), engines alternating "
         f"in one launch; peak RSS: fresh ranks per engine, {args.rss_steps} steps; bench wall time {total:.0f} s",
         "",
         "| precision | engine | step median (ms) | min | max | ratio vs DDP | peak RSS / rank (GiB) |",
         "|---|---|---|---|---|---|---|",
     ]
-    lines += [f"| {pr} | {eng} | {med:.0f} | {lo:.0f} | {hi:.0f} | {ratio:.3f} | {r:.2f} |"
-              for pr, eng, med, lo, hi, ratio, r in rows]
+    lines += [
+        f"| {pr} | {eng} | {med:.0f} | {lo:.0f} | {hi:.0f} | {ratio:.3f} | {r:.2f} |"
+        for pr, eng, med, lo, hi, ratio, r in rows
+    ]
     first = {v: timing["losses"][v][0] for v in VARIANTS}
-    lines += ["", "First-step loss per engine (same model and data): "
-              + ", ".join(f"{n} {pr} {first[(n, pr)]:.4f}" for n, pr in VARIANTS)]
+    lines += [
+        "",
+        "First-step loss per engine (same model and data): "
+        + ", ".join(f"{n} {pr} {first[(n, pr)]:.4f}" for n, pr in VARIANTS),
+    ]
     text = "\n".join(lines) + "\n"
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)

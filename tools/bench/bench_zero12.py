@@ -7,13 +7,21 @@ Model-state bytes come from live tensors (``engine.memory_breakdown()``; for DDP
 parameters, gradients and Adam states). A second pass at 4 ranks reports model-state bytes
 only (bf16 + Adam, the setting of the ZeRO paper's formulas, and fp32).
 
-Run: OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_zero12.py [--steps 8] [--out PATH]
+DeepSpeed side by side: when ``--ds-python`` (default /tmp/dsvenv/bin/python, the bench venv
+of /work/shared/notes/baselines.md) exists, the same script runs there with ``--deepspeed-worker``
+in its own 2-rank launch: torch DDP, DeepSpeed stage 1 and stage 2 (fp32, client torch Adam,
+``gradient_clipping: 0``), interleaved twice; its ratios are against the DDP of that launch.
+Model states there are the bytes of all live tensors (gc) after backward, for DDP too.
+
+Run: OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_zero12.py [--steps 5] [--out PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
+import json
 import os
 import platform
 import resource
@@ -115,6 +123,136 @@ def _variant(name: str, steps: int, precision: str = "fp32", time_it: bool = Tru
     }
 
 
+def _live_tensor_bytes() -> int:
+    """Bytes of the distinct storages of every live tensor (model states once activations are freed)."""
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        try:
+            if not torch.is_tensor(obj) or obj.device.type != "cpu" or obj.numel() == 0:
+                continue
+            st = obj.untyped_storage()
+        except Exception:  # noqa: BLE001 - some tensor subclasses refuse storage access
+            continue
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+    return total
+
+
+def _ds_variant(name: str, steps: int, rank: int) -> dict:
+    """One DeepSpeed-venv variant in this rank: 'ddp', 'ds1' or 'ds2' (fp32)."""
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    if name == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ddp = DDP(model, bucket_cap_mb=BUCKET * 4 / 2**20)
+
+        def fwd_bwd(s: int) -> None:
+            ddp(*_batch(s, rank)).backward()
+
+        def finish() -> None:
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+    else:
+        import deepspeed
+
+        cfg = {
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_clipping": 0,
+            "steps_per_print": 10**9,
+            "zero_optimization": {
+                "stage": int(name[-1]),
+                "reduce_bucket_size": BUCKET,
+                "allgather_bucket_size": BUCKET,
+                "overlap_comm": True,
+            },
+        }
+        engine = deepspeed.initialize(model=model, optimizer=opt, config=cfg)[0]
+
+        def fwd_bwd(s: int) -> None:
+            engine.backward(engine(*_batch(s, rank)))
+
+        def finish() -> None:
+            engine.step()
+
+    times, states = [], 0
+    for s in range(steps + 2):
+        torch.distributed.barrier()
+        t = time.perf_counter()
+        fwd_bwd(s)
+        if s == 1:
+            states = _live_tensor_bytes()
+        finish()
+        if s >= 2:
+            times.append(time.perf_counter() - t)
+    return {"times": times, "states": states}
+
+
+def _ds_rank(rank: int, steps: int, port: int, queue) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank)
+    )
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    import deepspeed
+
+    out = {"deepspeed": deepspeed.__version__, "torch": torch.__version__, "rows": {}}
+    for _rep in range(2):
+        for name in ("ddp", "ds1", "ds2"):
+            res = _ds_variant(name, steps, rank)
+            row = out["rows"].setdefault(name, {"times": [], "states": 0})
+            row["times"] += res["times"]
+            row["states"] = max(row["states"], res["states"])
+            gc.collect()
+    queue.put(out)
+    torch.distributed.destroy_process_group()
+
+
+def _deepspeed_worker(steps: int) -> None:
+    """Entry point inside the DeepSpeed venv: 2 forked ranks, JSON of both ranks on stdout."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    port = 29500 + os.getpid() % 1000
+    procs = [ctx.Process(target=_ds_rank, args=(r, steps, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=900) for _ in procs]
+    for p in procs:
+        p.join()
+    print("BENCH_JSON " + json.dumps(results))
+
+
+def _run_deepspeed(ds_python: str, steps: int) -> list | None:
+    if not Path(ds_python).exists():
+        return None
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [ds_python, __file__, "--deepspeed-worker", "--steps", str(steps)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("BENCH_JSON "):
+            return json.loads(line[len("BENCH_JSON ") :])
+    raise RuntimeError(f"DeepSpeed side failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+def _mem_sweep() -> dict:
+    """Model-state bytes of every variant and precision, one after another in these ranks."""
+    out = {}
+    for precision in ("bf16", "fp32"):
+        for name in ("ddp", "stage0", "stage1", "stage2"):
+            if name == "ddp" and precision == "bf16":
+                continue
+            out[f"{name}/{precision}"] = _variant(name, 1, precision, False)["states"]
+            gc.collect()
+    return out
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -138,14 +276,20 @@ def _commit() -> str:
 
 
 def main() -> None:
-    from zero_core.testing import run_multirank
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", default=str(ROOT / "tools" / "bench" / "results" / "bench_zero12.md"))
+    ap.add_argument("--ds-python", default="/tmp/dsvenv/bin/python")
+    ap.add_argument("--deepspeed-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.steps < 1:
         raise SystemExit("--steps must be >= 1")
+    if args.deepspeed_worker:
+        _deepspeed_worker(args.steps)
+        return
+    from zero_core.testing import run_multirank  # not in the DeepSpeed venv: imported here
+
+    t_start = time.perf_counter()
 
     rows = {}
     for _rep in range(2):  # interleave two passes: the machine is shared and noisy
@@ -156,13 +300,9 @@ def main() -> None:
                 r["times"] += rr["times"]
                 r["states"] = max(r["states"], rr["states"])
                 r["rss"] = max(r["rss"], rr["rss"])
-    mem4 = {}
-    for precision in ("bf16", "fp32"):
-        for name in ("ddp", "stage0", "stage1", "stage2"):
-            if name == "ddp" and precision == "bf16":
-                continue
-            res = run_multirank(_variant, 4, args=(name, 1, precision, False), timeout=600)
-            mem4[(name, precision)] = max(rr["states"] for rr in res)
+    mem = {n: run_multirank(_mem_sweep, n, timeout=600) for n in (2, 4)}
+    ds = _run_deepspeed(args.ds_python, args.steps)
+    elapsed = time.perf_counter() - t_start
 
     psi = rows["ddp"]["params"]
     base = statistics.median(rows["ddp"]["times"])
@@ -176,7 +316,7 @@ def main() -> None:
         f"- model: examples/gpt.py GPT d_model 256, 4 layers, seq 128, Ψ = {psi:,} parameters; micro-batch {MICRO} "
         f"per rank; Adam; buckets {BUCKET:,} elements; overlap_comm on; fp32",
         "- each variant ran twice (interleaved) on 2 forked ranks; times pooled over ranks and passes",
-        "- DeepSpeed was not run in this benchmark (it needs its own venv, see /work/shared/notes/baselines.md)",
+        f"- benchmark wall time: {elapsed:.0f} s",
         "",
         "## 2 ranks, fp32: step time and memory per rank",
         "",
@@ -193,14 +333,54 @@ def main() -> None:
         )
     lines += [
         "",
-        "## 4 ranks: model-state bytes per rank (live tensors, max over ranks)",
+        "## Model-state bytes per rank at N = 2 and N = 4 (engine.memory_breakdown(), max over ranks)",
         "",
-        "| variant | precision | model states/rank (MiB) | ratio vs DDP fp32 |",
-        "|---|---|---|---|",
+        "Adam; bucket buffers included. DDP: parameters + gradients + Adam states (fp32).",
+        "",
+        "| variant | precision | N=2 (MiB) | ratio vs DDP | N=4 (MiB) | ratio vs DDP |",
+        "|---|---|---|---|---|---|",
     ]
-    ddp4 = mem4[("ddp", "fp32")]
-    for (name, precision), b in mem4.items():
-        lines.append(f"| {name} | {precision} | {b / 2**20:.1f} | {b / ddp4:.2f} |")
+    per_n = {n: {k: max(r[k] for r in res) for k in res[0]} for n, res in mem.items()}
+    for key in per_n[2]:
+        name, precision = key.split("/")
+        cells = []
+        for n in (2, 4):
+            b, base_b = per_n[n][key], per_n[n]["ddp/fp32"]
+            cells.append(f"{b / 2**20:.1f} | {b / base_b:.2f}")
+        lines.append(f"| {name} | {precision} | {' | '.join(cells)} |")
+    lines += [
+        "",
+        "## DeepSpeed side by side (its own 2-rank launch, fp32, ratios vs the DDP of that launch)",
+        "",
+    ]
+    if ds is None:
+        lines.append(f"DeepSpeed venv not found at {args.ds_python}: not run.")
+    else:
+        lines += [
+            f"- venv: {args.ds_python}; deepspeed {ds[0]['deepspeed']}, torch {ds[0]['torch']}; "
+            "DS_ACCELERATOR=cpu, gloo; client torch.optim.Adam; gradient_clipping 0; overlap_comm on; same buckets",
+            "- model states = bytes of all live tensors (gc) after backward, max over ranks",
+            "",
+            "| variant | median step (ms) | p10-p90 (ms) | ratio vs DDP | model states/rank (MiB) | ratio |",
+            "|---|---|---|---|---|---|",
+        ]
+        ds_rows = {
+            name: {
+                "times": [t for r in ds for t in r["rows"][name]["times"]],
+                "states": max(r["rows"][name]["states"] for r in ds),
+            }
+            for name in ds[0]["rows"]
+        }
+        ds_base = statistics.median(ds_rows["ddp"]["times"])
+        labels = {"ddp": "ddp", "ds1": "DeepSpeed stage 1", "ds2": "DeepSpeed stage 2"}
+        for name, r in ds_rows.items():
+            t = sorted(r["times"])
+            med = statistics.median(t)
+            p10, p90 = t[int(0.1 * (len(t) - 1))], t[int(0.9 * (len(t) - 1))]
+            lines.append(
+                f"| {labels[name]} | {med * 1e3:.1f} | {p10 * 1e3:.1f}-{p90 * 1e3:.1f} | {med / ds_base:.2f} | "
+                f"{r['states'] / 2**20:.1f} | {r['states'] / ds_rows['ddp']['states']:.2f} |"
+            )
     text = "\n".join(lines) + "\n"
     Path(args.out).write_text(text)
     print(text)

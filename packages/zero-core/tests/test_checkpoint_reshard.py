@@ -1,11 +1,17 @@
-"""Resharding: a checkpoint saved with 2 ranks at stage 2 continues at another world size and stage."""
+"""Resharding: a checkpoint saved with 2 ranks at stage 2 continues at another world size and stage.
+
+RNG semantics (documented in ``loader.py``): generator states are per rank, so they are
+restored only when the world size is unchanged; a resharded run keeps its own generators.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401  (imported once here, not ~4 s in every forked rank)
 import torch.nn as nn
 import torch.nn.functional as F
+import zero_core.engine  # noqa: F401
 from zero_core.testing import run_multirank
 
 GLOBAL_BATCH = 8
@@ -55,36 +61,57 @@ def _train(engine, first: int, last: int) -> list[float]:
     return losses
 
 
-def _reference(tmp: str) -> list[float]:
+def _reference(tmp: str) -> tuple[list[float], torch.Tensor]:
     engine = _engine(2, 2, 0)
     _train(engine, 0, 6)
+    saved_rng = torch.get_rng_state()
     engine.save_checkpoint(tmp, tag="saved")
     losses = _train(engine, 6, 12)
     engine.save_checkpoint(tmp, tag="ref", save_latest=False)
-    return losses
+    return losses, saved_rng
 
 
-def _continue(tmp: str, stage: int, out_tag: str) -> list[float]:
+def _continue(tmp: str, stages: tuple[int, ...]) -> dict[int, tuple[list[float], bool]]:
+    """Every target stage at this world size, each from a fresh engine; also reports RNG restoring."""
     import torch.distributed as dist
 
-    engine = _engine(stage, dist.get_world_size(), 99)
-    engine.load_checkpoint(tmp, tag="saved")
-    assert engine.global_steps == 6
-    losses = _train(engine, 6, 12)
-    engine.save_checkpoint(tmp, tag=out_tag, save_latest=False)
-    return losses
+    out = {}
+    for stage in stages:
+        engine = _engine(stage, dist.get_world_size(), 99)
+        before = torch.get_rng_state()
+        engine.load_checkpoint(tmp, tag="saved")
+        rng_kept = torch.equal(torch.get_rng_state(), before)
+        assert engine.global_steps == 6
+        losses = _train(engine, 6, 12)
+        engine.save_checkpoint(tmp, tag=f"n{dist.get_world_size()}_s{stage}", save_latest=False)
+        out[stage] = (losses, rng_kept)
+    return out
+
+
+def _reference_then_continue(tmp: str, stages: tuple[int, ...]) -> tuple:
+    ref, saved_rng = _reference(tmp)
+    got = _continue(tmp, stages)
+    return ref, saved_rng, got
 
 
 def test_reshard_matrix(tmp_path):
+    """Saved at N=2 stage 2; continued at N=1 stages 0 and 3, N=4 stages 3 and 1, N=2 stage 1."""
     from zero_core.checkpoint.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     tmp = str(tmp_path)
-    ref = run_multirank(_reference, 2, args=(tmp,))[0]
+    # one launch per world size; the N=2 targets run in the launch that saved the checkpoint
+    ref, saved_rng, same_world = run_multirank(_reference_then_continue, 2, args=(tmp, (1,)))[0]
+    results = {(2, s): r for s, r in same_world.items()}
+    for world, stages in [(1, (0, 3)), (4, (3, 1))]:
+        results.update(
+            {(world, s): r for s, r in run_multirank(_continue, world, args=(tmp, stages))[0].items()}
+        )
     ref_w = get_fp32_state_dict_from_zero_checkpoint(tmp, tag="ref")
-    for world, stage in [(1, 0), (4, 3), (2, 1)]:
-        tag = f"n{world}_s{stage}"
-        got = run_multirank(_continue, world, args=(tmp, stage, tag))[0]
+    for (world, stage), (got, rng_kept) in results.items():
         assert got == pytest.approx(ref, rel=1e-6), (world, stage)
-        w = get_fp32_state_dict_from_zero_checkpoint(tmp, tag=tag)
+        # same world size: rank r's generators come back; another world size: each rank keeps its own
+        assert rng_kept == (world != 2), (world, stage)
+        w = get_fp32_state_dict_from_zero_checkpoint(tmp, tag=f"n{world}_s{stage}")
         for k, v in ref_w.items():
             assert torch.allclose(w[k], v, rtol=1e-6, atol=1e-7), (world, stage, k, (w[k] - v).abs().max())
+    assert len(results) == 5 and not torch.equal(saved_rng, torch.get_rng_state())

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
+import torch._dynamo  # noqa: F401  (imported once here, not ~4 s in every forked rank)
 import torch.nn as nn
 import torch.nn.functional as F
+import zero_core.engine  # noqa: F401
 from zero_core.testing import run_multirank
+
+STAGES = (0, 1, 2, 3)
 
 D = 8
 
@@ -63,38 +66,48 @@ def train(engine, first: int, last: int) -> list[float]:
     return losses
 
 
-def _uninterrupted(tmp: str, stage: int) -> list[float]:
-    engine = make_engine(stage)
-    train(engine, 0, 10)
-    engine.save_checkpoint(tmp, tag="step10", client_state={"epoch": 3, "note": "mid"})
-    losses = train(engine, 10, 20)
-    engine.save_checkpoint(tmp, tag="end_a", save_latest=False)
-    return losses
+def _uninterrupted(tmp: str) -> dict[int, list[float]]:
+    # every stage in one launch: forked ranks are cheap, process-group setups are not free
+    out = {}
+    for stage in STAGES:
+        d = f"{tmp}/s{stage}"
+        engine = make_engine(stage)
+        train(engine, 0, 10)
+        engine.save_checkpoint(d, tag="step10", client_state={"epoch": 3, "note": "mid"})
+        out[stage] = train(engine, 10, 20)
+        engine.save_checkpoint(d, tag="end_a", save_latest=False)
+    return out
 
 
-def _resumed(tmp: str, stage: int) -> tuple[list[float], dict, int]:
-    engine = make_engine(stage, seed=1234)  # different init: everything must come from the checkpoint
-    path, client = engine.load_checkpoint(tmp)  # 'latest' names step10
-    assert path.endswith("step10"), path
-    losses = train(engine, 10, 20)
-    engine.save_checkpoint(tmp, tag="end_b", save_latest=False)
-    return losses, client, engine.global_steps
+def _resumed(tmp: str) -> dict[int, tuple[list[float], dict, int]]:
+    out = {}
+    for stage in STAGES:
+        d = f"{tmp}/s{stage}"
+        engine = make_engine(stage, seed=1234)  # different init: everything must come from the checkpoint
+        torch.manual_seed(4321)  # and a different RNG: the checkpoint's must be restored
+        path, client = engine.load_checkpoint(d)  # 'latest' names step10
+        assert path.endswith("step10"), path
+        losses = train(engine, 10, 20)
+        engine.save_checkpoint(d, tag="end_b", save_latest=False)
+        out[stage] = (losses, client, engine.global_steps)
+    return out
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_exact_resume_bitwise(tmp_path, stage):
+def test_exact_resume_bitwise(tmp_path):
+    """Stages 0-3: train 10 steps, save, continue to 20; a new process group resumes bitwise."""
     from zero_core.checkpoint.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     tmp = str(tmp_path)
-    a = run_multirank(_uninterrupted, 2, args=(tmp, stage))
-    b = run_multirank(_resumed, 2, args=(tmp, stage))
-    for rank in range(2):
-        losses_b, client, steps = b[rank]
-        assert client == {"epoch": 3, "note": "mid"}
-        assert steps == 20
-        assert losses_b == a[rank], f"rank {rank}: resumed losses differ"
-    wa = get_fp32_state_dict_from_zero_checkpoint(tmp, tag="end_a")
-    wb = get_fp32_state_dict_from_zero_checkpoint(tmp, tag="end_b")
-    assert wa.keys() == wb.keys() and "counter" in wa
-    for k in wa:
-        assert torch.equal(wa[k], wb[k]), k
+    a = run_multirank(_uninterrupted, 2, args=(tmp,))
+    b = run_multirank(_resumed, 2, args=(tmp,))
+    for stage in STAGES:
+        for rank in range(2):
+            losses_b, client, steps = b[rank][stage]
+            assert client == {"epoch": 3, "note": "mid"}
+            assert steps == 20
+            assert losses_b == a[rank][stage], f"stage {stage} rank {rank}: resumed losses differ"
+        wa = get_fp32_state_dict_from_zero_checkpoint(f"{tmp}/s{stage}", tag="end_a")
+        wb = get_fp32_state_dict_from_zero_checkpoint(f"{tmp}/s{stage}", tag="end_b")
+        assert wa.keys() == wb.keys() and "counter" in wa
+        for k in wa:
+            assert torch.equal(wa[k], wb[k]), (stage, k)

@@ -9,7 +9,9 @@ import zlib
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401  (imported once here, not ~4 s in every forked rank)
 import torch.nn as nn
+import zero_core.engine  # noqa: F401
 from zero_core.testing import RankFailedError, run_multirank
 
 
@@ -84,6 +86,44 @@ def test_rank_killed_mid_write_leaves_previous_tag(tmp_path):
         return engine.global_steps
 
     assert run_multirank(_load_good, 2) == [1, 1]
+
+
+def _overwrite_then_die(tmp: str) -> None:
+    import torch.distributed as dist
+
+    engine = _engine()
+    _step(engine)
+    engine.save_checkpoint(tmp, tag="t")
+    _step(engine)
+    if (
+        dist.get_rank() == 0
+    ):  # rank 0 commits: killed after moving the old tag aside, before the new one lands
+        os.environ["ZERO_CHECKPOINT_KILL_AT"] = "between_renames"
+    engine.save_checkpoint(tmp, tag="t")
+
+
+def _load_then_overwrite(tmp: str) -> tuple[int, int]:
+    engine = _engine(2)
+    with pytest.warns(UserWarning, match="interrupted"):
+        path, _ = engine.load_checkpoint(tmp)
+    loaded = engine.global_steps
+    assert path.endswith(".t.old")
+    _step(engine)
+    engine.save_checkpoint(tmp, tag="t")  # the next save of the tag repairs the directory
+    return loaded, engine.global_steps
+
+
+def test_overwrite_killed_between_renames_stays_loadable(tmp_path):
+    tmp = str(tmp_path)
+    with pytest.raises(RankFailedError) as info:
+        run_multirank(_overwrite_then_die, 2, args=(tmp,), timeout=60)
+    assert "rank 0 exited with signal SIGKILL" in str(info.value)
+    assert open(tmp_path / "latest").read() == "t"
+    assert not (tmp_path / "t").exists() and (tmp_path / ".t.old" / "checkpoint.json").is_file()
+    assert len(_good_state(tmp)) == 4  # the standalone reader falls back too
+    assert run_multirank(_load_then_overwrite, 2, args=(tmp,)) == [(1, 2)] * 2
+    assert not (tmp_path / ".t.old").exists()
+    assert json.load(open(tmp_path / "t" / "checkpoint.json"))["global_steps"] == 2
 
 
 def _save_two_ranks(tmp: str) -> None:

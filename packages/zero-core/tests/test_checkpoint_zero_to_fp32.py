@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
+import pytest
 import torch
+import torch._dynamo  # noqa: F401  (imported once here, not ~4 s in every forked rank)
 import torch.nn as nn
+import zero_core.engine  # noqa: F401
 from safetensors.torch import load_file
 from zero_core.testing import run_multirank
 
@@ -51,11 +56,17 @@ def _train_and_gather(tmp: str) -> dict:
     return {**masters, **frozen} if dist.get_rank() == 0 else {}
 
 
-def test_conversion_equals_gathered_masters(tmp_path):
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[str, dict]:
+    """One 2-rank bf16 stage-2 checkpoint and its gathered masters, shared by this file's tests."""
+    ckpt = str(tmp_path_factory.mktemp("z2f") / "ckpt")
+    return ckpt, run_multirank(_train_and_gather, 2, args=(ckpt,))[0]
+
+
+def test_conversion_equals_gathered_masters(trained, tmp_path):
     from zero_core.checkpoint import zero_to_fp32 as z
 
-    ckpt = str(tmp_path / "ckpt")
-    expected = run_multirank(_train_and_gather, 2, args=(ckpt,))[0]
+    ckpt, expected = trained
     got = z.get_fp32_state_dict_from_zero_checkpoint(ckpt)
     assert set(got) == set(expected)
     for k, v in expected.items():
@@ -93,14 +104,43 @@ def test_conversion_equals_gathered_masters(tmp_path):
     assert z.main([ckpt, str(single), "--max-shard-size", "lots"]) == 1
 
 
-def test_inspect_and_clone_helpers(tmp_path):
+# Run the copy inside the checkpoint as a user would on a machine without zero_core: -I drops
+# PYTHONPATH and user site, and a None entry in sys.modules makes any `import zero_core` fail.
+_STANDALONE = (
+    "import runpy, sys\n"
+    "sys.modules['zero_core'] = None\n"
+    "try:\n    import zero_core\n    sys.exit('the zero_core block failed')\nexcept ImportError:\n    pass\n"
+    "sys.argv = sys.argv[1:]\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
+
+
+def test_copied_script_runs_without_zero_core(trained, tmp_path):
+    ckpt, expected = trained
+    script = os.path.join(ckpt, "global_step3", "zero_to_fp32.py")
+    out = tmp_path / "o" / "model.safetensors"
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", _STANDALONE, script, ckpt, str(out), "--max-shard-size", "1500", "-q"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    index = json.load(open(tmp_path / "o" / "model.safetensors.index.json"))
+    merged = {}
+    for s in sorted(set(index["weight_map"].values())):
+        merged.update(load_file(str(tmp_path / "o" / s)))
+    assert set(merged) == set(expected)
+    assert all(torch.equal(merged[k], v) for k, v in expected.items())
+
+
+def test_inspect_and_clone_helpers(trained):
     import collections
 
     from zero_core.checkpoint.inspect import describe
     from zero_core.checkpoint.utils import clone_tensors_for_torch_save
 
-    ckpt = str(tmp_path / "ckpt")
-    run_multirank(_train_and_gather, 2, args=(ckpt,))
+    ckpt, _ = trained
     text = describe(ckpt)
     assert "world_size 2 | zero stage 2" in text and "rank_00001.safetensors" in text and "OK" in text
     assert "parameters 590 in 6 tensors" in text

@@ -9,6 +9,16 @@ import json
 import pytest
 from zero_core.config import ConfigError, ZeroConfig, load_config
 
+
+@pytest.fixture(autouse=True)
+def builtin_sections_only(monkeypatch):
+    """Pin zero-core's own built-in section models: packages installed alongside (zero-pipe
+    registers a strict ``pipeline`` model) must not change what these tests check."""
+    from zero_core.config import sections
+
+    monkeypatch.setattr(sections, "_entry_points", {})
+
+
 CONFIG = {
     "train_batch_size": 16,
     "train_micro_batch_size_per_gpu": 4,

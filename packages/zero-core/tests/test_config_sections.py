@@ -24,6 +24,15 @@ from zero_core.config import (
 from zero_core.config.builtin_sections import PipelineConfig
 
 
+@pytest.fixture
+def builtin_sections_only(monkeypatch):
+    """Pin zero-core's own built-in section models: packages installed alongside (zero-pipe
+    registers a strict ``pipeline`` model) must not change what these tests check."""
+    from zero_core.config import sections
+
+    monkeypatch.setattr(sections, "_entry_points", {})
+
+
 class StrictPipeline(BaseModel):
     """What zero-pipe would register: strict, with its own fields and defaults."""
 
@@ -49,6 +58,7 @@ def clean_registry():
     refresh_entry_points()
 
 
+@pytest.mark.usefixtures("builtin_sections_only")
 def test_builtin_section_is_permissive():
     cfg = load_config(
         {
@@ -61,6 +71,7 @@ def test_builtin_section_is_permissive():
     assert cfg.to_dict()["pipeline"]["some_future_key"] == [1, 2]
 
 
+@pytest.mark.usefixtures("builtin_sections_only")
 def test_builtin_section_warns_about_likely_typos():
     with pytest.warns(UserWarning, match=r"pipeline\.seed_layer: unknown key, did you mean seed_layers\?"):
         cfg = load_config({"train_batch_size": 1, "pipeline": {"seed_layer": True}})
@@ -92,6 +103,7 @@ def test_registered_model_replaces_builtin():
     assert load_config(cfg.to_dict()) == cfg
 
 
+@pytest.mark.usefixtures("builtin_sections_only")
 def test_unregister_restores_builtin():
     register_config_section("pipeline", StrictPipeline)
     unregister_config_section("pipeline")

@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from zero_core.testing import run_multirank
 
 WIDTH, MICRO, WORLD, STEPS = 16, 4, 2, 5
@@ -48,7 +47,8 @@ def _run(checkpointed: bool) -> dict:
     torch.manual_seed(0)
     model = Net(checkpointed)
     cfg = {
-        "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**6,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "steps_per_print": 10**6,
         "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
     }
     if checkpointed:
@@ -69,8 +69,13 @@ def _run(checkpointed: bool) -> dict:
         norms.append(engine.get_global_grad_norm())
     with torch.no_grad():  # dropout is active: two forwards of the same batch differ
         dropout_active = engine(x, y).item() != engine(x, y).item()
-    return {"losses": losses, "norms": norms, "grads": grads, "dropout_active": dropout_active,
-            "state": {k: v.clone() for k, v in model.state_dict().items()}}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "grads": grads,
+        "dropout_active": dropout_active,
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+    }
 
 
 def _both() -> tuple[dict, dict]:

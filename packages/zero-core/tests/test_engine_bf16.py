@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from zero_core.testing import run_multirank
 
 VOCAB, MICRO, WORLD, STEPS, LR = 16, 4, 2, 10, 1e-2
@@ -70,7 +69,9 @@ def _train() -> dict:
     torch.manual_seed(0)
     model = Tiny()
     cfg = {
-        "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**6, "bf16": {"enabled": True},
+        "train_micro_batch_size_per_gpu": MICRO,
+        "steps_per_print": 10**6,
+        "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
     }
     engine, opt, _, _ = zero_core.initialize(model=model, config=cfg)
@@ -92,7 +93,8 @@ def _train() -> dict:
         "state_dtypes": {t.dtype for t in states},
         # the bf16 module holds the masters rounded to bf16
         "module_is_rounded_master": all(
-            torch.equal(p, m.to(torch.bfloat16)) for p, m in zip(model.parameters(), masters)),
+            torch.equal(p, m.to(torch.bfloat16)) for p, m in zip(model.parameters(), masters)
+        ),
     }
 
 
@@ -105,7 +107,9 @@ def test_bf16_matches_hand_written_mixed_precision():
         assert out["master_dtypes"] == {torch.float32}
         assert out["state_dtypes"] == {torch.float32}
         assert out["module_is_rounded_master"]
-        torch.testing.assert_close(torch.tensor(out["losses"]), torch.tensor(ref_losses), rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(
+            torch.tensor(out["losses"]), torch.tensor(ref_losses), rtol=RTOL, atol=ATOL
+        )
         assert out["losses"][-1] < out["losses"][0]
         for m, r, w0 in zip(out["masters"], ref_masters, init):
             torch.testing.assert_close(m, r, rtol=RTOL, atol=ATOL)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from zero_core.testing import run_multirank
 
 N, MICRO, WORLD = 27, 4, 2  # 27 items: 13 per rank after drop_last, 3 full micro-batches
@@ -30,8 +29,12 @@ def _epochs() -> dict:
 
     model = torch.nn.Linear(2, 2)
     engine, _, loader, _ = zero_core.initialize(
-        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), training_data=Indices(),
-        collate_fn=collate, config={"train_micro_batch_size_per_gpu": MICRO})
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        training_data=Indices(),
+        collate_fn=collate,
+        config={"train_micro_batch_size_per_gpu": MICRO},
+    )
     assert engine.training_dataloader is loader
     epochs = []
     for _ in range(2):

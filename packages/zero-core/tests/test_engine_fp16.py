@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from zero_core.testing import run_multirank
 
 VOCAB, MICRO, WORLD = 16, 2, 2
@@ -67,15 +66,25 @@ def _dynamic(consecutive: bool) -> dict:
     torch.manual_seed(0)
     model = Tiny()
     cfg = {
-        "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**6,
-        "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 3,
-                 "hysteresis": 2, "consecutive_hysteresis": consecutive, "min_loss_scale": 64},
+        "train_micro_batch_size_per_gpu": MICRO,
+        "steps_per_print": 10**6,
+        "fp16": {
+            "enabled": True,
+            "loss_scale": 0,
+            "initial_scale_power": 8,
+            "loss_scale_window": 3,
+            "hysteresis": 2,
+            "consecutive_hysteresis": consecutive,
+            "min_loss_scale": 64,
+        },
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
     }
     engine, opt, _, _ = zero_core.initialize(model=model, config=cfg)
     out: dict = {"scales": [], "changed": [], "skipped": [], "steps": [], "lr": []}
-    out["dtypes"] = ({p.dtype for p in model.parameters()},
-                     {p.dtype for g in opt.param_groups for p in g["params"]})
+    out["dtypes"] = (
+        {p.dtype for p in model.parameters()},
+        {p.dtype for g in opt.param_groups for p in g["params"]},
+    )
     real_flag = engine.strategy.local_overflow
     for it in range(STEPS):
         kind = OVERFLOWS.get(it)
@@ -88,8 +97,9 @@ def _dynamic(consecutive: bool) -> dict:
         engine.step()
         out["scales"].append(engine.loss_scaler.loss_scale)
         changed_model = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
-        changed_master = any(not torch.equal(b, p) for b, p in
-                             zip(masters, [p for g in opt.param_groups for p in g["params"]]))
+        changed_master = any(
+            not torch.equal(b, p) for b, p in zip(masters, [p for g in opt.param_groups for p in g["params"]])
+        )
         out["changed"].append((changed_model, changed_master))
         out["skipped"].append(engine.skipped_steps)
         out["steps"].append(engine.global_steps)
@@ -122,7 +132,8 @@ def _static(scale: float) -> dict:
     torch.manual_seed(0)
     model = Tiny()
     cfg = {
-        "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**6,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "steps_per_print": 10**6,
         "fp16": {"enabled": True, "loss_scale": scale},
         "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
     }
@@ -132,7 +143,8 @@ def _static(scale: float) -> dict:
         engine.backward(engine(x, y))
         engine.step()
     return {
-        "dynamic": engine.loss_scaler.dynamic, "scale": engine.loss_scaler.loss_scale,
+        "dynamic": engine.loss_scaler.dynamic,
+        "scale": engine.loss_scaler.loss_scale,
         "masters": [p.detach().clone() for g in opt.param_groups for p in g["params"]],
     }
 

@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from zero_core.testing import run_multirank
 
 VOCAB = 16
@@ -83,21 +82,43 @@ def _config_sources(path: str) -> dict[str, int]:
 
     opt = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
     out = {}
-    out["dict"] = zero_core.initialize(model=Tiny(), optimizer=opt, config=_cfg(train_micro_batch_size_per_gpu=3))
+    out["dict"] = zero_core.initialize(
+        model=Tiny(), optimizer=opt, config=_cfg(train_micro_batch_size_per_gpu=3)
+    )
     out["path"] = zero_core.initialize(model=Tiny(), optimizer=opt, config=path)
     out["config_params"] = zero_core.initialize(model=Tiny(), optimizer=opt, config_params=path)
     out["args.zero_config"] = zero_core.initialize(
-        args=argparse.Namespace(zero_config=path), model=Tiny(), optimizer=opt)
+        args=argparse.Namespace(zero_config=path), model=Tiny(), optimizer=opt
+    )
     out["args.deepspeed_config"] = zero_core.initialize(
-        args=argparse.Namespace(deepspeed_config=path), model=Tiny(), optimizer=opt)
-    return {k: v[0].train_micro_batch_size_per_gpu() for k, v in out.items()}
+        args=argparse.Namespace(deepspeed_config=path), model=Tiny(), optimizer=opt
+    )
+    micro = {k: v[0].train_micro_batch_size_per_gpu() for k, v in out.items()}
+    # stage 0's bucket size: 25 MiB of fp32 unless reduce_bucket_size is given (see [Note: gradient buckets])
+    buckets = {}
+    for name, zc in (
+        ("default", {"stage": 0}),
+        ("explicit", {"stage": 0, "reduce_bucket_size": 500_000_000}),
+    ):
+        big = nn.Sequential(nn.Linear(2600, 2600), nn.Linear(2600, 2600))  # 6.76M elements each
+        engine = zero_core.initialize(model=big, optimizer=opt, config=_cfg(zero_optimization=zc))[0]
+        buckets[name] = len(engine.strategy.reducers[0].buckets)
+    return {**micro, "buckets": buckets}
 
 
 def test_config_from_dict_path_args_and_config_params(tmp_path):
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(_cfg(train_micro_batch_size_per_gpu=5)))
     (micro,) = run_multirank(_config_sources, 1, args=(str(path),))
-    assert micro == {"dict": 3, "path": 5, "config_params": 5, "args.zero_config": 5, "args.deepspeed_config": 5}
+    # default: each 6.76M weight exceeds 25 MiB of fp32, so bias, weight, bias, weight get a bucket each
+    assert micro.pop("buckets") == {"default": 4, "explicit": 1}
+    assert micro == {
+        "dict": 3,
+        "path": 5,
+        "config_params": 5,
+        "args.zero_config": 5,
+        "args.deepspeed_config": 5,
+    }
 
 
 # -- optimizers: client object, callable, config section ---------------------------------
@@ -113,14 +134,16 @@ def _optimizer_sources() -> dict[str, str]:
 
     model = Tiny()
     engine, opt, _, _ = zero_core.initialize(
-        model=model, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.25), config=_cfg())
+        model=model, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.25), config=_cfg()
+    )
     assert {id(p) for p in opt.param_groups[0]["params"]} == {id(p) for p in model.parameters()}
     out["callable"] = f"{type(opt).__name__}@{opt.param_groups[0]['lr']}"
 
     for name in ("Adam", "AdamW", "SGD", "Adagrad", "Lamb"):
         model = Tiny()
         _, opt, _, _ = zero_core.initialize(
-            model=model, config=_cfg(optimizer={"type": name, "params": {"lr": 0.01}}))
+            model=model, config=_cfg(optimizer={"type": name, "params": {"lr": 0.01}})
+        )
         out[name] = type(opt).__name__
         # the engine trains with it: parameters move
         before = [p.detach().clone() for p in model.parameters()]
@@ -133,8 +156,10 @@ def _optimizer_sources() -> dict[str, str]:
     # model_parameters restricts what the config-built optimizer sees
     model = Tiny()
     _, opt, _, _ = zero_core.initialize(
-        model=model, model_parameters=model.head.parameters(),
-        config=_cfg(optimizer={"type": "SGD", "params": {"lr": 0.01}}))
+        model=model,
+        model_parameters=model.head.parameters(),
+        config=_cfg(optimizer={"type": "SGD", "params": {"lr": 0.01}}),
+    )
     out["model_parameters"] = str(len(opt.param_groups[0]["params"]))
     return out
 
@@ -142,8 +167,14 @@ def _optimizer_sources() -> dict[str, str]:
 def test_optimizer_client_callable_and_config():
     (out,) = run_multirank(_optimizer_sources, 1)
     assert out == {
-        "client": "Adagrad", "callable": "SGD@0.25", "Adam": "AdamW", "AdamW": "AdamW",
-        "SGD": "SGD", "Adagrad": "Adagrad", "Lamb": "Lamb", "model_parameters": "2",
+        "client": "Adagrad",
+        "callable": "SGD@0.25",
+        "Adam": "AdamW",
+        "AdamW": "AdamW",
+        "SGD": "SGD",
+        "Adagrad": "Adagrad",
+        "Lamb": "Lamb",
+        "model_parameters": "2",
     }
 
 
@@ -181,8 +212,11 @@ def _scheduler_sources() -> dict[str, object]:
 
     model = Tiny()
     engine, _, _, sched = zero_core.initialize(
-        model=model, optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0),
-        lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (s + 1)), config=_cfg())
+        model=model,
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0),
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (s + 1)),
+        config=_cfg(),
+    )
     assert isinstance(sched, torch.optim.lr_scheduler.LambdaLR) and sched.optimizer is engine.optimizer
     _train(engine, 3)
     out["callable"] = engine.get_lr()  # 1 / 4
@@ -190,12 +224,15 @@ def _scheduler_sources() -> dict[str, object]:
     params = {"warmup_min_lr": 0.0, "warmup_max_lr": 0.1, "warmup_num_steps": 10, "warmup_type": "linear"}
     model = Tiny()
     engine, _, _, sched = zero_core.initialize(
-        model=model, config=_cfg(optimizer={"type": "SGD", "params": {"lr": 0.5}},
-                                 scheduler={"type": "WarmupLR", "params": params}))
+        model=model,
+        config=_cfg(
+            optimizer={"type": "SGD", "params": {"lr": 0.5}}, scheduler={"type": "WarmupLR", "params": params}
+        ),
+    )
     assert isinstance(sched, WarmupLR)
     twin = WarmupLR(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.5), **params)
     lrs, twin_lrs = [], []
-    for s in range(4):
+    for _ in range(4):
         lrs.append(engine.get_lr()[0])
         twin_lrs.append(twin.get_lr()[0])
         _train(engine, 1)
@@ -204,8 +241,11 @@ def _scheduler_sources() -> dict[str, object]:
 
     model = Tiny()
     engine, _, _, sched = zero_core.initialize(
-        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), lr_scheduler=RecordingScheduler,
-        config=_cfg(gradient_accumulation_steps=2))
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        lr_scheduler=RecordingScheduler,
+        config=_cfg(gradient_accumulation_steps=2),
+    )
     x, y = _batch(0, MICRO)
     engine.backward(engine(x, y))
     engine.step(lr_kwargs={"lr": 0.125})  # not a boundary: the scheduler is not stepped
@@ -251,8 +291,10 @@ def _engine_api() -> dict:
     torch.manual_seed(0)
     model = Tiny()
     engine, _, _, _ = zero_core.initialize(
-        model=model, optimizer=lambda ps: torch.optim.Adam(ps, lr=0.05),
-        config=_cfg(gradient_accumulation_steps=GAS, gradient_clipping=CLIP))
+        model=model,
+        optimizer=lambda ps: torch.optim.Adam(ps, lr=0.05),
+        config=_cfg(gradient_accumulation_steps=GAS, gradient_clipping=CLIP),
+    )
     assert engine.module is model
     assert norm_before_any_step(engine) is None
     out: dict = {"boundaries": [], "steps": [], "samples": [], "norms": []}
@@ -269,8 +311,11 @@ def _engine_api() -> dict:
             out["steps"].append(engine.global_steps)
             out["samples"].append(engine.global_samples)
         out["norms"].append(engine.get_global_grad_norm())
-    out["sizes"] = (engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(),
-                    engine.gradient_accumulation_steps())
+    out["sizes"] = (
+        engine.train_batch_size(),
+        engine.train_micro_batch_size_per_gpu(),
+        engine.gradient_accumulation_steps(),
+    )
     engine.eval()
     out["eval"] = (engine.training, model.training)
     engine.train()

@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from zero_core.testing import run_multirank
 
 VOCAB, MICRO, WORLD, STEPS, EVERY = 16, 2, 2, 4, 2
@@ -37,7 +36,9 @@ def _train(out_dir: str) -> dict:
     rank = comm.get_rank()
     torch.manual_seed(0)
     cfg = {
-        "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": EVERY, "wall_clock_breakdown": True,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "steps_per_print": EVERY,
+        "wall_clock_breakdown": True,
         "fp16": {"enabled": True, "initial_scale_power": 8},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "tensorboard": {"enabled": True, "output_path": os.path.join(out_dir, "tb"), "job_name": "job"},
@@ -97,7 +98,9 @@ def test_engine_writes_tensorboard_csv_and_wandb(tmp_path):
         assert all(abs(v - mem_mb[r]) < 1e-3 for _, v in series)
         from_csv = _read_csv(str(tmp_path / "csv" / "job" / f"Train_Memory_model_states_MB_rank{r}.csv"))
         assert [s for s, _ in from_csv] == printed_at
-    assert [v for _, v in tb["Train/Memory/model_states_MB_max"]] == pytest.approx([max(mem_mb)] * len(printed_at))
+    assert [v for _, v in tb["Train/Memory/model_states_MB_max"]] == pytest.approx(
+        [max(mem_mb)] * len(printed_at)
+    )
     assert mem_mb[0] > 0
 
     # only rank 0 writes: one TensorBoard event file, one W&B offline run

@@ -8,7 +8,6 @@ import types
 
 import pytest
 import torch
-
 from zero_core import plugins
 from zero_core.optim import Lamb, build_optimizer
 
@@ -61,13 +60,18 @@ def _fake_importlib(present: dict[str, types.ModuleType] | None) -> types.Simple
             return present[name]
         return importlib.import_module(name)
 
-    return types.SimpleNamespace(util=types.SimpleNamespace(find_spec=find_spec), import_module=import_module,
-                                 metadata=importlib.metadata)
+    return types.SimpleNamespace(
+        util=types.SimpleNamespace(find_spec=find_spec),
+        import_module=import_module,
+        metadata=importlib.metadata,
+    )
 
 
 def test_cpu_adam_without_zero_ops_names_the_package(monkeypatch):
     monkeypatch.setattr(plugins, "importlib", _fake_importlib(None))
-    with pytest.raises(plugins.MissingPackageError, match=r"optimizer type CPUAdam needs the 'zero-ops' package"):
+    with pytest.raises(
+        plugins.MissingPackageError, match=r"optimizer type CPUAdam needs the 'zero-ops' package"
+    ):
         build_optimizer(_params(), "CPUAdam", {"lr": 1e-3})
     with pytest.raises(plugins.MissingPackageError, match="pip install zero-ops"):
         build_optimizer(_params(), "DeepSpeedCPUAdam", {"lr": 1e-3})
@@ -110,16 +114,27 @@ def _reference_lamb(ws, grads_per_step, lr, b1, b2, eps, wd, max_coeff, min_coef
     return ws
 
 
-@pytest.mark.parametrize("wd,bias_correction,max_coeff,min_coeff", [(0.0, True, 10.0, 0.01), (0.1, False, 0.5, 0.3)])
+@pytest.mark.parametrize(
+    "wd,bias_correction,max_coeff,min_coeff", [(0.0, True, 10.0, 0.01), (0.1, False, 0.5, 0.3)]
+)
 def test_lamb_matches_fused_lamb_formula(wd, bias_correction, max_coeff, min_coeff):
     params = _params()  # a random matrix and a zero bias (trust ratio 1 on the first step)
     init = [p.detach().clone() for p in params]
     g = torch.Generator().manual_seed(1)
     grads = [[torch.randn(p.shape, generator=g) for p in params] for _ in range(6)]
-    opt = build_optimizer(params, "Lamb", {
-        "lr": 0.05, "betas": [0.9, 0.99], "eps": 1e-6, "weight_decay": wd,
-        "bias_correction": bias_correction, "max_coeff": max_coeff, "min_coeff": min_coeff,
-    })
+    opt = build_optimizer(
+        params,
+        "Lamb",
+        {
+            "lr": 0.05,
+            "betas": [0.9, 0.99],
+            "eps": 1e-6,
+            "weight_decay": wd,
+            "bias_correction": bias_correction,
+            "max_coeff": max_coeff,
+            "min_coeff": min_coeff,
+        },
+    )
     for step_grads in grads:
         for p, gr in zip(params, step_grads):
             p.grad = gr.clone()

@@ -2,7 +2,9 @@
 
 Memory (bf16 + Adam, Ψ trainable parameters, N ranks), from ``engine.memory_breakdown()``
 (live tensors), bucket buffers listed apart: stage 1 ≈ 2Ψ + 2Ψ + 12Ψ/N bytes, stage 2 ≈
-2Ψ + (2Ψ + 12Ψ)/N. Communication per fp32 step, from the comms logger: ≈ Ψ elements
+2Ψ + (2Ψ + 12Ψ)/N. In fp32 with one bucket per group the master shard aliases the fp32
+parameters ([Note: fp32 master aliasing]): stage 1 ≈ 4Ψ + 4Ψ + 8Ψ/N, stage 2 ≈ 4Ψ + 12Ψ/N,
+which is at most 45% of data parallel's 16Ψ at N = 4. Communication per fp32 step, from the comms logger: ≈ Ψ elements
 reduce-scattered and Ψ all-gathered (4Ψ bytes each), like data parallel's all-reduce.
 """
 
@@ -57,6 +59,11 @@ def _measure() -> dict:
             _micro_step(engine, torch.bfloat16, step=False)  # gradients are live now
             out[("mem", stage, overlap)] = (psi, engine.memory_breakdown())
             engine.step()
+        engine, psi = _engine(stage, "fp32", bucket=10**9, overlap=True)
+        _micro_step(engine, torch.float32)
+        _micro_step(engine, torch.float32, step=False)
+        out[("mem32", stage)] = (psi, engine.memory_breakdown(), engine.strategy.master_aliases_params)
+        engine.step()
         engine, psi = _engine(stage, "fp32", bucket=3000, overlap=True)
         _micro_step(engine, torch.float32)
         comm.comms_logger.reset()
@@ -95,6 +102,26 @@ def test_stage12_memory_and_comm_volume_match_theory(world: int) -> None:
                 assert abs(total - formula) <= 0.05 * formula, where
                 # bucket buffers are listed apart and bounded by the bucket size (here: freed after backward)
                 assert 0 <= mem["buffers"] <= 3 * 4000 * 4, where
+            psi, mem, aliased = res[("mem32", stage)]
+            assert aliased, f"rank {rank} stage {stage}: fp32 master is a copy with a single bucket"
+            expect = {
+                "parameters": 4 * psi,
+                "gradients": 4 * psi if stage == 1 else 4 * psi / n,
+                "master_weights": 0,
+                "optimizer_states": 8 * psi / n,
+            }
+            where = f"rank {rank}, stage {stage}, fp32: {mem}"
+            for key, want in expect.items():
+                assert abs(mem[key] - want) <= 0.05 * max(want, 4 * psi / n), (
+                    f"{key}: {mem[key]} vs {want:.0f}; {where}"
+                )
+            total = sum(mem[k] for k in expect)
+            formula = 8 * psi + 8 * psi / n if stage == 1 else 4 * psi + 12 * psi / n
+            assert abs(total - formula) <= 0.05 * formula, where
+            if stage == 2 and n == 4:
+                assert total <= 0.45 * 16 * psi, (
+                    f"stage 2 fp32 at N=4 holds {total / (16 * psi):.3f} of DDP; {where}"
+                )
             psi, rs, ag, ar = res[("comm", stage)]
             assert abs(rs - 4 * psi) <= 0.05 * 4 * psi, (
                 f"rank {rank} stage {stage}: reduce-scattered {rs} B, Ψ={psi}"

@@ -3,10 +3,15 @@
 Each launch runs many configurations in the same ranks (a launch costs 1-2 s here). The
 model's trainable parameter count (2887) divides by neither 2 nor 4, so the padding of
 [Note: padding] is exercised; bucket sizes 60 and 100 are smaller than the largest parameters
-(512 and 768 elements), which are then split over several buckets.
+(512 and 768 elements), which are then split over several buckets. With one bucket per group
+the fp32 master shard aliases the parameters ([Note: fp32 master aliasing]); with several it is
+a copy: both paths are checked. ``round_robin_gradients`` is a documented no-op here
+([Note: round_robin_gradients]): it trains identically and logs one info message per process.
 """
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
@@ -121,11 +126,29 @@ def _train(case: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
         t = torch.tensor([engine.last_loss])
         comm.all_reduce(t)
         losses.append(t.item() / world)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, state, engine.strategy.master_aliases_params
 
 
-def _run_cases(cases: list[dict]) -> list:
-    return [_train(c) for c in cases]
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _run_cases(cases: list[dict]) -> tuple[list, list[str]]:
+    log = logging.getLogger("zero_core.zero.stage_1_and_2")
+    handler = _Records()
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        results = [_train(c) for c in cases]
+    finally:
+        log.removeHandler(handler)
+    return results, [m for m in handler.messages if "round_robin_gradients" in m]
 
 
 BIG = 10**9
@@ -154,7 +177,7 @@ CASES_2 = [
         clip=0.0,
         bucket=400,
         overlap=True,
-        zero={"reduce_scatter": False, "allgather_partitions": False},
+        zero={"reduce_scatter": False, "allgather_partitions": False, "round_robin_gradients": True},
     ),
     dict(
         stage=1,
@@ -185,11 +208,18 @@ CASES_4 = [
 @pytest.mark.parametrize("world,cases", [(2, CASES_2), (4, CASES_4)], ids=["world2", "world4"])
 def test_stage12_matches_single_process(world: int, cases: list[dict]) -> None:
     results = run_multirank(_run_cases, world, args=(cases,), timeout=240)
+    round_robin = any(c.get("zero", {}).get("round_robin_gradients") for c in cases)
+    for rank, (_, messages) in enumerate(results):
+        # accepted, and said once per process however many engines use it
+        assert len(messages) == (1 if round_robin else 0), (rank, messages)
+        if round_robin:
+            assert "no effect" in messages[0], messages
     for ci, case in enumerate(cases):
         ref_losses, ref_state = _reference(world, case)
-        for rank, per_rank in enumerate(results):
-            losses, state = per_rank[ci]
+        for rank, (per_rank, _) in enumerate(results):
+            losses, state, aliased = per_rank[ci]
             where = f"case {case}, rank {rank}"
+            assert aliased == (case["bucket"] == BIG), f"fp32 master aliasing: {aliased}; {where}"
             torch.testing.assert_close(
                 torch.tensor(losses),
                 torch.tensor(ref_losses),

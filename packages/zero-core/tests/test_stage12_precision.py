@@ -3,7 +3,8 @@
 An inf injected into one rank's gradient lands in (at least) one rank's reduced partition;
 the overflow decision is global, so every rank skips the step, leaves parameters and
 optimizer states untouched and halves the loss scale (hysteresis 1 here; see
-[Note: loss scaling]). bf16 training lowers the loss.
+[Note: loss scaling]). bf16 training lowers the loss. ``safe_get_full_grad`` /
+``safe_get_local_grad`` under fp16 return the gradient of the unscaled loss.
 """
 
 from __future__ import annotations
@@ -40,12 +41,42 @@ def _batch(step: int, rank: int, dtype: torch.dtype):
     return x.to(dtype), (x[:, :3] * 0.5).to(dtype)
 
 
+def _unscaled_grad(stage: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    from zero_core.zero.debug_access import safe_get_full_grad, safe_get_local_grad
+
+    engine, model = _engine(stage, "fp16")
+    # The engine is expected to do this binding itself (zero_core.engine); doing it here keeps
+    # the test independent of that wiring.
+    engine.strategy.bind_loss_scaler(engine.loss_scaler)
+    x, y = _batch(0, rank, torch.float16)
+    engine.backward((engine(x).float() - y.float()).pow(2).mean())
+    w = model[2].weight
+    full, local = safe_get_full_grad(w), safe_get_local_grad(w)
+    engine.step()
+    return full, local, engine.loss_scaler.loss_scale
+
+
+def _fp32_reference_grad(world: int) -> torch.Tensor:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, 3))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.half().float())  # the weights the fp16 engine starts from
+    loss = 0.0
+    for r in range(world):
+        x, y = _batch(0, r, torch.float16)
+        loss = loss + (model(x.float()) - y.float()).pow(2).mean() / world
+    loss.backward()
+    return model[2].weight.grad
+
+
 def _run() -> dict:
     from zero_core import comm
 
     rank = comm.get_rank()
     out: dict = {}
     for stage in (1, 2):
+        out[("grad", stage)] = _unscaled_grad(stage, rank)
         engine, model = _engine(stage, "fp16")
         poison = {"on": False}
         target = model[2].weight
@@ -88,7 +119,20 @@ def _run() -> dict:
 
 def test_stage12_fp16_overflow_skips_everywhere_and_bf16_trains() -> None:
     results = run_multirank(_run, 2, timeout=120)
+    ref_grad = _fp32_reference_grad(2)
     for stage in (1, 2):
+        for res in results:
+            full, local, scale = res[("grad", stage)]
+            assert scale == 256.0
+            # fp16 rounding only: a still-scaled gradient would be 256 times larger
+            torch.testing.assert_close(
+                full, ref_grad, rtol=2e-2, atol=2e-3, msg=lambda m, stage=stage: f"stage {stage}: {m}"
+            )
+            assert 0 < local.numel() < full.numel()
+            # the local part is unscaled too (its elements are among the full gradient's)
+            assert 0 < local.abs().max() <= full.abs().max() * (1 + 1e-6), (
+                f"stage {stage}: local grad is scaled"
+            )
         for rank, res in enumerate(results):
             scales, skipped, changed, _ = res[("fp16", stage)]
             assert scales == [256.0, 256.0, 128.0, 128.0], (stage, rank, scales)

@@ -122,10 +122,25 @@ def _rank(kind: str, world: int, save_dir: str) -> tuple:
     return losses, logits, saved, largest_local
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "bert"])
-def test_hf_model_under_stage3(kind: str, tmp_path: os.PathLike) -> None:
+KINDS = ["gpt2", "llama", "bert"]
+
+
+def _all_kinds(world: int, save_dir: str) -> list:
+    return [_rank(kind, world, os.path.join(save_dir, kind)) for kind in KINDS]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[list, str]:
+    """All three models trained in one 2-rank launch (launches dominate the suite's time)."""
+    save_dir = str(tmp_path_factory.mktemp("hf"))
+    return run_multirank(_all_kinds, 2, args=(2, save_dir), timeout=240), save_dir
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hf_model_under_stage3(kind: str, trained: tuple[list, str]) -> None:
     world = 2
-    got = run_multirank(_rank, world, args=(kind, world, str(tmp_path)), timeout=150)
+    results, save_dir = trained
+    got = [r[KINDS.index(kind)] for r in results]
     ref = _reference(kind, world)
     for r in range(world):
         losses, _, saved, largest_local = got[r]
@@ -136,7 +151,7 @@ def test_hf_model_under_stage3(kind: str, tmp_path: os.PathLike) -> None:
     from safetensors.torch import load_file
 
     fresh = _build(kind)
-    fresh.load_state_dict(load_file(os.path.join(tmp_path, "model.safetensors")), strict=True)
+    fresh.load_state_dict(load_file(os.path.join(save_dir, kind, "model.safetensors")), strict=True)
     fresh.eval()
     with torch.no_grad():
         logits = fresh(input_ids=_data(world)[0, 0]).logits

@@ -70,5 +70,58 @@ def test_bad_arguments() -> None:
         zi.init_inference(M.gpt2(), config=3)
     with pytest.raises(RuntimeError, match="needs torch.distributed initialised"):
         zi.init_inference(M.gpt2(), tensor_parallel={"tp_size": 2})
-    with pytest.raises(ValueError, match="no fused kernels for BertForMaskedLM"):
-        zi.init_inference(M.bert(), replace_with_kernel_inject=True, dtype="fp32")
+    with pytest.raises(ValueError, match="no fused kernels for Sequential"):
+        zi.init_inference(torch.nn.Sequential(torch.nn.Linear(4, 4)), replace_with_kernel_inject=True)
+
+
+def test_return_tuple() -> None:
+    x = M.ids()
+    as_tuple = zi.init_inference(M.gpt2(), dtype="fp32", kernel_inject=True)(x)
+    assert isinstance(as_tuple, tuple) and len(as_tuple) == 1 and as_tuple[0] is as_tuple.logits
+    bare = zi.init_inference(M.gpt2(), dtype="fp32", kernel_inject=True, return_tuple=False)(x)
+    assert isinstance(bare, torch.Tensor) and torch.equal(bare, as_tuple.logits)
+    bert = zi.init_inference(M.bert(), dtype="fp32", kernel_inject=True, return_tuple=False)(x)
+    assert isinstance(bert, torch.Tensor) and bert.shape == (2, 7, 96)
+
+
+def test_set_empty_params(tmp_path) -> None:
+    x = M.ids()
+    with torch.no_grad():
+        want = M.llama()(x).logits
+    M.llama().save_pretrained(tmp_path)
+    # With a checkpoint: the given values are dropped and the checkpoint fills the parameters.
+    filled = zi.init_inference(M.llama(seed=7), dtype="fp32", set_empty_params=True, checkpoint=str(tmp_path))
+    assert torch.equal(filled(x).logits, want)
+    # Without one: parameters are fresh uninitialised tensors for the caller to fill.
+    model = M.llama(seed=7)
+    before = {n: p.data_ptr() for n, p in model.named_parameters()}
+    empty = zi.init_inference(model, dtype="fp32", set_empty_params=True)
+    assert all(p.data_ptr() != before[n] for n, p in empty.module.named_parameters())
+    empty.module.load_state_dict(M.llama().state_dict())
+    assert torch.equal(empty(x).logits, want)
+
+
+@pytest.mark.parametrize(
+    "model, kwargs, message",
+    [
+        (M.gpt2, {"return_tuple": False}, "return_tuple: only the kernel-injected forward"),
+        (M.gpt2, {"tm": True}, "triangular_masking: only the kernel-injected attention"),
+        (
+            M.gpt2,
+            {"kernel_inject": True, "triangular_masking": False},
+            "false does not apply to the causal gpt2",
+        ),
+        (M.bert, {"kernel_inject": True, "triangular_masking": True}, "true does not apply to bert encoders"),
+        (M.gpt2, {"dtype": "int8", "quant": {"activation": {"num_bits": 8}}}, "quant.activation: activation"),
+        (M.gpt2, {"transposed_mode": True}, "transposed_mode: true is not supported"),
+    ],
+)
+def test_settings_that_do_not_apply(model, kwargs: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        zi.init_inference(model(), **{"dtype": "fp32", **kwargs})
+
+
+def test_settings_that_apply_are_accepted() -> None:
+    zi.init_inference(M.gpt2(), dtype="fp32", kernel_inject=True, triangular_masking=True)
+    zi.init_inference(M.bert(), dtype="fp32", kernel_inject=True, tm=False)
+    zi.init_inference(M.gpt2(), dtype="int8", quant={"activation": {"enabled": False}})

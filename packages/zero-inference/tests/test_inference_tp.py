@@ -67,6 +67,47 @@ def _tp_checks(tp: int, ckpt_dir: str) -> dict[str, float | bool]:
     with torch.no_grad():
         out["reload_logits"] = _close(reloaded(x).logits, M.gpt2()(x).logits)
     out["shard_numel"] = sum(p.numel() for p in reloaded.module.transformer.h.parameters())
+    # Re-slicing the saved shards for another tp_size (see [Note: re-sharding a TP checkpoint]).
+    with zi.empty_model():
+        empty = M.gpt2(seed=5)
+    whole = zi.init_inference(empty, dtype="fp32", checkpoint=ckpt_dir)  # tp_size=1 from tp shards
+    with torch.no_grad():
+        out["reshard_to_1_logits"] = _close(whole(x).logits, M.gpt2()(x).logits)
+    if tp == 4:  # tp=4 shards into two tp=2 groups
+        groups = [torch.distributed.new_group([0, 1]), torch.distributed.new_group([2, 3])]
+        rank = torch.distributed.get_rank()
+        for make, sub in [(M.gpt2, "tp4"), (lambda seed=0: M.llama(seed, vocab=90), "tp4_llama")]:
+            if sub == "tp4_llama":
+                zi.init_inference(
+                    make(),
+                    tensor_parallel={"tp_size": 4},
+                    dtype="fp32",
+                    save_mp_checkpoint_path=ckpt_dir + sub,
+                )
+                torch.distributed.barrier()
+            with zi.empty_model():
+                empty = make(seed=5)
+            half = zi.init_inference(
+                empty,
+                tensor_parallel={"tp_size": 2, "tp_group": groups[rank // 2]},
+                dtype="fp32",
+                checkpoint=ckpt_dir if sub == "tp4" else ckpt_dir + sub,
+            )
+            with torch.no_grad():
+                out[f"reshard_4_to_2_{sub}_logits"] = _close(half(x).logits, make()(x).logits)
+    if tp == 2:
+        # An unsharded (tp_size=1) save reloaded at tp_size=2.
+        one_dir = f"{ckpt_dir}_one_{torch.distributed.get_rank()}"
+        zi.init_inference(M.llama(vocab=90), dtype="fp32", save_mp_checkpoint_path=one_dir)
+        with zi.empty_model():
+            empty = M.llama(seed=5, vocab=90)
+        two = zi.init_inference(empty, tensor_parallel={"tp_size": 2}, dtype="fp32", checkpoint=one_dir)
+        with torch.no_grad():
+            out["reshard_1_to_2_logits"] = _close(two(x).logits, M.llama(vocab=90)(x).logits)
+        # BERT kernel injection composes with tensor parallelism.
+        bert = zi.init_inference(M.bert(), tensor_parallel={"tp_size": 2}, dtype="fp32", kernel_inject=True)
+        with torch.no_grad():
+            out["bert_inject_logits"] = _close(bert(x).logits, M.bert()(x).logits)
     return out
 
 

@@ -175,7 +175,7 @@ def _engine_worker(stage: int) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("stage", [0])
+@pytest.mark.parametrize("stage", [0, 1, 2])
 def test_engine_training_matches_single_process(stage):
     losses = run_multirank(_engine_worker, 2, args=(stage,), timeout=180)
     assert losses[0] != losses[1]

@@ -73,6 +73,22 @@ void LibaioQueue::run(AioRequest& r, int64_t first, int64_t count, bool single_s
     while (done < n) {
       const int rc = io_submit(as_ctx(ctx_), n - done, cbs + done);
       if (rc == -EINTR || rc == -EAGAIN) continue;
+      if (rc == -EINVAL) {
+        // The file does not support kernel AIO (a character device, some FUSE file systems):
+        // move this block synchronously on the buffered descriptor and carry on.
+        Slot* slot = static_cast<Slot*>(cbs[done]->data);
+        const AioRequest::Block blk = r.block(slot->block);
+        free_slots.push_back(static_cast<int>(slot - slots.data()));
+        ++done;
+        if (!r.transfer_sync(r.fd_buffered, blk.buf, blk.len, blk.file_off)) {
+          for (int i = done; i < n; ++i) {
+            free_slots.push_back(static_cast<int>(static_cast<Slot*>(cbs[i]->data) - slots.data()));
+          }
+          return false;
+        }
+        buffered_bytes += blk.len;
+        continue;
+      }
       if (rc < 0) {
         r.fail(-rc, std::string("io_submit failed for '") + r.path + "': " + std::strerror(-rc));
         // Slots not accepted by the kernel go back to the free list.

@@ -6,18 +6,25 @@ import os
 
 import pytest
 import torch
-from zero_ops import _native
+from zero_ops import _native, op_report
 from zero_ops.aio import AsyncIOHandle, aligned_empty, is_aligned
 from zero_ops.aio._threadpool import ThreadPoolEngine
 
 
 def _engines():
-    engines = ["native"] if _native.native() is not None else []
+    """Every backend that can run here: both native ones when kernel AIO works, and the fallback."""
+    C = _native.native()
+    engines = []
+    if C is not None:
+        engines.append("threads")
+        if C.libaio_compiled() and not C.libaio_probe():
+            engines.append("libaio")
     return engines + ["python"]
 
 
 def _handle(engine: str, **kw) -> AsyncIOHandle:
-    h = AsyncIOHandle(**kw)
+    h = AsyncIOHandle(**kw, engine="threads" if engine == "python" else engine)
+    assert engine == "python" or h.get_engine() == engine
     if engine == "python":  # the fallback engine, exercised even when the native one is built
         h._engine = ThreadPoolEngine(
             h.get_block_size(),
@@ -32,14 +39,19 @@ def _handle(engine: str, **kw) -> AsyncIOHandle:
 
 @pytest.fixture(params=_engines())
 def engine(request):
-    if request.param == "native" and _native.native() is None:
-        pytest.fail("native extension not built")
     return request.param
 
 
-@pytest.mark.parametrize("single_submit", [False, True])
-def test_round_trip_odd_sizes_and_offsets(engine, tmp_path, single_submit):
-    h = _handle(engine, block_size=4096, queue_depth=3, single_submit=single_submit, thread_count=2)
+@pytest.mark.parametrize("single_submit,overlap_events", [(False, True), (True, True), (False, False)])
+def test_round_trip_odd_sizes_and_offsets(engine, tmp_path, single_submit, overlap_events):
+    h = _handle(
+        engine,
+        block_size=4096,
+        queue_depth=3,
+        single_submit=single_submit,
+        overlap_events=overlap_events,
+        thread_count=2,
+    )
     path = tmp_path / "swap.bin"
     pieces = [(torch.randn(n), off) for n, off in [(1, 0), (1001, 7), (4097, 12345), (33_333, 200_003)]]
     for t, off in pieces:
@@ -70,10 +82,15 @@ def test_concurrent_requests_many_files(engine, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(outs, tensors))
 
 
-def test_o_direct_used_for_aligned_buffers(tmp_path):
+@pytest.mark.parametrize("native_engine", [e for e in _engines() if e != "python"] or ["threads"])
+@pytest.mark.parametrize("queue_depth,overlap_events", [(1, True), (8, True), (8, False)])
+def test_o_direct_used_for_aligned_buffers(native_engine, tmp_path, queue_depth, overlap_events):
     if _native.native() is None:
         pytest.fail("native extension not built")
-    h = AsyncIOHandle(block_size=1 << 16, thread_count=2)
+    engine = native_engine
+    h = _handle(
+        engine, block_size=1 << 14, queue_depth=queue_depth, overlap_events=overlap_events, thread_count=2
+    )
     t = h.new_cpu_locked_tensor(3 * (1 << 14) + 5, torch.float32)  # aligned start, unaligned tail
     assert is_aligned(t)
     t.copy_(torch.randn(t.numel()))
@@ -163,3 +180,20 @@ def test_argument_validation(tmp_path):
         h.async_pwrite(torch.randn(4), 3)
     with pytest.raises(ValueError, match="alignment must be a power of two"):
         aligned_empty(4, torch.float32, alignment=3000)
+
+
+def test_engine_selection_and_report():
+    C = _native.native()
+    if C is None:
+        pytest.fail("native extension not built")
+    report = next(r for r in op_report() if r["name"] == "async_io")
+    auto = AsyncIOHandle().get_engine()
+    if C.libaio_compiled() and not C.libaio_probe():
+        assert auto == "libaio" and report["isa"].startswith("libaio")
+    else:
+        assert auto == "threads" and report["isa"].startswith("threads")
+        with pytest.raises(OSError, match="libaio"):
+            AsyncIOHandle(engine="libaio")
+    assert AsyncIOHandle(engine="threads").get_engine() == "threads"
+    with pytest.raises(ValueError, match="engine must be 'auto', 'libaio' or 'threads'"):
+        AsyncIOHandle(engine="uring")

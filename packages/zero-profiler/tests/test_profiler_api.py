@@ -100,3 +100,27 @@ def test_profiler_validates():
     with pytest.raises(RuntimeError, match="already started"):
         prof.start_profile()
     prof.end_profile()
+
+
+@pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace")
+def test_compiled_module_is_counted():
+    from zero_profiler.tracking import _DynamoSafeCountingMode
+
+    expected = 2 * 2 * 8 * 16 + 2 * 16 + 2 * 2 * 16 * 4
+    x = torch.randn(2, 8)
+    # first compiled while profiling (nothing compiled yet in this process, or something was)
+    model = mlp()
+    compiled = torch.compile(model, backend="eager")
+    prof = FlopsProfiler(model)
+    prof.start_profile()
+    compiled(x)
+    prof.stop_profile()
+    assert prof.get_total_flops() == expected
+    prof.end_profile()
+    # compiled before profiling: the profiler keeps Dynamo out of its mode
+    prof.start_profile()
+    assert isinstance(prof._tracker._mode, _DynamoSafeCountingMode)
+    compiled(x)
+    prof.stop_profile()
+    assert prof.get_total_flops() == expected
+    prof.end_profile()

@@ -71,7 +71,7 @@ def test_container_profiled_as_root_reports_children_latency():
     for layer in layers:
         x = layer(x)
     prof.stop_profile()
-    assert prof.get_total_flops() == 2 * (2 * 2 * 8 * 8 + 2 * 8)
+    assert prof.get_total_flops() == 2 * (2 * 2 * 8 * 8)  # addmm's bias add is not counted
     assert prof.get_total_duration() > 0
     assert "fwd latency:" in prof.model_profile_text()
     prof.end_profile()

@@ -11,7 +11,11 @@ Read:
   ``zero_inference_tp.json`` (``{"format": "zero-inference-tp", "version": 1, "tp_size": N,
   "dtype": ..., "files": [...], "aliases": {...}}``) and one ``tp_rank_XX.safetensors`` per rank
   holding that rank's state dict after sharding. Reload with the same ``tp_size`` reads one
-  file per rank and no slicing at all. Tensors shared under several names (tied embeddings) are
+  file per rank and no slicing at all; reload with another ``tp_size`` re-slices from the
+  saved shards (version 2 indexes record ``layouts`` and ``shapes``, see
+  [Note: re-sharding a TP checkpoint]);
+* a zero training checkpoint (``engine.save_checkpoint``'s directory, see
+  [Note: loading a zero training checkpoint]), read range by range for this rank. Tensors shared under several names (tied embeddings) are
   stored once; ``aliases`` maps the other names to it.
 Writes are atomic (temporary file, fsync, rename) and never use pickle.
 
@@ -32,6 +36,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from zero_inference.param_source import SafetensorsSource
+from zero_inference.tp_reshard import TPReshardSource, plan_layouts
+from zero_inference.zero_checkpoint_source import ZeroCheckpointSource, is_zero_checkpoint
 
 INDEX_NAME = "zero_inference_tp.json"
 FORMAT = "zero-inference-tp"
@@ -95,6 +101,8 @@ def open_checkpoint(checkpoint: str | dict[str, Any], base_dir: str | None = Non
     path = os.path.join(base_dir, checkpoint) if base_dir and not os.path.isabs(checkpoint) else checkpoint
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, INDEX_NAME)):
         return TPShardSource(path)
+    if is_zero_checkpoint(path):
+        return ZeroCheckpointSource(path)
     if path.endswith(".json") and os.path.isfile(path):
         with open(path) as f:
             policy = json.load(f)
@@ -131,12 +139,10 @@ class _MultiSource:
 
 
 def check_tp(source: Any, tp_size: int, rank: int) -> Any:
+    """``source`` ready for this rank: a TP checkpoint of another ``tp_size`` becomes a re-slicing source."""
     if isinstance(source, TPShardSource):
         if source.tp_size != tp_size:
-            raise ValueError(
-                f"checkpoint {source.path} was saved for tp_size={source.tp_size} but tp_size={tp_size} was asked; "
-                "load the original checkpoint to re-shard"
-            )
+            return TPReshardSource(source.path, source.index)
         source.rank = rank
     return source
 
@@ -245,7 +251,14 @@ def _atomic_json(obj: Any, path: str) -> None:
     os.replace(tmp, path)
 
 
-def save_mp_checkpoint(model: nn.Module, path: str, rank: int, tp_size: int, plan: Any = None) -> None:
+def save_mp_checkpoint(
+    model: nn.Module,
+    path: str,
+    rank: int,
+    tp_size: int,
+    plan: Any = None,
+    shapes: dict[str, tuple[int, ...]] | None = None,
+) -> None:
     """Write this rank's sharded state dict (and, on rank 0, the index). See [Note: inference checkpoint formats]."""
     os.makedirs(path, exist_ok=True)
     sd = model.state_dict(keep_vars=False)
@@ -265,10 +278,13 @@ def save_mp_checkpoint(model: nn.Module, path: str, rank: int, tp_size: int, pla
     files = [f"tp_rank_{r:02d}.safetensors" for r in range(tp_size)]
     _atomic_save(tensors, os.path.join(path, files[rank]), {"format": FORMAT, "tp_rank": str(rank)})
     if rank == 0:
+        layouts, full_shapes = plan_layouts(plan, shapes or {})
         _atomic_json(
             {
                 "format": FORMAT,
-                "version": 1,
+                "version": 2,
+                "layouts": layouts,
+                "shapes": full_shapes,
                 "tp_size": tp_size,
                 "dtype": dtype,
                 "files": files,

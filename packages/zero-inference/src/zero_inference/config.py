@@ -108,7 +108,8 @@ class WeightQuantConfig(_QuantBase):
 
 
 class ActivationQuantConfig(_QuantBase):
-    """``quant.activation``: accepted for compatibility; activations stay in the compute dtype."""
+    """``quant.activation``: activation quantization, not provided (int8 is weight-only); setting it
+    explicitly is an error (see [Note: settings that only some models use])."""
 
     config_path: ClassVar[str] = "quant.activation"
 
@@ -332,5 +333,64 @@ def check_machine(cfg: DeepSpeedInferenceConfig, device: torch.device) -> None:
             )
         else:
             problems.append("use_triton: triton inference kernels are not implemented by zero-inference yet")
+    if problems:
+        raise ConfigError(problems, source="inference config")
+
+
+_ENCODER_TYPES = ("bert", "roberta")
+
+
+def check_model_settings(cfg: DeepSpeedInferenceConfig, model: Any) -> None:
+    """Reject settings that do not apply to this model or engine, naming the field and why.
+
+    [Note: settings that only some models use]
+    DeepSpeed accepts a few settings that steer its CUDA kernels. Here each either does what it
+    says or is an error when set explicitly (defaults are never an error):
+
+    * ``return_tuple`` (default true): the kernel-injected forward returns a tuple ``(logits,)``
+      (with ``.logits``); false returns the logits tensor itself. Without kernel injection the
+      model's own output is returned unchanged, so setting it is an error.
+    * ``triangular_masking`` (``tm``): the mask kind of the injected attention. Fused decoders
+      (GPT-2, Llama) are causal and need true; fused encoders (BERT) attend bidirectionally and
+      need false; without kernel injection the model's own masking applies.
+    * ``set_empty_params``: build with empty parameters (see ``engine._empty_params_``).
+    * ``quant.activation``: activations are not quantized (int8 is weight-only).
+    * ``transposed_mode``: the kernels use PyTorch's ``[out, in]`` weight layout; true is rejected.
+    """
+    problems = []
+    given = cfg.model_fields_set
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    inject = cfg.replace_with_kernel_inject
+    if "return_tuple" in given and not inject:
+        problems.append(
+            "return_tuple: only the kernel-injected forward is shaped by it; without replace_with_kernel_inject "
+            "the model's own output is returned unchanged, remove return_tuple"
+        )
+    if "triangular_masking" in given:
+        if not inject:
+            problems.append(
+                "triangular_masking: only the kernel-injected attention uses it; without replace_with_kernel_inject "
+                "the model's own masking applies, remove triangular_masking"
+            )
+        elif model_type in _ENCODER_TYPES and cfg.triangular_masking:
+            problems.append(
+                f"triangular_masking: true does not apply to {model_type} encoders, which attend bidirectionally; "
+                "set it to false or remove it"
+            )
+        elif model_type not in _ENCODER_TYPES and not cfg.triangular_masking:
+            problems.append(
+                f"triangular_masking: false does not apply to the causal {model_type} decoder (its attention "
+                "must be triangular to match the model); set it to true or remove it"
+            )
+    if "activation" in cfg.quant.model_fields_set and cfg.quant.activation.enabled:
+        problems.append(
+            "quant.activation: activation quantization is not provided; int8 in zero-inference is weight-only "
+            "(quant.weight), activations stay in the compute dtype. Remove quant.activation or set enabled: false"
+        )
+    if cfg.transposed_mode:
+        problems.append(
+            "transposed_mode: true is not supported; zero-inference's kernels read weights in PyTorch's "
+            "[out, in] layout. Remove transposed_mode"
+        )
     if problems:
         raise ConfigError(problems, source="inference config")

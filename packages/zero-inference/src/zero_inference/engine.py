@@ -9,8 +9,10 @@
 4. kernel injection: recognized architectures run a fused decoder/encoder path built on the
    (possibly sharded) modules, so TP and int8 compose with it (see [Note: kernel injection]);
 5. int8 weight-only quantization of every linear (see [Note: int8 weight groups]);
-6. ZeRO-Inference (``zero.stage: 3``): weights partitioned over ranks and gathered per layer;
-7. ``save_mp_checkpoint_path``: the TP-sharded result is written for fast reload.
+6. expert parallelism: zero-moe ``MoE`` layers' experts sharded over ``moe.ep_size`` ranks
+   (see [Note: expert-parallel inference]);
+7. ZeRO-Inference (``zero.stage: 3``): weights partitioned over ranks and gathered per layer.
+``save_mp_checkpoint_path`` writes the TP-sharded result (after step 3) for fast reload.
 """
 
 from __future__ import annotations
@@ -24,8 +26,15 @@ from zero_core.plugins import require
 
 from zero_inference import checkpoint_loading, kernel_inject
 from zero_inference.auto_tp import apply_plan, discover_plan
-from zero_inference.config import DeepSpeedInferenceConfig, check_machine, load_inference_config
+from zero_inference.config import (
+    DeepSpeedInferenceConfig,
+    DeepSpeedMoEConfig,
+    check_machine,
+    check_model_settings,
+    load_inference_config,
+)
 from zero_inference.generation import decode, hf_step
+from zero_inference.moe_inference import moe_layers, shard_experts
 from zero_inference.quantize import quantize_model_
 
 
@@ -58,6 +67,7 @@ class InferenceEngine(nn.Module):
         self._config = config
         self.device = _model_device(model)
         check_machine(config, self.device)
+        check_model_settings(config, model)
         self._check_moe(model)
         model.eval()
         self.tp_size = config.tp_size
@@ -74,6 +84,8 @@ class InferenceEngine(nn.Module):
 
         source = None
         ckpt = config.checkpoint or config.checkpoint_config.checkpoint_dir
+        if config.set_empty_params:
+            _empty_params_(model, self.dtype, self.device, meta=ckpt is not None)
         if ckpt is not None:
             source = checkpoint_loading.open_checkpoint(
                 ckpt, config.base_dir or config.checkpoint_config.base_dir
@@ -84,22 +96,42 @@ class InferenceEngine(nn.Module):
         self.module = model
         save_path = config.checkpoint_save_path
         if save_path:
-            checkpoint_loading.save_mp_checkpoint(model, save_path, self.tp_rank, self.tp_size, self._plan)
+            checkpoint_loading.save_mp_checkpoint(
+                model, save_path, self.tp_rank, self.tp_size, self._plan, self._unsharded_shapes
+            )
         self.injected = kernel_inject.inject(model) if config.replace_with_kernel_inject else None
         if self.int8:
             quantize_model_(model, config.quant.weight.q_groups)
+        ep_size, ep_group = self._moe_settings()
+        self.moe_layers = shard_experts(model, ep_size, ep_group) if moe_layers(model) or ep_size > 1 else 0
         self.zero_partitioner = None
         if config.zero.stage == 3:
             from zero_inference.zero_inference import ZeroInferencePartitioner
 
             self.zero_partitioner = ZeroInferencePartitioner(model, config.zero)
 
-    def _check_moe(self, model: nn.Module) -> None:
+    def _moe_settings(self) -> tuple[int, Any]:
         cfg = self._config
+        ep, group = cfg.ep_size, cfg.ep_group
+        if isinstance(cfg.moe, DeepSpeedMoEConfig):
+            if cfg.moe.ep_size != 1 and ep != 1 and cfg.moe.ep_size != ep:
+                raise ValueError(
+                    f"moe.ep_size ({cfg.moe.ep_size}) and ep_size ({ep}) conflict; set one of them"
+                )
+            ep = cfg.moe.ep_size if cfg.moe.ep_size != 1 else ep
+            group = cfg.moe.ep_group if cfg.moe.ep_group is not None else group
+        return ep, group
+
+    def _check_moe(self, model: nn.Module) -> None:
+        ep, _ = self._moe_settings()
         has_moe = any(type(m).__name__ in ("MoE", "MOELayer") for m in model.modules())
-        ep = cfg.moe.ep_size if not isinstance(cfg.moe, bool) else cfg.ep_size
         if has_moe or ep > 1:
             require("zero_moe", "MoE inference (moe / ep_size)")
+        if has_moe and self._config.tp_size > 1:
+            raise ValueError(
+                f"tensor_parallel.tp_size={self._config.tp_size} with MoE layers is not supported: experts are "
+                "sharded by expert parallelism (moe.ep_size), not split by tensor parallelism"
+            )
 
     def _init_tp_world(self) -> None:
         if not comm.is_initialized():
@@ -118,6 +150,8 @@ class InferenceEngine(nn.Module):
     def _transform(self, model: nn.Module, source: Any) -> None:
         cfg = self._config
         self._plan = None
+        # Shapes before sharding: a saved TP checkpoint records them so it can be re-sliced.
+        self._unsharded_shapes = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
         if source is not None and not isinstance(source, checkpoint_loading.TPShardSource):
             # A full checkpoint: replicated tensors are read whole, sharded ones slice by slice.
             if self.tp_size > 1:
@@ -158,9 +192,11 @@ class InferenceEngine(nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the wrapped model (its fused path when kernels were injected)."""
         with torch.no_grad():
-            if self.injected is not None:
-                return self.injected(*inputs, **kwargs)
-            return self.module(*inputs, **kwargs)
+            if self.injected is None:
+                return self.module(*inputs, **kwargs)
+            out = self.injected(*inputs, **kwargs)
+            # See [Note: settings that only some models use]: return_tuple=False gives the tensor.
+            return out if self._config.return_tuple else out[0]
 
     def generate(
         self,
@@ -211,6 +247,22 @@ class InferenceEngine(nn.Module):
                 min_out_tokens=self._config.min_out_tokens,
                 group=self.tp_group if self.tp_size > 1 else None,
             )
+
+
+def _empty_params_(model: nn.Module, dtype: torch.dtype, device: torch.device, *, meta: bool) -> None:
+    """``set_empty_params``: drop the parameters' values (buffers are kept).
+
+    With a checkpoint they go to the meta device and the checkpoint fills them (rank slices
+    only); without one they become uninitialised tensors for the caller to fill (for example
+    ``engine.module.load_state_dict``), so no time is spent copying or initialising values.
+    """
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            kind = dtype if p.is_floating_point() else p.dtype
+            t = torch.empty(p.shape, dtype=kind, device="meta" if meta else device)
+            module._parameters[name] = nn.Parameter(t, requires_grad=False)
 
 
 def model_has_meta(model: nn.Module) -> bool:

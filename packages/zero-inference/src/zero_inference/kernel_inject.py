@@ -1,4 +1,4 @@
-"""Kernel injection: fused decoder paths for recognized causal LMs (GPT-2, Llama).
+"""Kernel injection: fused decoder paths for recognized causal LMs (GPT-2, Llama); BERT in fused_encoder.py.
 
 [Note: kernel injection]
 ``replace_with_kernel_inject`` swaps the attention of recognized models for one fused path:
@@ -15,22 +15,25 @@ logits and generated tokens). Unrecognized architectures raise a clear error.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zero_inference.fused_encoder import inject_encoder
 
-@dataclass
-class InjectedOutput:
-    """Output of the fused path: ``logits [batch, seq, vocab]`` (also reachable as ``out[0]``)."""
 
-    logits: torch.Tensor
+class InjectedOutput(tuple):
+    """Output of the fused path: the tuple ``(logits,)`` (``return_tuple``, DeepSpeed's default),
+    with ``.logits`` as in transformers' outputs. ``logits`` is ``[batch, seq, vocab]``."""
 
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return (self.logits,)[i]
+    def __new__(cls, logits: torch.Tensor) -> InjectedOutput:
+        return super().__new__(cls, (logits,))
+
+    @property
+    def logits(self) -> torch.Tensor:
+        return self[0]
 
 
 def _out_features(linear: nn.Module) -> int:
@@ -222,15 +225,19 @@ class FusedLlama(_FusedCausalLM):
 
 
 _ARCHITECTURES = {"gpt2": FusedGPT2, "llama": FusedLlama}
+_ENCODERS = ("bert", "roberta")
 
 
-def inject(model: nn.Module) -> _FusedCausalLM:
-    """The fused path for ``model`` (an HF causal LM of a recognized architecture)."""
+def inject(model: nn.Module) -> nn.Module:
+    """The fused path for ``model``: a fused decoder for GPT-2 / Llama causal LMs, or ``model``
+    itself with its encoder swapped in place for BERT-style models (see [Note: fused encoder injection])."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in _ENCODERS:
+        return inject_encoder(model)
     if model_type not in _ARCHITECTURES or not hasattr(model, "lm_head"):
         raise ValueError(
             f"replace_with_kernel_inject: no fused kernels for {type(model).__name__} (model_type={model_type!r}); "
-            f"supported: causal LMs of type {sorted(_ARCHITECTURES)}. Use replace_with_kernel_inject=False "
-            "(automatic tensor parallelism and int8 still apply)"
+            f"supported: causal LMs of type {sorted(_ARCHITECTURES)} and encoders of type {list(_ENCODERS)}. "
+            "Use replace_with_kernel_inject=False (automatic tensor parallelism and int8 still apply)"
         )
     return _ARCHITECTURES[model_type](model)

@@ -5,13 +5,20 @@ A weight ``[out, in]`` is stored as int8 with one fp scale per (output row, inpu
 each row is cut into ``q_groups`` contiguous groups of ``in / q_groups`` columns and every
 group gets ``scale = max|w| / 127`` (symmetric, zero point 0). ``q_groups=1`` is per-channel
 scaling. More groups track outliers better (smaller error) at the cost of more scales.
-Activations stay in the compute dtype (weight-only): the matmul dequantizes the weight on the
-fly. With one group on CPU it uses torch's fused int8-weight kernel (``_weight_int8pack_mm``),
-which never materialises the dequantized weight; otherwise the weight is dequantized into a
-temporary of the activation dtype just before ``F.linear``.
+Activations stay in the compute dtype (weight-only) outside the matmul. On CPU the matmul is
+torch's fused int8-weight kernel (``torch._weight_int8pack_mm``), which reads the int8 weight
+directly and never materialises a dequantized copy. Its vectorised (AVX-512/AMX) path is the
+bf16 one (the fp32 path is a slow reference loop, 4-8x slower than an fp32 matmul measured on
+this machine), so activations enter the kernel in bf16 and the result is cast back to the
+compute dtype. Groups are stored group-major (``qweight [q_groups, out, in/q_groups]``) so each
+group is a contiguous matrix for the kernel: for a few tokens (decode) all groups run as one
+kernel call whose diagonal blocks are the per-group products, for many tokens (prefill) one call
+per group, accumulated in fp32. The kernel needs a group size that is a multiple of 16; other
+shapes, and CUDA, dequantize the weight into a temporary of the activation dtype just before
+``F.linear``. Benchmark: tools/bench/results/bench_inference.md.
 
 Accuracy (tests/test_inference_int8.py): logits of tiny random GPT-2 / Llama models change by
-less than 2% of their max magnitude; q_groups > 1 is never worse than 1 on those models.
+less than 2% of their max magnitude (bf16 activations in the kernel included).
 """
 
 from __future__ import annotations
@@ -49,8 +56,19 @@ def dequantize_weight(
     return w.reshape(out_f, in_f)
 
 
-def _cpu_kernel_ok(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+# torch._weight_int8pack_mm's bf16 CPU kernel reads the reduction dimension in blocks of 16:
+# other sizes give wrong results or crash (measured on torch 2.13), so they take the fallback.
+_KERNEL_K_MULTIPLE = 16
+# Up to this many (token, group) rows, grouped weights run as one batched kernel call (decode).
+_BATCHED_GROUP_ROWS = 32
+
+
+def _cpu_kernel_ok(x: torch.Tensor, group_size: int) -> bool:
+    return (
+        x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and group_size % _KERNEL_K_MULTIPLE == 0
+    )
 
 
 class Int8Weight(nn.Module):
@@ -84,7 +102,7 @@ class Int8Weight(nn.Module):
         return w.permute(1, 0, 2).reshape(out_f, g * k)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if not _cpu_kernel_ok(x):
+        if not _cpu_kernel_ok(x, self.in_features // self.q_groups):
             return F.linear(x, self.dequantize(x.dtype), bias)
         # torch's fused int8-weight kernel reads the int8 weight directly (never a dequantized
         # copy); its vectorised (AMX/AVX-512) CPU path is the bf16 one, so activations enter in bf16.
@@ -92,6 +110,8 @@ class Int8Weight(nn.Module):
         if self.q_groups == 1:
             out = torch._weight_int8pack_mm(flat.contiguous(), self.qweight[0], self.kernel_scales[0])
             out = out.to(x.dtype)
+        elif flat.shape[0] * self.q_groups <= _BATCHED_GROUP_ROWS:
+            out = self._grouped_one_call(flat).to(x.dtype)
         else:
             k = self.in_features // self.q_groups
             out = None
@@ -103,6 +123,18 @@ class Int8Weight(nn.Module):
             out = out.to(x.dtype)
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out + bias if bias is not None else out
+
+    def _grouped_one_call(self, flat: torch.Tensor) -> torch.Tensor:
+        # Rows (m, g) of the activation times rows (g', n) of the weight in one kernel call; the
+        # blocks g == g' are the per-group products (already scaled), summed in fp32. It computes
+        # q_groups times the needed products but reads the weight once: faster for few tokens.
+        m, g, k = flat.shape[0], self.q_groups, self.in_features // self.q_groups
+        y = torch._weight_int8pack_mm(
+            flat.reshape(m * g, k).contiguous(),
+            self.qweight.reshape(g * self.out_features, k),
+            self.kernel_scales.reshape(-1),
+        )
+        return torch.diagonal(y.view(m, g, g, self.out_features), dim1=1, dim2=2).float().sum(-1)
 
     def extra_repr(self) -> str:
         return f"shape={tuple(self.shape)}, q_groups={self.q_groups}"

@@ -1,140 +1,108 @@
-"""Which module's backward an autograd node belongs to: exact, from the graph itself.
+"""Which module's backward an autograd node belongs to: exact, from node creation order.
 
 [Note: exact backward attribution]
 Every autograd node gets a sequence number when it is created, from a per-thread counter that
 only grows (``torch._C._autograd._get_sequence_nr()`` peeks at the next one). So the nodes a
-module's forward call created are exactly the nodes with a sequence number in
-``[lo, hi)``, where ``lo`` is read when the call starts and ``hi`` when it ends. When a call ends
-we walk the graph back from its outputs' ``grad_fn`` and map each node in that range to the
-call's module stack (the module and its forward-time ancestors). During backward the dispatch
-mode asks ``_current_autograd_node()`` which node is running and looks its sequence number up:
-the work is credited to that stack, whatever order autograd runs the nodes in. Parallel
-branches, a module whose output feeds several consumers, and a module called from two
-different parents are therefore attributed by construction, not by guessing from the order in
-which gradient hooks fire (what ``torch.utils.module_tracker`` does).
+module's forward call created are exactly the nodes numbered in ``[lo, hi)``, where ``lo`` is
+read when the call starts and ``hi`` when it ends, and since calls nest, so do their ranges: a
+node belongs to the innermost call whose range holds its number. During backward the dispatch
+mode asks ``_current_autograd_node()`` which node is running, and its work is credited to that
+call's module stack (the module and its forward-time ancestors), whatever order autograd runs
+the nodes in. Parallel branches, a module whose output feeds several consumers, a block whose
+input gradient is ready before its other branch ran, and a module called from two parents are
+therefore attributed by construction, not guessed from the order in which gradient hooks fire
+(what ``torch.utils.module_tracker`` does). Nothing has to be reachable from a module's outputs,
+and forward pays two counter reads per call (no graph walk).
 
-Calls nest, and children end before their parent, so a child has already claimed its nodes
-when the parent walks. Each finished call keeps its *frontier* (the nodes outside its range at
-which its walk stopped); the parent's walk jumps from any node of a child's range straight to
-that child's frontier, so every node is visited once per forward, not once per depth level.
-A node of a child's range that the child's walk could not reach (the child stored a tensor
-that the parent used later) is claimed for the child when the parent finds it.
+Calls are stored in start order (so sorted by ``lo``) with their parent's index; a lookup
+bisects to the last call starting at or before the node and climbs parents until one's range
+holds it. The answer per node is cached.
 
 Conventions that follow from what autograd executes:
 
-* Nodes created outside every module call (the loss, user code) belong to no module: their
-  work is "outside" the model, as in forward. ``AccumulateGrad`` nodes (sequence number
-  ``2**64 - 1``, shared by all of them) belong to no module either: summing into an existing
-  ``.grad`` is gradient accumulation across micro-batches, not the model's backward.
+* Nodes created outside every module call (the loss, user code) belong to no module: their work
+  is "outside" the model, as in forward. ``AccumulateGrad`` nodes (sequence number ``2**64 - 1``,
+  shared by all of them) belong to no module either: summing into an existing ``.grad`` is
+  gradient accumulation across micro-batches, not the model's backward.
 * When a tensor has several consumers, autograd sums their gradients as the last of them
   finishes; that addition runs under that consumer's node and is credited to its module.
-* A module listed in ``ignore_list`` claims its nodes with the empty stack: their work is
-  dropped, as its forward is, and is therefore not in any parent's backward either.
-* Nodes are keyed by sequence number, which is unique per thread. A model whose forward
-  creates nodes from several threads at once could alias two nodes; the engine does not do that.
+* A module listed in ``ignore_list`` claims its range with the empty stack: its backward work is
+  dropped, as its forward is, and so is in no parent's backward either.
+* A forward replayed inside backward (activation checkpointing) is a call like any other; its
+  stack starts with the stack of the node that replays it (see ``ModuleTracker._claim_stack``).
+* Sequence numbers are per thread. A model whose forward creates nodes from several threads at
+  once could alias two nodes; PyTorch's engine does not do that.
 
-Only integers and module tuples are stored: no reference to a node outlives the forward call,
-so profiling never keeps a graph (or its saved tensors) alive.
+Only integers and module tuples are stored: profiling never keeps a graph or a saved tensor alive.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
-from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 _next_sequence_nr = torch._C._autograd._get_sequence_nr
 _current_autograd_node = torch._C._current_autograd_node
 
-# Sequence number of every AccumulateGrad node (it is created with UINT64_MAX).
-ACCUMULATE_GRAD_SEQUENCE_NR = 2**64 - 1
-
 # A claimed stack that means "ignored": drop the work.
 IGNORED: tuple = ()
 
-
-class _Call:
-    """A finished forward call: its node range, stack and frontier."""
-
-    __slots__ = ("frontier", "hi", "lo", "stack")
-
-    def __init__(self, lo: int, hi: int, stack: tuple, frontier: list) -> None:
-        self.lo = lo
-        self.hi = hi
-        self.stack = stack
-        self.frontier = frontier
+_OPEN = float("inf")  # ``hi`` of a call that has not ended: it holds every later node
 
 
 class GraphClaims:
-    """Maps autograd nodes to the module stack whose forward call created them.
+    """Module calls as sequence-number ranges, and the lookup of the node autograd is running.
 
-    See [Note: exact backward attribution]. ``enter`` and ``exit`` bracket one module call;
-    ``stack_of_current_node`` is asked during backward.
+    See [Note: exact backward attribution]. ``enter`` and ``exit`` bracket one module call.
     """
 
     def __init__(self) -> None:
-        self.owner: dict[int, tuple] = {}
-        # One entry per open call: [lo, los of finished child calls, the child calls].
-        self._open: list[list[Any]] = []
+        self.clear()
 
     def clear(self) -> None:
-        self.owner = {}
-        self._open = []
+        self._los: list[int] = []  # start of each call, in start order
+        self._his: list[float] = []
+        self._stacks: list[tuple | None] = []
+        self._parents: list[int] = []
+        self._open: list[int] = []  # indices of the calls still running, innermost last
+        self._cache: dict[int, tuple | None] = {}
 
     def enter(self) -> None:
-        self._open.append([_next_sequence_nr(), [], []])
+        self._open.append(len(self._los))
+        self._parents.append(self._open[-2] if len(self._open) > 1 else -1)
+        self._los.append(_next_sequence_nr())
+        self._his.append(_OPEN)
+        self._stacks.append(None)
 
-    def exit(self, output: Any, stack: tuple | None) -> None:
-        """End the innermost call; ``stack=None`` claims nothing (no graph was recorded)."""
-        lo, child_los, children = self._open.pop()
-        if stack is None:
-            return
-        hi = _next_sequence_nr()
-        if hi == lo:
-            return  # the call created no node
-        frontier = self._walk(output, lo, hi, stack, child_los, children)
-        if self._open:
-            parent = self._open[-1]
-            parent[1].append(lo)
-            parent[2].append(_Call(lo, hi, stack, frontier))
+    def exit(self, stack: tuple) -> None:
+        """End the innermost call; nodes it created are credited to ``stack``."""
+        if not self._open:
+            return  # the profile was reset while the call ran
+        i = self._open.pop()
+        self._his[i] = _next_sequence_nr()
+        self._stacks[i] = stack
 
-    def _walk(self, output: Any, lo: int, hi: int, stack: tuple, child_los: list, children: list) -> list:
-        owner = self.owner
-        work = [t.grad_fn for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-        seen: set[int] = set()
-        jumped: set[int] = set()
-        frontier: list = []
-        while work:
-            node = work.pop()
-            if node is None:
-                continue
-            seq = node._sequence_nr()
-            if seq in seen:
-                continue
-            seen.add(seq)
-            if not lo <= seq < hi:
-                if seq != ACCUMULATE_GRAD_SEQUENCE_NR:
-                    frontier.append(node)
-                continue
-            i = bisect_right(child_los, seq) - 1
-            child = children[i] if i >= 0 and seq < children[i].hi else None
-            if child is None:
-                owner[seq] = stack
-            elif seq in owner:
-                if i not in jumped:
-                    jumped.add(i)
-                    work.extend(child.frontier)
-                continue
-            else:
-                owner[seq] = child.stack
-            work.extend(fn for fn, _ in node.next_functions)
-        return frontier
+    def stack_of(self, seq: int) -> tuple | None:
+        """The stack of the innermost call that created node number ``seq``, or None."""
+        cached = self._cache.get(seq, self)
+        if cached is not self:
+            return cached  # type: ignore[return-value]
+        i = bisect_right(self._los, seq) - 1
+        while i >= 0 and seq >= self._his[i]:
+            i = self._parents[i]
+        stack = self._stacks[i] if i >= 0 else None
+        if i < 0 or self._his[i] is not _OPEN:
+            self._cache[seq] = stack  # final once the call has ended
+        return stack
 
     def stack_of_current_node(self) -> tuple | None:
         """The stack of the node autograd is running, or None (no node, or a node of no module)."""
         node = _current_autograd_node()
         if node is None:
             return None
-        return self.owner.get(node._sequence_nr())
+        return self.stack_of(node._sequence_nr())
+
+    @property
+    def calls(self) -> int:
+        return len(self._los)

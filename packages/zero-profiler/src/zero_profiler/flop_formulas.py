@@ -1,7 +1,7 @@
 """FLOP and MAC formulas for the ATen operators a model actually executes.
 
 [Note: FLOP conventions]
-The profiler counts at the level of ATen operators (see :mod:`zero_profiler.op_counter`), so a
+The profiler counts at the level of ATen operators (see :mod:`zero_profiler.tracking`), so a
 formula here is keyed by the operator overload packet (``aten.mm``), whatever Python spelling
 produced it (``nn.Linear``, ``F.linear``, ``@``, ``torch.matmul``, ``einsum`` ...). The
 conventions, chosen to agree with ``torch.utils.flop_counter`` on the operators both count and

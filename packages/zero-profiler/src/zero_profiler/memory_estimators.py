@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zero_profiler.report import count_params
+from zero_profiler.report import count_params, param_numel
 
 GIB = 2**30
 
@@ -96,7 +96,9 @@ def model_param_counts(model: torch.nn.Module) -> tuple[int, int]:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     total = count_params(model)
-    largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    largest = max(
+        (sum(param_numel(p) for p in m.parameters(recurse=False)) for m in model.modules()), default=0
+    )
     return total, largest
 
 

@@ -19,7 +19,6 @@ from zero_profiler.units import (
     params_to_string,
 )
 
-
 # Attributes holding the full element count of a partitioned (ZeRO stage 3) parameter whose
 # local tensor is a shard or empty: zero-core's name first, then DeepSpeed's.
 FULL_NUMEL_ATTRS = ("zero_numel", "ds_numel")
@@ -74,10 +73,10 @@ def effective_stats(model: torch.nn.Module, stats: dict[torch.nn.Module, ModuleS
         if m in out:
             return out[m]
         s = stats.get(m, ModuleStats())
+        children = [visit(child) for child in m.children()]
         if s.calls == 0:
             total = ModuleStats()
-            for child in m.children():
-                c = visit(child)
+            for c in children:
                 total.fwd_flops += c.fwd_flops
                 total.fwd_macs += c.fwd_macs
                 total.bwd_flops += c.bwd_flops

@@ -16,7 +16,8 @@ Each operator falls in one phase:
 * forward: a module is on ``fwd_stack`` and autograd is not executing a node;
 * recompute: autograd is executing a node *and* a module forward runs (activation
   checkpointing replays the forward inside backward);
-* backward: autograd is executing a node and some module is in ``bwd_active``;
+* backward: autograd is executing a node that a module's forward created (modules whose
+  forward is listed in ``ignore_list`` drop it);
 * outside: anything else (loss functions, optimizer steps, data preparation). Not part of
   the model's totals.
 
@@ -26,12 +27,22 @@ running: see [Note: exact backward attribution] in :mod:`zero_profiler.autograd_
 [Note: dispatch fast path]
 Every ATen operator of the profiled run goes through ``_CountingMode.__torch_dispatch__``, so
 its Python cost is the profiler's overhead. The formula of each ``OpOverload`` is looked up
-once and cached (most operators of a forward are views and copies with no formula), operators
-without a formula return right after running, and only counted operators touch the tracker.
+once and cached together with the callable behind it (``OpOverload._op``, one Python frame
+less per operator); operators without a formula (most of a forward: views, copies) return right
+after running, and only counted operators touch the tracker.
+
+TorchDispatchMode wraps ``__torch_dispatch__`` in ``torch._disable_dynamo`` so that Dynamo never
+traces into a mode; the wrapper costs about 2.5 us per operator here. When nothing has been
+compiled in the process (``torch._dynamo`` counts no compiled frame) when profiling starts, the
+profiler uses the unwrapped mode; otherwise ``_DynamoSafeCountingMode``, the wrapped one. A
+model first compiled while profiling is still counted exactly: Dynamo breaks the graph at the
+mode and runs it eagerly (test_compiled_module_is_counted covers both cases).
+Measured by ``tools/bench/bench_profiler.py`` ("tiny" rows: per-operator cost dominates).
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +54,7 @@ from zero_profiler.autograd_attribution import IGNORED, GraphClaims
 from zero_profiler.flop_formulas import FORMULAS
 
 _current_autograd_node = torch._C._current_autograd_node
-_MISSING = object()
+_WARMED_UP: list[bool] = []  # non-empty once a counting mode has dispatched an operator
 
 
 @dataclass
@@ -86,32 +97,55 @@ class _CountingMode(TorchDispatchMode):
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
-        # TorchDispatchMode wraps __torch_dispatch__ in torch._disable_dynamo, which costs about
-        # 2.5 us per operator; the profiler refuses to run under torch.compile instead
-        # (ModuleTracker.start_counting), so the wrapper is not needed.
+        # No torch._disable_dynamo wrapper (about 2.5 us per operator): see [Note: dispatch fast path].
         return False
 
     def __init__(self, tracker: ModuleTracker) -> None:
         super().__init__()
         self._tracker = tracker
         self._time_backward = tracker.track_backward
-        self._formulas: dict[Any, Any] = {}  # OpOverload -> (formula, packet) or None
+        # OpOverload -> (callable, formula or None, overload packet)
+        self._ops: dict[Any, tuple[Any, Any, Any]] = {}
+
+    def _describe(self, func: Any) -> tuple[Any, Any, Any]:
+        packet = func.overloadpacket
+        # OpOverload.__call__ only forwards to ._op; calling it directly saves a Python frame.
+        call = getattr(func, "_op", func)
+        entry = self._ops[func] = (call, FORMULAS.get(packet), packet)
+        return entry
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **kwargs) if kwargs else func(*args)
+        entry = self._ops.get(func)
+        if entry is None:
+            entry = self._describe(func)
+        call, formula, packet = entry
+        out = call(*args, **kwargs) if kwargs else call(*args)
         if self._time_backward and _current_autograd_node() is not None:
             self._tracker.mark_backward_op()
-        entry = self._formulas.get(func, _MISSING)
-        if entry is _MISSING:
-            packet = func.overloadpacket
-            formula = FORMULAS.get(packet)
-            entry = self._formulas[func] = None if formula is None else (formula, packet)
-        if entry is None:
+        if formula is None:
             return out
-        flops, macs = entry[0](args, kwargs or {}, out)
+        flops, macs = formula(args, kwargs or {}, out)
         if flops or macs:
-            self._tracker.record(int(flops), int(macs), entry[1])
+            self._tracker.record(int(flops), int(macs), packet)
         return out
+
+
+class _DynamoSafeCountingMode(_CountingMode):
+    """The same mode behind TorchDispatchMode's default ``torch._disable_dynamo`` wrapper."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return True
+
+    __torch_dispatch__ = _CountingMode.__torch_dispatch__  # wrapped by __init_subclass__
+
+
+def _dynamo_has_compiled() -> bool:
+    """Whether torch.compile has compiled any frame in this process (without importing dynamo)."""
+    if "torch._dynamo" not in sys.modules:
+        return False
+    counters = sys.modules["torch._dynamo"].utils.counters
+    return counters.get("frames", {}).get("total", 0) > 0
 
 
 class ModuleTracker:
@@ -163,11 +197,14 @@ class ModuleTracker:
                     "FlopsProfiler: start_profile was called inside torch.compile; profile the model "
                     "outside the compiled region"
                 )
-            self._mode = _CountingMode(self)
+            mode_cls = _DynamoSafeCountingMode if _dynamo_has_compiled() else _CountingMode
+            self._mode = mode_cls(self)
             self._mode.__enter__()
-            # The first operator dispatched to a Python mode in a process pays a one-time setup
-            # cost (~1 s); pay it here, outside any module, so it is not billed as latency.
-            torch.zeros(1).add_(1)
+            if not _WARMED_UP:
+                # The first operator dispatched to a Python mode in a process pays a one-time
+                # setup cost (~1 s); pay it here, outside any module, so it is not billed as latency.
+                torch.zeros(1).add_(1)
+                _WARMED_UP.append(True)
 
     def stop_counting(self) -> None:
         if self._mode is not None:
@@ -235,7 +272,7 @@ class ModuleTracker:
 
     def _ignored_post(self, module, args, output):
         if self.track_backward:
-            self.claims.exit(output, IGNORED if torch.is_grad_enabled() else None)
+            self.claims.exit(IGNORED)
         self._suppress -= 1
 
     def _pre(self, module, args):
@@ -249,7 +286,7 @@ class ModuleTracker:
     def _post(self, module, args, output):
         start, replay = self._starts.pop()
         if self.track_backward:
-            self.claims.exit(output, self._claim_stack(replay) if torch.is_grad_enabled() else None)
+            self.claims.exit(self._claim_stack(replay))
         self.fwd_stack.pop()
         if replay:
             return

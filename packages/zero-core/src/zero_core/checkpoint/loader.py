@@ -46,9 +46,26 @@ def resolve_tag(load_dir: str, tag: Any) -> str | None:
         ) from None
 
 
+def tag_directory(load_dir: str, tag: str) -> str:
+    """``load_dir/tag``, or the complete copy a crash left set aside while replacing it.
+
+    See [Note: replacing a tag] in ``saver.py``.
+    """
+    tag_dir = os.path.join(load_dir, tag)
+    aside = os.path.join(load_dir, f".{tag}.old")
+    if not os.path.isdir(tag_dir) and os.path.isfile(os.path.join(aside, COMMIT_FILE)):
+        warnings.warn(
+            f"checkpoint tag {tag_dir} is missing (a save replacing it was interrupted); loading the "
+            f"previous copy {aside}",
+            stacklevel=3,
+        )
+        return aside
+    return tag_dir
+
+
 def open_checkpoint(load_dir: str, tag: str) -> tuple[dict[str, Any], CheckpointReader]:
     """Read and verify ``checkpoint.json`` and every rank table of ``load_dir/tag``."""
-    tag_dir = os.path.join(load_dir, tag)
+    tag_dir = tag_directory(load_dir, tag)
     commit = os.path.join(tag_dir, COMMIT_FILE)
     if not os.path.isdir(tag_dir):
         raise CheckpointError(f"checkpoint tag directory {tag_dir} does not exist")
@@ -92,10 +109,14 @@ def _load_buffers(reader: CheckpointReader, module: torch.nn.Module, strict: boo
 
 def full_module_state_dict(reader: CheckpointReader, module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The saved module weights and buffers as a whole state dict (what ``custom_load_fn`` gets)."""
+    from zero_core.checkpoint.replicated import checkpoint_names
+
+    names = checkpoint_names(module)
     out = {}
-    for name, p in module.named_parameters():
+    for local, p in module.named_parameters():
+        name = names[local]  # keyed by the module's own names; read under the checkpoint's
         if reader.has(name, "param") or reader.has(name, "fp32"):
-            out[name] = reader.read_module_value(name, p.dtype).view(
+            out[local] = reader.read_module_value(name, p.dtype).view(
                 reader.shape(name, "param" if reader.has(name, "param") else "fp32")
             )
     for name in reader.names(BUFFER):

@@ -1,7 +1,9 @@
 """Fragments of strategies in which every rank holds whole tensors (ZeRO stage 0).
 
 Rank 0 of the data-parallel group writes every tensor whole (the other ranks hold copies and
-write nothing); on load every rank reads whole tensors. The module-weight helpers here are
+write nothing); on load every rank reads whole tensors. Expert parameters of MoE layers are
+the exception: each is written by the rank holding it, under its global expert name
+(see [Note: expert fragments] in ``experts.py``). The module-weight helpers here are
 also used by partitioned strategies whose module weights are replicated (stages 1 and 2).
 """
 
@@ -11,6 +13,7 @@ from typing import Any
 
 import torch
 
+from zero_core.checkpoint.experts import global_expert_names, writes_param
 from zero_core.checkpoint.format import CheckpointError
 from zero_core.checkpoint.fragments import FP32, PARAM, CheckpointReader, Fragment, optimizer_state_fragments
 
@@ -25,16 +28,24 @@ def module_fragments(module: torch.nn.Module, *, exclude_frozen_parameters: bool
     return out
 
 
+def checkpoint_names(module: torch.nn.Module) -> dict[str, str]:
+    """``{module parameter name: name in the checkpoint}`` (differs for expert parameters only)."""
+    renamed = global_expert_names(module)
+    return {n: renamed.get(n, n) for n, _ in module.named_parameters()}
+
+
 def check_names(reader: CheckpointReader, module: torch.nn.Module, *, strict: bool) -> None:
     """With ``strict``, the checkpoint's parameters must be exactly the module's."""
     if not strict:
         return
-    mine = {n: p for n, p in module.named_parameters()}
+    names = checkpoint_names(module)
+    mine = {names[n]: p for n, p in module.named_parameters()}
     saved = set(reader.names(PARAM)) | set(reader.names(FP32))
     missing = [
         n for n, p in mine.items() if n not in saved and not (reader.exclude_frozen and not p.requires_grad)
     ]
-    unexpected = sorted(saved - set(mine))
+    # an expert-parallel model holds only its own experts: the others are expected in the file
+    unexpected = [] if _has_experts(module) else sorted(saved - set(mine))
     if missing or unexpected:
         raise CheckpointError(
             f"checkpoint {reader.tag_dir} does not match the model (load_module_strict=True): "
@@ -46,7 +57,9 @@ def check_names(reader: CheckpointReader, module: torch.nn.Module, *, strict: bo
 def load_module_params(reader: CheckpointReader, module: torch.nn.Module, *, strict: bool) -> None:
     """Copy every saved module weight into ``module`` (whole tensors, in the module's dtype)."""
     check_names(reader, module, strict=strict)
-    for name, p in module.named_parameters():
+    names = checkpoint_names(module)
+    for local, p in module.named_parameters():
+        name = names[local]
         if reader.has(name, PARAM) or reader.has(name, FP32):
             if reader.shape(name, PARAM if reader.has(name, PARAM) else FP32) != tuple(p.shape):
                 raise CheckpointError(
@@ -63,13 +76,14 @@ def replicated_fragments(
     rank: int,
     exclude_frozen_parameters: bool = False,
 ) -> list[Fragment]:
-    """Everything, whole, from group rank 0; nothing from the others (they hold copies)."""
-    if rank != 0:
-        return []
-    out = module_fragments(module, exclude_frozen_parameters=exclude_frozen_parameters)
-    for name, p in module.named_parameters():
-        if exclude_frozen_parameters and not p.requires_grad:
+    """Everything, whole, from group rank 0 (the others hold copies); expert parameters from their holders."""
+    names = checkpoint_names(module)
+    out = []
+    for local, p in module.named_parameters():
+        if (exclude_frozen_parameters and not p.requires_grad) or not writes_param(p, rank):
             continue
+        name = names[local]
+        out.append(Fragment(name, PARAM, tuple(p.shape), 0, p.numel(), p.detach().reshape(-1)))
         target = master.get(p, p)
         if target is not p:
             out.append(Fragment(name, FP32, tuple(p.shape), 0, p.numel(), target.detach().reshape(-1)))
@@ -90,7 +104,9 @@ def load_replicated(
 ) -> None:
     """Load whole module weights, fp32 masters and (optionally) optimizer states on every rank."""
     load_module_params(reader, module, strict=strict)
-    for name, p in module.named_parameters():
+    names = checkpoint_names(module)
+    for local, p in module.named_parameters():
+        name = names[local]
         target = master.get(p, p)
         # Masters follow the weights even for load_module_only: a stale master would undo the load at the next step.
         if target is not p and (reader.has(name, FP32) or reader.has(name, PARAM)):
@@ -107,3 +123,7 @@ def load_replicated(
                 value = value.view_as(target).to(target.device)
             state[key] = value
         optimizer.state[target] = state
+
+
+def _has_experts(module: torch.nn.Module) -> bool:
+    return any(getattr(p, "allreduce", True) is False for p in module.parameters())

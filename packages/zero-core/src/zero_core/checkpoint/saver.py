@@ -5,12 +5,23 @@ byte is written (tag, client_state); rank 0 prepares an empty staging directory;
 every rank writes ``rank_<r>.safetensors`` then ``rank_<r>.json`` (atomically); barrier;
 rank 0 checksums the rank tables, writes ``checkpoint.json`` and the conversion script,
 renames the staging directory to the tag, and only then replaces ``latest``; barrier.
+
+[Note: replacing a tag]
+Saving under a tag that already exists must not open a window in which ``latest`` names no
+loadable checkpoint. Rank 0 commits in three renames, each atomic: the complete new tag is
+first finished in ``.<tag>.partial``; the old tag directory is renamed to ``.<tag>.old``; the
+staging directory is renamed to ``<tag>``; only then is ``.<tag>.old`` deleted. A crash
+between the first two renames leaves ``<tag>`` missing but ``.<tag>.old`` complete, and every
+reader (``loader.tag_directory`` and the standalone ``zero_to_fp32.py``) falls back to it; the
+next save of the tag finds no ``<tag>`` and simply renames its staging directory into place.
+``ZERO_CHECKPOINT_KILL_AT=between_renames`` (a test hook) SIGKILLs rank 0 at that point.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import warnings
 import zlib
 from typing import Any
@@ -37,7 +48,10 @@ from zero_core.checkpoint.format import (
 )
 from zero_core.checkpoint.fragments import BUFFER, CheckpointableStrategy, Fragment
 from zero_core.checkpoint.integrity import CHECKSUM_ALGORITHM, file_checksum, file_record
+from zero_core.checkpoint.replicated import checkpoint_names
 from zero_core.checkpoint.tensor_file import TensorEntry, write_tensor_file
+
+_KILL_AT_ENV = "ZERO_CHECKPOINT_KILL_AT"
 
 
 def _dist() -> tuple[bool, int, int]:
@@ -98,6 +112,7 @@ def _engine_meta(
 ) -> dict[str, Any]:
     cfg = engine.config
     zc = getattr(cfg, "zero_optimization", None)
+    names = checkpoint_names(engine.module)  # global names of expert parameters (see experts.py)
     sched = getattr(engine, "lr_scheduler", None)
     sched_state = None
     if sched is not None and hasattr(sched, "state_dict"):
@@ -123,7 +138,7 @@ def _engine_meta(
             "param_groups": _param_groups(engine.optimizer),
         },
         "parameters": [
-            [n, bool(p.requires_grad), list(p.shape)] for n, p in engine.module.named_parameters()
+            [names[n], bool(p.requires_grad), list(p.shape)] for n, p in engine.module.named_parameters()
         ],
         "config": cfg.to_dict() if hasattr(cfg, "to_dict") else None,
         "client_state": client_state,
@@ -163,16 +178,18 @@ def _commit(
         atomic_write_bytes(os.path.join(stage_dir, SCRIPT_FILE), f.read(), sync_dir=False)
     atomic_write_bytes(os.path.join(stage_dir, COMMIT_FILE), dumps(meta), sync_dir=False)
     fsync_dir(stage_dir)
+    # See [Note: replacing a tag].
     final = os.path.join(save_dir, tag)
-    old = None
+    old = os.path.join(save_dir, f".{tag}.old")
     if os.path.exists(final):
-        old = os.path.join(save_dir, f".{tag}.old")
-        shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)  # a stale copy: <tag> itself is complete
         os.rename(final, old)
+        fsync_dir(save_dir)
+        if os.environ.get(_KILL_AT_ENV) == "between_renames":
+            os.kill(os.getpid(), signal.SIGKILL)
     os.rename(stage_dir, final)
     fsync_dir(save_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
     if save_latest:
         atomic_write_bytes(os.path.join(save_dir, LATEST_FILE), tag.encode())
 

@@ -4,64 +4,94 @@
 Usage as a script (this file is also copied into every checkpoint directory)::
 
     python zero_to_fp32.py CHECKPOINT_DIR OUTPUT [--tag TAG] [--max-shard-size 5GB]
-                           [--exclude-frozen-parameters] [--bin]
+                           [--exclude-frozen-parameters] [--bin] [-q]
 
 ``CHECKPOINT_DIR`` is the directory holding ``latest`` and the tag directories (a tag
 directory itself also works). ``OUTPUT`` is a ``.safetensors`` file (or ``.bin`` with
 ``--bin``); when the model is larger than ``--max-shard-size`` it becomes Hugging Face style
 shards ``<stem>-00001-of-0000N.safetensors`` next to it plus ``<OUTPUT>.index.json``.
 
+[Note: standalone conversion script]
+Like DeepSpeed's, the copy of this file inside a checkpoint must run on a machine without
+this repository: it imports only the standard library and torch (``tqdm`` for the progress
+bar when present), never ``zero_core``. It therefore carries its own minimal reader of the
+format described in [Note: checkpoint format] (``zero_core/checkpoint/format.py``): JSON
+tables, CRC32 checksums, the safetensors header, and the assembly of a parameter from the
+fragments of every rank file. It only reads whole values, which is all consolidation needs;
+the engine's ranged, resharding reader is ``fragments.CheckpointReader``. When ``zero_core``
+is importable its ``CheckpointError`` is raised, so library callers catch one error type.
+Tests run the copied file in a subprocess with ``zero_core`` blocked, and compare its output
+with the engine's gathered masters.
+
 [Note: streaming conversion]
-The fp32 value of each parameter is assembled from the fragments of every rank (whatever
-world size and stage wrote them) and written to the output immediately, one tensor at a
-time, so the peak memory of a safetensors conversion is about the largest single tensor,
-independent of the model size (``.bin`` output needs one whole shard in memory, since
-``torch.save`` takes a dict). Nothing is unpickled on the way in.
+Each output tensor is assembled directly into one buffer (every rank's piece is ``pread``
+into its slice) and written to the output immediately, so the peak memory of a safetensors
+conversion is about the largest single tensor, independent of the model size (``.bin``
+output needs one whole shard in memory, since ``torch.save`` takes a dict). Nothing is
+unpickled on the way in. Outputs are written to a temporary name, fsynced and renamed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
+import struct
 import sys
-from collections.abc import Iterator
+import zlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from zero_core.checkpoint.atomic import atomic_write_bytes
-from zero_core.checkpoint.format import COMMIT_FILE, CheckpointError
-from zero_core.checkpoint.fragments import BUFFER, FP32, PARAM, CheckpointReader
-from zero_core.checkpoint.loader import open_checkpoint, resolve_tag
-from zero_core.checkpoint.tensor_file import TensorEntry, write_tensor_file
+try:  # one error type for library callers; the standalone copy defines its own
+    from zero_core.checkpoint.format import CheckpointError
+except ImportError:  # pragma: no cover - exercised by the standalone-script test in a subprocess
+
+    class CheckpointError(RuntimeError):  # type: ignore[no-redef]
+        """A checkpoint cannot be read; the message names the file and what is wrong."""
+
 
 __all__ = [
+    "CheckpointError",
     "convert_zero_checkpoint_to_fp32_state_dict",
     "get_fp32_state_dict_from_zero_checkpoint",
     "load_state_dict_from_zero_checkpoint",
+    "parse_size",
 ]
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
+FORMAT_NAME = "zero-checkpoint"
+FORMAT_VERSION = 1
+COMMIT_FILE = "checkpoint.json"
+LATEST_FILE = "latest"
+_TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=@-]{0,199}$")
+_ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
+_ST_CODES = {v: k for k, v in _ST_DTYPES.items()}
+_DTYPES_BY_NAME = {str(v).removeprefix("torch."): v for v in _ST_DTYPES.values()}  # "float32" as in the JSON
+_CHUNK = 8 * 2**20
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
 
 
 def parse_size(size: int | str) -> int:
     """``"5GB"`` -> 5_000_000_000 (decimal units as Hugging Face; KiB/MiB/GiB binary)."""
     if isinstance(size, int) and not isinstance(size, bool) and size > 0:
         return size
-    m = _SIZE_RE.match(str(size)) if isinstance(size, str) else None
+    m = _SIZE_RE.match(size) if isinstance(size, str) else None
     if not m or float(m.group(1)) <= 0:
         raise ValueError(
             f"max_shard_size must be a positive byte count or a string like '5GB', '500MB', got {size!r}"
@@ -69,58 +99,237 @@ def parse_size(size: int | str) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
 
 
-def _open(checkpoint_dir: str | os.PathLike[str], tag: Any) -> tuple[dict[str, Any], CheckpointReader]:
-    if not isinstance(checkpoint_dir, (str, os.PathLike)):
-        raise TypeError(f"checkpoint_dir must be a path, got {type(checkpoint_dir).__name__}")
-    checkpoint_dir = os.fspath(checkpoint_dir)
-    if tag is None and os.path.isfile(os.path.join(checkpoint_dir, COMMIT_FILE)):
-        checkpoint_dir, tag = os.path.split(os.path.abspath(checkpoint_dir))
-    resolved = resolve_tag(checkpoint_dir, tag)
-    if resolved is None:
-        raise CheckpointError(
-            f"{checkpoint_dir} has no 'latest' file; pass tag= (one of its tag directories)"
+# -- reading -------------------------------------------------------------------------------
+def _read_json(path: str) -> Any:
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path} does not exist")
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        # inf/nan are stored as {"__float__": "inf"} (see format.py)
+        return json.loads(
+            data.decode("utf-8"),
+            object_hook=lambda o: float(o["__float__"]) if len(o) == 1 and "__float__" in o else o,
         )
-    return open_checkpoint(checkpoint_dir, resolved)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); the file is corrupted") from None
 
 
-def _plan(meta: dict[str, Any], reader: CheckpointReader, exclude_frozen: bool) -> list[tuple[str, str]]:
+def _verify(path: str, record: dict[str, int]) -> None:
+    """Raise naming ``path`` unless its size and CRC32 match ``record``."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint file {path} is missing")
+    size = os.path.getsize(path)
+    if size != record.get("bytes"):
+        raise CheckpointError(
+            f"checkpoint file {path} has {size} bytes, the checkpoint recorded {record.get('bytes')}: "
+            "it is truncated or was modified"
+        )
+    crc, buf = 0, bytearray(_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while k := f.readinto(buf):
+            crc = zlib.crc32(view[:k], crc)
+    if crc != record.get("crc32"):
+        raise CheckpointError(
+            f"checkpoint file {path} fails its checksum (crc32 {crc:#010x}, recorded {record.get('crc32', 0):#010x}): "
+            "it is corrupted or was modified"
+        )
+
+
+class _RankFile:
+    """The tensors of one rank's safetensors file: header parsed strictly, data read by ``pread``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY)
+        size = os.fstat(self.fd).st_size
+        head = os.pread(self.fd, 8, 0)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        if n < 0 or 8 + n > size:
+            self.close()
+            raise self._bad("the header length does not fit the file (truncated or not safetensors)")
+        try:
+            header = json.loads(os.pread(self.fd, n, 8).decode("utf-8"))
+            header.pop("__metadata__", None)
+            self.entries = {
+                k: (_ST_DTYPES[v["dtype"]], int(v["data_offsets"][0]), int(v["data_offsets"][1]))
+                for k, v in header.items()
+            }
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+            self.close()
+            raise self._bad(
+                "the header is not a safetensors JSON header (a pickle or other foreign file?)"
+            ) from None
+        self.data_start = 8 + n
+        for k, (_, lo, hi) in self.entries.items():
+            if not 0 <= lo <= hi <= size - self.data_start:
+                self.close()
+                raise self._bad(f"entry {k!r} lies outside the file (truncated?)")
+
+    def _bad(self, why: str) -> CheckpointError:
+        return CheckpointError(f"{self.path} is not a valid safetensors tensor file: {why}")
+
+    def read_into(self, key: str, out: torch.Tensor) -> None:
+        """Fill the 1-D contiguous ``out`` with the whole tensor ``key`` (same dtype and size)."""
+        if key not in self.entries:
+            raise CheckpointError(f"{self.path} has no tensor {key!r}")
+        dtype, lo, hi = self.entries[key]
+        if dtype != out.dtype or hi - lo != out.numel() * out.element_size():
+            raise self._bad(f"entry {key!r} does not match its fragment record")
+        buf = memoryview(out.view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+        offset = self.data_start + lo
+        while len(buf):
+            k = os.preadv(self.fd, [buf], offset)
+            if k <= 0:
+                raise self._bad(f"unexpected end of file reading {key!r} (truncated?)")
+            buf, offset = buf[k:], offset + k
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class _Checkpoint:
+    """One verified tag: ``(name, kind) -> [(start, end, rank, key)]``, rank files opened lazily."""
+
+    def __init__(self, checkpoint_dir: str, tag: Any) -> None:
+        if not isinstance(checkpoint_dir, (str, os.PathLike)):
+            raise TypeError(f"checkpoint_dir must be a path, got {type(checkpoint_dir).__name__}")
+        checkpoint_dir = os.fspath(checkpoint_dir)
+        if tag is None and os.path.isfile(os.path.join(checkpoint_dir, COMMIT_FILE)):
+            checkpoint_dir, tag = os.path.split(os.path.abspath(checkpoint_dir))
+        if tag is None:
+            latest = os.path.join(checkpoint_dir, LATEST_FILE)
+            if not os.path.isfile(latest):
+                raise CheckpointError(
+                    f"{checkpoint_dir} has no 'latest' file; pass tag= (one of its tag directories)"
+                )
+            with open(latest, encoding="utf-8") as f:
+                tag = f.read().strip()
+        tag = str(tag)
+        if not _TAG_RE.match(tag):
+            raise CheckpointError(f"{tag!r} is not a valid checkpoint tag")
+        self.tag_dir = _tag_dir(checkpoint_dir, tag)
+        commit = os.path.join(self.tag_dir, COMMIT_FILE)
+        meta = _read_json(commit)
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+            raise CheckpointError(f"{commit} is not a zero checkpoint record")
+        if int(meta.get("format_version", -1)) > FORMAT_VERSION:
+            raise CheckpointError(
+                f"{commit} has format version {meta['format_version']}; this script reads up to 1"
+            )
+        self.meta = meta
+        self.tables = []
+        for r in range(int(meta["world_size"])):
+            name = f"rank_{r:05d}.json"
+            if name not in meta.get("files", {}):
+                raise CheckpointError(f"{commit} has no record of {name}")
+            _verify(os.path.join(self.tag_dir, name), meta["files"][name])
+            self.tables.append(_read_json(os.path.join(self.tag_dir, name)))
+        self.index: dict[tuple[str, str], dict[str, Any]] = {}
+        for r, table in enumerate(self.tables):
+            for rec in table["fragments"]:
+                e = self.index.setdefault((rec["name"], rec["kind"]), {"rec": rec, "pieces": []})
+                e["pieces"].append((int(rec["start"]), int(rec["end"]), r, rec["key"]))
+        for e in self.index.values():
+            e["pieces"].sort()
+        self._files: dict[int, _RankFile] = {}
+
+    def has(self, name: str, kind: str) -> bool:
+        return (name, kind) in self.index
+
+    def names(self, kind: str) -> list[str]:
+        return [n for (n, k) in self.index if k == kind]
+
+    def shape_dtype(self, name: str, kind: str) -> tuple[tuple[int, ...], torch.dtype]:
+        rec = self.index[(name, kind)]["rec"]
+        if rec["dtype"] not in _DTYPES_BY_NAME:
+            raise CheckpointError(f"{self.tag_dir}: unknown dtype {rec['dtype']!r} of {kind}:{name}")
+        return tuple(rec["shape"]), _DTYPES_BY_NAME[rec["dtype"]]
+
+    def _file(self, rank: int) -> _RankFile:
+        if rank not in self._files:
+            table = self.tables[rank]
+            path = os.path.join(self.tag_dir, table["file"])
+            _verify(path, table["file_record"])
+            self._files[rank] = _RankFile(path)
+        return self._files[rank]
+
+    def read_full(self, name: str, kind: str) -> torch.Tensor:
+        """The whole value, each rank's piece read straight into its slice of one buffer."""
+        shape, dtype = self.shape_dtype(name, kind)
+        numel = math.prod(shape)
+        out = torch.empty(numel, dtype=dtype)
+        pos = 0
+        for lo, hi, rank, key in self.index[(name, kind)]["pieces"]:
+            if lo != pos:
+                break
+            self._file(rank).read_into(key, out[lo:hi])
+            pos = hi
+        if pos != numel:
+            raise CheckpointError(
+                f"checkpoint {self.tag_dir} does not hold all of {kind}:{name} (a rank file is missing?)"
+            )
+        return out.view(shape)
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+
+def _tag_dir(checkpoint_dir: str, tag: str) -> str:
+    """``checkpoint_dir/tag``; if a crash interrupted replacing that tag, the complete copy set aside."""
+    for name in (tag, f".{tag}.old"):  # see [Note: replacing a tag] in saver.py
+        d = os.path.join(checkpoint_dir, name)
+        if os.path.isfile(os.path.join(d, COMMIT_FILE)):
+            return d
+    d = os.path.join(checkpoint_dir, tag)
+    if not os.path.isdir(d):
+        raise CheckpointError(f"checkpoint tag directory {d} does not exist")
+    raise CheckpointError(f"{os.path.join(d, COMMIT_FILE)} is missing: {d} is not a complete zero checkpoint")
+
+
+def _plan(ckpt: _Checkpoint, exclude_frozen: bool) -> list[tuple[str, str]]:
     """(name, kind) of every output tensor, in the model's parameter order, then buffers."""
-    order = [n for n, _, _ in meta.get("parameters", [])] or reader.names(PARAM)
-    frozen = {n for n, rg, _ in meta.get("parameters", []) if not rg}
+    params = ckpt.meta.get("parameters", [])
+    # then names not in rank 0's list: the experts other ranks held (see experts.py in zero_core)
+    order = [n for n, _, _ in params]
+    seen = set(order)
+    order += [n for n in dict.fromkeys(ckpt.names("fp32") + ckpt.names("param")) if n not in seen]
+    frozen = {n for n, rg, _ in params if not rg}
     out = []
     for name in order:
         if exclude_frozen and name in frozen:
             continue
-        if reader.has(name, FP32) or reader.has(name, PARAM):
-            out.append((name, FP32))
-    out += [(n, BUFFER) for n in reader.names(BUFFER)]
-    return out
+        if ckpt.has(name, "fp32"):
+            out.append((name, "fp32"))
+        elif ckpt.has(name, "param"):
+            out.append((name, "param"))
+    return out + [(n, "buffer") for n in ckpt.names("buffer")]
 
 
-def _shape_dtype(reader: CheckpointReader, name: str, kind: str) -> tuple[tuple[int, ...], torch.dtype]:
-    if kind == BUFFER:
-        return reader.shape(name, BUFFER), reader.dtype(name, BUFFER)
-    return reader.shape(name, FP32 if reader.has(name, FP32) else PARAM), torch.float32
+def _out_shape_dtype(ckpt: _Checkpoint, name: str, kind: str) -> tuple[tuple[int, ...], torch.dtype]:
+    shape, dtype = ckpt.shape_dtype(name, kind)
+    return shape, (dtype if kind == "buffer" else torch.float32)
 
 
-def _value(reader: CheckpointReader, name: str, kind: str) -> torch.Tensor:
-    if kind == BUFFER:
-        return reader.read_full(name, BUFFER)
-    shape, _ = _shape_dtype(reader, name, kind)
-    return reader.read_fp32(name).view(shape)
+def _value(ckpt: _Checkpoint, name: str, kind: str) -> torch.Tensor:
+    t = ckpt.read_full(name, kind)
+    return t if kind == "buffer" else t.float()  # the fp32 master, or the weight upcast where none was saved
 
 
 def get_fp32_state_dict_from_zero_checkpoint(
     checkpoint_dir: str | os.PathLike[str], tag: Any = None, exclude_frozen_parameters: bool = False
 ) -> dict[str, torch.Tensor]:
     """The consolidated fp32 weights (and buffers) of a checkpoint, as an in-memory state dict on CPU."""
-    meta, reader = _open(checkpoint_dir, tag)
+    ckpt = _Checkpoint(checkpoint_dir, tag)
     try:
-        return {
-            name: _value(reader, name, kind) for name, kind in _plan(meta, reader, exclude_frozen_parameters)
-        }
+        return {n: _value(ckpt, n, k) for n, k in _plan(ckpt, exclude_frozen_parameters)}
     finally:
-        reader.close()
+        ckpt.close()
 
 
 def load_state_dict_from_zero_checkpoint(
@@ -140,6 +349,7 @@ def load_state_dict_from_zero_checkpoint(
     return model
 
 
+# -- writing -------------------------------------------------------------------------------
 class _Progress:
     """tqdm when installed, else a line every 10%."""
 
@@ -167,17 +377,73 @@ class _Progress:
             self._bar.close()
 
 
-def _shards(entries: list[TensorEntry], max_bytes: int) -> Iterator[list[TensorEntry]]:
-    shard: list[TensorEntry] = []
+_Entry = tuple[str, tuple[int, ...], torch.dtype, Callable[[], torch.Tensor]]
+
+
+def _nbytes(e: _Entry) -> int:
+    return math.prod(e[1]) * torch.empty((), dtype=e[2]).element_size()
+
+
+def _shards(entries: list[_Entry], max_bytes: int) -> Iterator[list[_Entry]]:
+    shard: list[_Entry] = []
     size = 0
     for e in entries:
-        if shard and size + e.nbytes > max_bytes:
+        if shard and size + _nbytes(e) > max_bytes:
             yield shard
             shard, size = [], 0
         shard.append(e)
-        size += e.nbytes
+        size += _nbytes(e)
     if shard:
         yield shard
+
+
+def _commit(tmp: str, path: str, f: Any) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+    f.close()
+    os.replace(tmp, path)
+
+
+def _write_safetensors(path: str, shard: list[_Entry], progress: _Progress) -> None:
+    """A standard safetensors file written one tensor at a time (see [Note: streaming conversion])."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    off = 0
+    for name, shape, dtype, _ in shard:
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _ST_CODES[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    f = open(tmp, "wb", buffering=0)  # noqa: SIM115 (closed by _commit, or below on error)
+    try:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name, shape, dtype, produce in shard:
+            t = produce()
+            if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                raise CheckpointError(
+                    f"tensor {name!r}: expected {shape} {dtype}, got {tuple(t.shape)} {t.dtype}"
+                )
+            if t.numel():
+                view = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+                while view:
+                    view = view[f.write(view) :]
+            progress.update(t.numel() * t.element_size())
+            del t
+        _commit(tmp, path, f)
+    except BaseException:
+        f.close()
+        os.unlink(tmp)
+        raise
+
+
+def _write_bin(path: str, shard: list[_Entry], progress: _Progress) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    torch.save({name: produce() for name, _, _, produce in shard}, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    progress.update(sum(_nbytes(e) for e in shard))
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(
@@ -197,12 +463,12 @@ def convert_zero_checkpoint_to_fp32_state_dict(
         raise TypeError(f"output_file must be a path, got {type(output_file).__name__}")
     output_file = os.fspath(output_file)
     limit = parse_size(max_shard_size)
-    meta, reader = _open(checkpoint_dir, tag)
+    ckpt = _Checkpoint(checkpoint_dir, tag)
     try:
-        entries = []
-        for name, kind in _plan(meta, reader, exclude_frozen_parameters):
-            shape, dtype = _shape_dtype(reader, name, kind)
-            entries.append(TensorEntry(name, shape, dtype, (lambda n=name, k=kind: _value(reader, n, k))))
+        entries: list[_Entry] = []
+        for name, kind in _plan(ckpt, exclude_frozen_parameters):
+            shape, dtype = _out_shape_dtype(ckpt, name, kind)
+            entries.append((name, shape, dtype, lambda n=name, k=kind: _value(ckpt, n, k)))
         shards = list(_shards(entries, limit))
         out_dir = os.path.dirname(os.path.abspath(output_file))
         os.makedirs(out_dir, exist_ok=True)
@@ -213,37 +479,25 @@ def convert_zero_checkpoint_to_fp32_state_dict(
             if len(shards) == 1
             else [f"{stem}-{i + 1:05d}-of-{len(shards):05d}{ext}" for i in range(len(shards))]
         )
-        bar = _Progress(sum(e.nbytes for e in entries), progress)
-        written = []
-        weight_map = {}
+        bar = _Progress(sum(_nbytes(e) for e in entries), progress)
+        written, weight_map = [], {}
         for fname, shard in zip(names, shards):
             path = os.path.join(out_dir, fname)
-            if safe_serialization:
-                write_tensor_file(
-                    path, shard, metadata={"format": "pt"}, on_tensor=lambda e: bar.update(e.nbytes)
-                )
-            else:
-                _torch_save_atomic({e.name: e.produce() for e in shard}, path)
-                bar.update(sum(e.nbytes for e in shard))
+            (_write_safetensors if safe_serialization else _write_bin)(path, shard, bar)
             written.append(path)
-            weight_map.update({e.name: fname for e in shard})
+            weight_map.update({e[0]: fname for e in shard})
         bar.close()
         if len(shards) > 1:
-            index = {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": weight_map}
+            index = {"metadata": {"total_size": sum(_nbytes(e) for e in entries)}, "weight_map": weight_map}
             index_path = os.path.join(out_dir, f"{stem}{ext}.index.json")
-            atomic_write_bytes(index_path, json.dumps(index, indent=2, sort_keys=True).encode())
+            tmp = f"{index_path}.tmp.{os.getpid()}"
+            f = open(tmp, "wb")  # noqa: SIM115 (closed by _commit)
+            f.write(json.dumps(index, indent=2, sort_keys=True).encode())
+            _commit(tmp, index_path, f)
             written.append(index_path)
         return written
     finally:
-        reader.close()
-
-
-def _torch_save_atomic(state: dict[str, torch.Tensor], path: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(state, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+        ckpt.close()
 
 
 def main(argv: list[str] | None = None) -> int:

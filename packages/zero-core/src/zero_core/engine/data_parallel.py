@@ -145,12 +145,30 @@ class DataParallelStrategy:
         from zero_core.checkpoint.replicated import replicated_fragments
 
         rank = comm.get_rank(self.group) if comm.is_initialized() else 0
-        return replicated_fragments(self.module, self.optimizer, self.master, rank=rank,
-                                    exclude_frozen_parameters=exclude_frozen_parameters)
+        return replicated_fragments(
+            self.module,
+            self.optimizer,
+            self.master,
+            rank=rank,
+            exclude_frozen_parameters=exclude_frozen_parameters,
+        )
 
-    def load_checkpoint_fragments(self, reader: Any, *, load_optimizer_states: bool = True,
-                                  load_module_only: bool = False, strict: bool = True) -> None:
+    def load_checkpoint_fragments(
+        self,
+        reader: Any,
+        *,
+        load_optimizer_states: bool = True,
+        load_module_only: bool = False,
+        strict: bool = True,
+    ) -> None:
         from zero_core.checkpoint.replicated import load_replicated
 
-        load_replicated(reader, self.module, self.optimizer, self.master, load_optimizer_states=load_optimizer_states,
-                        load_module_only=load_module_only, strict=strict)
+        load_replicated(
+            reader,
+            self.module,
+            self.optimizer,
+            self.master,
+            load_optimizer_states=load_optimizer_states,
+            load_module_only=load_module_only,
+            strict=strict,
+        )

@@ -108,7 +108,10 @@ class ZeroEngine(torch.nn.Module):
             release()
 
     def save_16bit_model(
-        self, save_dir: str, save_filename: str = "pytorch_model.safetensors", exclude_frozen_parameters: bool = False
+        self,
+        save_dir: str,
+        save_filename: str = "pytorch_model.safetensors",
+        exclude_frozen_parameters: bool = False,
     ) -> bool:
         """Write the model's weights in the training dtype as one safetensors file (rank 0 writes).
 
@@ -118,7 +121,9 @@ class ZeroEngine(torch.nn.Module):
         if not isinstance(save_dir, (str, os.PathLike)):
             raise TypeError(f"save_16bit_model: save_dir must be a path, got {type(save_dir).__name__}")
         if not isinstance(save_filename, str) or not save_filename or os.sep in save_filename:
-            raise ValueError(f"save_16bit_model: save_filename must be a plain file name, got {save_filename!r}")
+            raise ValueError(
+                f"save_16bit_model: save_filename must be a plain file name, got {save_filename!r}"
+            )
         saver = getattr(self.strategy, "save_16bit_model", None)
         if saver is not None:
             return bool(saver(str(save_dir), save_filename, exclude_frozen_parameters))
@@ -225,6 +230,12 @@ class ZeroEngine(torch.nn.Module):
     def zero_grad(self) -> None:
         self.strategy.zero_grad()
 
+    def destroy(self) -> None:
+        """Release what the strategy holds outside Python's reach (offload swap files); idempotent."""
+        close = getattr(self.strategy, "close", None)
+        if close is not None:
+            close()
+
     # -- checkpoints (zero_core.checkpoint; see [Note: checkpoint format]) --------------
     def save_checkpoint(
         self,
@@ -237,8 +248,14 @@ class ZeroEngine(torch.nn.Module):
         """Save the full training state under ``save_dir/tag`` (collective: call on every rank)."""
         from zero_core.checkpoint.saver import save_checkpoint
 
-        return save_checkpoint(self, save_dir, tag, client_state if client_state is not None else {},
-                               save_latest, exclude_frozen_parameters)
+        return save_checkpoint(
+            self,
+            save_dir,
+            tag,
+            client_state if client_state is not None else {},
+            save_latest,
+            exclude_frozen_parameters,
+        )
 
     def load_checkpoint(
         self,
@@ -253,8 +270,16 @@ class ZeroEngine(torch.nn.Module):
         """Load a checkpoint saved at any world size and stage; returns ``(load_path, client_state)``."""
         from zero_core.checkpoint.loader import load_checkpoint
 
-        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
-                               load_lr_scheduler_states, load_module_only, custom_load_fn)
+        return load_checkpoint(
+            self,
+            load_dir,
+            tag,
+            load_module_strict,
+            load_optimizer_states,
+            load_lr_scheduler_states,
+            load_module_only,
+            custom_load_fn,
+        )
 
     # -- reporting ----------------------------------------------------------------------
     def _report(self) -> None:

@@ -149,6 +149,26 @@ def _build_profiler(model: torch.nn.Module, cfg: Any, engine: ZeroEngine) -> Any
     return StepProfiler(model, data, engine=engine, rank=comm.get_rank() if comm.is_initialized() else 0)
 
 
+def _optimizer_offload(module: torch.nn.Module, cfg: Any, group: Any, dtype: torch.dtype) -> Any:
+    """zero-offload's ``OptimizerOffload`` when ``offload_optimizer.device`` is cpu/nvme, else None."""
+    zc = cfg.zero_optimization
+    oo = getattr(zc, "offload_optimizer", None)
+    op = getattr(zc, "offload_param", None)
+    if op is not None and op.enabled:
+        require("zero_offload", f'zero_optimization.offload_param.device "{op.device}"')
+    if oo is None or not oo.enabled:
+        return None
+    mod = require("zero_offload", f'zero_optimization.offload_optimizer.device "{oo.device}"')
+    first = next(module.parameters(), None)
+    return mod.build_optimizer_offload(
+        zc,
+        _section(cfg, "aio"),
+        rank=comm.get_rank(group),
+        compute_device=first.device if first is not None else torch.device("cpu"),
+        dtype=dtype,
+    )
+
+
 def _build_strategy(module: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: Any, group: Any) -> Any:
     zc = cfg.zero_optimization
     stage = int(zc.stage)
@@ -158,12 +178,15 @@ def _build_strategy(module: torch.nn.Module, optimizer: torch.optim.Optimizer, c
     )
     if stage == 0:
         from zero_core.engine.data_parallel import DataParallelStrategy
+        from zero_core.engine.grad_buckets import STAGE0_DEFAULT_BUCKET_NUMEL
 
+        # See [Note: gradient buckets] for why stage 0 has its own default bucket size.
+        explicit_bucket = "reduce_bucket_size" in getattr(zc, "model_fields_set", ())
         return DataParallelStrategy(
             module,
             optimizer,
             group=group,
-            bucket_numel=int(zc.reduce_bucket_size),
+            bucket_numel=int(zc.reduce_bucket_size) if explicit_bucket else STAGE0_DEFAULT_BUCKET_NUMEL,
             overlap_comm=bool(zc.overlap_comm) if zc.overlap_comm is not None else True,
             comm_dtype=comm_dtype,
             predivide_factor=float(getattr(cfg, "gradient_predivide_factor", 1.0) or 1.0),
@@ -188,6 +211,7 @@ def _build_strategy(module: torch.nn.Module, optimizer: torch.optim.Optimizer, c
             round_robin_gradients=bool(zc.round_robin_gradients),
             ignore_unused_parameters=bool(zc.ignore_unused_parameters),
             comm_dtype=comm_dtype,
+            optimizer_offload=_optimizer_offload(module, cfg, group, dtype),
         )
     if stage == 3:
         # Partitioning and the 16-bit cast of parameters are the strategy's business here.
@@ -204,6 +228,10 @@ def _build_strategy(module: torch.nn.Module, optimizer: torch.optim.Optimizer, c
             max_live_parameters=int(zc.max_live_parameters),
             max_reuse_distance=int(zc.max_reuse_distance),
             gather_16bit_weights_on_model_save=bool(zc.gather_16bit_weights_on_model_save),
+            reduce_bucket_size=int(zc.reduce_bucket_size),
+            overlap_comm=bool(zc.overlap_comm) if zc.overlap_comm is not None else True,
+            optimizer_offload=_optimizer_offload(module, cfg, group, dtype),
+            offload_ratio=float(zc.offload_optimizer.ratio) if zc.offload_optimizer is not None else 1.0,
         )
     raise NotImplementedError(f"zero_optimization.stage {stage} is not available in this build")
 

@@ -9,11 +9,19 @@ marks it with ``param._zero_owner``, an object with the methods
     full_optimizer_state(p, key) -> Tensor  set_full_fp32_param(p, value) -> None
     set_full_optimizer_state(p, value, key) -> None
 
-(stages 1-2: ``PartitionedOptimizerStrategy``; stage 3 implements the same five). The getters
-are collective: every rank of the data-parallel group must call them with the same parameter,
-in the same order. The setters take the full value on every rank and each rank writes only
-its own part (no communication). A parameter with no owner (stage 0, frozen parameters) is
-read from / written to the module directly.
+and, for the ``safe_*_local_*`` family, ``local_fp32_param(p)``, ``local_grad(p)``,
+``local_optimizer_state(p, key)``, ``set_local_fp32_param(p, value)`` and
+``set_local_optimizer_state(p, value, key)`` (stages 1-2: ``PartitionedOptimizerStrategy``;
+stage 3 implements them in ``zero/stage3``). There is one public function per name here and
+it dispatches to the owner, whatever the stage.
+
+The ``full`` getters are collective: every rank of the parameter's partition group must call
+them with the same parameter, in the same order. The ``full`` setters take the full value on
+every rank and each rank writes only its own part (no communication). The ``local`` functions
+touch only this rank's partition of the parameter (a 1-D tensor; what "local" covers is the
+owner's layout) and never communicate. Gradients are returned unscaled: with fp16 the owner
+divides by the current loss scale. A parameter with no owner (stage 0, frozen parameters) is
+read from / written to the module directly; its "local" part is the whole parameter.
 """
 
 from __future__ import annotations
@@ -34,10 +42,10 @@ def _check_param(param: Any, where: str) -> Any:
 def _check_value(param: torch.Tensor, value: Any, where: str) -> None:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{where}: value must be a torch.Tensor, got {type(value).__name__}")
-    if tuple(value.shape) != tuple(param.shape):
-        raise ValueError(
-            f"{where}: value has shape {tuple(value.shape)}, the parameter has {tuple(param.shape)}"
-        )
+    # a stage-3 parameter's .shape is empty while released: its real shape is zero_shape
+    shape = tuple(getattr(param, "zero_shape", param.shape))
+    if tuple(value.shape) != shape:
+        raise ValueError(f"{where}: value has shape {tuple(value.shape)}, the parameter has {shape}")
 
 
 def _check_key(key: Any, where: str) -> None:
@@ -57,7 +65,7 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     """The full reduced (averaged over ranks) gradient of ``param``. Collective.
 
     Valid between the backward of an accumulation boundary and ``engine.step()``; with fp16 it
-    still carries the loss scale.
+    is divided by the current loss scale, so it is the gradient of the unscaled loss.
     """
     owner = _check_param(param, "safe_get_full_grad")
     if owner is None:
@@ -103,10 +111,88 @@ def safe_set_full_optimizer_state(
     owner.set_full_optimizer_state(param, value, optim_state_key)
 
 
+def _owner_for_local(param: Any, where: str) -> Any:
+    owner = _check_param(param, where)
+    if owner is not None and not hasattr(owner, where.replace("safe_get_", "").replace("safe_", "")):
+        raise NotImplementedError(f"{where}: the ZeRO stage owning this parameter does not implement it")
+    return owner
+
+
+def safe_get_local_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
+    """This rank's partition of the fp32 (master) value of ``param``, flat. Not collective."""
+    owner = _owner_for_local(param, "safe_get_local_fp32_param")
+    if owner is None:
+        return param.detach().float().reshape(-1).clone()
+    return owner.local_fp32_param(param)
+
+
+def safe_get_local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
+    """This rank's partition of the reduced, unscaled gradient of ``param``, flat. Not collective.
+
+    Valid between the backward of an accumulation boundary and ``engine.step()``.
+    """
+    owner = _owner_for_local(param, "safe_get_local_grad")
+    if owner is None:
+        return None if param.grad is None else param.grad.detach().float().reshape(-1).clone()
+    return owner.local_grad(param)
+
+
+def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor:
+    """This rank's partition of optimizer state ``optim_state_key`` of ``param``. Not collective."""
+    owner = _owner_for_local(param, "safe_get_local_optimizer_state")
+    _check_key(optim_state_key, "safe_get_local_optimizer_state")
+    if owner is None:
+        raise ValueError(
+            "safe_get_local_optimizer_state: this parameter is not partitioned by ZeRO (stage 0 or frozen); "
+            "read engine.optimizer.state directly"
+        )
+    return owner.local_optimizer_state(param, optim_state_key)
+
+
+def _check_local_value(value: Any, where: str) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{where}: value must be a torch.Tensor, got {type(value).__name__}")
+
+
+def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Set this rank's partition of the fp32 value of ``param`` (same numel as the local getter's)."""
+    owner = _owner_for_local(param, "safe_set_local_fp32_param")
+    _check_local_value(value, "safe_set_local_fp32_param")
+    if owner is None:
+        if value.numel() != param.numel():
+            raise ValueError(
+                f"safe_set_local_fp32_param: value has {value.numel()} elements, the parameter {param.numel()}"
+            )
+        with torch.no_grad():
+            param.copy_(value.detach().reshape(param.shape).to(param.dtype))
+        return
+    owner.set_local_fp32_param(param, value)
+
+
+def safe_set_local_optimizer_state(
+    param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str
+) -> None:
+    """Set this rank's partition of optimizer state ``optim_state_key`` of ``param``."""
+    owner = _owner_for_local(param, "safe_set_local_optimizer_state")
+    _check_local_value(value, "safe_set_local_optimizer_state")
+    _check_key(optim_state_key, "safe_set_local_optimizer_state")
+    if owner is None:
+        raise ValueError(
+            "safe_set_local_optimizer_state: this parameter is not partitioned by ZeRO (stage 0 or frozen); "
+            "write engine.optimizer.state directly"
+        )
+    owner.set_local_optimizer_state(param, value, optim_state_key)
+
+
 __all__ = [
     "safe_get_full_fp32_param",
     "safe_get_full_grad",
     "safe_get_full_optimizer_state",
     "safe_set_full_fp32_param",
     "safe_set_full_optimizer_state",
+    "safe_get_local_fp32_param",
+    "safe_get_local_grad",
+    "safe_get_local_optimizer_state",
+    "safe_set_local_fp32_param",
+    "safe_set_local_optimizer_state",
 ]

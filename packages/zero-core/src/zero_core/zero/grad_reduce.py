@@ -22,6 +22,12 @@ Where gradients live:
   autograd produces it and ``.grad`` is freed at once; without it ``.grad`` is kept until its
   chunk is launched.
 
+Each group carries the process group it is reduced and partitioned over (its layout is cut
+for that group's size): the data-parallel group for dense parameters, the expert-data-parallel
+group for Mixture-of-Experts expert parameters (see [Note: expert parameters] in
+``engine/param_groups.py``). Every gradient is divided by the *data-parallel* world size
+whichever group reduces it, because the loss is the mean over all data-parallel ranks.
+
 Ordering and overlap follow [Note: gradient buckets] in ``engine/grad_buckets.py``: chunks
 are launched strictly in one global order (by backward order of their parameters) so every
 rank issues the same sequence of collectives; with ``overlap_comm`` a chunk is launched from
@@ -49,11 +55,18 @@ _MAX_IN_FLIGHT = 2
 
 @dataclass
 class GroupGrads:
-    """The trainable parameters of one optimizer group, in flat order, and their layout."""
+    """Trainable parameters partitioned together, in flat order, and their layout.
+
+    ``group`` is the process group they are reduced and partitioned over (the layout's
+    ``world_size`` is its size); ``opt_group`` the index of the optimizer param group they
+    belong to (one optimizer group may hold dense and expert partitions).
+    """
 
     params: list[torch.nn.Parameter]
     names: list[str]
     layout: FlatPartition
+    group: Any = None
+    opt_group: int = 0
 
 
 @dataclass
@@ -84,8 +97,16 @@ class PartitionedGradReducer:
     ) -> None:
         self.groups = list(groups)
         self.group = group
+        # the divisor of every gradient: the data-parallel world size (see the Note)
         self.world_size = comm.get_world_size(group)
         self.rank = comm.get_rank(group)
+        for g, gg in enumerate(self.groups):
+            if gg.layout.world_size != comm.get_world_size(gg.group):
+                raise ValueError(
+                    f"PartitionedGradReducer: group {g} has a layout for {gg.layout.world_size} ranks but its "
+                    f"process group has {comm.get_world_size(gg.group)}"
+                )
+        self._group_rank = [comm.get_rank(gg.group) for gg in self.groups]
         self.partition_grads = partition_grads
         self.overlap = overlap_comm
         self.contiguous = contiguous_gradients
@@ -94,7 +115,11 @@ class PartitionedGradReducer:
         self.ignore_unused = ignore_unused_parameters
         self.comm_dtype = comm_dtype
         self._global_ranks = [
-            comm.get_global_rank(group, r) if group is not None else r for r in range(self.world_size)
+            [
+                comm.get_global_rank(gg.group, r) if gg.group is not None else r
+                for r in range(gg.layout.world_size)
+            ]
+            for gg in self.groups
         ]
         # Global launch order of the chunks: by the earliest backward position of their params.
         order = backward_order or {}
@@ -243,24 +268,26 @@ class PartitionedGradReducer:
 
     def _launch(self, slot: int) -> None:
         g, c = self.order[slot]
-        chunk = self.groups[g].layout.chunks[c]
+        gg = self.groups[g]
+        chunk = gg.layout.chunks[c]
         inp = self._input(slot)
         self._buffers.pop(slot, None)
         # Average before summing: keeps fp16 sums in range; exact for power-of-two N.
         inp.div_(self.world_size)
         pend = _Pending(g, chunk, inp, inp)
+        rank = self._group_rank[g]
         if self.use_reduce_scatter:
             pend.out = torch.empty(chunk.piece, dtype=inp.dtype, device=inp.device)
-            pend.works.append(comm.reduce_scatter_tensor(pend.out, inp, group=self.group, async_op=True))
+            pend.works.append(comm.reduce_scatter_tensor(pend.out, inp, group=gg.group, async_op=True))
         else:
-            pend.out = inp[self.rank * chunk.piece : (self.rank + 1) * chunk.piece]
+            pend.out = inp[rank * chunk.piece : (rank + 1) * chunk.piece]
             if self.multi_rank_allreduce:
-                pend.works.append(comm.all_reduce(inp, group=self.group, async_op=True))
+                pend.works.append(comm.all_reduce(inp, group=gg.group, async_op=True))
             else:
-                for r in range(self.world_size):
+                for r in range(gg.layout.world_size):
                     part = inp[r * chunk.piece : (r + 1) * chunk.piece]
                     pend.works.append(
-                        comm.reduce(part, dst=self._global_ranks[r], group=self.group, async_op=True)
+                        comm.reduce(part, dst=self._global_ranks[g][r], group=gg.group, async_op=True)
                     )
         self._pending.append(pend)
         if self.overlap and len(self._pending) > _MAX_IN_FLIGHT:
@@ -277,7 +304,7 @@ class PartitionedGradReducer:
             else:
                 dst.copy_(pend.out)
         else:
-            a, b = pend.chunk.piece_range(self.rank)
+            a, b = pend.chunk.piece_range(self._group_rank[pend.g])
             self.flat_grads[pend.g][a:b].copy_(pend.out)
 
     def finish(self) -> None:
@@ -336,7 +363,8 @@ class PartitionedGradReducer:
         if self.partition_grads:
             return self.grad_shards[g]
         layout = self.groups[g].layout
-        pieces = [self.flat_grads[g][slice(*c.piece_range(self.rank))] for c in layout.chunks]
+        rank = self._group_rank[g]
+        pieces = [self.flat_grads[g][slice(*c.piece_range(rank))] for c in layout.chunks]
         if not pieces:
             return self.flat_grads[g][:0]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)

@@ -17,23 +17,50 @@ parameter buffer of which every module parameter is a view, so the module's para
 updated in place with no per-parameter copy. Frozen parameters (``requires_grad=False``) stay
 out of all of this: they are neither partitioned nor updated.
 
+[Note: fp32 master aliasing]
+With 16-bit training the master shard is a separate fp32 tensor (4Ψ/N bytes). In fp32
+training a copy would only duplicate what the flat fp32 parameter buffer already holds, so
+when the rank's shard is one contiguous range of that buffer (a single chunk per group: the
+reduce bucket is at least the group's size, DeepSpeed's default 5e8 elements) the master
+*is* a view of that range: the optimizer updates the module's parameters in place and the
+all-gather only fills the other ranks' ranges. Model states per rank are then
+4Ψ + (4Ψ + 8Ψ)/N for stage 2 with Adam (4Ψ + 4Ψ + 8Ψ/N for stage 1) instead of
+4Ψ + (4Ψ + 4Ψ + 8Ψ)/N. With several chunks a rank's shard is one piece of every chunk
+(see [Note: padding]), not a contiguous range of the parameter buffer, and the master stays
+a copy; ``master_aliases_params`` says which case holds.
+
+[Note: round_robin_gradients]
+DeepSpeed's ``round_robin_gradients`` (stages 1/2, aimed at CPU offload) spreads the copy of
+each bucket's gradients to the partitions over the ranks so that no rank copies more than
+its share. Our reduce buckets are the chunks of [Note: padding]: every chunk is cut in N
+equal pieces and each rank receives and copies exactly its piece of every bucket, so the
+work is already split evenly and there is nothing left to rotate. The option is therefore a
+no-op by design; it is accepted (``True`` logs one info message per process) so DeepSpeed
+configs run unchanged.
+
 ``build_flat_masters`` and ``gather_shards`` are the reusable pieces (stage 3 can use them).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from zero_core import comm
+from zero_core.engine.param_groups import reduction_groups
 from zero_core.zero.flat_partition import FlatPartition
 from zero_core.zero.grad_reduce import GroupGrads, PartitionedGradReducer
 
+logger = logging.getLogger(__name__)
+_round_robin_logged = False
 
-def _bytes(tensors: Any) -> int:
-    seen: set[int] = set()
+
+def _bytes(tensors: Any, seen: set[int] | None = None) -> int:
+    """Bytes of the distinct storages behind ``tensors`` not already in ``seen`` (updated)."""
+    seen = set() if seen is None else seen
     total = 0
     for t in tensors:
         if t is None or t.numel() == 0:
@@ -84,6 +111,14 @@ def build_flat_masters(
     return torch.nn.Parameter(shard)
 
 
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` share bytes of the same storage."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a_lo, b_lo = a.data_ptr(), b.data_ptr()
+    return a_lo < b_lo + b.numel() * b.element_size() and b_lo < a_lo + a.numel() * a.element_size()
+
+
 def gather_shards(
     layout: FlatPartition,
     shard: torch.Tensor,
@@ -108,7 +143,8 @@ def gather_shards(
         region = flat[chunk.start : chunk.start + chunk.padded]
         if not use_all_gather:
             a, b = chunk.piece_range(rank)
-            flat[a:b].copy_(piece)
+            if not _overlaps(piece, flat[a:b]):
+                flat[a:b].copy_(piece)
             for r in range(n):
                 src = comm.get_global_rank(group, r) if group is not None else r
                 works.append(
@@ -119,7 +155,7 @@ def gather_shards(
             continue
         q = chunk.piece if bucket_numel is None else max(1, bucket_numel // n)
         if chunk.piece <= q:
-            if piece.data_ptr() == flat.data_ptr():  # never hand the backend aliased buffers
+            if _overlaps(piece, region):  # never hand the backend aliased buffers (fp32 master aliasing)
                 piece = piece.clone()
             works.append(comm.all_gather_into_tensor(region, piece, group=group, async_op=True))
             continue
@@ -156,6 +192,7 @@ class PartitionedOptimizerStrategy:
         round_robin_gradients: bool = False,
         ignore_unused_parameters: bool = True,
         comm_dtype: torch.dtype | None = None,
+        optimizer_offload: Any = None,
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(
@@ -183,9 +220,19 @@ class PartitionedOptimizerStrategy:
         self.rank = comm.get_rank(group)
         self.allgather_bucket_size = allgather_bucket_size
         self.allgather_partitions = allgather_partitions
-        # Our chunk pieces already split every bucket's gradient work evenly over the ranks, which is
-        # what round_robin_gradients buys DeepSpeed; the flag is accepted and kept for reporting.
-        self.round_robin_gradients = round_robin_gradients
+        if not isinstance(round_robin_gradients, bool):
+            raise TypeError(
+                f"zero_optimization.round_robin_gradients must be true or false, got {round_robin_gradients!r}"
+            )
+        self.round_robin_gradients = round_robin_gradients  # a no-op: see [Note: round_robin_gradients]
+        global _round_robin_logged
+        if round_robin_gradients and not _round_robin_logged:
+            _round_robin_logged = True
+            logger.info(
+                "zero_optimization.round_robin_gradients: accepted; it has no effect here because every reduce "
+                "bucket is already split evenly over the ranks (see [Note: round_robin_gradients])"
+            )
+        self._loss_scaler: Any = None  # see bind_loss_scaler
 
         names = {id(p): n for n, p in module.named_parameters()}
         registration = [p for p in module.parameters()]
@@ -204,8 +251,14 @@ class PartitionedOptimizerStrategy:
                 if p.requires_grad:
                     params.append(p)
             params.sort(key=lambda p: backward_order[id(p)])  # flat order = backward order
-            layout = FlatPartition([p.numel() for p in params], self.world_size, reduce_bucket_size)
-            groups.append(GroupGrads(params, [names[id(p)] for p in params], layout))
+            # dense and expert parameters are partitioned over different process groups
+            # (see [Note: expert parameters] in engine/param_groups.py)
+            split = reduction_groups(params, group) or [(group, [])]
+            for comm_group, ps in split:
+                layout = FlatPartition(
+                    [p.numel() for p in ps], comm.get_world_size(comm_group), reduce_bucket_size
+                )
+                groups.append(GroupGrads(ps, [names[id(p)] for p in ps], layout, comm_group, gi))
         orphans = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in in_groups]
         if orphans:
             raise ValueError(
@@ -214,13 +267,23 @@ class PartitionedOptimizerStrategy:
                 "(requires_grad=False) before zero.initialize."
             )
         self.groups = groups
+        self._ranks = [comm.get_rank(gg.group) for gg in groups]  # this rank within each group's group
 
         # fp32 masters from the still-fp32 parameters, then the flat low-precision parameter buffers.
         self.masters: list[torch.nn.Parameter] = []
         self.flat_params: list[torch.Tensor] = []
+        # See [Note: fp32 master aliasing].
+        # With optimizer offload the masters live in host memory: never aliased.
+        self.offload = optimizer_offload  # See [Note: optimizer offload hook] in zero_offload
+        self.master_aliases_params = (
+            optimizer_offload is None
+            and dtype == torch.float32
+            and all(len(gg.layout.chunks) <= 1 for gg in groups)
+        )
         with torch.no_grad():
             for g, gg in enumerate(groups):
-                self.masters.append(build_flat_masters(gg.layout, gg.params, self.rank))
+                if not self.master_aliases_params:
+                    self.masters.append(build_flat_masters(gg.layout, gg.params, self._ranks[g]))
                 device = gg.params[0].device if gg.params else torch.device("cpu")
                 flat = torch.zeros(gg.layout.padded_numel, dtype=dtype, device=device)
                 for i, p in enumerate(gg.params):
@@ -231,7 +294,14 @@ class PartitionedOptimizerStrategy:
                     p._zero_owner = self  # see [Note: safe_get owner protocol] in debug_access.py
                     p._zero_location = (g, i)
                 self.flat_params.append(flat)
-                optimizer.param_groups[g]["params"] = [self.masters[g]]
+                if self.master_aliases_params:
+                    a = self._ranks[g] * gg.layout.shard_numel
+                    self.masters.append(torch.nn.Parameter(flat[a : a + gg.layout.shard_numel]))
+            if self.offload is not None:
+                self.masters = [self.offload.adopt([m])[0] for m in self.masters]
+            self._bind_optimizer_groups()
+            if self.offload is not None:
+                self.offload.finalize(optimizer)
             if dtype != torch.float32:
                 module.to(dtype)  # frozen parameters and floating buffers; flat views are already cast
 
@@ -247,6 +317,25 @@ class PartitionedOptimizerStrategy:
             comm_dtype=comm_dtype,
             backward_order=backward_order,
         )
+
+    def _bind_optimizer_groups(self) -> None:
+        """Point every optimizer param group at the flat master shards of its partitions."""
+        for k, pg in enumerate(self.optimizer.param_groups):
+            pg["params"] = [m for m, gg in zip(self.masters, self.groups) if gg.opt_group == k]
+
+    def bind_loss_scaler(self, loss_scaler: Any) -> None:
+        """Let the debugging getters unscale fp16 gradients (``loss_scaler.loss_scale``).
+
+        The engine calls it; without it gradients are returned as reduced (still scaled).
+        """
+        if loss_scaler is not None and not hasattr(loss_scaler, "loss_scale"):
+            raise TypeError(
+                f"bind_loss_scaler: expected an object with a 'loss_scale' attribute, got {type(loss_scaler).__name__}"
+            )
+        self._loss_scaler = loss_scaler
+
+    def _loss_scale(self) -> float:
+        return float(self._loss_scaler.loss_scale) if self._loss_scaler is not None else 1.0
 
     # -- TrainingStrategy --------------------------------------------------------------
     def before_backward(self, is_boundary: bool) -> None:
@@ -274,6 +363,12 @@ class PartitionedOptimizerStrategy:
 
     @torch.no_grad()
     def step(self, grad_scale: float) -> None:
+        if self.offload is not None:
+            for g, m in enumerate(self.masters):
+                self.offload.stage_grad(m, self.reducer.shard_grad(g))
+            self.offload.step(self.optimizer, grad_scale)
+            self._publish_params()
+            return
         for g, m in enumerate(self.masters):
             # fp32 gradients are scaled in place: they are zeroed right after the step anyway
             grad = self.reducer.shard_grad(g).float()
@@ -290,10 +385,10 @@ class PartitionedOptimizerStrategy:
         for g, gg in enumerate(self.groups):
             gather_shards(
                 gg.layout,
-                self.masters[g].detach(),
+                self.masters[g].detach() if self.offload is None else self.offload.updated(self.masters[g]),
                 self.flat_params[g],
-                rank=self.rank,
-                group=self.group,
+                rank=self._ranks[g],
+                group=gg.group,
                 bucket_numel=self.allgather_bucket_size,
                 use_all_gather=self.allgather_partitions,
             )
@@ -304,16 +399,34 @@ class PartitionedOptimizerStrategy:
             m.grad = None
 
     def memory_breakdown(self) -> dict[str, int]:
-        state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        """Bytes of the distinct live storages by category; a storage is counted once, in the first
+        category holding it (fp32 masters that alias the parameters count as parameters).
+        With optimizer offload the host-side pools are reported under ``host_*`` keys."""
+        state = [
+            t
+            for m, s in self.optimizer.state.items()
+            if self.offload is None or not self.offload.owns(m)
+            for t in s.values()
+            if torch.is_tensor(t)
+        ]
         grads = [*self.reducer.flat_grads, *self.reducer.grad_shards]
         grads += [p.grad for p in self.module.parameters() if p.grad is not None]
-        return {
-            "parameters": _bytes([*self.flat_params, *self.module.parameters()]),
-            "gradients": _bytes(grads),
-            "master_weights": _bytes(self.masters),
-            "optimizer_states": _bytes(state),
+        # offloaded masters/states/grads are host-side: kept out of the device-side categories
+        seen = (
+            set()
+            if self.offload is None
+            else {t.untyped_storage().data_ptr() for t in self.offload.owned_tensors()}
+        )
+        out = {
+            "parameters": _bytes([*self.flat_params, *self.module.parameters()], seen),
+            "gradients": _bytes(grads, seen),
+            "master_weights": _bytes(self.masters, seen),
+            "optimizer_states": _bytes(state, seen),
             "buffers": self.reducer.buffer_bytes(),
         }
+        if self.offload is not None:
+            out.update(self.offload.memory_breakdown())
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -347,8 +460,7 @@ class PartitionedOptimizerStrategy:
                 f"ZeRO stage 1/2 load_state_dict: the state belongs to rank {state['rank']}, this is rank {self.rank}"
             )
         self.optimizer.load_state_dict(state["optimizer"])
-        for g, gg in enumerate(self.optimizer.param_groups):
-            gg["params"] = [self.masters[g]]
+        self._bind_optimizer_groups()
         with torch.no_grad():
             for m, saved in zip(self.masters, state["master"]):
                 if saved.shape != m.shape:
@@ -365,7 +477,7 @@ class PartitionedOptimizerStrategy:
         layout = self.groups[g].layout
         out = []
         for chunk, s in layout.chunks_of_param(i):
-            a, b = chunk.piece_range(self.rank)
+            a, b = chunk.piece_range(self._ranks[g])
             lo = max(a, chunk.start + s.chunk_lo)
             hi = min(b, chunk.start + s.chunk_lo + s.numel)
             if hi > lo:
@@ -386,14 +498,14 @@ class PartitionedOptimizerStrategy:
             so = layout.shard_offsets[chunk.index]
             full = torch.empty(chunk.padded, dtype=torch.float32, device=p.device)
             comm.all_gather_into_tensor(
-                full, shard[so : so + chunk.piece].float().contiguous(), group=self.group
+                full, shard[so : so + chunk.piece].float().contiguous(), group=self.groups[g].group
             )
             out[s.param_lo : s.param_hi].copy_(full[s.chunk_lo : s.chunk_lo + s.numel])
         return out.view(p.shape)
 
     def _state_shard(self, p: torch.nn.Parameter, key: str) -> torch.Tensor:
         g, _ = p._zero_location
-        st = self.optimizer.state.get(self.masters[g], {})
+        st = self._optimizer_state(g)
         if key not in st:
             raise KeyError(
                 f"optimizer state '{key}' does not exist for this parameter (known: {sorted(st)}); "
@@ -405,13 +517,74 @@ class PartitionedOptimizerStrategy:
         return self._gather_param(p, self.masters[p._zero_location[0]].detach())
 
     def full_grad(self, p: torch.nn.Parameter) -> torch.Tensor:
-        return self._gather_param(p, self.reducer.shard_grad(p._zero_location[0]))
+        """The reduced gradient, divided by the current loss scale (fp16; 1 otherwise)."""
+        full = self._gather_param(p, self.reducer.shard_grad(p._zero_location[0]))
+        scale = self._loss_scale()
+        return full.div_(scale) if scale != 1.0 else full
 
     def full_optimizer_state(self, p: torch.nn.Parameter, key: str) -> torch.Tensor:
         st = self._state_shard(p, key)
         if st.shape != self.masters[p._zero_location[0]].shape:
             return st.clone()  # a scalar state such as Adam's "step"
         return self._gather_param(p, st)
+
+    # Local views: the elements of a parameter this rank owns, in the parameter's flat order (a
+    # 1-D tensor, possibly empty; with several chunks the owned elements need not be adjacent).
+    # No communication.
+    def _local(self, p: torch.nn.Parameter, shard: torch.Tensor) -> torch.Tensor:
+        g, i = p._zero_location
+        segs = self._own_segments(g, i)
+        return torch.cat([shard[so : so + n] for so, _, n in segs]) if segs else shard[:0].clone()
+
+    def _set_local(self, p: torch.nn.Parameter, shard: torch.Tensor, value: torch.Tensor, where: str) -> None:
+        g, i = p._zero_location
+        segs = self._own_segments(g, i)
+        want = sum(n for _, _, n in segs)
+        flat = value.detach().reshape(-1)
+        if flat.numel() != want:
+            raise ValueError(
+                f"{where}: this rank owns {want} elements of the parameter (see safe_get_local_*), "
+                f"the value has {flat.numel()}"
+            )
+        k = 0
+        for so, _, n in segs:
+            shard[so : so + n].copy_(flat[k : k + n])
+            k += n
+
+    def local_fp32_param(self, p: torch.nn.Parameter) -> torch.Tensor:
+        return self._local(p, self.masters[p._zero_location[0]].detach())
+
+    def local_grad(self, p: torch.nn.Parameter) -> torch.Tensor:
+        scale = self._loss_scale()
+        local = self._local(p, self.reducer.shard_grad(p._zero_location[0])).float()
+        return local / scale if scale != 1.0 else local
+
+    def local_optimizer_state(self, p: torch.nn.Parameter, key: str) -> torch.Tensor:
+        st = self._state_shard(p, key)
+        if st.shape != self.masters[p._zero_location[0]].shape:
+            return st.clone()
+        return self._local(p, st)
+
+    @torch.no_grad()
+    def set_local_fp32_param(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
+        """Write this rank's owned elements into the master and this rank's module copy of them.
+
+        Other ranks' module copies see the new values after the next step's all-gather.
+        """
+        g, i = p._zero_location
+        self._set_local(p, self.masters[g], value.to(torch.float32), "safe_set_local_fp32_param")
+        # the module's own (possibly 16-bit) copy of those elements follows the master at once
+        out = p.data.view(-1)
+        for so, po, n in self._own_segments(g, i):
+            out[po : po + n].copy_(self.masters[g][so : so + n])
+
+    @torch.no_grad()
+    def set_local_optimizer_state(self, p: torch.nn.Parameter, value: torch.Tensor, key: str) -> None:
+        st = self._state_shard(p, key)
+        if st.shape != self.masters[p._zero_location[0]].shape:
+            st.copy_(value)
+            return
+        self._set_local(p, st, value.to(st.dtype), "safe_set_local_optimizer_state")
 
     @torch.no_grad()
     def set_full_fp32_param(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
@@ -431,6 +604,19 @@ class PartitionedOptimizerStrategy:
         flat = value.detach().reshape(-1).to(st.dtype)
         for so, po, n in self._own_segments(g, i):
             st[so : so + n].copy_(flat[po : po + n])
+
+    # -- optimizer offload (zero-offload; see [Note: optimizer offload hook] there) ----------
+    def _optimizer_state(self, g: int) -> dict[str, Any]:
+        """Group ``g``'s optimizer state in torch's format, read from its offload store if any."""
+        m = self.masters[g]
+        if self.offload is not None and self.offload.owns(m):
+            return self.offload.state_of(self.optimizer, m)
+        return self.optimizer.state.get(m, {})
+
+    def close(self) -> None:
+        """Release offload resources (swap files); the engine's ``destroy()`` calls it."""
+        if self.offload is not None:
+            self.offload.close()
 
     # -- checkpointing (zero_core.checkpoint; see [Note: checkpoint format] in checkpoint/format.py) --
     def checkpoint_fragments(self, exclude_frozen_parameters: bool = False) -> list[Any]:
@@ -452,7 +638,7 @@ class PartitionedOptimizerStrategy:
             ]
         for g, gg in enumerate(self.groups):
             master = self.masters[g].detach()
-            state = self.optimizer.state.get(self.masters[g], {})
+            state = self._optimizer_state(g)
             for i, (p, name) in enumerate(zip(gg.params, gg.names)):
                 segments = self._own_segments(g, i)
                 for so, po, n in segments:
@@ -508,4 +694,9 @@ class PartitionedOptimizerStrategy:
                         buf[so : so + n].copy_(reader.read(name, kind, po, po + n))
                 state[key] = buf
             if state:
-                self.optimizer.state[master] = state
+                if self.offload is not None:
+                    self.offload.load_state(self.optimizer, master, state)
+                else:
+                    self.optimizer.state[master] = state
+        if self.offload is not None:
+            self.offload.refresh_low_precision()

@@ -125,6 +125,9 @@ class ThreadPoolEngine:
         with self._lock:
             return self._requests
 
+    def backend(self) -> str:
+        return "python-threads"
+
     def direct_bytes(self) -> int:
         return 0
 

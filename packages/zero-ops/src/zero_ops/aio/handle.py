@@ -1,8 +1,11 @@
 """AsyncIOHandle: asynchronous tensor <-> file transfers for NVMe offload (DeepSpeed's aio handle).
 
 Its arguments are the ``aio`` section of the DeepSpeed config. Transfers run on the native
-engine (csrc/aio_engine.cpp: worker threads doing pread/pwrite, O_DIRECT for aligned blocks where
-the file system supports it) or, without the compiled extension, on a Python thread pool.
+engine (csrc/aio_engine.cpp), whose workers either drive Linux kernel AIO queues (``libaio``,
+when the build found <libaio.h> and io_setup works here) or do pread/pwrite themselves
+(``threads``), with O_DIRECT for aligned blocks where the file system supports it; without the
+compiled extension, a Python thread pool does the same. See [Note: aio backends] in
+csrc/aio_engine.h for what queue_depth, single_submit and overlap_events mean on each.
 Failures (missing file, disk full, short read) raise OSError naming the path, at submit time when
 they can be detected early and from wait() otherwise.
 """
@@ -31,13 +34,17 @@ class AsyncIOHandle:
     Args:
         block_size: bytes per I/O call; a request is split into blocks that the threads move
             in parallel.
-        queue_depth: blocks a worker claims at a time from the shared queue (capped at 4).
-        single_submit: claim one block at a time instead (finer load balancing).
-        overlap_events: accepted for config compatibility; with the thread-pool engine,
-            submission and completion always overlap.
-        thread_count: worker threads.
+        queue_depth: libaio: blocks each worker keeps in flight in the kernel; threads: blocks
+            a worker claims at a time from the shared queue (capped at 4).
+        single_submit: libaio: one io_submit call per block instead of one per batch; threads:
+            claim one block at a time.
+        overlap_events: libaio: refill each completed slot at once (sliding window) instead of
+            submitting a batch of queue_depth and waiting for all of it; no effect on threads.
+        thread_count: worker threads (each with its own kernel AIO queue on libaio).
         o_direct: use O_DIRECT for blocks whose buffer address, file offset and length are
             4096-byte aligned (see :meth:`new_cpu_locked_tensor`), where the file system allows it.
+        engine: ``"auto"`` (libaio when available, else threads), ``"libaio"`` (raise OSError
+            if kernel AIO is not compiled in or not allowed here) or ``"threads"``.
 
     Tensors handed to ``async_*`` calls must stay untouched until :meth:`wait` returns; the handle
     keeps them alive until then.
@@ -52,6 +59,7 @@ class AsyncIOHandle:
         thread_count: int = 1,
         *,
         o_direct: bool = True,
+        engine: str = "auto",
     ) -> None:
         self._block_size = _positive_int("block_size", block_size)
         self._queue_depth = _positive_int("queue_depth", queue_depth)
@@ -63,15 +71,21 @@ class AsyncIOHandle:
         ):
             if not isinstance(flag, bool):
                 raise TypeError(f"AsyncIOHandle: {name} must be a bool, got {flag!r}")
+        if engine not in ("auto", "libaio", "threads"):
+            raise ValueError(f"AsyncIOHandle: engine must be 'auto', 'libaio' or 'threads', got {engine!r}")
         self._single_submit = single_submit
         self._overlap_events = overlap_events
         C = _native.native()
         args = (block_size, queue_depth, single_submit, overlap_events, thread_count, o_direct)
         if C is None:
+            if engine == "libaio":
+                raise OSError(
+                    f"AsyncIOHandle: engine='libaio' needs the compiled extension ({_native.fallback_reason()})"
+                )
             _native.warn_fallback("AsyncIOHandle")
             self._engine: Any = ThreadPoolEngine(*args)
         else:
-            self._engine = C.AioEngine(*args)
+            self._engine = C.AioEngine(*args, engine)
         self._inflight: list[torch.Tensor] = []
 
     # -- DeepSpeed-style getters ---------------------------------------------------------
@@ -89,6 +103,10 @@ class AsyncIOHandle:
 
     def get_thread_count(self) -> int:
         return self._thread_count
+
+    def get_engine(self) -> str:
+        """The backend in use: ``"libaio"``, ``"threads"`` (native) or ``"python-threads"`` (fallback)."""
+        return self._engine.backend()
 
     # -- transfers -----------------------------------------------------------------------
     def async_pread(self, tensor: torch.Tensor, path: str | os.PathLike, offset: int = 0) -> int:

@@ -8,6 +8,7 @@ from zero_core.zero.stage3.init_context import Init
 from zero_core.zero.stage3.partitioned_param import (
     Stage3CollectiveError,
     is_partitioned,
+    set_collective_checks,
     set_collective_timeout,
 )
 from zero_core.zero.stage3.strategy import Stage3Strategy
@@ -21,6 +22,7 @@ __all__ = [
     "TiledLinear",
     "is_partitioned",
     "register_external_parameter",
+    "set_collective_checks",
     "set_collective_timeout",
     "unregister_external_parameter",
 ]

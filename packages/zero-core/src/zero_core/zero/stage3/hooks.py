@@ -10,9 +10,10 @@
   and gathers the parameters again (this also covers recomputation under activation
   checkpointing, whose re-run forward goes through the same hooks).
 * post-accumulate-grad hook of each trainable parameter: the gradient is complete, so it is
-  reduce-scattered into the owner's shard at once, the full gradient is dropped and the
-  gathered parameter released (no later backward node needs it).
-* end of backward (autograd engine callback): waits for reductions, releases the rest.
+  handed to the gradient reducer (``.grad`` is dropped; see [Note: stage 3 gradient buckets])
+  and the gathered parameter released (no later backward node needs it).
+* end of backward (autograd engine callback): launches the last gradient bucket, releases the
+  rest; the engine's ``after_backward`` waits for the reductions.
 * ``module._parameters`` becomes a :class:`ZeroParamDict`: reading a released parameter as a
   module attribute inside some module's forward gathers it and registers it as external to
   that module (the seed's first pattern: ``compute_logits(x, self.embeddings.weight)``).
@@ -28,7 +29,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from zero_core.zero.stage3.param_coordinator import ParamCoordinator
-from zero_core.zero.stage3.partitioned_param import ParamStatus, ReduceHandle, reduce_scatter_grad
+from zero_core.zero.stage3.partitioned_param import ParamStatus
 
 # The runtime currently driving a forward (at most one per process); read by ZeroParamDict.
 _ACTIVE: list[Stage3Hooks] = []
@@ -76,15 +77,18 @@ class Stage3Hooks:
         self,
         root: torch.nn.Module,
         coordinator: ParamCoordinator,
-        on_grad_ready: Callable[[ReduceHandle], None],
+        on_grad_ready: Callable[[torch.nn.Parameter, torch.Tensor], None],
+        on_backward_end: Callable[[], None] = lambda: None,
+        grad_bytes_live: Callable[[], int] = lambda: 0,
     ) -> None:
         self.root = root
         self.coordinator = coordinator
         self.on_grad_ready = on_grad_ready
+        self.on_backward_end = on_backward_end
+        self.grad_bytes_live = grad_bytes_live
         self.stack: list[torch.nn.Module] = []
         self.handles: list[Any] = []
         self.in_backward = False
-        self.grad_bytes_live = 0
         self._backward_task: int | None = None
         for m in root.modules():
             install_param_dict(m)
@@ -160,16 +164,13 @@ class Stage3Hooks:
         param.grad = None
         if not hasattr(param, "zero_state"):
             return
-        self.grad_bytes_live += grad.numel() * grad.element_size()
-        self.coordinator.extra_bytes = self.grad_bytes_live
-        self.coordinator.peak_bytes = max(
-            self.coordinator.peak_bytes, self.coordinator.live_bytes() + self.grad_bytes_live
-        )
-        handle = reduce_scatter_grad(param, grad)
-        self.grad_bytes_live -= grad.numel() * grad.element_size()
-        self.coordinator.extra_bytes = self.grad_bytes_live
-        self.on_grad_ready(handle)
-        self.coordinator.release_after_grad(param)
+        coord = self.coordinator
+        coord.extra_bytes = self.grad_bytes_live() + grad.numel() * grad.element_size()
+        coord.peak_bytes = max(coord.peak_bytes, coord.live_bytes() + coord.extra_bytes)
+        self.on_grad_ready(param, grad)
+        del grad
+        coord.extra_bytes = self.grad_bytes_live()
+        coord.release_after_grad(param)
 
     def _end_backward(self) -> None:
         if self._backward_task is not None and torch._C._current_graph_task_id() not in (
@@ -179,4 +180,5 @@ class Stage3Hooks:
             return
         self.in_backward = False
         self._backward_task = None
+        self.on_backward_end()
         self.coordinator.end_iteration()

@@ -11,6 +11,12 @@ function) gets it gathered on access; it is re-partitioned, with rank 0's value,
 ``__init__`` (or ``apply`` function) that touched it returns. With ``override_module_apply``
 ``Module.apply`` gathers each module's parameters around the function the same way.
 ``Init(module=m)`` partitions an already-built model.
+
+``remote_device``: None keeps each shard where the parameter was created; ``"cpu"`` moves
+the parameter to CPU memory before it is cut, so shards live in CPU memory (on a CPU-only
+machine both are the same device; streaming CPU shards to an accelerator for compute is
+``zero_optimization.offload_param``, provided by the zero-offload package). ``"nvme"`` needs
+that package's swapper and is refused here with a clear error.
 """
 
 from __future__ import annotations
@@ -122,6 +128,8 @@ class Init:
                 continue
             if self.dtype is not None and p.dtype.is_floating_point and p.dtype != self.dtype:
                 p.data = p.data.to(self.dtype)
+            if self.remote_device == "cpu" and p.device.type != "cpu":
+                p.data = p.data.to("cpu")
             if self.pin_memory and torch.cuda.is_available():
                 p.data = p.data.pin_memory()
             partition_param(p, self.group, broadcast_from=0)

@@ -17,12 +17,25 @@ the saved views valid again for backward. Autograd never reads them while releas
 every module's backward is preceded by a gather (see [Note: stage 3 hooks]).
 
 [Note: stage 3 collective agreement]
-Every stage-3 collective is preceded by a 32-byte all-gather of a header (kind, first
-parameter id, parameter count, payload bytes) that all ranks compare. Gloo aborts the
-process on collectives whose sizes differ across ranks and hangs on one a rank skipped, so
-this check turns both into a clear error naming the parameters on each side, and every wait
-is bounded by :func:`collective_timeout` (settable with :func:`set_collective_timeout` or the
-``ZERO_STAGE3_COLLECTIVE_TIMEOUT`` environment variable, default 300 s).
+Gloo aborts the process on collectives whose sizes differ across ranks and hangs on one a
+rank skipped. With *collective checks* on, every stage-3 collective (one per gathered bucket
+or gradient bucket, not per parameter) is preceded by a 32-byte all-gather of a header (kind,
+first parameter id, parameter count, payload bytes) that all ranks compare, turning both
+failures into a clear error naming the parameters on each side. Every wait is bounded by
+:func:`collective_timeout` (:func:`set_collective_timeout` or the
+``ZERO_STAGE3_COLLECTIVE_TIMEOUT`` environment variable, default 300 s) whether or not checks
+are on, so a rank that never joins gives a :class:`Stage3CollectiveError` naming the
+collective's parameters on the waiting rank instead of a hang.
+
+Checks are on by default. Their cost is one small collective per data collective: the data
+collectives are coalesced (a module's parameters or a prefetch bucket per all-gather,
+``reduce_bucket_size`` per reduce-scatter), so a step of the 21M-parameter benchmark GPT makes
+a few dozen of them; ``tools/bench/results/bench_zero3.md`` measures the step with checks on
+and off. Piggy-backing the header on the data buffer was rejected: it only works when the
+sizes already agree, and a size mismatch (the common symptom of divergent control flow)
+aborts gloo before the header can be read. Turn them off with
+:func:`set_collective_checks(False) <set_collective_checks>` or
+``ZERO_STAGE3_COLLECTIVE_CHECKS=0`` once a model is known to be well behaved.
 """
 
 from __future__ import annotations
@@ -62,6 +75,25 @@ def set_collective_timeout(seconds: float) -> None:
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
         raise ValueError(f"set_collective_timeout: seconds must be a positive number, got {seconds!r}")
     _TIMEOUT[0] = float(seconds)
+
+
+_CHECKS: list[bool | None] = [None]
+
+
+def set_collective_checks(enabled: bool) -> None:
+    """Turn the agreement check of [Note: stage 3 collective agreement] on or off (process-wide)."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_collective_checks: enabled must be a bool, got {enabled!r}")
+    _CHECKS[0] = enabled
+
+
+def collective_checks() -> bool:
+    if _CHECKS[0] is not None:
+        return _CHECKS[0]
+    env = os.environ.get("ZERO_STAGE3_COLLECTIVE_CHECKS", "1").strip().lower()
+    if env not in ("0", "1", "true", "false", "yes", "no", "on", "off", ""):
+        raise ValueError(f"ZERO_STAGE3_COLLECTIVE_CHECKS must be 0 or 1, got {env!r}")
+    return env not in ("0", "false", "no", "off")
 
 
 def collective_timeout() -> float:
@@ -206,7 +238,7 @@ def check_agreement(
 ) -> None:
     """All ranks must be about to run the same collective (see [Note: stage 3 collective agreement])."""
     world = comm.get_world_size(group)
-    if world == 1:
+    if world == 1 or not collective_checks():
         return
     first = params[0].zero_state.id if params else -1
     mine = torch.tensor([kind, first, len(params), nbytes], dtype=torch.int64)
@@ -265,12 +297,10 @@ class GatherHandle:
             if self._recv is None:
                 st.full.copy_(st.shard)
             else:
+                # One strided copy: column block ``off`` of every rank's chunk -> row r of full.
                 nb = st.shard_numel * st.full.element_size()
-                for r in range(st.world):
-                    start = r * self._chunk + off
-                    st.full[r * st.shard_numel : (r + 1) * st.shard_numel].copy_(
-                        self._recv[start : start + nb].view(st.full.dtype)
-                    )
+                src = self._recv.view(st.world, self._chunk)[:, off : off + nb]
+                st.full.view(torch.uint8).view(st.world, nb).copy_(src)
             p.data = _full_view(st)
             st.status = ParamStatus.AVAILABLE
         self._recv = None
@@ -330,40 +360,6 @@ def shard_from_full(param: torch.nn.Parameter) -> None:
     if st.status is not ParamStatus.AVAILABLE:
         raise RuntimeError(f"shard_from_full: {param_name(param)} is not gathered")
     st.shard.copy_(st.full[st.rank * st.shard_numel : (st.rank + 1) * st.shard_numel])
-
-
-class ReduceHandle:
-    """An in-flight reduce-scatter of one gradient into the owner's shard."""
-
-    def __init__(self, param: torch.nn.Parameter, work: Any, out: torch.Tensor, what: str) -> None:
-        self.param, self._work, self._out, self._what = param, work, out, what
-
-    def wait(self) -> None:
-        if self._work is not None:
-            _wait(self._work, self._what)
-        st = self.param.zero_state
-        out = self._out.div_(st.world) if st.world > 1 else self._out
-        if st.grad_shard is None:
-            st.grad_shard = out.to(st.shard.dtype)
-        else:
-            st.grad_shard.add_(out)
-
-
-def reduce_scatter_grad(param: torch.nn.Parameter, grad: torch.Tensor) -> ReduceHandle:
-    """Average ``grad`` (full size) over the group and keep this rank's chunk (started async)."""
-    st = param.zero_state
-    flat = grad.reshape(-1)
-    if st.padded_numel != st.numel:
-        padded = torch.zeros(st.padded_numel, dtype=grad.dtype, device=grad.device)
-        padded[: st.numel].copy_(flat)
-        flat = padded
-    what = f"reduce-scatter of the gradient of {param_name(param)}"
-    if st.world == 1:
-        return ReduceHandle(param, None, flat.clone(), what)
-    check_agreement(1, [param], flat.numel() * flat.element_size(), st.group, what)
-    out = torch.empty(st.shard_numel, dtype=grad.dtype, device=grad.device)
-    work = comm.reduce_scatter_tensor(out, flat, group=st.group, async_op=True)
-    return ReduceHandle(param, work, out, what)
 
 
 def broadcast_full(param: torch.nn.Parameter, src: int) -> None:

@@ -1,7 +1,8 @@
 """ZeRO stage 3 as a :class:`~zero_core.engine.strategy.TrainingStrategy`.
 
 Each rank owns 1/N of every parameter (see [Note: stage 3 parameter layout]), of its gradient
-(reduce-scattered as soon as it is produced, see [Note: stage 3 hooks]) and of the optimizer
+(reduce-scattered in buckets as soon as it is produced, see [Note: stage 3 hooks] and
+[Note: stage 3 gradient buckets]) and of the optimizer
 state: the client optimizer's ``param_groups`` are rebound to fp32 *master shards*, one per
 parameter. In fp32 the master shard is the parameter's shard itself (no copy); in fp16/bf16 it
 is an fp32 copy and the 16-bit shard is refreshed from it after every step. Model-state bytes
@@ -23,7 +24,6 @@ from zero_core.zero.stage3.hooks import Stage3Hooks
 from zero_core.zero.stage3.param_coordinator import ParamCoordinator
 from zero_core.zero.stage3.partitioned_param import (
     ParamStatus,
-    ReduceHandle,
     gather_params,
     is_partitioned,
     partition_param,
@@ -31,9 +31,8 @@ from zero_core.zero.stage3.partitioned_param import (
     set_param_name,
     set_shard_dtype,
 )
-
-# zero_state.id -> the strategy that owns the parameter (for the safe_* helpers)
-OWNERS: dict[int, Stage3Strategy] = {}
+from zero_core.zero.stage3.reduce_buckets import GradBucketReducer
+from zero_core.zero.stage3.state_access import Stage3StateAccess
 
 
 def _bytes(tensors: Any) -> int:
@@ -66,6 +65,10 @@ class Stage3Strategy:
         max_live_parameters: int = 1_000_000_000,
         max_reuse_distance: int = 1_000_000_000,
         gather_16bit_weights_on_model_save: bool = False,
+        reduce_bucket_size: int = 500_000_000,
+        overlap_comm: bool = True,
+        optimizer_offload: Any = None,
+        offload_ratio: float = 1.0,
     ) -> None:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"Stage3Strategy: module must be a torch.nn.Module, got {type(module).__name__}")
@@ -89,6 +92,9 @@ class Stage3Strategy:
         self.params = _unique_params(module)
         self.master: dict[int, torch.nn.Parameter] = {}  # zero_state.id -> fp32 master shard
         self._partition_and_make_masters()
+        self.offload = optimizer_offload  # See [Note: optimizer offload hook] in zero_offload
+        if self.offload is not None:
+            self._offload_masters(float(offload_ratio))
         for name, p in module.named_parameters():
             set_param_name(p, name)
         self.persistent = self._choose_persistent(param_persistence_threshold, model_persistence_threshold)
@@ -99,11 +105,20 @@ class Stage3Strategy:
             max_live_parameters=int(max_live_parameters),
             max_reuse_distance=int(max_reuse_distance),
         )
-        self.pending: list[ReduceHandle] = []
-        self.hooks = Stage3Hooks(module, self.coordinator, self.pending.append)
+        self.reducer = GradBucketReducer(int(reduce_bucket_size), overlap=bool(overlap_comm))
+        self.hooks = Stage3Hooks(
+            module,
+            self.coordinator,
+            self.reducer.add,
+            on_backward_end=self.reducer.flush,
+            grad_bytes_live=self.reducer.live_bytes,
+        )
         self._rebind_optimizer()
+        if self.offload is not None:
+            self.offload.finalize(self.optimizer)
+        access = Stage3StateAccess(self)
         for p in self.params:
-            OWNERS[p.zero_state.id] = self
+            p._zero_owner = access  # see [Note: safe_get owner protocol] in zero/debug_access.py
         SHARD_CHANGED.append(self._refresh_master)
 
     # -- construction ------------------------------------------------------------------
@@ -170,9 +185,7 @@ class Stage3Strategy:
         self.wait_reductions()
 
     def wait_reductions(self) -> None:
-        for h in self.pending:
-            h.wait()
-        self.pending.clear()
+        self.reducer.finish()
 
     def _grad_shards(self) -> list[torch.Tensor]:
         return [p.zero_state.grad_shard for p in self.params if p.zero_state.grad_shard is not None]
@@ -187,7 +200,10 @@ class Stage3Strategy:
         return total
 
     def norm_group(self) -> Any:
-        return self.group if comm.get_world_size(self.group) > 1 else None
+        # The engine reads None as "nothing to reduce": name the default group explicitly.
+        if comm.get_world_size(self.group) == 1:
+            return None
+        return self.group if self.group is not None else torch.distributed.GroupMember.WORLD
 
     @torch.no_grad()
     def step(self, grad_scale: float) -> None:
@@ -199,13 +215,18 @@ class Stage3Strategy:
             if m is None:
                 continue
             g = st.grad_shard
-            if g is None:
+            if self.offload is not None and self.offload.owns(m):
+                self.offload.stage_grad(m, g)  # host copy; scaled and applied by the CPU step
+                m.grad = None
+            elif g is None:
                 m.grad = None
             elif g.dtype == torch.float32 and m.data_ptr() == st.shard.data_ptr():
                 m.grad = g.mul_(grad_scale) if grad_scale != 1.0 else g
             else:
                 m.grad = g.float().mul_(grad_scale)
-        self.optimizer.step()
+        self.optimizer.step()  # device-side masters (all of them without offload; 1 - ratio with it)
+        if self.offload is not None:
+            self.offload.step(self.optimizer, grad_scale)
         for p in self.params:
             st = p.zero_state
             m = self.master.get(st.id)
@@ -229,18 +250,26 @@ class Stage3Strategy:
             m.grad = None
 
     def memory_breakdown(self) -> dict[str, int]:
-        state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        off = self.offload
+        state = [
+            t
+            for m, s in self.optimizer.state.items()
+            if off is None or not off.owns(m)
+            for t in s.values()
+            if torch.is_tensor(t)
+        ]
         shards = [p.zero_state.shard for p in self.params]
         distinct_masters = [
             m
             for p in self.params
             if (m := self.master.get(p.zero_state.id)) is not None
             and m.data_ptr() != p.zero_state.shard.data_ptr()
+            and (off is None or not off.owns(m))
         ]
         persistent = [
             p.zero_state.full for p in self.persistent if p.zero_state.status is ParamStatus.AVAILABLE
         ]
-        return {
+        out = {
             "parameters": _bytes(shards),
             "gradients": _bytes(self._grad_shards()),
             "master_weights": _bytes(distinct_masters),
@@ -249,6 +278,9 @@ class Stage3Strategy:
             "gathered_parameters": self.coordinator.live_bytes(),
             "peak_gathered_and_full_grads": self.coordinator.peak_bytes,
         }
+        if off is not None:  # host-side pools, see [Note: optimizer offload hook] in zero_offload
+            out.update(off.memory_breakdown())
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -268,6 +300,45 @@ class Stage3Strategy:
         for m, saved in zip(masters, state.get("master", [])):
             m.copy_(saved)
         self.refresh_persistent()
+
+    # -- optimizer offload (zero-offload; see [Note: optimizer offload hook] there) ----------
+    def _offload_masters(self, ratio: float) -> None:
+        """Hand the first ``ratio`` of the master elements (in parameter order) to the offload object.
+
+        ``offload_optimizer.ratio``: the rest keep their masters and optimizer states on the device.
+        """
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"zero_optimization.offload_optimizer.ratio must be in [0, 1], got {ratio!r}")
+        ids = [p.zero_state.id for p in self.params if p.zero_state.id in self.master]
+        total = sum(self.master[i].numel() for i in ids)
+        chosen, acc = set(), 0
+        for i in ids:
+            n = self.master[i].numel()
+            if acc + n > ratio * total + 1e-9:
+                break
+            chosen.add(i)
+            acc += n
+        by_param = {id(p): p for p in self.params}
+        for group in self.optimizer.param_groups:
+            mine = [
+                by_param[id(p)].zero_state.id
+                for p in group["params"]
+                if id(p) in by_param and by_param[id(p)].zero_state.id in chosen
+            ]
+            if mine:
+                hosts = self.offload.adopt([self.master[i].detach() for i in mine])
+                for i, h in zip(mine, hosts):
+                    self.master[i] = h
+
+    def _optimizer_state(self, m: torch.Tensor) -> dict[str, Any]:
+        if self.offload is not None and self.offload.owns(m):
+            return self.offload.state_of(self.optimizer, m)
+        return self.optimizer.state.get(m, {})
+
+    def close(self) -> None:
+        """Release offload resources (swap files); the engine's ``destroy()`` calls it."""
+        if self.offload is not None:
+            self.offload.close()
 
     # -- stage-3 extras -------------------------------------------------------------------
     def empty_partition_cache(self) -> None:
@@ -335,7 +406,7 @@ class Stage3Strategy:
             out += optimizer_state_fragments(
                 name,
                 shape,
-                self.optimizer.state.get(m, {}),
+                self._optimizer_state(m),
                 [(0, lo, hi - lo)],
                 elementwise_numel=st.shard_numel,
                 emit_scalars=st.rank == 0,
@@ -384,5 +455,8 @@ class Stage3Strategy:
                 buf[: hi - lo].copy_(reader.read(name, OPTIM_PREFIX + key, lo, hi))
                 state[key] = buf
             if state:
-                self.optimizer.state[m] = state
+                if self.offload is not None and self.offload.owns(m):
+                    self.offload.load_state(self.optimizer, m, state)
+                else:
+                    self.optimizer.state[m] = state
         self.refresh_persistent()

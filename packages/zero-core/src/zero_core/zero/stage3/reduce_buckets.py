@@ -1,0 +1,162 @@
+"""Bucketed, ordered, overlapped reduce-scatter of stage-3 gradients into each rank's shard.
+
+[Note: stage 3 gradient buckets]
+A parameter's full gradient is complete when its post-accumulate-grad hook fires (see
+[Note: stage 3 hooks]). Reducing each one with its own ``reduce_scatter_tensor`` costs one
+collective (plus its agreement check) per parameter, and on gloo the per-collective latency
+dominates for small tensors. Instead the hook hands the gradient to :class:`GradBucketReducer`,
+which holds it until about ``reduce_bucket_size`` elements are waiting and then launches one
+asynchronous reduce-scatter for all of them, while autograd goes on computing the gradients
+of earlier layers.
+
+Layout of one bucket (N ranks, parameters p1..pk with shard sizes s1..sk): a contiguous
+buffer of shape ``(N, s1 + ... + sk)`` whose row r holds chunk r of every parameter's padded
+flat gradient, side by side. ``reduce_scatter_tensor`` hands rank r the sum of row r over the
+ranks, which is exactly its shard of every parameter in the bucket, contiguous. The buffer
+is divided by N before the sum (keeps fp16 in range; exact for power-of-two N), as stages 1
+and 2 do (see [Note: partitioned gradient reduction]).
+
+Ordering: every rank runs the same backward graph, so the hooks fire in the same order and
+buckets are cut at the same parameters; buckets are launched strictly in that order, and
+what is left when backward ends is launched by :meth:`flush`. The agreement check of
+[Note: stage 3 collective agreement] runs once per bucket, naming its first parameters.
+At most ``max_in_flight`` buckets are in flight (older ones are completed first), which
+bounds the full-size gradient bytes alive to about ``(max_in_flight + 1) * reduce_bucket_size``.
+The gradients a rank held are dropped as soon as they are copied into a bucket buffer.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+
+from zero_core import comm
+from zero_core.zero.stage3.partitioned_param import _wait, check_agreement, param_name
+
+
+def _copy_rows(dst: torch.Tensor, flat: torch.Tensor, shard: int) -> None:
+    """Write the zero-padded ``flat`` (numel <= rows * shard) into ``dst`` of shape (rows, shard)."""
+    n = flat.numel()
+    rows = dst.shape[0]
+    full = n // shard
+    if full:
+        dst[:full].copy_(flat[: full * shard].view(full, shard))
+    if full < rows:
+        rest = n - full * shard
+        if rest:
+            dst[full, :rest].copy_(flat[full * shard :])
+        dst[full, rest:].zero_()
+        dst[full + 1 :].zero_()
+
+
+class _Bucket:
+    __slots__ = ("params", "offsets", "total", "out", "work", "what", "buffer")
+
+    def __init__(self) -> None:
+        self.params: list[torch.nn.Parameter] = []
+        self.offsets: list[int] = []
+        self.total = 0  # elements per row (sum of shard sizes)
+        self.out: torch.Tensor | None = None
+        self.buffer: torch.Tensor | None = None
+        self.work: Any = None
+        self.what = ""
+
+
+class GradBucketReducer:
+    """Collects full gradients into buckets and reduce-scatters them; see the Note above."""
+
+    def __init__(self, bucket_numel: int, *, overlap: bool = True, max_in_flight: int = 2) -> None:
+        if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel < 1:
+            raise ValueError(
+                f"GradBucketReducer: reduce_bucket_size must be an int >= 1, got {bucket_numel!r}"
+            )
+        if max_in_flight < 1:
+            raise ValueError(f"GradBucketReducer: max_in_flight must be >= 1, got {max_in_flight}")
+        self.bucket_numel = bucket_numel
+        self.overlap = bool(overlap)
+        self.max_in_flight = max_in_flight
+        self._grads: list[torch.Tensor] = []  # gradients of the bucket being filled
+        self._filling = _Bucket()
+        self._filling_numel = 0
+        self._in_flight: deque[_Bucket] = deque()
+        self.launched = 0  # buckets launched since construction (tests and benchmarks read it)
+
+    # -- filling --------------------------------------------------------------------------
+    def add(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        """Take ownership of ``param``'s complete full gradient (it must not be modified after)."""
+        st = param.zero_state
+        b = self._filling
+        if b.params:
+            first = b.params[0].zero_state
+            if self._grads[0].dtype != grad.dtype or first.group is not st.group or first.world != st.world:
+                self.flush()
+                b = self._filling
+        b.params.append(param)
+        b.offsets.append(b.total)
+        b.total += st.shard_numel
+        self._grads.append(grad)
+        self._filling_numel += st.padded_numel
+        if self._filling_numel >= self.bucket_numel:
+            self.flush()
+
+    def flush(self) -> None:
+        """Launch the bucket being filled (if any); collective in launch order on every rank."""
+        b = self._filling
+        if not b.params:
+            return
+        grads = self._grads
+        self._filling, self._grads, self._filling_numel = _Bucket(), [], 0
+        st0 = b.params[0].zero_state
+        world = st0.world
+        dtype, device = grads[0].dtype, grads[0].device
+        buf = torch.empty(world, b.total, dtype=dtype, device=device)
+        for p, off, g in zip(b.params, b.offsets, grads):
+            sn = p.zero_state.shard_numel
+            _copy_rows(buf[:, off : off + sn], g.reshape(-1), sn)
+        grads.clear()  # the full gradients are in the buffer now: free them
+        names = [param_name(p) for p in b.params[:4]]
+        more = f" and {len(b.params) - 4} more" if len(b.params) > 4 else ""
+        b.what = f"reduce-scatter of the gradients of {names}{more}"
+        self.launched += 1
+        if world == 1:
+            b.out = buf.view(-1)
+        else:
+            buf.div_(world)
+            check_agreement(1, b.params, buf.numel() * buf.element_size(), st0.group, b.what)
+            b.out = torch.empty(b.total, dtype=dtype, device=device)
+            b.buffer = buf
+            b.work = comm.reduce_scatter_tensor(b.out, buf.view(-1), group=st0.group, async_op=True)
+        self._in_flight.append(b)
+        if not self.overlap or len(self._in_flight) > self.max_in_flight:
+            self._complete(self._in_flight.popleft())
+
+    # -- completion -----------------------------------------------------------------------
+    def _complete(self, b: _Bucket) -> None:
+        if b.work is not None:
+            _wait(b.work, b.what)
+        out = b.out
+        assert out is not None
+        for p, off in zip(b.params, b.offsets):
+            st = p.zero_state
+            piece = out[off : off + st.shard_numel]
+            if st.grad_shard is None:
+                st.grad_shard = piece.to(st.shard.dtype, copy=True)
+            else:
+                st.grad_shard.add_(piece)
+        b.buffer = b.out = b.work = None
+
+    def finish(self) -> None:
+        """Launch what is left, wait for every bucket and accumulate into the gradient shards."""
+        self.flush()
+        while self._in_flight:
+            self._complete(self._in_flight.popleft())
+
+    def live_bytes(self) -> int:
+        """Full-size gradient bytes held right now (waiting gradients and in-flight buffers)."""
+        total = sum(g.numel() * g.element_size() for g in self._grads)
+        for b in self._in_flight:
+            if b.buffer is not None:
+                total += b.buffer.numel() * b.buffer.element_size()
+        return total

@@ -1,0 +1,210 @@
+"""Stage-3 side of the ``safe_get_*`` / ``safe_set_*`` debugging helpers.
+
+The full-form helpers (``safe_get_full_fp32_param`` ...) live in ``zero/debug_access.py`` and
+dispatch through ``param._zero_owner`` (see [Note: safe_get owner protocol]); the stage-3
+strategy makes a :class:`Stage3StateAccess` the owner of each of its parameters. The
+local-form helpers (``safe_get_local_*`` / ``safe_set_local_*``) exist only for stage 3,
+where a parameter has a local partition: they are defined here and dispatch through the same
+owner. Local values are this rank's partition as 1-D fp32 tensors of ``param.zero_shard``'s
+length (the padded shard: the last rank's tail beyond the parameter's end is padding).
+
+Semantics per the seed: getters of the full form are collective (every rank of the
+data-parallel group calls them with the same parameter, in the same order); local getters
+and all setters are not. Gradients are valid after ``engine.backward`` (reduced, averaged,
+still multiplied by the fp16 loss scale) until ``engine.step``; fp32 values and optimizer
+states change at ``engine.step``. A setter writes the fp32 master and the 16-bit shard; a
+parameter gathered at that moment (a persistent one) shows the new value in forward after the
+next optimizer step or ``engine.empty_partition_cache()``, except that ``safe_set_full_*``
+also updates the gathered copy directly (every rank passes the whole value).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from zero_core import comm
+from zero_core.zero.stage3.partitioned_param import ParamStatus, collective_timeout, param_name
+
+if TYPE_CHECKING:
+    from zero_core.zero.stage3.strategy import Stage3Strategy
+
+
+class Stage3StateAccess:
+    """The owner object of [Note: safe_get owner protocol] for stage-3 parameters."""
+
+    def __init__(self, strategy: Stage3Strategy) -> None:
+        self.strategy = strategy
+
+    # -- helpers --------------------------------------------------------------------------
+    def _gather(self, p: torch.nn.Parameter, shard: torch.Tensor) -> torch.Tensor:
+        """All-gather a per-rank 1-D tensor of shard length into the parameter's full shape."""
+        st = p.zero_state
+        shard = shard.detach().float().contiguous()
+        if st.world == 1:
+            full = shard.clone()
+        else:
+            full = torch.empty(st.padded_numel, dtype=torch.float32, device=shard.device)
+            work = comm.all_gather_into_tensor(full, shard, group=st.group, async_op=True)
+            work.wait(timeout=datetime.timedelta(seconds=collective_timeout()))
+        return full[: st.numel].view(st.shape).clone()
+
+    def _master(self, p: torch.nn.Parameter) -> torch.Tensor | None:
+        return self.strategy.master.get(p.zero_state.id)
+
+    def _state(self, p: torch.nn.Parameter, key: str, where: str) -> torch.Tensor:
+        m = self._master(p)
+        if m is None:
+            raise ValueError(
+                f"{where}: {param_name(p)} is frozen (requires_grad=False): it has no optimizer state"
+            )
+        state = self.strategy.optimizer.state.get(m, {})
+        if key not in state:
+            have = sorted(state) or "none yet: states appear after the first optimizer step"
+            raise KeyError(f"{where}: {param_name(p)} has no optimizer state {key!r} (available: {have})")
+        return state[key]
+
+    def _local_slice(self, p: torch.nn.Parameter, value: torch.Tensor) -> torch.Tensor:
+        st = p.zero_state
+        flat = value.detach().reshape(-1)
+        lo = min(st.rank * st.shard_numel, st.numel)
+        hi = min(lo + st.shard_numel, st.numel)
+        out = torch.zeros(st.shard_numel, dtype=torch.float32, device=st.shard.device)
+        out[: hi - lo].copy_(flat[lo:hi])
+        return out
+
+    @torch.no_grad()
+    def _write_param_shard(self, p: torch.nn.Parameter, local: torch.Tensor) -> None:
+        st = p.zero_state
+        m = self._master(p)
+        if m is not None:
+            m.copy_(local)
+        if m is None or m.data_ptr() != st.shard.data_ptr():
+            st.shard.copy_(local)
+
+    @staticmethod
+    def _check_local(p: torch.nn.Parameter, value: Any, where: str) -> None:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{where}: value must be a torch.Tensor, got {type(value).__name__}")
+        n = p.zero_state.shard_numel
+        if value.numel() != n:
+            raise ValueError(
+                f"{where}: value has {value.numel()} elements but the local partition of {param_name(p)} "
+                f"has {n} (param.zero_shard.numel())"
+            )
+
+    # -- full form (collective getters) -------------------------------------------------
+    def full_fp32_param(self, p: torch.nn.Parameter) -> torch.Tensor:
+        m = self._master(p)
+        return self._gather(p, m if m is not None else p.zero_state.shard)
+
+    def full_grad(self, p: torch.nn.Parameter) -> torch.Tensor | None:
+        self.strategy.wait_reductions()
+        g = p.zero_state.grad_shard
+        # Every rank reduced the same buckets, so ``g is None`` agrees across ranks.
+        return None if g is None else self._gather(p, g)
+
+    def full_optimizer_state(self, p: torch.nn.Parameter, key: str) -> torch.Tensor:
+        value = self._state(p, key, "safe_get_full_optimizer_state")
+        if value.dim() == 0 or value.numel() != p.zero_state.shard_numel:
+            return value.detach().clone()  # a scalar such as Adam's step: the same on every rank
+        return self._gather(p, value)
+
+    @torch.no_grad()
+    def set_full_fp32_param(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
+        self._write_param_shard(p, self._local_slice(p, value))
+        st = p.zero_state
+        if st.status is ParamStatus.AVAILABLE:
+            st.full[: st.numel].copy_(value.detach().reshape(-1))
+
+    @torch.no_grad()
+    def set_full_optimizer_state(self, p: torch.nn.Parameter, value: torch.Tensor, key: str) -> None:
+        target = self._state(p, key, "safe_set_full_optimizer_state")
+        target.copy_(self._local_slice(p, value))
+
+    # -- local form (no communication) ----------------------------------------------------
+    def local_fp32_param(self, p: torch.nn.Parameter) -> torch.Tensor:
+        m = self._master(p)
+        return (m if m is not None else p.zero_state.shard).detach().float().clone()
+
+    def local_grad(self, p: torch.nn.Parameter) -> torch.Tensor | None:
+        self.strategy.wait_reductions()
+        g = p.zero_state.grad_shard
+        return None if g is None else g.detach().float().clone()
+
+    def local_optimizer_state(self, p: torch.nn.Parameter, key: str) -> torch.Tensor:
+        return self._state(p, key, "safe_get_local_optimizer_state").detach().clone()
+
+    def set_local_fp32_param(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
+        self._check_local(p, value, "safe_set_local_fp32_param")
+        self._write_param_shard(p, value.detach().reshape(-1).float())
+
+    @torch.no_grad()
+    def set_local_optimizer_state(self, p: torch.nn.Parameter, value: torch.Tensor, key: str) -> None:
+        target = self._state(p, key, "safe_set_local_optimizer_state")
+        self._check_local(p, value, "safe_set_local_optimizer_state")
+        target.copy_(value.detach().reshape(target.shape))
+
+
+# -- public local-form helpers (exported as zero_core.utils.safe_*_local_*) -------------------
+def _owner(param: Any, where: str) -> Any:
+    if not isinstance(param, torch.Tensor):
+        raise TypeError(
+            f"{where}: param must be a model parameter (torch.nn.Parameter), got {type(param).__name__}"
+        )
+    owner = getattr(param, "_zero_owner", None)
+    if owner is None or not hasattr(owner, "local_fp32_param"):
+        raise ValueError(
+            f"{where}: the parameter has no local partition; the local-form helpers are for parameters "
+            "partitioned by ZeRO stage 3 (after zero.initialize). With stages 0-2 use the safe_get_full_* / "
+            "safe_set_full_* helpers"
+        )
+    return owner
+
+
+def _key(key: Any, where: str) -> None:
+    if not isinstance(key, str) or not key:
+        raise TypeError(f"{where}: optim_state_key must be a non-empty string such as 'exp_avg', got {key!r}")
+
+
+def safe_get_local_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
+    """This rank's partition of ``param``'s fp32 master value (1-D, padded shard length)."""
+    return _owner(param, "safe_get_local_fp32_param").local_fp32_param(param)
+
+
+def safe_get_local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
+    """This rank's partition of ``param``'s reduced gradient in fp32 (None when it has none)."""
+    return _owner(param, "safe_get_local_grad").local_grad(param)
+
+
+def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor:
+    """This rank's partition of the optimizer state ``optim_state_key`` of ``param``."""
+    owner = _owner(param, "safe_get_local_optimizer_state")
+    _key(optim_state_key, "safe_get_local_optimizer_state")
+    return owner.local_optimizer_state(param, optim_state_key)
+
+
+def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Overwrite this rank's partition of ``param``'s fp32 master (and 16-bit shard) with ``value``."""
+    _owner(param, "safe_set_local_fp32_param").set_local_fp32_param(param, value)
+
+
+def safe_set_local_optimizer_state(
+    param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str
+) -> None:
+    """Overwrite this rank's partition of the optimizer state ``optim_state_key`` of ``param``."""
+    owner = _owner(param, "safe_set_local_optimizer_state")
+    _key(optim_state_key, "safe_set_local_optimizer_state")
+    owner.set_local_optimizer_state(param, value, optim_state_key)
+
+
+__all__ = [
+    "Stage3StateAccess",
+    "safe_get_local_fp32_param",
+    "safe_get_local_grad",
+    "safe_get_local_optimizer_state",
+    "safe_set_local_fp32_param",
+    "safe_set_local_optimizer_state",
+]

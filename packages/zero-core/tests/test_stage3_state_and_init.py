@@ -1,0 +1,131 @@
+"""Stage-3 safe_get/safe_set helpers, zero.Init construction memory and remote_device (one 4-rank launch).
+
+Init memory: a model of 4x one rank's budget (budget = its 1/4 shard) is built inside
+``zero.Init`` on 4 ranks; the rise of each rank's peak RSS during construction must stay
+below its shard + four layers + 12 MiB (about 46 MB; the full model is 67 MB). The four layers
+are allocator slack measured here: a layer's full tensor is freed after partitioning, but glibc's
+dynamic mmap threshold keeps a few freed layer-size blocks resident, and gloo's broadcast of
+each layer allocates a temporary of the same size.
+"""
+
+from __future__ import annotations
+
+import resource
+
+import pytest
+import torch
+from zero_core.testing import run_multirank
+
+WORLD, LAYERS, WIDTH = 4, 16, 1024
+
+
+def _rss_now() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * resource.getpagesize()
+
+
+def _rank() -> dict:
+    import zero_core
+    from zero_core import comm
+    from zero_core.utils import (
+        safe_get_full_fp32_param,
+        safe_get_full_grad,
+        safe_get_full_optimizer_state,
+        safe_get_local_fp32_param,
+        safe_get_local_grad,
+        safe_get_local_optimizer_state,
+        safe_set_full_fp32_param,
+        safe_set_full_optimizer_state,
+        safe_set_local_fp32_param,
+        safe_set_local_optimizer_state,
+    )
+
+    rank, out = comm.get_rank(), {}
+    # -- construction memory ------------------------------------------------------------
+    before = _rss_now()
+    with zero_core.Init(remote_device="cpu"):
+        big = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
+    out["init_rise"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    out["shard_device"] = str(big[0].weight.zero_shard.device)
+    del big
+    # -- safe_* helpers -----------------------------------------------------------------
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {"stage": 3, "param_persistence_threshold": 0},
+    }
+    engine, *_ = zero_core.initialize(
+        model=model, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2), config=cfg
+    )
+    x = torch.randn(WORLD, 2, 6, generator=torch.Generator().manual_seed(1))
+    engine.backward(engine(x[rank]).pow(2).sum())
+    w = model[0].weight
+    out["grad_full"] = safe_get_full_grad(w)
+    out["grad_local"] = safe_get_local_grad(w)
+    engine.step()
+    out["param_full"] = safe_get_full_fp32_param(w)
+    out["param_local"] = safe_get_local_fp32_param(w)
+    out["exp_avg_full"] = safe_get_full_optimizer_state(w, "exp_avg")
+    out["exp_avg_local"] = safe_get_local_optimizer_state(w, "exp_avg")
+    safe_set_full_fp32_param(w, torch.full((5, 6), 3.0))
+    safe_set_full_optimizer_state(w, torch.full((5, 6), 0.5), "exp_avg")
+    b = model[2].bias  # 3 elements on 4 ranks: shard of 1, ranks 3 holds only padding
+    safe_set_local_fp32_param(b, torch.full((1,), float(rank + 1)))
+    safe_set_local_optimizer_state(b, torch.full((1,), float(rank)), "exp_avg_sq")
+    out["after_set"] = safe_get_full_fp32_param(w)
+    out["exp_avg_after"] = safe_get_full_optimizer_state(w, "exp_avg")
+    out["bias_after"] = safe_get_full_fp32_param(b)
+    out["bias_sq_after"] = safe_get_full_optimizer_state(b, "exp_avg_sq")
+    with zero_core.GatheredParameters([w]):
+        out["module_w"] = w.detach().clone()
+    try:
+        safe_set_local_fp32_param(b, torch.zeros(2))
+    except ValueError as exc:
+        out["bad_local"] = str(exc)
+    try:
+        safe_get_local_fp32_param(torch.nn.Parameter(torch.zeros(2)))
+    except ValueError as exc:
+        out["not_stage3"] = str(exc)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_multirank(_rank, WORLD, timeout=150)
+
+
+def test_init_construction_memory_is_bounded(results: list[dict]) -> None:
+    full = LAYERS * WIDTH * WIDTH * 4
+    bound = full / WORLD + 4 * WIDTH * WIDTH * 4 + 12 * 2**20
+    for r in results:
+        assert r["init_rise"] <= bound, (r["init_rise"], bound, full)
+        assert r["shard_device"] == "cpu"  # remote_device="cpu": partitions in CPU memory
+
+
+def test_safe_helpers_full_and_local(results: list[dict]) -> None:
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    x = torch.randn(WORLD, 2, 6, generator=torch.Generator().manual_seed(1))
+    for r in range(WORLD):
+        (ref(x[r]).pow(2).sum() / WORLD).backward()
+    grad = ref[0].weight.grad.clone()
+    opt.step()
+    exp_avg = opt.state[ref[0].weight]["exp_avg"]
+    shard = 30 // WORLD + (30 % WORLD > 0)
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(r["grad_full"], grad, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(r["param_full"], ref[0].weight.detach(), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(r["exp_avg_full"], exp_avg, rtol=1e-5, atol=1e-7)
+        lo, hi = rank * shard, min((rank + 1) * shard, 30)
+        torch.testing.assert_close(r["grad_local"][: hi - lo], grad.reshape(-1)[lo:hi], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(r["param_local"][: hi - lo], ref[0].weight.detach().reshape(-1)[lo:hi])
+        torch.testing.assert_close(r["exp_avg_local"][: hi - lo], exp_avg.reshape(-1)[lo:hi])
+        assert torch.equal(r["after_set"], torch.full((5, 6), 3.0))
+        assert torch.equal(r["module_w"], torch.full((5, 6), 3.0))  # the module sees the new value
+        assert torch.equal(r["exp_avg_after"], torch.full((5, 6), 0.5))
+        assert torch.equal(r["bias_after"], torch.tensor([1.0, 2.0, 3.0]))
+        assert torch.equal(r["bias_sq_after"], torch.tensor([0.0, 1.0, 2.0]))
+        assert "local partition" in r["bad_local"]
+        assert "stage 3" in r["not_stage3"]

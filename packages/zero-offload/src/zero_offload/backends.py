@@ -1,0 +1,112 @@
+"""``NvmeOffloadBackend``: the ``OffloadBackend`` protocol (zero_core.protocols.offload) over NVMe files.
+
+One swap file per key under the rank's swap directory (see [Note: swap file lifecycle]),
+created with its final size on first ``swap_out``; transfers go through zero-ops' aio handle,
+so ``async_op=True`` overlaps them with computation until ``wait()``. CPU memory is
+zero-core's ``MemoryOffloadBackend``, re-exported here for symmetry.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from zero_core.offload_memory import MemoryOffloadBackend
+from zero_ops.aio import AsyncIOHandle
+
+from zero_offload.swap_files import SwapDirectory
+
+__all__ = ["MemoryOffloadBackend", "NvmeOffloadBackend"]
+
+
+class NvmeOffloadBackend:
+    """Swap tensors to and from files under ``nvme_path/<job>/rank<rank>/``."""
+
+    def __init__(
+        self, nvme_path: str | os.PathLike, rank: int = 0, aio: dict[str, Any] | None = None
+    ) -> None:
+        self._dir = SwapDirectory(nvme_path, rank, what="NvmeOffloadBackend")
+        kw = dict(aio or {})
+        allowed = {"block_size", "queue_depth", "single_submit", "overlap_events", "thread_count"}
+        unknown = set(kw) - allowed - {"intra_op_parallelism", "use_gds"}
+        if unknown:
+            raise ValueError(
+                f"NvmeOffloadBackend: unknown aio settings {sorted(unknown)}; allowed: {sorted(allowed)}"
+            )
+        self._handle = AsyncIOHandle(**{k: v for k, v in kw.items() if k in allowed})
+        self._meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._closed = False
+
+    @property
+    def path(self) -> str:
+        return str(self._dir.path)
+
+    def _check(self, key: Any, where: str) -> str:
+        if self._closed:
+            raise RuntimeError(f"NvmeOffloadBackend.{where}: the backend is closed")
+        if not isinstance(key, str) or not key or "/" in key:
+            raise ValueError(
+                f"NvmeOffloadBackend.{where}: key must be a non-empty str without '/', got {key!r}"
+            )
+        return f"{key}.swp"
+
+    def swap_out(self, key: str, tensor: torch.Tensor, *, async_op: bool = False) -> None:
+        """Write ``tensor``'s values to ``key``'s file (do not modify ``tensor`` before ``wait()`` if async)."""
+        name = self._check(key, "swap_out")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(
+                f"NvmeOffloadBackend.swap_out: tensor must be a torch.Tensor, got {type(tensor).__name__}"
+            )
+        src = tensor.detach()
+        if src.device.type != "cpu" or not src.is_contiguous():
+            src = src.to("cpu").contiguous()
+        nbytes = src.numel() * src.element_size()
+        meta = (tuple(src.shape), src.dtype)
+        if self._meta.get(key) != meta:
+            self._handle.wait()
+            self._dir.allocate(name, nbytes)
+            self._meta[key] = meta
+        self._handle.async_pwrite(src, self._dir.check(name), 0)
+        if not async_op:
+            self._handle.wait()
+
+    def swap_in(self, key: str, out: torch.Tensor, *, async_op: bool = False) -> None:
+        """Read ``key``'s values into ``out`` (same shape and dtype; complete after ``wait()`` if async)."""
+        name = self._check(key, "swap_in")
+        if key not in self._meta:
+            raise KeyError(f"NvmeOffloadBackend.swap_in: nothing is stored under key {key!r}")
+        shape, dtype = self._meta[key]
+        if tuple(out.shape) != shape or out.dtype != dtype:
+            raise ValueError(
+                f"NvmeOffloadBackend.swap_in: key {key!r} holds {shape} {dtype}, but out is {tuple(out.shape)} {out.dtype}"
+            )
+        if out.device.type == "cpu" and out.is_contiguous():
+            self._handle.async_pread(out, self._dir.check(name), 0)
+            if not async_op:
+                self._handle.wait()
+            return
+        tmp = torch.empty(shape, dtype=dtype)
+        self._handle.sync_pread(tmp, self._dir.check(name), 0)
+        with torch.no_grad():
+            out.copy_(tmp)
+
+    def wait(self) -> None:
+        self._handle.wait()
+
+    def remove(self, key: str) -> None:
+        name = self._check(key, "remove")
+        self._handle.wait()
+        if self._meta.pop(key, None) is not None:
+            path, _ = self._dir.files.pop(name)
+            path.unlink(missing_ok=True)
+
+    def contains(self, key: str) -> bool:
+        return key in self._meta
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._handle.wait()
+        self._closed = True
+        self._dir.close()

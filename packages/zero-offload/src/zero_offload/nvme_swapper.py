@@ -1,0 +1,174 @@
+"""Optimizer states on NVMe, streamed through a small pool of pinned buffers tile by tile.
+
+[Note: tile pipeline]
+A parameter group's optimizer states (``exp_avg``, ``exp_avg_sq`` ...) are flat fp32 arrays
+kept in one swap file per state. The step walks the group in tiles of ``sub_group_size``
+elements: read the tile's states into a buffer, update, write them back. A buffer holds one
+tile of every state, so resident CPU memory for optimizer states is at most
+``buffer_count x tile bytes`` whatever the model size. The pipeline needs
+``1 + pipeline_read + pipeline_write`` buffers:
+
+* ``pipeline_read``: tile k+1 is read (on the read handle's threads) while tile k is updated;
+* ``pipeline_write``: tile k's write is left in flight while tile k+1 is updated; a buffer
+  still being written is reused only after the write handle has drained.
+
+Without either flag every transfer is waited for at once (simple, least memory). Reads and
+writes use two separate aio handles so that waiting for the next tile's read never waits for
+the previous tile's write. Tiles start at multiples of 1024 elements (4096 bytes), so the
+aligned, page-locked buffers go through O_DIRECT where the file system allows it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+import torch
+from zero_ops.aio import AsyncIOHandle, locked_empty
+
+from zero_offload.swap_files import SwapDirectory
+
+_ALIGN_ELEMS = 1024  # 4096 bytes of fp32
+
+
+def round_tile(tile_numel: int) -> int:
+    """``tile_numel`` rounded up to a multiple of 1024 elements (O_DIRECT alignment)."""
+    return max(_ALIGN_ELEMS, -(-tile_numel // _ALIGN_ELEMS) * _ALIGN_ELEMS)
+
+
+def buffers_needed(pipeline_read: bool, pipeline_write: bool) -> int:
+    return 1 + int(pipeline_read) + int(pipeline_write)
+
+
+class BufferPool:
+    """``count`` page-aligned (and page-locked where allowed) buffers of ``numel`` fp32 elements each."""
+
+    def __init__(self, count: int, numel: int) -> None:
+        self.buffers = [locked_empty(numel, torch.float32) for _ in range(count)]
+        self.numel = numel
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+
+class StateSwapper:
+    """The optimizer states of one flat group of ``numel`` elements, in swap files (see [Note: tile pipeline])."""
+
+    def __init__(
+        self,
+        swap_dir: SwapDirectory,
+        name: str,
+        numel: int,
+        state_names: tuple[str, ...],
+        *,
+        tile_numel: int,
+        pool: BufferPool,
+        read_handle: AsyncIOHandle,
+        write_handle: AsyncIOHandle,
+        pipeline_read: bool,
+        pipeline_write: bool,
+        fast_init: bool,
+    ) -> None:
+        if pool.numel < tile_numel * len(state_names):
+            raise ValueError(
+                f"StateSwapper {name}: pool buffers of {pool.numel} elements cannot hold a tile of "
+                f"{tile_numel} elements x {len(state_names)} states"
+            )
+        if len(pool.buffers) < buffers_needed(pipeline_read, pipeline_write):
+            raise ValueError(
+                f"StateSwapper {name}: {len(pool.buffers)} buffers, but pipeline_read={pipeline_read} and "
+                f"pipeline_write={pipeline_write} need {buffers_needed(pipeline_read, pipeline_write)}"
+            )
+        self.dir = swap_dir
+        self.name = name
+        self.numel = numel
+        self.state_names = state_names
+        self.tile = tile_numel
+        self.pool = pool
+        self.rh = read_handle
+        self.wh = write_handle
+        self.pipeline_read = pipeline_read
+        self.pipeline_write = pipeline_write
+        self.files = {k: f"{name}.{k}.swp" for k in state_names}
+        for f in self.files.values():
+            swap_dir.allocate(f, numel * 4)
+        if not fast_init:
+            # Write the zero initial states through the same path training uses: proves the disk
+            # accepts writes now rather than at the first step. fast_init trusts fallocate's zeros.
+            buf = pool.buffers[0]
+            buf.zero_()
+            for lo, hi in self.tiles():
+                for k in state_names:
+                    self.wh.async_pwrite(buf[: hi - lo], self.dir.check(self.files[k]), lo * 4)
+                self.wh.wait()
+
+    def tiles(self) -> list[tuple[int, int]]:
+        return [(lo, min(lo + self.tile, self.numel)) for lo in range(0, self.numel, self.tile)]
+
+    def _views(self, buf: torch.Tensor, n: int) -> dict[str, torch.Tensor]:
+        return {k: buf[i * self.tile : i * self.tile + n] for i, k in enumerate(self.state_names)}
+
+    def _read(self, lo: int, hi: int, buf: torch.Tensor) -> None:
+        for k, v in self._views(buf, hi - lo).items():
+            self.rh.async_pread(v, self.dir.check(self.files[k]), lo * 4)
+
+    def _write(self, lo: int, hi: int, buf: torch.Tensor) -> None:
+        for k, v in self._views(buf, hi - lo).items():
+            self.wh.async_pwrite(v, self.dir.check(self.files[k]), lo * 4)
+
+    def run(self, update: Callable[[int, int, dict[str, torch.Tensor]], None]) -> None:
+        """Call ``update(lo, hi, states)`` on every tile, states swapped in and out around it."""
+        tiles = self.tiles()
+        free = deque(self.pool.buffers)
+        writing: list[torch.Tensor] = []
+
+        def take() -> torch.Tensor:
+            if not free:
+                self.wh.wait()
+                free.extend(writing)
+                writing.clear()
+            return free.popleft()
+
+        try:
+            nxt = None
+            if self.pipeline_read and tiles:
+                nxt = take()
+                self._read(*tiles[0], nxt)
+            for k, (lo, hi) in enumerate(tiles):
+                if self.pipeline_read:
+                    self.rh.wait()
+                    cur = nxt
+                    if k + 1 < len(tiles):
+                        nxt = take()
+                        self._read(*tiles[k + 1], nxt)
+                else:
+                    cur = take()
+                    self._read(lo, hi, cur)
+                    self.rh.wait()
+                update(lo, hi, self._views(cur, hi - lo))
+                self._write(lo, hi, cur)
+                if self.pipeline_write:
+                    writing.append(cur)
+                else:
+                    self.wh.wait()
+                    free.append(cur)
+        finally:
+            self.rh.wait()
+            self.wh.wait()
+
+    def read_range(self, key: str, lo: int, hi: int) -> torch.Tensor:
+        """A new CPU tensor with elements ``[lo, hi)`` of state ``key`` (for checkpoints and inspection)."""
+        out = torch.empty(hi - lo, dtype=torch.float32)
+        if hi > lo:
+            self.rh.sync_pread(out, self.dir.check(self.files[key]), lo * 4)
+        return out
+
+    def write_range(self, key: str, lo: int, values: torch.Tensor) -> None:
+        """Write ``values`` (fp32) as elements ``[lo, lo + numel)`` of state ``key``."""
+        v = values.detach().reshape(-1).to(torch.float32).contiguous()
+        if lo < 0 or lo + v.numel() > self.numel:
+            raise ValueError(
+                f"StateSwapper {self.name}: range [{lo}, {lo + v.numel()}) outside {self.numel} elements"
+            )
+        if v.numel():
+            self.wh.sync_pwrite(v, self.dir.check(self.files[key]), lo * 4)

@@ -1,0 +1,467 @@
+"""``OptimizerOffload``: fp32 masters, gradients and optimizer states off the device; the step on CPU.
+
+[Note: optimizer offload hook]
+The ZeRO strategies of zero-core keep their partitioning, reductions and parameter
+publication; for the parameters they hand over (``adopt``), this object owns everything the
+optimizer step touches:
+
+* the fp32 master shard, in one flat host buffer per optimizer param group (pinned when
+  ``pin_memory`` and CUDA is present); the strategy binds the client optimizer's
+  ``param_groups`` to views of it, so LR schedulers and per-group hyper-parameters work
+  unchanged and checkpoints see ordinary masters;
+* a host copy of the reduced gradient shard (``stage_grad``: a non-blocking device->host copy
+  from pinned memory on CUDA);
+* the optimizer states: host flat buffers (``device: cpu``), exposed to the client optimizer's
+  ``state`` as views in torch's own format, or NVMe swap files streamed through a buffer pool
+  (``device: nvme``, see [Note: tile pipeline]);
+* the step: zero-ops' CPUAdam kernel over ``sub_group_size`` tiles, fused with the cast of the
+  updated weights to the training dtype (``low_precision_out``); on CUDA each finished tile is
+  copied back to a device buffer while the next one is computed.
+
+The client optimizer never steps these masters (their ``.grad`` stays None, which torch's
+optimizers skip), so ``ratio < 1`` simply leaves some masters out of ``adopt`` and the
+client optimizer updates those on the device. Only Adam/AdamW (torch's, or zero-ops' CPUAdam)
+can be offloaded, as in DeepSpeed; the math is torch's, so trajectories match a
+non-offloaded run to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from zero_ops.adam import CPUAdamKernel
+
+from zero_offload.nvme_swapper import BufferPool, StateSwapper, buffers_needed, round_tile
+from zero_offload.swap_files import SwapDirectory
+
+
+def _bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _adam_settings(optimizer: torch.optim.Optimizer, group: dict[str, Any], gi: int) -> dict[str, Any]:
+    """The CPUAdam hyper-parameters equivalent to ``group`` of ``optimizer`` (or a clear error)."""
+    kind = type(optimizer).__name__
+    if isinstance(optimizer, torch.optim.AdamW):
+        adamw = True
+    elif isinstance(optimizer, torch.optim.Adam):
+        adamw = bool(group.get("decoupled_weight_decay", False))
+    elif "adamw_mode" in group and "betas" in group:  # zero_ops CPUAdam (and DeepSpeed-style Adams)
+        adamw = bool(group["adamw_mode"])
+    else:
+        raise ValueError(
+            f"zero_optimization.offload_optimizer: the optimizer step runs zero-ops' CPUAdam on the CPU, which "
+            f"implements Adam/AdamW; got {kind}. Use torch.optim.Adam/AdamW, zero.ops.adam.CPUAdam, or the "
+            '"optimizer": {"type": "Adam"|"AdamW"} config section (or disable offload_optimizer)'
+        )
+    for flag in ("maximize", "capturable", "differentiable"):
+        if group.get(flag, False):
+            raise ValueError(
+                f"zero_optimization.offload_optimizer: {kind} param_groups[{gi}] sets {flag}=True, which the "
+                "CPU Adam step does not support"
+            )
+    lr = group["lr"]
+    if torch.is_tensor(lr):
+        lr = float(lr)
+    return {
+        "lr": float(lr),
+        "betas": tuple(float(b) for b in group["betas"]),
+        "eps": float(group["eps"]),
+        "weight_decay": float(group.get("weight_decay", 0.0)),
+        "adamw_mode": adamw,
+        "bias_correction": bool(group.get("bias_correction", True)),
+        "amsgrad": bool(group.get("amsgrad", False)),
+    }
+
+
+def _host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    t = torch.zeros(numel, dtype=dtype, device="cpu")
+    if pin and torch.cuda.is_available():
+        t = t.pin_memory()
+    return t
+
+
+class _Group:
+    """One optimizer param group's offloaded masters, flat."""
+
+    def __init__(self, index: int, numels: list[int]) -> None:
+        self.index = index
+        self.offsets = [0]
+        for n in numels:
+            self.offsets.append(self.offsets[-1] + n)
+        self.numel = self.offsets[-1]
+        self.master: torch.Tensor = torch.empty(0)
+        self.grad: torch.Tensor = torch.empty(0)
+        self.low: torch.Tensor | None = None
+        self.device_low: torch.Tensor | None = None
+        self.states: dict[str, torch.Tensor] = {}
+        self.swapper: StateSwapper | None = None
+        self.params: list[torch.nn.Parameter] = []
+
+
+class OptimizerOffload:
+    """See [Note: optimizer offload hook].
+
+    Args:
+        device: ``"cpu"`` or ``"nvme"`` (``offload_optimizer.device``).
+        rank: this rank in the data-parallel group (names the swap directory).
+        compute_device: where the model's parameters and gradients live (the "device side").
+        low_precision_dtype: the training dtype; when not fp32 the step also writes the updated
+            weights in it (the fused copy-out).
+        sub_group_size: elements per tile of the step (and per NVMe transfer).
+        nvme_path, buffer_count, pin_memory, pipeline_read, pipeline_write, fast_init: the
+            ``offload_optimizer`` settings; ``aio``: the ``aio`` config section as a dict.
+    """
+
+    def __init__(
+        self,
+        device: str,
+        *,
+        rank: int = 0,
+        compute_device: torch.device | str = "cpu",
+        low_precision_dtype: torch.dtype = torch.float32,
+        sub_group_size: int = 1_000_000_000,
+        nvme_path: str | None = None,
+        buffer_count: int = 4,
+        pin_memory: bool = False,
+        pipeline_read: bool = False,
+        pipeline_write: bool = False,
+        fast_init: bool = False,
+        aio: dict[str, Any] | None = None,
+    ) -> None:
+        if device not in ("cpu", "nvme"):
+            raise ValueError(
+                f'zero_optimization.offload_optimizer.device must be "cpu" or "nvme", got {device!r}'
+            )
+        if isinstance(sub_group_size, bool) or not isinstance(sub_group_size, int) or sub_group_size < 1:
+            raise ValueError(
+                f"zero_optimization.sub_group_size must be a positive int, got {sub_group_size!r}"
+            )
+        if low_precision_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"OptimizerOffload: training dtype must be fp32, fp16 or bf16, got {low_precision_dtype}"
+            )
+        self.device = device
+        self.rank = int(rank)
+        self.compute_device = torch.device(compute_device)
+        self.low_dtype = low_precision_dtype
+        self.tile = sub_group_size
+        self.pin = bool(pin_memory)
+        self.pipeline_read = bool(pipeline_read)
+        self.pipeline_write = bool(pipeline_write)
+        self.fast_init = bool(fast_init)
+        self.groups: list[_Group] = []
+        self._where: dict[int, tuple[int, int]] = {}  # id(master) -> (group, index)
+        self._staged: set[int] = set()
+        self._finalized = False
+        self.swap_dir: SwapDirectory | None = None
+        self.pool: BufferPool | None = None
+        self.buffer_count = buffer_count
+        self.aio = dict(aio or {})
+        if device == "nvme":
+            if nvme_path is None:
+                raise ValueError(
+                    'zero_optimization.offload_optimizer.nvme_path: required when device is "nvme"'
+                )
+            if isinstance(buffer_count, bool) or not isinstance(buffer_count, int):
+                raise ValueError(
+                    f"zero_optimization.offload_optimizer.buffer_count must be an int, got {buffer_count!r}"
+                )
+            need = buffers_needed(self.pipeline_read, self.pipeline_write)
+            if buffer_count < need:
+                raise ValueError(
+                    f"zero_optimization.offload_optimizer.buffer_count is {buffer_count}, but pipeline_read="
+                    f"{self.pipeline_read} and pipeline_write={self.pipeline_write} need at least {need} buffers"
+                )
+            self.swap_dir = SwapDirectory(nvme_path, self.rank, what="zero_optimization.offload_optimizer")
+
+    # -- construction ---------------------------------------------------------------------
+    @torch.no_grad()
+    def adopt(self, sources: list[torch.Tensor]) -> list[torch.nn.Parameter]:
+        """Host fp32 masters (views of one flat buffer) initialised from ``sources``; one call per param group."""
+        if self._finalized:
+            raise RuntimeError("OptimizerOffload.adopt: called after finalize()")
+        g = _Group(len(self.groups), [int(s.numel()) for s in sources])
+        g.master = _host_empty(g.numel, torch.float32, self.pin)
+        g.grad = _host_empty(g.numel, torch.float32, self.pin)
+        if self.low_dtype != torch.float32:
+            g.low = _host_empty(g.numel, self.low_dtype, self.pin)
+        for i, s in enumerate(sources):
+            lo, hi = g.offsets[i], g.offsets[i + 1]
+            g.master[lo:hi].copy_(s.detach().reshape(-1))
+            if g.low is not None:
+                g.low[lo:hi].copy_(s.detach().reshape(-1))
+            p = torch.nn.Parameter(g.master[lo:hi].view(s.shape))
+            g.params.append(p)
+            self._where[id(p)] = (g.index, i)
+        if self.compute_device.type == "cuda":
+            g.device_low = torch.empty(g.numel, dtype=self.low_dtype, device=self.compute_device)
+            g.device_low.copy_(g.low if g.low is not None else g.master)
+        self.groups.append(g)
+        return g.params
+
+    def finalize(self, optimizer: torch.optim.Optimizer) -> None:
+        """Allocate the optimizer states (host or swap files) once every group is adopted."""
+        if self._finalized:
+            return
+        self._finalized = True
+        names_per_group = []
+        for g in self.groups:
+            amsgrad = False
+            for gi, pg in enumerate(optimizer.param_groups):
+                if any(p is q for p in pg["params"] for q in g.params[:1]):
+                    amsgrad = _adam_settings(optimizer, pg, gi)["amsgrad"]
+            names_per_group.append(
+                ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq")
+            )
+        if self.device == "cpu":
+            for g, names in zip(self.groups, names_per_group):
+                g.states = {k: _host_empty(g.numel, torch.float32, self.pin) for k in names}
+                for i, p in enumerate(g.params):
+                    lo, hi = g.offsets[i], g.offsets[i + 1]
+                    state = {"step": torch.tensor(0.0)}
+                    state.update({k: v[lo:hi].view(p.shape) for k, v in g.states.items()})
+                    optimizer.state[p] = state
+            return
+        tile = round_tile(min(self.tile, max((g.numel for g in self.groups), default=1)))
+        nstates = max((len(n) for n in names_per_group), default=2)
+        self.nvme_tile = tile
+        self.pool = BufferPool(self.buffer_count, tile * nstates)
+        from zero_ops.aio import AsyncIOHandle
+
+        kw = {
+            k: self.aio[k]
+            for k in ("block_size", "queue_depth", "single_submit", "overlap_events", "thread_count")
+            if k in self.aio
+        }
+        self.read_handle = AsyncIOHandle(**kw)
+        self.write_handle = AsyncIOHandle(**kw)
+        for g, names in zip(self.groups, names_per_group):
+            g.swapper = StateSwapper(
+                self.swap_dir,
+                f"optim_group{g.index}",
+                g.numel,
+                names,
+                tile_numel=tile,
+                pool=self.pool,
+                read_handle=self.read_handle,
+                write_handle=self.write_handle,
+                pipeline_read=self.pipeline_read,
+                pipeline_write=self.pipeline_write,
+                fast_init=self.fast_init,
+            )
+            for p in g.params:
+                optimizer.state[p] = {"step": torch.tensor(0.0)}
+
+    # -- per step ---------------------------------------------------------------------------
+    def owns(self, master: torch.Tensor) -> bool:
+        return id(master) in self._where
+
+    def stage_grad(self, master: torch.Tensor, grad: torch.Tensor | None) -> None:
+        """Copy ``master``'s reduced gradient shard to host memory (None: no gradient this step)."""
+        g, i = self._where[id(master)]
+        grp = self.groups[g]
+        if grad is None:
+            self._staged.discard(id(master))
+            return
+        view = grp.grad[grp.offsets[i] : grp.offsets[i + 1]]
+        if grad.numel() != view.numel():
+            raise ValueError(
+                f"OptimizerOffload.stage_grad: gradient has {grad.numel()} elements, master has {view.numel()}"
+            )
+        view.copy_(grad.detach().reshape(-1), non_blocking=grad.device.type == "cuda")
+        self._staged.add(id(master))
+
+    def _ranges(self, optimizer: torch.optim.Optimizer, grp: _Group) -> list[tuple[int, int, int, list]]:
+        """Runs (lo, hi, step, params) of consecutive staged masters sharing one step count."""
+        runs: list[tuple[int, int, int, list]] = []
+        for i, p in enumerate(grp.params):
+            if id(p) not in self._staged:
+                continue
+            step = int(optimizer.state[p]["step"]) + 1
+            lo, hi = grp.offsets[i], grp.offsets[i + 1]
+            if runs and runs[-1][1] == lo and runs[-1][2] == step:
+                runs[-1] = (runs[-1][0], hi, step, runs[-1][3] + [p])
+            else:
+                runs.append((lo, hi, step, [p]))
+        return runs
+
+    @torch.no_grad()
+    def step(self, optimizer: torch.optim.Optimizer, grad_scale: float = 1.0) -> None:
+        """One Adam step of every staged master, on the CPU (see [Note: optimizer offload hook])."""
+        if not self._finalized:
+            self.finalize(optimizer)
+        if self.compute_device.type == "cuda":
+            torch.cuda.current_stream(self.compute_device).synchronize()  # staged grads have landed
+        owner = {id(p): (gi, pg) for gi, pg in enumerate(optimizer.param_groups) for p in pg["params"]}
+        for grp in self.groups:
+            if not grp.params or id(grp.params[0]) not in owner:
+                continue
+            gi, pg = owner[id(grp.params[0])]
+            hp = _adam_settings(optimizer, pg, gi)
+            kernel = CPUAdamKernel(
+                betas=hp["betas"],
+                eps=hp["eps"],
+                weight_decay=hp["weight_decay"],
+                adamw_mode=hp["adamw_mode"],
+                bias_correction=hp["bias_correction"],
+                amsgrad=hp["amsgrad"],
+            )
+            runs = self._ranges(optimizer, grp)
+            if not runs:
+                continue
+            if grad_scale != 1.0:
+                for lo, hi, _, _ in runs:
+                    grp.grad[lo:hi].mul_(grad_scale)
+
+            def update(
+                t_lo: int,
+                t_hi: int,
+                states: dict[str, torch.Tensor],
+                grp=grp,
+                runs=runs,
+                kernel=kernel,
+                hp=hp,
+            ) -> None:
+                for lo, hi, step, _ in runs:
+                    a, b = max(lo, t_lo), min(hi, t_hi)
+                    if a >= b:
+                        continue
+                    kernel.step(
+                        grp.master[a:b],
+                        grp.grad[a:b],
+                        {k: v[a - t_lo : b - t_lo] for k, v in states.items()},
+                        step=step,
+                        lr=hp["lr"],
+                        low_precision_out=None if grp.low is None else grp.low[a:b],
+                    )
+                if grp.device_low is not None:  # overlap the copy-back with the next tile
+                    src = grp.low if grp.low is not None else grp.master
+                    grp.device_low[t_lo:t_hi].copy_(src[t_lo:t_hi], non_blocking=True)
+
+            if grp.swapper is not None:
+                grp.swapper.run(update)
+            else:
+                for t_lo in range(0, grp.numel, self.tile):
+                    t_hi = min(grp.numel, t_lo + self.tile)
+                    update(t_lo, t_hi, {k: v[t_lo:t_hi] for k, v in grp.states.items()})
+            for _, _, step, params in runs:
+                for p in params:
+                    optimizer.state[p]["step"].fill_(float(step))
+        self._staged.clear()
+        if self.compute_device.type == "cuda":
+            torch.cuda.current_stream(self.compute_device).synchronize()
+
+    def updated(self, master: torch.Tensor) -> torch.Tensor:
+        """The updated weights of ``master`` in the training dtype, on the compute device (flat)."""
+        g, i = self._where[id(master)]
+        grp = self.groups[g]
+        src = (
+            grp.device_low if grp.device_low is not None else (grp.low if grp.low is not None else grp.master)
+        )
+        return src[grp.offsets[i] : grp.offsets[i + 1]]
+
+    # -- state access (checkpoints, safe_get) --------------------------------------------------
+    def state_of(self, optimizer: torch.optim.Optimizer, master: torch.Tensor) -> dict[str, Any]:
+        """``master``'s optimizer state in torch's format (NVMe: read from the swap files)."""
+        g, i = self._where[id(master)]
+        grp = self.groups[g]
+        state = dict(optimizer.state.get(master, {}))
+        if grp.swapper is not None:
+            lo, hi = grp.offsets[i], grp.offsets[i + 1]
+            for k in grp.swapper.state_names:
+                state[k] = grp.swapper.read_range(k, lo, hi).view(master.shape)
+        return state
+
+    @torch.no_grad()
+    def load_state(
+        self, optimizer: torch.optim.Optimizer, master: torch.Tensor, state: dict[str, Any]
+    ) -> None:
+        """Replace ``master``'s optimizer state with ``state`` (torch's format), wherever it lives."""
+        g, i = self._where[id(master)]
+        grp = self.groups[g]
+        lo, hi = grp.offsets[i], grp.offsets[i + 1]
+        names = grp.swapper.state_names if grp.swapper is not None else tuple(grp.states)
+        mine = optimizer.state.setdefault(master, {"step": torch.tensor(0.0)})
+        for k, v in state.items():
+            if k not in names:
+                if k == "step":
+                    mine["step"] = torch.tensor(float(v))
+                else:
+                    mine[k] = v
+                continue
+            if torch.is_tensor(v) and v.numel() != hi - lo:
+                raise ValueError(
+                    f"OptimizerOffload.load_state: state {k!r} has {v.numel()} elements, the master has {hi - lo}"
+                )
+            if grp.swapper is not None:
+                grp.swapper.write_range(k, lo, v)
+            else:
+                grp.states[k][lo:hi].copy_(torch.as_tensor(v).reshape(-1))
+
+    @torch.no_grad()
+    def refresh_low_precision(self) -> None:
+        """Re-derive the low-precision copies from the masters (after masters were loaded or set)."""
+        for grp in self.groups:
+            if grp.low is not None:
+                grp.low.copy_(grp.master)
+            if grp.device_low is not None:
+                grp.device_low.copy_(grp.low if grp.low is not None else grp.master)
+
+    # -- accounting and teardown --------------------------------------------------------------
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes of the host-side pools (and of the device-side copy-back buffers on CUDA)."""
+        return {
+            "host_master_weights": _bytes(g.master for g in self.groups),
+            "host_gradients": _bytes(g.grad for g in self.groups),
+            "host_low_precision_params": _bytes(g.low for g in self.groups),
+            "host_optimizer_states": _bytes(t for g in self.groups for t in g.states.values()),
+            "host_swap_buffers": self.pool.nbytes() if self.pool is not None else 0,
+            "offload_device_buffers": _bytes(g.device_low for g in self.groups),
+        }
+
+    def owned_tensors(self) -> list[torch.Tensor]:
+        """Host tensors owned here (the strategies exclude them from device-side accounting)."""
+        return [
+            t for g in self.groups for t in (g.master, g.grad, g.low, *g.states.values()) if t is not None
+        ]
+
+    def close(self) -> None:
+        """Wait for I/O and remove the swap files (see [Note: swap file lifecycle])."""
+        for h in (getattr(self, "read_handle", None), getattr(self, "write_handle", None)):
+            if h is not None:
+                h.wait()
+        if self.swap_dir is not None:
+            self.swap_dir.close()
+
+
+def build_optimizer_offload(
+    zero_config: Any,
+    aio_config: Any = None,
+    *,
+    rank: int = 0,
+    compute_device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> OptimizerOffload | None:
+    """The :class:`OptimizerOffload` that ``zero_optimization.offload_optimizer`` asks for (None when off)."""
+    oo = getattr(zero_config, "offload_optimizer", None)
+    if oo is None or getattr(oo, "device", "none") == "none":
+        return None
+    aio: dict[str, Any] = {}
+    if aio_config is not None:
+        aio = aio_config.model_dump() if hasattr(aio_config, "model_dump") else dict(aio_config)
+    return OptimizerOffload(
+        oo.device,
+        rank=rank,
+        compute_device=compute_device,
+        low_precision_dtype=dtype,
+        sub_group_size=int(zero_config.sub_group_size),
+        nvme_path=None if oo.nvme_path is None else str(oo.nvme_path),
+        buffer_count=int(oo.buffer_count),
+        pin_memory=bool(oo.pin_memory),
+        pipeline_read=bool(oo.pipeline_read),
+        pipeline_write=bool(oo.pipeline_write),
+        fast_init=bool(oo.fast_init),
+        aio=aio,
+    )

@@ -1,0 +1,370 @@
+"""Checkpoint save/load/convert benchmark: zero vs DeepSpeed on the same ~100M-parameter model.
+
+Run:  OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_checkpoint.py [--ds-python /tmp/dsvenv/bin/python]
+
+Measures in one run: the disk's sequential write (dd conv=fdatasync) and read (dd iflag=direct)
+bandwidth; zero's save and load (2 ranks, gloo, stages 2 and 3; median of --reps) with bytes on
+disk; the conversion (the zero_to_fp32.py copied in the checkpoint, run as a user would) time
+and peak RSS, on the 100M checkpoint and on a synthetic >= 200M-parameter one; the same model
+under DeepSpeed (its save_checkpoint and its zero_to_fp32) when its venv exists. Writes
+tools/bench/results/bench_checkpoint.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import torch
+
+WIDTH, DEPTH = 2048, 24  # 24 x (2048*2048 + 2048) = 100.7M parameters
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)])
+
+
+def _cfg(stage: int) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "steps_per_print": 10**6,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},
+        "zero_optimization": {"stage": stage},
+    }
+
+
+def _du(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def _dd(workdir: str) -> tuple[float, float]:
+    path = os.path.join(workdir, "dd.bin")
+    w = subprocess.run(
+        ["dd", "if=/dev/zero", f"of={path}", "bs=16M", "count=64", "conv=fdatasync"],
+        capture_output=True,
+        text=True,
+    )
+    r = subprocess.run(
+        ["dd", f"if={path}", "of=/dev/null", "bs=16M", "iflag=direct"], capture_output=True, text=True
+    )
+    os.unlink(path)
+
+    def rate(out: str) -> float:  # "1073741824 bytes (1.1 GB, 1.0 GiB) copied, 0.9 s, 1.2 GB/s"
+        m = re.search(r"(\d+) bytes.*copied, ([\d.]+) s", out)
+        return int(m.group(1)) / float(m.group(2)) / 1e9
+
+    return rate(w.stderr), rate(r.stderr)
+
+
+def _zero_rank(workdir: str, stage: int, reps: int) -> dict:
+    import torch.distributed as dist
+    import zero_core
+
+    engine, *_ = zero_core.initialize(model=_model(), config=_cfg(stage))
+    engine.backward(engine(torch.randn(1, WIDTH)).pow(2).mean())
+    engine.step()
+    saves, loads = [], []
+    for _ in range(reps):
+        d = os.path.join(workdir, f"zero_s{stage}")
+        dist.barrier()
+        t0 = time.perf_counter()
+        engine.save_checkpoint(d, tag="t")
+        dist.barrier()
+        saves.append(time.perf_counter() - t0)
+        dist.barrier()
+        t0 = time.perf_counter()
+        engine.load_checkpoint(d, tag="t")
+        dist.barrier()
+        loads.append(time.perf_counter() - t0)
+    return {"save": saves, "load": loads}
+
+
+def _peak_rss_run(cmd: list[str]) -> tuple[float, int]:
+    """Wall time and peak RSS (bytes) of ``cmd`` (a python script + args) in a fresh interpreter."""
+    wrapper = (
+        "import resource, runpy, sys\nsys.argv = sys.argv[1:]\n"
+        "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\nfinally:\n"
+        "    print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
+    )
+    t0 = time.perf_counter()
+    p = subprocess.run([cmd[0], "-c", wrapper, *cmd[1:]], capture_output=True, text=True)
+    dt = time.perf_counter() - t0
+    m = re.search(r"PEAK_RSS_KB (\d+)", p.stderr)
+    if m is None:
+        raise RuntimeError(f"{cmd} failed: {p.stderr[-2000:]}")
+    return dt, int(m.group(1)) * 1024
+
+
+def _synthetic(path: str, numel: int, tensors: int) -> int:
+    """A 2-rank checkpoint written directly in the format (fp32 fragments only, no training)."""
+    from zero_core.checkpoint.format import dumps
+    from zero_core.checkpoint.integrity import file_checksum, file_record
+    from zero_core.checkpoint.tensor_file import TensorEntry, write_tensor_file
+
+    tag = os.path.join(path, "syn")
+    os.makedirs(tag, exist_ok=True)
+    per = numel // tensors
+    names = [f"layer{i}.weight" for i in range(tensors)]
+    files = {}
+    for r in range(2):
+        lo, hi = (0, per // 2) if r == 0 else (per // 2, per)
+        frags, entries = [], []
+        for i, n in enumerate(names):
+            key = f"fp32:{n}:{lo}"
+            frags.append(
+                {
+                    "name": n,
+                    "kind": "fp32",
+                    "shape": [per],
+                    "dtype": "float32",
+                    "start": lo,
+                    "end": hi,
+                    "key": key,
+                    "elementwise": True,
+                    "python_scalar": False,
+                }
+            )
+            entries.append(
+                TensorEntry(key, (hi - lo,), torch.float32, lambda i=i, n=hi - lo: torch.full((n,), float(i)))
+            )
+        nb, crc = write_tensor_file(os.path.join(tag, f"rank_{r:05d}.safetensors"), entries)
+        table = {
+            "rank": r,
+            "world_size": 2,
+            "file": f"rank_{r:05d}.safetensors",
+            "file_record": file_record(nb, crc),
+            "fragments": frags,
+            "rng": {},
+            "rng_tensors": [],
+        }
+        jp = os.path.join(tag, f"rank_{r:05d}.json")
+        with open(jp, "wb") as f:
+            f.write(dumps(table))
+        files[f"rank_{r:05d}.json"] = file_record(*file_checksum(jp))
+    meta = {
+        "format": "zero-checkpoint",
+        "format_version": 1,
+        "world_size": 2,
+        "files": files,
+        "parameters": [[n, True, [per]] for n in names],
+        "exclude_frozen_parameters": False,
+    }
+    with open(os.path.join(tag, "checkpoint.json"), "wb") as f:
+        f.write(dumps(meta))
+    shutil.copy(os.path.join(ROOT, "packages/zero-core/src/zero_core/checkpoint/zero_to_fp32.py"), tag)
+    with open(os.path.join(path, "latest"), "w") as f:
+        f.write("syn")
+    return per * tensors
+
+
+_DS_WORKER = textwrap.dedent(
+    """
+    import json, os, sys, time, torch, deepspeed
+    import torch.distributed as dist
+    stage, out, width, depth = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)])
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0, "steps_per_print": 10**6,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}},
+           "zero_optimization": {"stage": stage}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    engine.backward(engine(torch.randn(1, width)).pow(2).mean()); engine.step()
+    dist.barrier(); t0 = time.perf_counter()
+    engine.save_checkpoint(out, tag="t")
+    dist.barrier(); save = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    engine.load_checkpoint(out, tag="t")
+    dist.barrier(); load = time.perf_counter() - t0
+    if dist.get_rank() == 0:
+        print("DS_RESULT", json.dumps({"save": save, "load": load}))
+    """
+)
+
+
+def _deepspeed(ds_python: str, workdir: str, stage: int) -> dict | None:
+    script = os.path.join(workdir, "ds_worker.py")
+    with open(script, "w") as f:
+        f.write(_DS_WORKER)
+    out = os.path.join(workdir, f"ds_s{stage}")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(
+        [
+            ds_python,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            script,
+            str(stage),
+            out,
+            str(WIDTH),
+            str(DEPTH),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    m = re.search(r"DS_RESULT (.*)", p.stdout)
+    if m is None:
+        print(p.stdout[-3000:], p.stderr[-3000:], file=sys.stderr)
+        return None
+    res = json.loads(m.group(1))
+    res["bytes"] = _du(os.path.join(out, "t"))
+    conv = os.path.join(out, "zero_to_fp32.py")
+    res["convert"] = _peak_rss_run([ds_python, conv, out, os.path.join(workdir, f"ds_s{stage}_fp32")])
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(os.path.join(workdir, f"ds_s{stage}_fp32"), ignore_errors=True)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ds-python", default="/tmp/dsvenv/bin/python")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--synthetic-params", type=int, default=210_000_000)
+    ap.add_argument(
+        "--workdir", default=None, help="scratch directory on the disk to measure (default: a tmp dir)"
+    )
+    args = ap.parse_args()
+    from zero_core.testing import run_multirank
+
+    workdir = tempfile.mkdtemp(prefix="bench_ckpt_", dir=args.workdir)
+    rows, conv_rows = [], []
+    try:
+        dd_w, dd_r = _dd(workdir)
+        for stage in (2, 3):
+            res = run_multirank(_zero_rank, 2, args=(workdir, stage, args.reps), timeout=900)[0]
+            d = os.path.join(workdir, f"zero_s{stage}")
+            nbytes = _du(os.path.join(d, "t"))
+            dt, rss = _peak_rss_run(
+                [
+                    sys.executable,
+                    os.path.join(d, "t", "zero_to_fp32.py"),
+                    d,
+                    os.path.join(workdir, "out.safetensors"),
+                    "-q",
+                ]
+            )
+            out_bytes = os.path.getsize(os.path.join(workdir, "out.safetensors"))
+            os.unlink(os.path.join(workdir, "out.safetensors"))
+            ds = _deepspeed(args.ds_python, workdir, stage) if os.path.exists(args.ds_python) else None
+            rows.append((stage, res, nbytes, dt, rss, out_bytes, ds))
+            shutil.rmtree(d)
+        syn = os.path.join(workdir, "syn")
+        n = _synthetic(syn, args.synthetic_params, tensors=12)
+        for shard in ("5GB", "400MB"):
+            dt, rss = _peak_rss_run(
+                [
+                    sys.executable,
+                    os.path.join(syn, "syn", "zero_to_fp32.py"),
+                    syn,
+                    os.path.join(workdir, "sy", "model.safetensors"),
+                    "-q",
+                    "--max-shard-size",
+                    shard,
+                ]
+            )
+            largest = max(
+                os.path.getsize(os.path.join(workdir, "sy", f))
+                for f in os.listdir(os.path.join(workdir, "sy"))
+            )
+            conv_rows.append((n, shard, dt, rss, largest))
+            shutil.rmtree(os.path.join(workdir, "sy"))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    _report(rows, conv_rows, dd_w, dd_r, args)
+
+
+def _report(rows, conv_rows, dd_w, dd_r, args) -> None:
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    cpu = next(
+        (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?"
+    )
+    med = statistics.median
+    lines = [
+        "# Checkpoint save / load / conversion (zero vs DeepSpeed)",
+        "",
+        f"- machine: nproc {os.cpu_count()}, {cpu}, {platform.platform()} (shared, noisy: compare within this run)",
+        f"- torch {torch.__version__}, python {platform.python_version()}, commit {commit or 'uncommitted'}"
+        " (working tree may hold uncommitted changes)",
+        f"- command: `OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_checkpoint.py --reps {args.reps}`",
+        f"- model: {DEPTH} x Linear({WIDTH}, {WIDTH}) = {DEPTH * (WIDTH * WIDTH + WIDTH) / 1e6:.1f}M parameters, "
+        "fp32, Adam (one step taken), 2 ranks (gloo)",
+        f"- disk sequential bandwidth, same run: write {dd_w:.2f} GB/s (dd bs=16M conv=fdatasync, 1 GiB), "
+        f"read {dd_r:.2f} GB/s (dd iflag=direct)",
+        "",
+        "| stage | impl | save s (median [min-max]) | save GB/s | vs dd write | load s | load GB/s | bytes on disk |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for stage, res, nbytes, _dt, _rss, _out, ds in rows:
+        s, lo = res["save"], res["load"]
+        lines.append(
+            f"| {stage} | zero | {med(s):.2f} [{min(s):.2f}-{max(s):.2f}] | {nbytes / med(s) / 1e9:.2f} | "
+            f"{nbytes / med(s) / 1e9 / dd_w:.0%} | {med(lo):.2f} [{min(lo):.2f}-{max(lo):.2f}] | "
+            f"{nbytes / med(lo) / 1e9:.2f} | {nbytes / 1e6:.0f} MB |"
+        )
+        if ds:
+            lines.append(
+                f"| {stage} | DeepSpeed 0.19.8 (1 rep) | {ds['save']:.2f} | {ds['bytes'] / ds['save'] / 1e9:.2f} | "
+                f"{ds['bytes'] / ds['save'] / 1e9 / dd_w:.0%} | {ds['load']:.2f} | {ds['bytes'] / ds['load'] / 1e9:.2f} | "
+                f"{ds['bytes'] / 1e6:.0f} MB |"
+            )
+    lines += [
+        "",
+        "## Conversion to one fp32 state dict (the script copied into the checkpoint, fresh process)",
+        "",
+        "| checkpoint | impl | time s | peak RSS | output | peak RSS / DeepSpeed's |",
+        "|---|---|---|---|---|---|",
+    ]
+    for stage, _res, _nbytes, dt, rss, out_bytes, ds in rows:
+        ratio = f"{rss / ds['convert'][1]:.2f}" if ds else "n/a"
+        lines.append(
+            f"| stage {stage}, 100.7M | zero | {dt:.2f} | {rss / 1e6:.0f} MB | {out_bytes / 1e6:.0f} MB safetensors | {ratio} |"
+        )
+        if ds:
+            lines.append(
+                f"| stage {stage}, 100.7M | DeepSpeed zero_to_fp32 | {ds['convert'][0]:.2f} | "
+                f"{ds['convert'][1] / 1e6:.0f} MB | its default output | 1.00 |"
+            )
+    lines += [
+        "",
+        "| synthetic checkpoint | --max-shard-size | time s | peak RSS | largest output shard | RSS / shard |",
+        "|---|---|---|---|---|---|",
+    ]
+    for n, shard, dt, rss, largest in conv_rows:
+        lines.append(
+            f"| {n / 1e6:.0f}M fp32 params, 12 tensors, 2 ranks | {shard} | {dt:.2f} | {rss / 1e6:.0f} MB | "
+            f"{largest / 1e6:.0f} MB | {rss / largest:.2f} |"
+        )
+    lines += [
+        "",
+        "Peak RSS is the converting process's ru_maxrss, including the ~0.3 GB of the torch import.",
+        "",
+    ]
+    out = os.path.join(ROOT, "tools", "bench", "results", "bench_checkpoint.md")
+    with open(out, "w") as f:
+        f.write("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,316 @@
+"""ZeRO stage 3 step time and per-rank memory against torch FSDP2 and DeepSpeed stage 3 (2 ranks, gloo, CPU).
+
+Same GPT (examples/gpt.py), micro-batch and Adam for every variant; each variant runs in its own
+pair of forked ranks (so peak RSS is per variant), variants alternate within a pass and the
+passes repeat (the machine is shared and noisy: compare ratios from one launch only).
+
+* default launch (project venv): zero stage 3 (agreement checks on, the default, and off) and
+  FSDP2 (``fully_shard`` per block, then the root), fp32 and bf16.
+* ``--deepspeed`` (run with a venv that has deepspeed, e.g. /tmp/dsvenv): torch DDP and DeepSpeed
+  stage 3 with the same zero_optimization settings, fp32 and bf16. DeepSpeed is compared by its
+  ratio to DDP measured in that launch; the default launch writes the results file, the
+  DeepSpeed launch appends its table to it.
+
+Step time = forward + backward + optimizer step, median over timed steps (after 1 warm-up) of
+every rank and pass. Model states per rank come from live tensors after backward
+(``engine.memory_breakdown()``: parameter, gradient, master and optimizer-state shards), against
+the ZeRO formula (4+4+8)Ψ/N for fp32 Adam and (2+2+12)Ψ/N for bf16 Adam.
+
+Run: OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_zero3.py [--steps 4] [--passes 2]
+     OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu /tmp/dsvenv/bin/python tools/bench/bench_zero3.py --deepspeed
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import multiprocessing as mp
+import os
+import platform
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("bench_gpt", ROOT / "examples" / "gpt.py")
+gpt = importlib.util.module_from_spec(_spec)
+sys.modules["bench_gpt"] = gpt
+_spec.loader.exec_module(gpt)
+
+MICRO = 4
+ZERO = {
+    "stage": 3,
+    "reduce_bucket_size": 5_000_000,
+    "prefetch_bucket_size": 5_000_000,
+    "param_persistence_threshold": 100_000,
+    "overlap_comm": True,
+}
+OUT = ROOT / "tools" / "bench" / "results" / "bench_zero3.md"
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return gpt.GPT(gpt.GPTConfig(d_model=512, n_layers=6, n_heads=8, seq_len=128))
+
+
+def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step * 100 + rank)
+    x = torch.randint(0, 256, (MICRO, 129), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def _variant(name: str, precision: str, steps: int) -> dict:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model = _model()
+    psi = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    low = torch.bfloat16 if precision == "bf16" else torch.float32
+    states = {"bytes": 0}
+    if name in ("zero3", "zero3_nocheck"):
+        import zero_core
+        from zero_core.zero.stage3 import set_collective_checks
+
+        set_collective_checks(name == "zero3")
+        cfg = {
+            "train_micro_batch_size_per_gpu": MICRO,
+            "steps_per_print": 10**9,
+            "gradient_clipping": 0.0,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "adam_w_mode": False}},
+            "zero_optimization": ZERO,
+        }
+        if precision == "bf16":
+            cfg["bf16"] = {"enabled": True}
+        engine = zero_core.initialize(model=model, config=cfg)[0]
+
+        def step_fn(s: int) -> None:
+            x, y = _batch(s, rank)
+            engine.backward(engine(x, y))
+            m = engine.memory_breakdown()
+            states["bytes"] = max(
+                states["bytes"],
+                m["parameters"] + m["gradients"] + m["master_weights"] + m["optimizer_states"],
+            )
+            engine.step()
+    elif name == "deepspeed3":
+        import deepspeed
+
+        cfg = {
+            "train_micro_batch_size_per_gpu": MICRO,
+            "steps_per_print": 10**9,
+            "gradient_clipping": 0.0,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "adam_w_mode": False}},
+            "zero_optimization": ZERO,
+        }
+        if precision == "bf16":
+            cfg["bf16"] = {"enabled": True}
+        engine = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())[0]
+
+        def step_fn(s: int) -> None:
+            x, y = _batch(s, rank)
+            engine.backward(engine(x, y))
+            engine.step()
+    elif name == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp_policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=low)
+        for blk in model.blocks:
+            fully_shard(blk, mp_policy=mp_policy)
+        fully_shard(model, mp_policy=mp_policy)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+
+        def step_fn(s: int) -> None:
+            x, y = _batch(s, rank)
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    elif name == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        if precision == "bf16":
+            model.to(torch.bfloat16)
+        ddp = DDP(model)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+
+        def step_fn(s: int) -> None:
+            x, y = _batch(s, rank)
+            ddp(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    else:
+        raise ValueError(name)
+    times = []
+    for s in range(steps + 1):
+        dist.barrier()
+        t = time.perf_counter()
+        step_fn(s)
+        if s >= 1:
+            times.append(time.perf_counter() - t)
+    return {
+        "times": times,
+        "states": states["bytes"],
+        "psi": psi,
+        "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+
+
+def _child(fn_args: tuple, rank: int, world: int, port: int, q: mp.Queue) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        q.put((rank, _variant(*fn_args)))
+    except BaseException as exc:  # report, do not hang the parent
+        q.put((rank, repr(exc)))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _launch(args: tuple, world: int = 2) -> list[dict]:
+    """Fork ``world`` ranks running ``_variant(*args)`` (no zero_core needed: works in the DeepSpeed venv)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_child, args=(args, r, world, port, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out: dict[int, dict] = {}
+    for _ in procs:
+        rank, res = q.get(timeout=900)
+        if not isinstance(res, dict):
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"rank {rank} of {args} failed: {res}")
+        out[rank] = res
+    for p in procs:
+        p.join()
+    return [out[r] for r in range(world)]
+
+
+def _cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def _commit() -> str:
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        )
+        return head.stdout.strip() + " (plus uncommitted changes)"
+    except (OSError, subprocess.CalledProcessError):
+        return "uncommitted"
+
+
+def _run(names: list[str], steps: int, passes: int) -> dict:
+    rows: dict = {}
+    for _ in range(passes):
+        for precision in ("fp32", "bf16"):
+            for name in names:
+                res = _launch((name, precision, steps))
+                r = rows.setdefault(
+                    (name, precision), {"times": [], "states": 0, "rss": 0, "psi": res[0]["psi"]}
+                )
+                for rr in res:
+                    r["times"] += rr["times"]
+                    r["states"] = max(r["states"], rr["states"])
+                    r["rss"] = max(r["rss"], rr["rss"])
+    return rows
+
+
+def _table(rows: dict, base_name: str) -> list[str]:
+    lines = [
+        f"| variant | precision | median step (ms) | min-max (ms) | ratio vs {base_name} | peak RSS/rank (MiB) "
+        "| model states/rank (MiB) | vs theory |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (name, precision), r in rows.items():
+        t = r["times"]
+        med = statistics.median(t)
+        base = statistics.median(rows[(base_name, precision)]["times"])
+        theory = 16 * r["psi"] / 2
+        st = f"{r['states'] / 2**20:.1f} | {r['states'] / theory:.3f}" if r["states"] else "- | -"
+        lines.append(
+            f"| {name} | {precision} | {med * 1e3:.0f} | {min(t) * 1e3:.0f}-{max(t) * 1e3:.0f} | {med / base:.2f} "
+            f"| {r['rss'] / 2**20:.0f} | {st} |"
+        )
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--deepspeed", action="store_true")
+    ap.add_argument("--out", default=str(OUT))
+    a = ap.parse_args()
+    if a.steps < 1 or a.passes < 1:
+        raise SystemExit("--steps and --passes must be >= 1")
+    if a.deepspeed:
+        import deepspeed
+
+        rows = _run(["ddp", "deepspeed3"], a.steps, a.passes)
+        lines = [
+            "",
+            f"## DeepSpeed {deepspeed.__version__} stage 3 (separate launch, its own venv; ratio vs DDP of that launch)",
+            "",
+            f"- command: `OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu /tmp/dsvenv/bin/python tools/bench/bench_zero3.py "
+            f"--deepspeed --steps {a.steps} --passes {a.passes}`",
+            "- model states are not measured for DeepSpeed/DDP here (no live-tensor breakdown): '-'",
+            "",
+            *_table(rows, "ddp"),
+        ]
+        text = "\n".join(lines) + "\n"
+        with open(a.out, "a") as fh:
+            fh.write(text)
+        print(text)
+        return
+    rows = _run(["fsdp2", "zero3", "zero3_nocheck"], a.steps, a.passes)
+    psi = next(iter(rows.values()))["psi"]
+    lines = [
+        "# bench_zero3: ZeRO stage 3 vs torch FSDP2 and DeepSpeed stage 3 (CPU, gloo, 2 ranks)",
+        "",
+        f"- machine: {os.cpu_count()} CPUs ({_cpu_model()}), {platform.platform()}; shared with other jobs "
+        f"(load average at start {os.getloadavg()[0]:.1f})",
+        f"- versions: python {platform.python_version()}, torch {torch.__version__}",
+        f"- git commit: {_commit()}",
+        f"- command: `OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_zero3.py --steps {a.steps} "
+        f"--passes {a.passes}`",
+        f"- model: examples/gpt.py GPT d_model 512, 6 layers, 8 heads, seq 128, Ψ = {psi:,}; micro-batch {MICRO} "
+        f"per rank; Adam lr 1e-4; zero_optimization {ZERO}",
+        "- FSDP2: fully_shard per block then root, MixedPrecisionPolicy(param_dtype, reduce_dtype) = the precision",
+        "- zero3 = collective agreement checks on (default), zero3_nocheck = off "
+        "(see [Note: stage 3 collective agreement])",
+        f"- {a.passes} passes, variants alternating, {a.steps} timed steps after 1 warm-up, pooled over both ranks",
+        "- model states: max over steps of live shard bytes after backward; theory 16Ψ/N bytes "
+        "(fp32: 4+4+8, bf16: 2+2+12)",
+        "- peak RSS includes the forked parent's ~torch import (same for all variants)",
+        "",
+        *_table(rows, "fsdp2"),
+    ]
+    text = "\n".join(lines) + "\n"
+    Path(a.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
