@@ -62,16 +62,20 @@ def test_zero_inference_gathers_per_layer() -> None:
     )
 
 
-def _train_and_serve(ckpt_dir: str) -> dict[str, float]:
-    """2 ranks: train a tiny GPT-2 2 steps with ZeRO-2, save, then serve the checkpoint at TP=2."""
+_MODELS = {"gpt2": M.gpt2, "llama": M.llama}
+
+
+def _train_and_serve(ckpt_dir: str, arch: str, stage: int) -> dict[str, float]:
+    """2 ranks: train a tiny model 2 steps with ZeRO stage ``stage``, save, then serve it at TP=2."""
     import zero_core
     from zero_inference.zero_checkpoint_source import ZeroCheckpointSource
 
-    model = M.gpt2()
+    make = _MODELS[arch]
+    model = make()
     cfg = {
         "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
-        "zero_optimization": {"stage": 2},
+        "zero_optimization": {"stage": stage},
     }
     engine, *_ = zero_core.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     x = M.ids()
@@ -79,7 +83,7 @@ def _train_and_serve(ckpt_dir: str) -> dict[str, float]:
         engine.backward(engine(x, labels=x).loss)
         engine.step()
     engine.save_checkpoint(ckpt_dir)
-    trained = M.gpt2()
+    trained = make()
     trained.load_state_dict(engine.module.state_dict())
     with torch.no_grad():
         want = trained(x).logits
@@ -94,7 +98,7 @@ def _train_and_serve(ckpt_dir: str) -> dict[str, float]:
     ZeroCheckpointSource._read = counting
     try:
         with zi.empty_model():
-            empty = M.gpt2(seed=9)
+            empty = make(seed=9)
         served = zi.init_inference(empty, tensor_parallel={"tp_size": 2}, dtype="fp32", checkpoint=ckpt_dir)
     finally:
         ZeroCheckpointSource._read = original
@@ -103,16 +107,17 @@ def _train_and_serve(ckpt_dir: str) -> dict[str, float]:
     full = sum(p.numel() for p in trained.parameters())
     return {
         "tp2": float((got - want).abs().max() / want.abs().max()),
-        "changed": float((want - M.gpt2()(x).logits).abs().max()),
+        "changed": float((want - make()(x).logits).abs().max()),
         "read_fraction": read["elements"] / full,
         "want": want.tolist(),
     }
 
 
-def test_zero_training_checkpoint_served_at_tp2_and_single(tmp_path) -> None:
+@pytest.mark.parametrize("arch, stage", [("gpt2", 2), ("llama", 0)])
+def test_zero_training_checkpoint_served_at_tp2_and_single(tmp_path, arch: str, stage: int) -> None:
     from zero_core.testing import run_multirank
 
-    results = run_multirank(_train_and_serve, 2, args=(str(tmp_path),), timeout=240)
+    results = run_multirank(_train_and_serve, 2, args=(str(tmp_path), arch, stage), timeout=240)
     for res in results:
         res = {k: v for k, v in res.items() if k != "want"}
         assert res["tp2"] < 1e-5 and res["changed"] > 0, res  # trained weights, served exactly
@@ -122,7 +127,7 @@ def test_zero_training_checkpoint_served_at_tp2_and_single(tmp_path) -> None:
     outs = []
     for ckpt in (str(tmp_path), str(tmp_path / tag)):
         with zi.empty_model():
-            empty = M.gpt2(seed=9)
+            empty = _MODELS[arch](seed=9)
         outs.append(zi.init_inference(empty, dtype="fp32", checkpoint=ckpt)(M.ids()).logits)
     want = torch.tensor(results[0]["want"])
     assert torch.equal(outs[0], outs[1])
