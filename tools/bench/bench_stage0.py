@@ -172,13 +172,24 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"bench_stage0: --warmup must be >= 0, got {args.warmup}")
     from zero_core.testing import run_multirank
 
+    load_before = os.getloadavg()[0]
     start = time.perf_counter()
     timing = run_multirank(_timing, 2, args=(args.rounds, args.warmup), timeout=600)[0]
     rss = {v: max(run_multirank(_peak_rss, 2, args=(*v, args.rss_steps), timeout=300)) for v in VARIANTS}
     total = time.perf_counter() - start
+    load_after = os.getloadavg()[0]
 
     n_params = gpt.num_params(_model())
     rows = []
+    per_round = 2  # steps of each engine per round
+
+    def paired_ratio(name: str, precision: str) -> float:
+        """Median over rounds of ours / DDP within the round: robust to load that drifts between rounds."""
+        ours, ddp = timing["times"][(name, precision)], timing["times"][("ddp", precision)]
+        return statistics.median(
+            sum(ours[i : i + per_round]) / sum(ddp[i : i + per_round]) for i in range(0, len(ours), per_round)
+        )
+
     for name, precision in VARIANTS:
         t = [1000 * x for x in timing["times"][(name, precision)]]
         med = statistics.median(t)
@@ -191,6 +202,7 @@ def main(argv: list[str] | None = None) -> None:
                 min(t),
                 max(t),
                 med / base,
+                paired_ratio(name, precision),
                 rss[(name, precision)] / 2**30,
             )
         )
@@ -198,7 +210,8 @@ def main(argv: list[str] | None = None) -> None:
         "# bench_stage0: ZeRO stage 0 vs torch DDP, 2 ranks (gloo, CPU)",
         "",
         f"- machine: {os.cpu_count()} CPUs ({_cpu_model()}), {platform.system()} {platform.release()}; shared with "
-        "other jobs: compare the ratios of one run, not absolute times across runs",
+        "other jobs: compare the ratios of one run, not absolute times across runs; 1-minute load average "
+        f"{load_before:.1f} at start, {load_after:.1f} at end",
         f"- versions: python {platform.python_version()}, torch {torch.__version__}",
         f"- git commit: {_commit()}",
         f"- command: `OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')} .venv/bin/python "
@@ -210,12 +223,13 @@ def main(argv: list[str] | None = None) -> None:
         f"- timed steps per engine: {2 * args.rounds} (after {2 * args.warmup} warm-up), engines alternating "
         f"in one launch; peak RSS: fresh ranks per engine, {args.rss_steps} steps; bench wall time {total:.0f} s",
         "",
-        "| precision | engine | step median (ms) | min | max | ratio vs DDP | peak RSS / rank (GiB) |",
-        "|---|---|---|---|---|---|---|",
+        "| precision | engine | step median (ms) | min | max | ratio of medians vs DDP "
+        "| median per-round ratio vs DDP | peak RSS / rank (GiB) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {pr} | {eng} | {med:.0f} | {lo:.0f} | {hi:.0f} | {ratio:.3f} | {r:.2f} |"
-        for pr, eng, med, lo, hi, ratio, r in rows
+        f"| {pr} | {eng} | {med:.0f} | {lo:.0f} | {hi:.0f} | {ratio:.3f} | {paired:.3f} | {r:.2f} |"
+        for pr, eng, med, lo, hi, ratio, paired, r in rows
     ]
     first = {v: timing["losses"][v][0] for v in VARIANTS}
     lines += [

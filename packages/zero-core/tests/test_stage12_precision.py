@@ -128,11 +128,11 @@ def test_stage12_fp16_overflow_skips_everywhere_and_bf16_trains() -> None:
             torch.testing.assert_close(
                 full, ref_grad, rtol=2e-2, atol=2e-3, msg=lambda m, stage=stage: f"stage {stage}: {m}"
             )
-            assert 0 < local.numel() < full.numel()
             # the local part is unscaled too (its elements are among the full gradient's)
-            assert 0 < local.abs().max() <= full.abs().max() * (1 + 1e-6), (
-                f"stage {stage}: local grad is scaled"
-            )
+            if local.numel():
+                assert 0 < local.abs().max() <= full.abs().max() * (1 + 1e-6), f"stage {stage}: scaled"
+        # the ranks' local parts together hold every element once
+        assert sum(res[("grad", stage)][1].numel() for res in results) == ref_grad.numel()
         for rank, res in enumerate(results):
             scales, skipped, changed, _ = res[("fp16", stage)]
             assert scales == [256.0, 256.0, 128.0, 128.0], (stage, rank, scales)

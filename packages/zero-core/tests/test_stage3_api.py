@@ -143,8 +143,11 @@ def _memory_rank() -> dict:
             "prefetch_bucket_size": 0,
             "max_live_parameters": 1000,
             "max_reuse_distance": 0,
-            # one reduce bucket = the largest layer: full-size gradients stay within the formula's term
+            # one reduce bucket = the largest layer, completed before the next fills (no overlap):
+            # full-size gradients then stay within the formula's "largest layer" term; with
+            # overlap_comm up to 2 more buckets are in flight (see [Note: stage 3 gradient buckets])
             "reduce_bucket_size": 256 * 512 + 512,
+            "overlap_comm": False,
         },
         bf16=True,
     )

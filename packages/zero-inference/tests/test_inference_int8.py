@@ -40,12 +40,17 @@ def test_int8_kernel_equals_dequantized_matmul(groups: int, tokens: int) -> None
     assert _rel(lin(x.view(1, tokens, 64)), ref.view(1, tokens, 24)) < 1e-2  # batched input shape
 
 
-def test_int8_fallback_for_group_sizes_the_kernel_rejects() -> None:
-    # Group size 8 is not a multiple of 16: the dequantize-then-F.linear path, exact in fp32.
-    w, x = torch.randn(24, 32), torch.randn(3, 32)
-    got = Int8Weight(w, 4).linear(x)
-    want = torch.nn.functional.linear(x, zi.dequantize_weight(*zi.quantize_weight(w, 4)))
-    assert _rel(got, want) < 1e-6
+@pytest.mark.parametrize("groups, in_features", [(4, 32), (4, 688), (3, 96)], ids=["k8", "k172", "k32"])
+def test_int8_padded_groups(groups: int, in_features: int) -> None:
+    # Group sizes that are not multiples of 16 are zero-padded for the kernel; results unchanged.
+    w = torch.randn(24, in_features)
+    weight = Int8Weight(w, groups)
+    assert weight.qweight.shape[-1] % 16 == 0 and weight.shape == (24, in_features)
+    exact = zi.dequantize_weight(*zi.quantize_weight(w, groups))
+    assert weight.dequantize().equal(exact)
+    for tokens in (1, 20):
+        x = torch.randn(tokens, in_features)
+        assert _rel(weight.linear(x), torch.nn.functional.linear(x, exact)) < 1e-2
 
 
 def test_validation() -> None:

@@ -176,10 +176,12 @@ void LibaioQueue::run(AioRequest& r, int64_t first, int64_t count, bool single_s
 
 bool LibaioQueue::compiled() { return false; }
 
-std::string LibaioQueue::probe() { return "zero-ops was built without libaio (<libaio.h> not found)"; }
+std::string LibaioQueue::probe() {
+  return "zero-ops was built without libaio (<libaio.h> not found at build time, or ZERO_OPS_NO_LIBAIO=1)";
+}
 
 LibaioQueue::LibaioQueue(int depth) : depth_(depth) {
-  throw IoError(ENOSYS, "zero-ops was built without libaio (<libaio.h> was not found at build time)", "");
+  throw IoError(ENOSYS, probe(), "");
 }
 
 LibaioQueue::~LibaioQueue() = default;

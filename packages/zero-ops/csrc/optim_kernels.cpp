@@ -10,7 +10,10 @@
 // where torch's vectorised CPU kernels fuse one (lerp_, addcmul_, add_(alpha=)), and a plain
 // multiply-then-add in the generic variant (as torch's non-FMA kernels do). With the op order of
 // torch.optim's for-loop implementation (comments on each formula), the avx2/avx512 results
-// are bit-identical to torch.optim.Adam/AdamW/Adagrad running on an AVX2/AVX-512 CPU.
+// for the optimizer states (m, v, Adagrad's sum) are bit-identical to torch.optim on an
+// AVX2/AVX-512 CPU; Adam's parameter update is within a few ulp of the update (see
+// [Note: one division per Adam element]), Adagrad's parameter bit-identical. The avx2 and
+// avx512 variants agree bit for bit with each other (vector sqrt/div are correctly rounded).
 #include <algorithm>
 #include <cmath>
 #include <type_traits>

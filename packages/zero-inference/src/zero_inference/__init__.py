@@ -1,7 +1,9 @@
 """zero-inference: DeepSpeed-style inference engine (``init_inference``).
 
-Tensor parallelism (automatic or by ``injection_policy``), fused kernel injection for GPT-2 and
-Llama, weight-only int8, checkpoint loading sharded per rank, and ZeRO-Inference.
+Tensor parallelism (automatic or by ``injection_policy``), fused kernel injection for GPT-2,
+Llama and BERT, weight-only int8, checkpoint loading sharded per rank (HF safetensors, zero
+training checkpoints, re-sliced TP checkpoints), expert parallelism for zero-moe layers, and
+ZeRO-Inference with CPU or NVMe offload.
 """
 
 from zero_inference.checkpoint_loading import empty_model
@@ -15,26 +17,34 @@ from zero_inference.config import (
     load_inference_config,
 )
 from zero_inference.engine import InferenceEngine, init_inference
+from zero_inference.fused_encoder import FusedBertEncoder
+from zero_inference.moe_inference import shard_experts
+from zero_inference.nvme_offload import NvmeOffloadBackend
 from zero_inference.quantize import QuantizedLinear, dequantize_weight, quantize_weight
 from zero_inference.tp_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from zero_inference.version import __version__
+from zero_inference.zero_checkpoint_source import ZeroCheckpointSource
 
 __all__ = [
     "ColumnParallelLinear",
     "DeepSpeedInferenceConfig",
     "DeepSpeedMoEConfig",
     "DeepSpeedTPConfig",
+    "FusedBertEncoder",
     "InferenceCheckpointConfig",
     "InferenceConfig",
     "InferenceEngine",
+    "NvmeOffloadBackend",
     "QuantizationConfig",
     "QuantizedLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "ZeroCheckpointSource",
     "__version__",
     "dequantize_weight",
     "empty_model",
     "init_inference",
     "load_inference_config",
     "quantize_weight",
+    "shard_experts",
 ]

@@ -10,11 +10,12 @@ torch's fused int8-weight kernel (``torch._weight_int8pack_mm``), which reads th
 directly and never materialises a dequantized copy. Its vectorised (AVX-512/AMX) path is the
 bf16 one (the fp32 path is a slow reference loop, 4-8x slower than an fp32 matmul measured on
 this machine), so activations enter the kernel in bf16 and the result is cast back to the
-compute dtype. Groups are stored group-major (``qweight [q_groups, out, in/q_groups]``) so each
-group is a contiguous matrix for the kernel: for a few tokens (decode) all groups run as one
-kernel call whose diagonal blocks are the per-group products, for many tokens (prefill) one call
-per group, accumulated in fp32. The kernel needs a group size that is a multiple of 16; other
-shapes, and CUDA, dequantize the weight into a temporary of the activation dtype just before
+compute dtype. Groups are stored group-major (``qweight [q_groups, out, group size]``) so each
+group is a contiguous matrix for the kernel; the kernel needs a reduction size that is a
+multiple of 16, so each group is zero-padded to one (the activation gets matching zero
+columns). For a few tokens (decode) all groups run as one kernel call whose diagonal blocks
+are the per-group products; for many tokens (prefill) one call per group, accumulated in fp32.
+On CUDA the weight is dequantized into a temporary of the activation dtype just before
 ``F.linear``. Benchmark: tools/bench/results/bench_inference.md.
 
 Accuracy (tests/test_inference_int8.py): logits of tiny random GPT-2 / Llama models change by
@@ -57,33 +58,33 @@ def dequantize_weight(
 
 
 # torch._weight_int8pack_mm's bf16 CPU kernel reads the reduction dimension in blocks of 16:
-# other sizes give wrong results or crash (measured on torch 2.13), so they take the fallback.
+# other sizes give wrong results or crash (measured on torch 2.13), so every group is stored
+# zero-padded to a multiple of 16 columns (and the activation padded to match).
 _KERNEL_K_MULTIPLE = 16
 # Up to this many (token, group) rows, grouped weights run as one batched kernel call (decode).
 _BATCHED_GROUP_ROWS = 32
 
 
-def _cpu_kernel_ok(x: torch.Tensor, group_size: int) -> bool:
-    return (
-        x.device.type == "cpu"
-        and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        and group_size % _KERNEL_K_MULTIPLE == 0
-    )
+def _cpu_kernel_ok(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
 class Int8Weight(nn.Module):
     """An int8 weight with its scales; ``linear(x, bias)`` is ``F.linear`` with the dequantized weight.
 
-    ``qweight`` is stored group-major, ``[q_groups, out, in / q_groups]``, so each group is one
-    contiguous ``[out, in / q_groups]`` matrix that the CPU int8 kernel takes as is. See
-    [Note: int8 weight groups].
+    ``qweight`` is stored group-major, ``[q_groups, out, padded group size]`` (each group's
+    ``in / q_groups`` columns, zero-padded to a multiple of 16), so every group is one contiguous
+    matrix the CPU int8 kernel takes as is. See [Note: int8 weight groups].
     """
 
     def __init__(self, weight: torch.Tensor, q_groups: int = 1) -> None:
         super().__init__()
         q, scales = quantize_weight(weight, q_groups)
         out_f, in_f = q.shape
-        grouped = q.reshape(out_f, q_groups, in_f // q_groups).permute(1, 0, 2).contiguous()
+        k = in_f // q_groups
+        self.group_size, self.padded_group_size = k, -(-k // _KERNEL_K_MULTIPLE) * _KERNEL_K_MULTIPLE
+        grouped = q.reshape(out_f, q_groups, k).permute(1, 0, 2)
+        grouped = F.pad(grouped, (0, self.padded_group_size - k)).contiguous()
         self.register_buffer("qweight", grouped)
         self.register_buffer("scales", scales)
         # The CPU kernel multiplies by a per-output-row scale in the activation dtype (bf16).
@@ -97,27 +98,30 @@ class Int8Weight(nn.Module):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The ``[out, in]`` weight in ``dtype`` (a temporary; used off the CPU kernel path)."""
-        g, out_f, k = self.qweight.shape
-        w = self.qweight.to(dtype) * self.scales.t().to(dtype).unsqueeze(-1)
-        return w.permute(1, 0, 2).reshape(out_f, g * k)
+        q = self.qweight[..., : self.group_size]
+        w = q.to(dtype) * self.scales.t().to(dtype).unsqueeze(-1)
+        return w.permute(1, 0, 2).reshape(self.out_features, self.in_features)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if not _cpu_kernel_ok(x, self.in_features // self.q_groups):
+        if not _cpu_kernel_ok(x):
             return F.linear(x, self.dequantize(x.dtype), bias)
         # torch's fused int8-weight kernel reads the int8 weight directly (never a dequantized
         # copy); its vectorised (AMX/AVX-512) CPU path is the bf16 one, so activations enter in bf16.
+        g, k, kp = self.q_groups, self.group_size, self.padded_group_size
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        if self.q_groups == 1:
+        m = flat.shape[0]
+        if kp != k:  # zero columns to match the padded weight groups: they add nothing
+            flat = F.pad(flat.view(m, g, k), (0, kp - k)).view(m, g * kp)
+        if g == 1:
             out = torch._weight_int8pack_mm(flat.contiguous(), self.qweight[0], self.kernel_scales[0])
             out = out.to(x.dtype)
-        elif flat.shape[0] * self.q_groups <= _BATCHED_GROUP_ROWS:
+        elif m * g <= _BATCHED_GROUP_ROWS:
             out = self._grouped_one_call(flat).to(x.dtype)
         else:
-            k = self.in_features // self.q_groups
             out = None
-            for g in range(self.q_groups):  # one kernel call per group, accumulated in fp32
+            for i in range(g):  # one kernel call per group, accumulated in fp32
                 part = torch._weight_int8pack_mm(
-                    flat[:, g * k : (g + 1) * k].contiguous(), self.qweight[g], self.kernel_scales[g]
+                    flat[:, i * kp : (i + 1) * kp].contiguous(), self.qweight[i], self.kernel_scales[i]
                 )
                 out = part.float() if out is None else out.add_(part)
             out = out.to(x.dtype)
@@ -128,10 +132,10 @@ class Int8Weight(nn.Module):
         # Rows (m, g) of the activation times rows (g', n) of the weight in one kernel call; the
         # blocks g == g' are the per-group products (already scaled), summed in fp32. It computes
         # q_groups times the needed products but reads the weight once: faster for few tokens.
-        m, g, k = flat.shape[0], self.q_groups, self.in_features // self.q_groups
+        m, g, kp = flat.shape[0], self.q_groups, self.padded_group_size
         y = torch._weight_int8pack_mm(
-            flat.reshape(m * g, k).contiguous(),
-            self.qweight.reshape(g * self.out_features, k),
+            flat.reshape(m * g, kp).contiguous(),
+            self.qweight.reshape(g * self.out_features, kp),
             self.kernel_scales.reshape(-1),
         )
         return torch.diagonal(y.view(m, g, g, self.out_features), dim1=1, dim2=2).float().sum(-1)

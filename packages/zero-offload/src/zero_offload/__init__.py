@@ -1,14 +1,15 @@
-"""zero-offload: ZeRO-Offload and ZeRO-Infinity optimizer offload (CPU memory and NVMe).
+"""zero-offload: ZeRO-Offload and ZeRO-Infinity: optimizer and parameter offload (CPU memory, NVMe).
 
 zero-core finds this package through ``zero_core.plugins.require`` when
 ``zero_optimization.offload_optimizer.device`` is ``"cpu"`` or ``"nvme"``; see
-[Note: optimizer offload hook] (optimizer_offload.py), [Note: tile pipeline] (nvme_swapper.py)
+[Note: optimizer offload hook] (optimizer_offload.py), [Note: parameter offload] (param_offload.py), [Note: tile pipeline] (nvme_swapper.py)
 and [Note: swap file lifecycle] (swap_files.py).
 """
 
 from zero_offload.backends import NvmeOffloadBackend
 from zero_offload.nvme_swapper import BufferPool, StateSwapper
 from zero_offload.optimizer_offload import OptimizerOffload, build_optimizer_offload
+from zero_offload.param_offload import ParamOffload, build_param_offload
 from zero_offload.swap_files import SwapDirectory, SwapFileError, job_name
 from zero_offload.version import __version__
 
@@ -16,10 +17,12 @@ __all__ = [
     "BufferPool",
     "NvmeOffloadBackend",
     "OptimizerOffload",
+    "ParamOffload",
     "StateSwapper",
     "SwapDirectory",
     "SwapFileError",
     "__version__",
     "build_optimizer_offload",
+    "build_param_offload",
     "job_name",
 ]

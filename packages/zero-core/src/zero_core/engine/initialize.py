@@ -153,9 +153,6 @@ def _optimizer_offload(module: torch.nn.Module, cfg: Any, group: Any, dtype: tor
     """zero-offload's ``OptimizerOffload`` when ``offload_optimizer.device`` is cpu/nvme, else None."""
     zc = cfg.zero_optimization
     oo = getattr(zc, "offload_optimizer", None)
-    op = getattr(zc, "offload_param", None)
-    if op is not None and op.enabled:
-        require("zero_offload", f'zero_optimization.offload_param.device "{op.device}"')
     if oo is None or not oo.enabled:
         return None
     mod = require("zero_offload", f'zero_optimization.offload_optimizer.device "{oo.device}"')
@@ -167,6 +164,16 @@ def _optimizer_offload(module: torch.nn.Module, cfg: Any, group: Any, dtype: tor
         compute_device=first.device if first is not None else torch.device("cpu"),
         dtype=dtype,
     )
+
+
+def _param_offload(cfg: Any, group: Any) -> Any:
+    """zero-offload's ``ParamOffload`` when ``offload_param.device`` is cpu/nvme (stage 3), else None."""
+    zc = cfg.zero_optimization
+    op = getattr(zc, "offload_param", None)
+    if op is None or not op.enabled:
+        return None
+    mod = require("zero_offload", f'zero_optimization.offload_param.device "{op.device}"')
+    return mod.build_param_offload(zc, _section(cfg, "aio"), rank=comm.get_rank(group))
 
 
 def _build_strategy(module: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: Any, group: Any) -> Any:
@@ -232,6 +239,7 @@ def _build_strategy(module: torch.nn.Module, optimizer: torch.optim.Optimizer, c
             overlap_comm=bool(zc.overlap_comm) if zc.overlap_comm is not None else True,
             optimizer_offload=_optimizer_offload(module, cfg, group, dtype),
             offload_ratio=float(zc.offload_optimizer.ratio) if zc.offload_optimizer is not None else 1.0,
+            param_offload=_param_offload(cfg, group),
         )
     raise NotImplementedError(f"zero_optimization.stage {stage} is not available in this build")
 

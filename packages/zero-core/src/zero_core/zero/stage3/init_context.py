@@ -15,8 +15,10 @@ function) gets it gathered on access; it is re-partitioned, with rank 0's value,
 ``remote_device``: None keeps each shard where the parameter was created; ``"cpu"`` moves
 the parameter to CPU memory before it is cut, so shards live in CPU memory (on a CPU-only
 machine both are the same device; streaming CPU shards to an accelerator for compute is
-``zero_optimization.offload_param``, provided by the zero-offload package). ``"nvme"`` needs
-that package's swapper and is refused here with a clear error.
+``zero_optimization.offload_param``, provided by the zero-offload package). With a config whose
+``offload_param.device`` equals ``remote_device`` ("cpu" or "nvme"; "nvme" requires it), each
+shard is handed to zero-offload's ``ParamOffload`` as soon as it is cut, so the full model never
+sits in memory; the engine's stage 3 keeps using those homes.
 """
 
 from __future__ import annotations
@@ -87,11 +89,6 @@ class Init:
             raise ValueError(
                 f"zero.Init: remote_device must be None, 'cpu', 'cuda' or 'nvme', got {remote_device!r}"
             )
-        if remote_device == "nvme":
-            raise ValueError(
-                "zero.Init: remote_device='nvme' needs zero_optimization.offload_param, "
-                "which this build's stage 3 does not provide; use None or 'cpu'"
-            )
         if dtype is not None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"zero.Init: dtype must be torch.float32, float16 or bfloat16, got {dtype}")
         if mpu is not None and data_parallel_group is not None:
@@ -106,6 +103,7 @@ class Init:
             init_distributed()
         self.group = mpu.get_data_parallel_group() if mpu is not None else data_parallel_group
         cfg = _load_cfg(config_dict_or_path, config)
+        self._cfg = cfg
         if dtype is None and cfg is not None:
             if getattr(getattr(cfg, "fp16", None), "enabled", False):
                 dtype = torch.float16
@@ -113,12 +111,31 @@ class Init:
                 dtype = torch.bfloat16
         self.dtype = dtype
         zc = getattr(cfg, "zero_optimization", None)
+        self.param_offload = self._param_offload(zc, remote_device)
         self.override_module_apply = bool(getattr(zc, "override_module_apply", True))
         self._patched: list[tuple[type, str, Any]] = []
         self._dirty: dict[int, torch.nn.Parameter] = {}
         if self.enabled and module is not None:
             for m in module.modules():
                 self._convert(m)
+
+    def _param_offload(self, zc: Any, remote_device: str | None) -> Any:
+        """zero-offload's ParamOffload for ``remote_device`` "cpu"/"nvme" when offload_param asks for it."""
+        op = getattr(zc, "offload_param", None)
+        device = getattr(op, "device", "none") if op is not None else "none"
+        if remote_device == "nvme" and device != "nvme":
+            raise ValueError(
+                "zero.Init: remote_device='nvme' needs a config (config_dict_or_path= or config=) whose "
+                "zero_optimization.offload_param has device 'nvme' and an nvme_path; "
+                f"got offload_param.device {device!r}"
+            )
+        if not self.enabled or remote_device not in ("cpu", "nvme") or device != remote_device:
+            return None
+        from zero_core.plugins import require
+
+        mod = require("zero_offload", f"zero.Init(remote_device={remote_device!r})")
+        rank = comm.get_rank(self.group)
+        return mod.build_param_offload(zc, getattr(self._cfg, "aio", None), rank=rank)
 
     # -- partitioning --------------------------------------------------------------------
     @torch.no_grad()
@@ -133,6 +150,8 @@ class Init:
             if self.pin_memory and torch.cuda.is_available():
                 p.data = p.data.pin_memory()
             partition_param(p, self.group, broadcast_from=0)
+            if self.param_offload is not None:
+                self.param_offload.adopt([p])  # See [Note: parameter offload] in zero_offload
         install_param_dict(module)
 
     def _touch(self, p: torch.nn.Parameter) -> None:

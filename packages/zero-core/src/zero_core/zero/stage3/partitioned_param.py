@@ -142,6 +142,7 @@ class PartitionState:
         "holds",
         "active",
         "empty",
+        "offload",
     )
 
     def __init__(self, param: torch.nn.Parameter, group: Any) -> None:
@@ -163,6 +164,7 @@ class PartitionState:
         self.holds = 0  # GatheredParameters / construction-time holders
         self.active = 0  # modules currently running that use it
         self.empty = torch.empty(0, dtype=param.dtype, device=param.device)
+        self.offload: Any = None  # zero-offload's ParamOffload; see [Note: offloaded shards]
 
 
 def is_partitioned(param: Any) -> bool:
@@ -211,12 +213,38 @@ def set_shard_dtype(param: torch.nn.Parameter, dtype: torch.dtype) -> None:
         return
     if st.status is not ParamStatus.NOT_AVAILABLE:
         release_param(param, force=True)
+    if st.offload is not None:  # brings the shard back to the device (re-offloaded by the strategy)
+        st.offload.set_dtype(param, dtype)
     st.shard = st.shard.to(dtype)
     param.zero_shard = st.shard
     st.full = torch.empty(st.padded_numel, dtype=dtype, device=st.shard.device)
     st.full.untyped_storage().resize_(0)
     st.empty = torch.empty(0, dtype=dtype, device=st.shard.device)
     param.data = st.empty
+
+
+def read_shard(param: torch.nn.Parameter) -> torch.Tensor:
+    """This rank's shard values, wherever they live (see [Note: offloaded shards]).
+
+    [Note: offloaded shards]
+    With ``zero_optimization.offload_param`` (zero-offload's ``ParamOffload``) ``st.shard``'s
+    storage is empty except while it is packed for an all-gather: ``gather_params`` asks
+    ``st.offload.fetch`` for it just before and ``st.offload.release`` drops it right after.
+    Every other read or write of shard values goes through :func:`read_shard` /
+    :func:`write_shard`, which use ``st.shard`` directly when the parameter is not offloaded.
+    """
+    st = param.zero_state
+    return st.shard if st.offload is None else st.offload.read(param).to(st.shard.device)
+
+
+@torch.no_grad()
+def write_shard(param: torch.nn.Parameter, values: torch.Tensor) -> None:
+    """Set this rank's shard to ``values`` (flat, cast to the shard dtype), wherever it lives."""
+    st = param.zero_state
+    if st.offload is None:
+        st.shard.copy_(values.reshape(-1)[: st.shard.numel()])
+    else:
+        st.offload.write(param, values)
 
 
 def _aligned(nbytes: int) -> int:
@@ -296,6 +324,8 @@ class GatherHandle:
             st.full.untyped_storage().resize_(st.padded_numel * st.full.element_size())
             if self._recv is None:
                 st.full.copy_(st.shard)
+                if st.offload is not None:
+                    st.offload.release(p)
             else:
                 # One strided copy: column block ``off`` of every rank's chunk -> row r of full.
                 nb = st.shard_numel * st.full.element_size()
@@ -327,6 +357,8 @@ def gather_params(
         chunk += _aligned(p.zero_state.shard_numel * p.zero_state.shard.element_size())
     for p in todo:
         p.zero_state.status = ParamStatus.INFLIGHT
+        if p.zero_state.offload is not None:
+            p.zero_state.offload.fetch(p)  # See [Note: offloaded shards]
     if world == 1:
         return GatherHandle(todo, None, None, offsets, chunk, label)
     check_agreement(0, todo, chunk, group, label)
@@ -335,6 +367,8 @@ def gather_params(
     for p, off in zip(todo, offsets):
         sh = p.zero_state.shard
         send[off : off + sh.numel() * sh.element_size()].copy_(sh.view(torch.uint8))
+        if p.zero_state.offload is not None:
+            p.zero_state.offload.release(p)
     recv = torch.empty(chunk * world, dtype=torch.uint8, device=device)
     work = comm.all_gather_into_tensor(recv, send, group=group, async_op=True)
     return GatherHandle(todo, work, recv, offsets, chunk, label)
@@ -359,7 +393,7 @@ def shard_from_full(param: torch.nn.Parameter) -> None:
     st = param.zero_state
     if st.status is not ParamStatus.AVAILABLE:
         raise RuntimeError(f"shard_from_full: {param_name(param)} is not gathered")
-    st.shard.copy_(st.full[st.rank * st.shard_numel : (st.rank + 1) * st.shard_numel])
+    write_shard(param, st.full[st.rank * st.shard_numel : (st.rank + 1) * st.shard_numel])
 
 
 def broadcast_full(param: torch.nn.Parameter, src: int) -> None:

@@ -26,7 +26,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zero_core import comm
-from zero_core.zero.stage3.partitioned_param import ParamStatus, collective_timeout, param_name
+from zero_core.zero.stage3.partitioned_param import (
+    ParamStatus,
+    collective_timeout,
+    param_name,
+    read_shard,
+    write_shard,
+)
 
 if TYPE_CHECKING:
     from zero_core.zero.stage3.strategy import Stage3Strategy
@@ -82,7 +88,7 @@ class Stage3StateAccess:
         if m is not None:
             m.copy_(local)
         if m is None or m.data_ptr() != st.shard.data_ptr():
-            st.shard.copy_(local)
+            write_shard(p, local)
 
     @staticmethod
     def _check_local(p: torch.nn.Parameter, value: Any, where: str) -> None:
@@ -98,7 +104,7 @@ class Stage3StateAccess:
     # -- full form (collective getters) -------------------------------------------------
     def full_fp32_param(self, p: torch.nn.Parameter) -> torch.Tensor:
         m = self._master(p)
-        return self._gather(p, m if m is not None else p.zero_state.shard)
+        return self._gather(p, m if m is not None else read_shard(p))
 
     def full_grad(self, p: torch.nn.Parameter) -> torch.Tensor | None:
         self.strategy.wait_reductions()
@@ -127,7 +133,7 @@ class Stage3StateAccess:
     # -- local form (no communication) ----------------------------------------------------
     def local_fp32_param(self, p: torch.nn.Parameter) -> torch.Tensor:
         m = self._master(p)
-        return (m if m is not None else p.zero_state.shard).detach().float().clone()
+        return (m if m is not None else read_shard(p)).detach().float().clone()
 
     def local_grad(self, p: torch.nn.Parameter) -> torch.Tensor | None:
         self.strategy.wait_reductions()

@@ -27,9 +27,11 @@ from zero_core.zero.stage3.partitioned_param import (
     gather_params,
     is_partitioned,
     partition_param,
+    read_shard,
     release_param,
     set_param_name,
     set_shard_dtype,
+    write_shard,
 )
 from zero_core.zero.stage3.reduce_buckets import GradBucketReducer
 from zero_core.zero.stage3.state_access import Stage3StateAccess
@@ -69,6 +71,7 @@ class Stage3Strategy:
         overlap_comm: bool = True,
         optimizer_offload: Any = None,
         offload_ratio: float = 1.0,
+        param_offload: Any = None,
     ) -> None:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"Stage3Strategy: module must be a torch.nn.Module, got {type(module).__name__}")
@@ -91,7 +94,12 @@ class Stage3Strategy:
         self.gather_16bit_weights_on_model_save = bool(gather_16bit_weights_on_model_save)
         self.params = _unique_params(module)
         self.master: dict[int, torch.nn.Parameter] = {}  # zero_state.id -> fp32 master shard
+        # See [Note: parameter offload] in zero_offload: shards live off the device, so a
+        # master never aliases its shard; zero.Init(remote_device="nvme") may have placed some.
+        self.param_offload = param_offload
         self._partition_and_make_masters()
+        if param_offload is not None:
+            param_offload.adopt(self.params)
         self.offload = optimizer_offload  # See [Note: optimizer offload hook] in zero_offload
         if self.offload is not None:
             self._offload_masters(float(offload_ratio))
@@ -105,6 +113,8 @@ class Stage3Strategy:
             max_live_parameters=int(max_live_parameters),
             max_reuse_distance=int(max_reuse_distance),
         )
+        for po in self._param_offloads():
+            po.follow(self.coordinator)  # read ahead in the recorded module order
         self.reducer = GradBucketReducer(int(reduce_bucket_size), overlap=bool(overlap_comm))
         self.hooks = Stage3Hooks(
             module,
@@ -136,10 +146,15 @@ class Stage3Strategy:
             if not p.requires_grad:
                 set_shard_dtype(p, self.dtype)
                 continue
-            if st.shard.dtype == torch.float32 and self.dtype == torch.float32:
+            if (
+                st.shard.dtype == torch.float32
+                and self.dtype == torch.float32
+                and self.param_offload is None
+                and st.offload is None
+            ):
                 master = torch.nn.Parameter(st.shard)  # shares storage: no extra copy in fp32
             else:
-                master = torch.nn.Parameter(st.shard.detach().float().clone())
+                master = torch.nn.Parameter(read_shard(p).detach().float().clone())
                 set_shard_dtype(p, self.dtype)
             self.master[st.id] = master
 
@@ -175,7 +190,7 @@ class Stage3Strategy:
         m = self.master.get(p.zero_state.id)
         if m is not None and m.data_ptr() != p.zero_state.shard.data_ptr():
             with torch.no_grad():
-                m.copy_(p.zero_state.shard)
+                m.copy_(read_shard(p))
 
     # -- TrainingStrategy --------------------------------------------------------------
     def before_backward(self, is_boundary: bool) -> None:
@@ -231,7 +246,8 @@ class Stage3Strategy:
             st = p.zero_state
             m = self.master.get(st.id)
             if m is not None and m.data_ptr() != st.shard.data_ptr():
-                st.shard.copy_(m)
+                # with optimizer offload: the low-precision copy its CPU step wrote
+                write_shard(p, self.offload.updated(m) if self.offload is not None and self.offload.owns(m) else m)
         self.refresh_persistent()
 
     def refresh_persistent(self) -> None:
@@ -258,7 +274,7 @@ class Stage3Strategy:
             for t in s.values()
             if torch.is_tensor(t)
         ]
-        shards = [p.zero_state.shard for p in self.params]
+        shards = [p.zero_state.shard for p in self.params if p.zero_state.offload is None]
         distinct_masters = [
             m
             for p in self.params
@@ -270,7 +286,8 @@ class Stage3Strategy:
             p.zero_state.full for p in self.persistent if p.zero_state.status is ParamStatus.AVAILABLE
         ]
         out = {
-            "parameters": _bytes(shards),
+            "parameters": _bytes(shards)
+            + sum(p.zero_state.shard.untyped_storage().nbytes() for p in self.params if p.zero_state.offload),
             "gradients": _bytes(self._grad_shards()),
             "master_weights": _bytes(distinct_masters),
             "optimizer_states": _bytes(state),
@@ -280,7 +297,14 @@ class Stage3Strategy:
         }
         if off is not None:  # host-side pools, see [Note: optimizer offload hook] in zero_offload
             out.update(off.memory_breakdown())
+        for po in self._param_offloads():  # See [Note: parameter offload] in zero_offload
+            for k, v in po.memory_breakdown().items():
+                out[k] = out.get(k, 0) + v
         return out
+
+    def _param_offloads(self) -> list[Any]:
+        found = {id(p.zero_state.offload): p.zero_state.offload for p in self.params if p.zero_state.offload}
+        return list(found.values())
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -288,14 +312,14 @@ class Stage3Strategy:
             "master": [
                 self.master[p.zero_state.id].detach() for p in self.params if p.zero_state.id in self.master
             ],
-            "shards": [p.zero_state.shard.detach() for p in self.params],
+            "shards": [read_shard(p).detach() for p in self.params],
         }
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         for p, saved in zip(self.params, state.get("shards", [])):
-            p.zero_state.shard.copy_(saved)
+            write_shard(p, saved)
         masters = [self.master[p.zero_state.id] for p in self.params if p.zero_state.id in self.master]
         for m, saved in zip(masters, state.get("master", [])):
             m.copy_(saved)
@@ -339,6 +363,8 @@ class Stage3Strategy:
         """Release offload resources (swap files); the engine's ``destroy()`` calls it."""
         if self.offload is not None:
             self.offload.close()
+        for po in self._param_offloads():
+            po.close()
 
     # -- stage-3 extras -------------------------------------------------------------------
     def empty_partition_cache(self) -> None:
@@ -399,7 +425,7 @@ class Stage3Strategy:
             if (
                 m is None or m.data_ptr() != st.shard.data_ptr()
             ):  # 16-bit or frozen: the weight is not the master
-                out.append(Fragment(name, PARAM, shape, lo, hi, st.shard.detach()[: hi - lo]))
+                out.append(Fragment(name, PARAM, shape, lo, hi, read_shard(p).detach()[: hi - lo]))
             if m is None:
                 continue
             out.append(Fragment(name, FP32, shape, lo, hi, m.detach()[: hi - lo]))
@@ -443,7 +469,12 @@ class Stage3Strategy:
             if m is not None:
                 m[: hi - lo].copy_(reader.read_fp32(name, lo, hi))
             if m is None or m.data_ptr() != st.shard.data_ptr():
-                st.shard[: hi - lo].copy_(reader.read_module_value(name, st.shard.dtype, lo, hi))
+                if st.offload is None:
+                    st.shard[: hi - lo].copy_(reader.read_module_value(name, st.shard.dtype, lo, hi))
+                else:
+                    value = torch.zeros(st.shard_numel, dtype=st.shard.dtype)
+                    value[: hi - lo].copy_(reader.read_module_value(name, st.shard.dtype, lo, hi))
+                    write_shard(p, value)
             if m is None or not load_optimizer_states or load_module_only:
                 continue
             state: dict[str, Any] = {}

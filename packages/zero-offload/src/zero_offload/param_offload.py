@@ -1,0 +1,386 @@
+"""``ParamOffload``: stage-3 parameter partitions that live off the device (CPU memory or NVMe).
+
+[Note: parameter offload]
+``zero_optimization.offload_param`` (stage 3 only). Each partitioned parameter's shard
+(``p.zero_shard``, see [Note: stage 3 parameter layout] in zero-core) has a *home* off the
+device and a *device copy* that exists only while it is needed:
+
+* home: a host tensor (``device: cpu``, pinned when ``pin_memory`` and CUDA is present), or a
+  4096-byte aligned region of the rank's parameter swap file (``device: nvme``); with NVMe the
+  first ``max_in_cpu`` shard elements (in parameter order) keep a host home instead.
+* device copy: ``st.shard`` itself, whose *storage* is resized to zero bytes while released
+  (the tensor object, its dtype and its device stay, so code holding ``p.zero_shard`` sees the
+  same object). zero-core's ``gather_params`` calls :meth:`fetch` just before it packs the
+  shard for the all-gather and :meth:`release` right after, so a shard is on the device only
+  for the duration of its gather; every other access goes through ``read_shard`` /
+  ``write_shard`` (zero-core), which land here.
+* NVMe transfers go through ``buffer_count`` page-aligned (page-locked where allowed) buffers
+  of ``buffer_size`` elements: a shard is read into a buffer, copied to the device and the
+  buffer returned. After each fetch the next shards in the coordinator's recorded module
+  order (see [Note: stage 3 parameter coordinator]) are read ahead into the free buffers, so
+  the all-gather of module k+1 finds its shards already in memory. Resident CPU bytes for
+  parameters are thus at most ``buffer_count x buffer_size`` (+ ``max_in_cpu``) elements.
+* after the optimizer step, the updated low-precision shard is written back to its home
+  (``write_shard``; NVMe writes go through a pool buffer and are left in flight until a
+  buffer or a read needs them).
+
+On a machine without a GPU the device is the CPU itself: the home and the device copy are
+separate CPU allocations, and ``memory_breakdown`` reports them apart.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from zero_ops.aio import AsyncIOHandle, locked_empty
+
+from zero_offload.swap_files import SwapDirectory
+
+_ALIGN = 4096
+
+
+def _round(nbytes: int) -> int:
+    return max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+
+
+def _nbytes(st: Any) -> int:
+    return st.shard_numel * st.shard.element_size()
+
+
+class ParamOffload:
+    """See [Note: parameter offload].
+
+    Args:
+        device: ``"cpu"`` or ``"nvme"`` (``offload_param.device``).
+        rank: this rank in the data-parallel group (names the swap directory).
+        nvme_path, buffer_count, buffer_size, max_in_cpu, pin_memory: the ``offload_param``
+            settings (buffer_size and max_in_cpu in elements); ``aio``: the ``aio`` section.
+    """
+
+    def __init__(
+        self,
+        device: str,
+        *,
+        rank: int = 0,
+        nvme_path: str | None = None,
+        buffer_count: int = 5,
+        buffer_size: int = 100_000_000,
+        max_in_cpu: int = 1_000_000_000,
+        pin_memory: bool = False,
+        aio: dict[str, Any] | None = None,
+    ) -> None:
+        if device not in ("cpu", "nvme"):
+            raise ValueError(f'zero_optimization.offload_param.device must be "cpu" or "nvme", got {device!r}')
+        for name, v, lo in (
+            ("buffer_count", buffer_count, 1 if device == "nvme" else 0),
+            ("buffer_size", buffer_size, 1 if device == "nvme" else 0),
+            ("max_in_cpu", max_in_cpu, 0),
+        ):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"zero_optimization.offload_param.{name} must be an int >= {lo}, got {v!r}")
+        self.device = device
+        self.rank = int(rank)
+        self.buffer_count = buffer_count
+        self.buffer_size = buffer_size
+        self.max_in_cpu = max_in_cpu
+        self.pin = bool(pin_memory)
+        self.params: dict[int, torch.nn.Parameter] = {}  # zero_state.id -> param, adoption order
+        self.host: dict[int, torch.Tensor] = {}  # id -> host home
+        self.offset: dict[int, tuple[str, int]] = {}  # id -> (swap file, byte offset) of NVMe homes
+        self.in_cpu_numel = 0
+        self.coordinator: Any = None
+        self.fetches = 0
+        self.read_ahead_hits = 0
+        self.swap_dir: SwapDirectory | None = None
+        self._files: list[str] = []
+        self._file_bytes = 0
+        self._buffers: list[torch.Tensor] = []
+        self._free: list[torch.Tensor] = []
+        self._landed: OrderedDict[int, torch.Tensor] = OrderedDict()  # read ahead, complete or in flight
+        self._reading = False
+        self._writing: list[torch.Tensor] = []
+        if device == "nvme":
+            if nvme_path is None:
+                raise ValueError('zero_optimization.offload_param.nvme_path: required when device is "nvme"')
+            self.swap_dir = SwapDirectory(nvme_path, self.rank, what="zero_optimization.offload_param")
+            kw = {
+                k: v
+                for k, v in dict(aio or {}).items()
+                if k in ("block_size", "queue_depth", "single_submit", "overlap_events", "thread_count")
+            }
+            self.rh = AsyncIOHandle(**kw)
+            self.wh = AsyncIOHandle(**kw)
+
+    # -- adoption ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def adopt(self, params: list[torch.nn.Parameter]) -> None:
+        """Move the shards of ``params`` (partitioned, released) to their homes and free the device copies."""
+        new = [p for p in params if getattr(p.zero_state, "offload", None) is None]
+        for p in new:
+            if not hasattr(p, "zero_state"):
+                raise TypeError("ParamOffload.adopt: parameters must be partitioned by ZeRO stage 3 first")
+        nvme_new = []
+        for p in new:
+            st = p.zero_state
+            if self.device == "cpu" or self.in_cpu_numel + st.shard_numel <= self.max_in_cpu:
+                home = torch.empty(st.shard_numel, dtype=st.shard.dtype)
+                if self.pin and torch.cuda.is_available():
+                    home = home.pin_memory()
+                home.copy_(st.shard)
+                self.host[st.id] = home
+                if self.device == "nvme":
+                    self.in_cpu_numel += st.shard_numel
+            else:
+                nvme_new.append(p)
+        if nvme_new:
+            self._grow_file(nvme_new)
+        for p in new:
+            st = p.zero_state
+            self.params[st.id] = p  # (NVMe homes were registered by _grow_file already)
+            st.offload = self
+            st.shard.untyped_storage().resize_(0)
+
+    def _grow_file(self, params: list[torch.nn.Parameter]) -> None:
+        """Give ``params`` NVMe homes in a new swap file created with its final size, then written.
+
+        One file per ``adopt`` call: zero.Init adopts a submodule at a time, and the engine adopts
+        the rest, without rewriting earlier files.
+        """
+        assert self.swap_dir is not None
+        biggest = max(params, key=lambda p: _nbytes(p.zero_state))
+        elsize = biggest.zero_state.shard.element_size()
+        if _nbytes(biggest.zero_state) > self.buffer_size * elsize:
+            raise ValueError(
+                f"zero_optimization.offload_param.buffer_size is {self.buffer_size} elements, but a parameter "
+                f"shard ({tuple(biggest.zero_state.shape)}: {biggest.zero_state.shard_numel} elements per rank) "
+                "does not fit in one buffer; raise buffer_size to at least the largest shard"
+            )
+        name = f"params{len(self._files)}.swp"
+        cursor = 0
+        for p in params:
+            self.offset[p.zero_state.id] = (name, cursor)
+            cursor += _round(_nbytes(p.zero_state))
+        self.swap_dir.allocate(name, cursor)
+        self._files.append(name)
+        self._file_bytes += cursor
+        # Buffers: only as large as the largest shard needs (never more than buffer_size elements).
+        need = _round(_nbytes(biggest.zero_state))
+        if not self._buffers or self._buffers[0].numel() < need:
+            self.rh.wait()
+            self.wh.wait()
+            self._landed.clear()
+            self._reading = False
+            self._writing = []
+            self._buffers = [locked_empty(need, torch.uint8) for _ in range(self.buffer_count)]
+            self._free = list(self._buffers)
+        for p in params:
+            self.params[p.zero_state.id] = p
+            self._write_nvme(p.zero_state.id, p.zero_state.shard)
+        self.wh.wait()
+        self._free.extend(self._writing)
+        self._writing.clear()
+
+    def follow(self, coordinator: Any) -> None:
+        """Read ahead in ``coordinator``'s recorded module order (see [Note: parameter offload])."""
+        self.coordinator = coordinator
+
+    # -- the device copy (called by zero-core's gather_params) --------------------------------
+    @torch.no_grad()
+    def fetch(self, p: torch.nn.Parameter) -> None:
+        """Make ``st.shard`` hold the shard's values on the device."""
+        st = p.zero_state
+        if st.shard.untyped_storage().nbytes() > 0:
+            return
+        self.fetches += 1
+        st.shard.untyped_storage().resize_(_nbytes(st))
+        if st.id in self.host:
+            st.shard.copy_(self.host[st.id], non_blocking=st.shard.device.type == "cuda")
+        else:
+            buf = self._landed.pop(st.id, None)
+            if buf is not None:
+                self.read_ahead_hits += 1
+                if self._reading:
+                    self.rh.wait()
+                    self._reading = False
+            else:
+                buf = self._take()
+                self._read_nvme(st.id, buf)
+                self.rh.wait()
+                self._reading = False
+            st.shard.copy_(buf[: _nbytes(st)].view(st.shard.dtype))
+            self._free.append(buf)
+        self._read_ahead()
+
+    def release(self, p: torch.nn.Parameter) -> None:
+        """Drop the device copy (the home holds the values)."""
+        st = p.zero_state
+        if st.shard.device.type == "cuda":
+            torch.cuda.current_stream(st.shard.device).synchronize()
+        st.shard.untyped_storage().resize_(0)
+
+    # -- values (checkpoints, step write-back, modifiers) --------------------------------------
+    @torch.no_grad()
+    def read(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """A new CPU tensor with ``p``'s shard values (from the home; whole shard, padding included)."""
+        st = p.zero_state
+        if st.id in self.host:
+            return self.host[st.id].clone()
+        self._drop_landed(st.id)
+        self.wh.wait()
+        self._free.extend(self._writing)
+        self._writing.clear()
+        buf = self._take()
+        self._read_nvme(st.id, buf)
+        self.rh.wait()
+        self._reading = False
+        out = buf[: _nbytes(st)].view(st.shard.dtype).clone()
+        self._free.append(buf)
+        return out
+
+    @torch.no_grad()
+    def write(self, p: torch.nn.Parameter, values: torch.Tensor) -> None:
+        """Set ``p``'s shard to ``values`` (cast to its dtype) at its home (and in a live device copy)."""
+        st = p.zero_state
+        v = values.detach().reshape(-1)
+        if v.numel() != st.shard_numel:
+            raise ValueError(
+                f"ParamOffload.write: {v.numel()} values for a shard of {st.shard_numel} elements"
+            )
+        if st.shard.untyped_storage().nbytes() > 0:
+            st.shard.copy_(v)
+        if st.id in self.host:
+            self.host[st.id].copy_(v)
+            return
+        self._drop_landed(st.id)
+        self._write_nvme(st.id, v.to(st.shard.dtype))
+
+    @torch.no_grad()
+    def set_dtype(self, p: torch.nn.Parameter, dtype: torch.dtype) -> None:
+        """Change the shard's dtype (the strategy's training dtype after zero.Init placed it)."""
+        st = p.zero_state
+        values = self.read(p).to(dtype)
+        del self.params[st.id]
+        self.host.pop(st.id, None)
+        self.offset.pop(st.id, None)
+        st.offload = None
+        st.shard = torch.empty(st.shard_numel, dtype=dtype, device=st.shard.device)
+        st.shard.copy_(values)
+        p.zero_shard = st.shard
+
+    # -- NVMe plumbing ------------------------------------------------------------------------
+    def _take(self) -> torch.Tensor:
+        if not self._free and self._writing:
+            self.wh.wait()
+            self._free.extend(self._writing)
+            self._writing.clear()
+        if not self._free and self._landed:  # evict the read-ahead furthest from use
+            if self._reading:
+                self.rh.wait()
+                self._reading = False
+            _, buf = self._landed.popitem(last=True)
+            self._free.append(buf)
+        return self._free.pop()
+
+    def _read_nvme(self, pid: int, buf: torch.Tensor) -> None:
+        assert self.swap_dir is not None
+        if self._writing:  # a read must see every earlier write of the same file
+            self.wh.wait()
+            self._free.extend(self._writing)
+            self._writing.clear()
+        name, offset = self.offset[pid]
+        n = _round(_nbytes(self.params[pid].zero_state))
+        self.rh.async_pread(buf[:n], self.swap_dir.check(name), offset)
+        self._reading = True
+
+    def _write_nvme(self, pid: int, values: torch.Tensor) -> None:
+        assert self.swap_dir is not None
+        buf = self._take()
+        nb = values.numel() * values.element_size()
+        buf[:nb].view(values.dtype).copy_(values.reshape(-1))
+        name, offset = self.offset[pid]
+        self.wh.async_pwrite(buf[: _round(nb)], self.swap_dir.check(name), offset)
+        self._writing.append(buf)
+
+    def _drop_landed(self, pid: int) -> None:
+        buf = self._landed.pop(pid, None)
+        if buf is not None:
+            if self._reading:
+                self.rh.wait()
+                self._reading = False
+            self._free.append(buf)
+
+    def _read_ahead(self) -> None:
+        """Start reading the next NVMe-homed shards of the recorded trace into free buffers."""
+        co = self.coordinator
+        if self.device != "nvme" or co is None or co.trace is None or not self._free:
+            return
+        from zero_core.zero.stage3.param_coordinator import module_params
+
+        for idx, _phase in co.trace[co.pos :]:
+            if idx < 0:
+                continue
+            for q in module_params(co.modules[idx]):
+                st = q.zero_state
+                if (
+                    st.offload is not self
+                    or st.id in self.host
+                    or st.id in self._landed
+                    or st.shard.untyped_storage().nbytes() > 0
+                    or st.full.untyped_storage().nbytes() > 0
+                ):
+                    continue
+                if not self._free:
+                    return
+                buf = self._free.pop()
+                self._read_nvme(st.id, buf)
+                self._landed[st.id] = buf
+            if len(self._landed) >= self.buffer_count:
+                return
+
+    # -- accounting and teardown --------------------------------------------------------------
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes of the parameter homes and buffers (host side), and of the device copies alive now."""
+        return {
+            "offloaded_parameters_device": sum(
+                p.zero_state.shard.untyped_storage().nbytes() for p in self.params.values()
+            ),
+            "host_parameters": sum(t.numel() * t.element_size() for t in self.host.values()),
+            "host_param_swap_buffers": sum(b.numel() for b in self._buffers),
+            "nvme_parameters": self._file_bytes,
+        }
+
+    def owns(self, p: torch.nn.Parameter) -> bool:
+        return getattr(p.zero_state, "offload", None) is self
+
+    def close(self) -> None:
+        """Wait for I/O and remove the swap file (see [Note: swap file lifecycle])."""
+        if self.swap_dir is not None:
+            self.rh.wait()
+            self.wh.wait()
+            self.swap_dir.close()
+
+
+def build_param_offload(zero_config: Any, aio_config: Any = None, *, rank: int = 0) -> ParamOffload | None:
+    """The :class:`ParamOffload` that ``zero_optimization.offload_param`` asks for (None when off)."""
+    op = getattr(zero_config, "offload_param", None)
+    if op is None or getattr(op, "device", "none") == "none":
+        return None
+    if int(getattr(zero_config, "stage", 3)) != 3:
+        raise ValueError(
+            f"zero_optimization.offload_param: offloading parameters needs stage 3, got stage {zero_config.stage}"
+        )
+    aio: dict[str, Any] = {}
+    if aio_config is not None:
+        aio = aio_config.model_dump() if hasattr(aio_config, "model_dump") else dict(aio_config)
+    return ParamOffload(
+        op.device,
+        rank=rank,
+        nvme_path=None if op.nvme_path is None else str(op.nvme_path),
+        buffer_count=int(op.buffer_count),
+        buffer_size=int(op.buffer_size),
+        max_in_cpu=int(op.max_in_cpu),
+        pin_memory=bool(op.pin_memory),
+        aio=aio,
+    )
