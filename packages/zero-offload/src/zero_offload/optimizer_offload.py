@@ -154,6 +154,8 @@ class OptimizerOffload:
         self.groups: list[_Group] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(master) -> (group, index)
         self._staged: set[int] = set()
+        self._partial: dict[int, int] = {}  # id(master) -> elements staged so far by pieces
+        self.staged_during_backward = 0  # masters whose gradient copy overlapped backward
         self._finalized = False
         self.swap_dir: SwapDirectory | None = None
         self.pool: BufferPool | None = None
@@ -272,6 +274,40 @@ class OptimizerOffload:
             )
         view.copy_(grad.detach().reshape(-1), non_blocking=grad.device.type == "cuda")
         self._staged.add(id(master))
+
+    # [Note: gradient staging]
+    # The reducers of zero-core call back (``on_reduced``) as each reduced gradient bucket
+    # lands in the rank's shard; on the accumulation-boundary backward the strategies forward
+    # that here, so the device->host copy of a finished bucket runs while autograd computes
+    # the gradients of earlier layers (non-blocking from pinned memory on CUDA), and step()
+    # copies only what no bucket delivered (``is_staged``). ``begin_staging`` at every backward
+    # and at ``zero_grad`` forgets partial copies, so an overflow-skipped step never leaks stale
+    # gradients into the next one.
+    def begin_staging(self, is_boundary: bool) -> None:
+        """A backward pass starts (``is_boundary``: its reductions complete the step's gradients)."""
+        self._staged.clear()
+        self._partial.clear()
+
+    def stage_grad_range(self, master: torch.Tensor, lo: int, values: torch.Tensor) -> None:
+        """Copy ``values`` (reduced gradient elements ``[lo, lo + n)`` of ``master``'s shard) to host."""
+        g, i = self._where[id(master)]
+        grp = self.groups[g]
+        base, n = grp.offsets[i], values.numel()
+        if lo < 0 or base + lo + n > grp.offsets[i + 1]:
+            raise ValueError(
+                f"OptimizerOffload.stage_grad_range: [{lo}, {lo + n}) is outside a master of "
+                f"{grp.offsets[i + 1] - base} elements"
+            )
+        grp.grad[base + lo : base + lo + n].copy_(values.detach().reshape(-1), non_blocking=values.is_cuda)
+        done = self._partial.get(id(master), 0) + n
+        self._partial[id(master)] = done
+        if done >= grp.offsets[i + 1] - base:
+            self._staged.add(id(master))
+            self.staged_during_backward += 1
+
+    def is_staged(self, master: torch.Tensor) -> bool:
+        """Whether ``master``'s whole gradient was copied to host during this step's backward."""
+        return id(master) in self._staged
 
     def _ranges(self, optimizer: torch.optim.Optimizer, grp: _Group) -> list[tuple[int, int, int, list]]:
         """Runs (lo, hi, step, params) of consecutive staged masters sharing one step count."""

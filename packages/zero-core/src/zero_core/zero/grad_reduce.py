@@ -153,6 +153,11 @@ class PartitionedGradReducer:
             self._attach_flat_grads()
         self._shard_has_grad = False
         self.armed = False
+        # Called as ``on_reduced(group, shard_offset, values)`` when a chunk's reduced piece has
+        # landed in this rank's shard (accumulated, for stage 2): optimizer offload copies it to
+        # host memory there, overlapped with the rest of backward (See [Note: gradient staging]
+        # in zero_offload's optimizer_offload.py). None: nothing to do.
+        self.on_reduced: Any = None
         self._reset_round()
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad) for gg in self.groups for p in gg.params
@@ -305,7 +310,10 @@ class PartitionedGradReducer:
                 dst.copy_(pend.out)
         else:
             a, b = pend.chunk.piece_range(self._group_rank[pend.g])
-            self.flat_grads[pend.g][a:b].copy_(pend.out)
+            dst = self.flat_grads[pend.g][a:b]
+            dst.copy_(pend.out)
+        if self.on_reduced is not None:
+            self.on_reduced(pend.g, lo, dst)
 
     def finish(self) -> None:
         """Launch what is left in order, wait for everything, and check for unused parameters."""

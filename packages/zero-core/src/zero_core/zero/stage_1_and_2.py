@@ -340,6 +340,12 @@ class PartitionedOptimizerStrategy:
     # -- TrainingStrategy --------------------------------------------------------------
     def before_backward(self, is_boundary: bool) -> None:
         self.reducer.arm(is_boundary)
+        if self.offload is not None:  # See [Note: gradient staging] in zero_offload
+            self.offload.begin_staging(is_boundary)
+            self.reducer.on_reduced = self._stage_reduced if is_boundary else None
+
+    def _stage_reduced(self, g: int, lo: int, values: torch.Tensor) -> None:
+        self.offload.stage_grad_range(self.masters[g], lo, values)
 
     def after_backward(self, is_boundary: bool) -> None:
         self.reducer.finish()
@@ -365,7 +371,8 @@ class PartitionedOptimizerStrategy:
     def step(self, grad_scale: float) -> None:
         if self.offload is not None:
             for g, m in enumerate(self.masters):
-                self.offload.stage_grad(m, self.reducer.shard_grad(g))
+                if not self.offload.is_staged(m):  # not already copied during backward
+                    self.offload.stage_grad(m, self.reducer.shard_grad(g))
             self.offload.step(self.optimizer, grad_scale)
             self._publish_params()
             return
@@ -395,6 +402,8 @@ class PartitionedOptimizerStrategy:
 
     def zero_grad(self) -> None:
         self.reducer.zero_grad()
+        if self.offload is not None:
+            self.offload.begin_staging(True)  # a skipped step must not leave staged gradients
         for m in self.masters:
             m.grad = None
 

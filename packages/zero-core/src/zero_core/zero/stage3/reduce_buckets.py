@@ -82,6 +82,10 @@ class GradBucketReducer:
         self._filling_numel = 0
         self._in_flight: deque[_Bucket] = deque()
         self.launched = 0  # buckets launched since construction (tests and benchmarks read it)
+        # ``on_reduced(params)`` after a bucket's pieces are accumulated into the params'
+        # ``grad_shard`` (optimizer offload stages them to host memory there, overlapped with the
+        # rest of backward; See [Note: gradient staging] in zero_offload). None: nothing to do.
+        self.on_reduced: Any = None
 
     # -- filling --------------------------------------------------------------------------
     def add(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
@@ -145,6 +149,8 @@ class GradBucketReducer:
                 st.grad_shard = piece.to(st.shard.dtype, copy=True)
             else:
                 st.grad_shard.add_(piece)
+        if self.on_reduced is not None:
+            self.on_reduced(b.params)
         b.buffer = b.out = b.work = None
 
     def finish(self) -> None:

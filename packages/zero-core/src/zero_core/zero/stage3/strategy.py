@@ -194,7 +194,15 @@ class Stage3Strategy:
 
     # -- TrainingStrategy --------------------------------------------------------------
     def before_backward(self, is_boundary: bool) -> None:
-        pass
+        if self.offload is not None:  # See [Note: gradient staging] in zero_offload
+            self.offload.begin_staging(is_boundary)
+            self.reducer.on_reduced = self._stage_reduced if is_boundary else None
+
+    def _stage_reduced(self, params: list[torch.nn.Parameter]) -> None:
+        for p in params:
+            m = self.master.get(p.zero_state.id)
+            if m is not None and self.offload.owns(m):
+                self.offload.stage_grad_range(m, 0, p.zero_state.grad_shard)
 
     def after_backward(self, is_boundary: bool) -> None:
         self.wait_reductions()
@@ -231,7 +239,8 @@ class Stage3Strategy:
                 continue
             g = st.grad_shard
             if self.offload is not None and self.offload.owns(m):
-                self.offload.stage_grad(m, g)  # host copy; scaled and applied by the CPU step
+                if not self.offload.is_staged(m):  # else copied already during backward
+                    self.offload.stage_grad(m, g)  # host copy; scaled and applied by the CPU step
                 m.grad = None
             elif g is None:
                 m.grad = None
@@ -259,6 +268,8 @@ class Stage3Strategy:
             handle.wait()
 
     def zero_grad(self) -> None:
+        if self.offload is not None:
+            self.offload.begin_staging(True)  # a skipped step must not leave staged gradients
         for p in self.params:
             p.zero_state.grad_shard = None
             p.grad = None
