@@ -10,7 +10,10 @@ micro-batch 4 x 128 tokens, AdamW (torch's default implementation for both), no 
 
 Step time: all four engines live in ONE 2-rank launch and take turns (two steps each per round),
 so machine noise hits them alike; step = forward + backward + optimizer step, timed on rank 0;
-median and [min, max] after warm-up, ratio = ours / DDP of the same precision.
+median and [min, max] after warm-up, ratio = ours / DDP of the same precision (ratio of the
+medians, and the median over rounds of the within-round ratio).
+CPU-time ratio: median CPU seconds per step of rank 0's process (all threads), ours / DDP: the
+work each engine does, unaffected by other jobs' load (but blind to overlap).
 Peak RSS per rank: each engine again in a fresh pair of forked ranks (VmHWM of the process, reset
 with /proc/self/clear_refs when the rank starts, read after the steps), max over the ranks.
 
@@ -103,16 +106,20 @@ def _timing(rounds: int, warmup: int) -> dict:
     runners = {v: _runner(*v) for v in VARIANTS}
     times: dict[tuple[str, str], list[float]] = {v: [] for v in VARIANTS}
     losses: dict[tuple[str, str], list[float]] = {v: [] for v in VARIANTS}
+    # CPU seconds of this rank's process (all its threads, gloo's included): robust to other jobs'
+    # load on a shared machine, which inflates wall time but not the work done
+    cpu: dict[tuple[str, str], list[float]] = {v: [] for v in VARIANTS}
     for r in range(warmup + rounds):
         for v, runner in runners.items():
             for s in range(2):
                 x, y = _batch(2 * r + s, rank)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 losses[v].append(runner.step(x, y))
-                dt = time.perf_counter() - t0
+                dt, dc = time.perf_counter() - t0, time.process_time() - c0
                 if r >= warmup:
                     times[v].append(dt)
-    return {"times": times, "losses": losses}
+                    cpu[v].append(dc)
+    return {"times": times, "cpu": cpu, "losses": losses}
 
 
 def _vm_hwm_kib() -> int:
@@ -203,6 +210,8 @@ def main(argv: list[str] | None = None) -> None:
                 max(t),
                 med / base,
                 paired_ratio(name, precision),
+                statistics.median(timing["cpu"][(name, precision)])
+                / statistics.median(timing["cpu"][("ddp", precision)]),
                 rss[(name, precision)] / 2**30,
             )
         )
@@ -224,12 +233,13 @@ def main(argv: list[str] | None = None) -> None:
         f"in one launch; peak RSS: fresh ranks per engine, {args.rss_steps} steps; bench wall time {total:.0f} s",
         "",
         "| precision | engine | step median (ms) | min | max | ratio of medians vs DDP "
-        "| median per-round ratio vs DDP | peak RSS / rank (GiB) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| median per-round ratio vs DDP | CPU-time ratio vs DDP | peak RSS / rank (GiB) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {pr} | {eng} | {med:.0f} | {lo:.0f} | {hi:.0f} | {ratio:.3f} | {paired:.3f} | {r:.2f} |"
-        for pr, eng, med, lo, hi, ratio, paired, r in rows
+        f"| {pr} | {eng} | {med:.0f} | {lo:.0f} | {hi:.0f} | {ratio:.3f} | {paired:.3f} | {cpu_ratio:.3f} "
+        f"| {r:.2f} |"
+        for pr, eng, med, lo, hi, ratio, paired, cpu_ratio, r in rows
     ]
     first = {v: timing["losses"][v][0] for v in VARIANTS}
     lines += [

@@ -48,6 +48,7 @@ def _rank() -> dict:
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
     cfg = {
         "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 0.0,  # the config default clips at 1.0 (as DeepSpeed does)
         "zero_optimization": {"stage": 3, "param_persistence_threshold": 0},
     }
     engine, *_ = zero_core.initialize(

@@ -110,7 +110,12 @@ def _train(case: dict, nvme_root: str) -> tuple[list[float], dict[str, torch.Ten
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     had_files = swap_path is not None and len(os.listdir(swap_path)) > 0
     engine.destroy()
-    info = {"had_swap_files": had_files, "swap_removed": swap_path is None or not os.path.exists(swap_path)}
+    info = {
+        "had_swap_files": had_files,
+        "swap_removed": swap_path is None or not os.path.exists(swap_path),
+        "staged_during_backward": engine.strategy.offload.staged_during_backward,
+        "staged_in_step": engine.strategy.offload.staged_in_step,
+    }
     return losses, state, info
 
 
@@ -146,6 +151,8 @@ def test_offload_matches_single_process_torch(world: int, tmp_path) -> None:
             torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=f"{k} {case}")
         if case["device"] == "nvme":
             assert info["had_swap_files"], case
+        # every gradient reached host memory as its bucket finished, none in step()
+        assert info["staged_during_backward"] > 0 and info["staged_in_step"] == 0, (case, info)
         assert info["swap_removed"], case
     # every rank ends with the same weights
     for other in results[1:]:

@@ -139,6 +139,7 @@ void AioEngine::submit(bool is_write, const std::string& path, uintptr_t buffer,
                              ": the file has only " + std::to_string(st.st_size) + " bytes", path);
     }
   }
+  if (is_write && backend_ == AioBackend::kLibaio && nbytes > 0) reserve_for_write(*req);
 #ifdef O_DIRECT
   if (use_direct_) {
     // EINVAL here means the file system (tmpfs, some FUSE) refuses O_DIRECT: stay buffered.
@@ -163,6 +164,25 @@ void AioEngine::submit(bool is_write, const std::string& path, uintptr_t buffer,
     blocks_outstanding_ += (blocks + per_task - 1) / per_task;
   }
   work_cv_.notify_all();
+}
+
+// ext4 (and others) complete kernel-AIO writes that extend the file synchronously inside
+// io_submit, which serialises a whole queue behind each block. Reserving the range first
+// (fallocate, else a sparse ftruncate) makes every block an in-size write the kernel runs
+// asynchronously. The final size is what the write would produce anyway; ENOSPC is reported
+// here, before anything is queued.
+void AioEngine::reserve_for_write(const AioRequest& r) {
+  struct stat st;
+  if (::fstat(r.fd_buffered, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size >= r.offset + r.nbytes) return;
+#ifdef __linux__
+  if (::fallocate(r.fd_buffered, 0, r.offset, r.nbytes) == 0) return;
+  const int e = errno;
+  if (e == ENOSPC || e == EDQUOT) {
+    throw IoError(e, "cannot reserve " + std::to_string(r.nbytes) + " bytes at offset " + std::to_string(r.offset) +
+                         " of '" + r.path + "': " + std::strerror(e), r.path);
+  }
+#endif
+  if (::ftruncate(r.fd_buffered, r.offset + r.nbytes) != 0) return;  // the writes will report it
 }
 
 void AioEngine::worker_loop(int index) {

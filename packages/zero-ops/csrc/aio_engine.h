@@ -139,6 +139,7 @@ class AioEngine {
 
  private:
   void worker_loop(int index);
+  void reserve_for_write(const AioRequest& r);
   void run_task(const AioTask& task);
 
   const int64_t block_size_;

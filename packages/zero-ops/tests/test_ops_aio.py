@@ -65,6 +65,7 @@ def test_round_trip_odd_sizes_and_offsets(engine, tmp_path, single_submit, overl
     for b, (t, _) in zip(back, pieces):
         assert torch.equal(b, t)
     raw = path.read_bytes()  # the bytes really are at the offsets
+    assert len(raw) == max(off + t.numel() * 4 for t, off in pieces)  # no over-reservation
     t, off = pieces[2]
     assert raw[off : off + 16] == bytes(t[:4].view(torch.uint8).tolist())
 

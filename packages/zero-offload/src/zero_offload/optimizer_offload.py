@@ -156,6 +156,7 @@ class OptimizerOffload:
         self._staged: set[int] = set()
         self._partial: dict[int, int] = {}  # id(master) -> elements staged so far by pieces
         self.staged_during_backward = 0  # masters whose gradient copy overlapped backward
+        self.staged_in_step = 0  # masters whose gradient step() had to copy itself
         self._finalized = False
         self.swap_dir: SwapDirectory | None = None
         self.pool: BufferPool | None = None
@@ -274,6 +275,7 @@ class OptimizerOffload:
             )
         view.copy_(grad.detach().reshape(-1), non_blocking=grad.device.type == "cuda")
         self._staged.add(id(master))
+        self.staged_in_step += 1
 
     # [Note: gradient staging]
     # The reducers of zero-core call back (``on_reduced``) as each reduced gradient bucket

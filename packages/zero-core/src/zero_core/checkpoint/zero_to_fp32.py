@@ -13,8 +13,8 @@ shards ``<stem>-00001-of-0000N.safetensors`` next to it plus ``<OUTPUT>.index.js
 
 [Note: standalone conversion script]
 Like DeepSpeed's, the copy of this file inside a checkpoint must run on a machine without
-this repository: it imports only the standard library and torch (``tqdm`` for the progress
-bar when present), never ``zero_core``. It therefore carries its own minimal reader of the
+this repository: it imports only the standard library (torch lazily, only where a tensor must
+be made; ``tqdm`` for the progress bar when present), never ``zero_core``. It therefore carries its own minimal reader of the
 format described in [Note: checkpoint format] (``zero_core/checkpoint/format.py``): JSON
 tables, CRC32 checksums, the safetensors header, and the assembly of a parameter from the
 fragments of every rank file. It only reads whole values, which is all consolidation needs;
@@ -24,11 +24,17 @@ Tests run the copied file in a subprocess with ``zero_core`` blocked, and compar
 with the engine's gathered masters.
 
 [Note: streaming conversion]
-Each output tensor is assembled directly into one buffer (every rank's piece is ``pread``
-into its slice) and written to the output immediately, so the peak memory of a safetensors
-conversion is about the largest single tensor, independent of the model size (``.bin``
-output needs one whole shard in memory, since ``torch.save`` takes a dict). Nothing is
-unpickled on the way in. Outputs are written to a temporary name, fsynced and renamed.
+A safetensors output is written header first (every offset is known from the fragment
+tables), then each tensor's bytes are copied from the rank files straight into the output
+with ``os.copy_file_range`` (kernel to kernel; a 4 MiB buffer where that is unavailable),
+piece by piece in flat order. When the stored dtype is already the output dtype (the fp32
+masters, buffers) no tensor is ever built and torch is not even imported: the peak memory of
+the conversion is the interpreter plus small buffers (~20 MB), independent of the model and
+shard size. Only a value that must change dtype (a 16-bit weight without an fp32 master,
+e.g. a frozen bf16 parameter) is assembled as one tensor with torch and written whole, so the
+peak is then about the largest such tensor. ``.bin`` output (on request) needs one whole
+shard in memory, since ``torch.save`` takes a dict. Nothing is unpickled on the way in.
+Outputs are written to a temporary name, fsynced and renamed.
 """
 
 from __future__ import annotations
@@ -41,14 +47,15 @@ import re
 import struct
 import sys
 import zlib
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-try:  # one error type for library callers; the standalone copy defines its own
+if __package__ == "zero_core.checkpoint":  # one error type for library callers
     from zero_core.checkpoint.format import CheckpointError
-except ImportError:  # pragma: no cover - exercised by the standalone-script test in a subprocess
+else:  # the standalone copy (see [Note: standalone conversion script]) must not import torch via zero_core
 
     class CheckpointError(RuntimeError):  # type: ignore[no-redef]
         """A checkpoint cannot be read; the message names the file and what is wrong."""
@@ -67,21 +74,30 @@ FORMAT_VERSION = 1
 COMMIT_FILE = "checkpoint.json"
 LATEST_FILE = "latest"
 _TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=@-]{0,199}$")
-_ST_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
+# dtypes by the names the JSON tables use: (safetensors code, bytes per element)
+_DTYPES = {
+    "float64": ("F64", 8),
+    "float32": ("F32", 4),
+    "float16": ("F16", 2),
+    "bfloat16": ("BF16", 2),
+    "int64": ("I64", 8),
+    "int32": ("I32", 4),
+    "int16": ("I16", 2),
+    "int8": ("I8", 1),
+    "uint8": ("U8", 1),
+    "bool": ("BOOL", 1),
 }
-_ST_CODES = {v: k for k, v in _ST_DTYPES.items()}
-_DTYPES_BY_NAME = {str(v).removeprefix("torch."): v for v in _ST_DTYPES.values()}  # "float32" as in the JSON
+_FROM_ST_CODE = {code: name for name, (code, _) in _DTYPES.items()}
 _CHUNK = 8 * 2**20
+_COPY_CHUNK = 4 * 2**20
+
+
+def _torch() -> Any:
+    import torch  # only where a tensor must be made: see [Note: streaming conversion]
+
+    return torch
+
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
@@ -153,7 +169,7 @@ class _RankFile:
             header = json.loads(os.pread(self.fd, n, 8).decode("utf-8"))
             header.pop("__metadata__", None)
             self.entries = {
-                k: (_ST_DTYPES[v["dtype"]], int(v["data_offsets"][0]), int(v["data_offsets"][1]))
+                k: (_FROM_ST_CODE[v["dtype"]], int(v["data_offsets"][0]), int(v["data_offsets"][1]))
                 for k, v in header.items()
             }
         except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
@@ -170,25 +186,62 @@ class _RankFile:
     def _bad(self, why: str) -> CheckpointError:
         return CheckpointError(f"{self.path} is not a valid safetensors tensor file: {why}")
 
-    def read_into(self, key: str, out: torch.Tensor) -> None:
-        """Fill the 1-D contiguous ``out`` with the whole tensor ``key`` (same dtype and size)."""
+    def _span(self, key: str, dtype: str, nbytes: int) -> int:
+        """File offset of tensor ``key``, checked against what its fragment record says."""
         if key not in self.entries:
             raise CheckpointError(f"{self.path} has no tensor {key!r}")
-        dtype, lo, hi = self.entries[key]
-        if dtype != out.dtype or hi - lo != out.numel() * out.element_size():
+        have, lo, hi = self.entries[key]
+        if have != dtype or hi - lo != nbytes:
             raise self._bad(f"entry {key!r} does not match its fragment record")
+        return self.data_start + lo
+
+    def read_into(self, key: str, out: torch.Tensor) -> None:
+        """Fill the 1-D contiguous ``out`` with the whole tensor ``key`` (same dtype and size)."""
+        torch = _torch()
+        dtype = str(out.dtype).removeprefix("torch.")
+        offset = self._span(key, dtype, out.numel() * out.element_size())
         buf = memoryview(out.view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
-        offset = self.data_start + lo
         while len(buf):
             k = os.preadv(self.fd, [buf], offset)
             if k <= 0:
                 raise self._bad(f"unexpected end of file reading {key!r} (truncated?)")
             buf, offset = buf[k:], offset + k
 
+    def copy_to(self, key: str, dtype: str, nbytes: int, out_fd: int) -> None:
+        """Append the raw bytes of tensor ``key`` to ``out_fd`` (at its position), no tensor made.
+
+        See [Note: streaming conversion]: ``copy_file_range`` moves the bytes inside the kernel;
+        where it is unsupported (old kernels, some filesystems) a small buffer is reused.
+        """
+        offset = self._span(key, dtype, nbytes)
+        end = offset + nbytes
+        while offset < end and _copy_file_range_ok[0]:
+            try:
+                k = os.copy_file_range(self.fd, out_fd, min(end - offset, 2**30), offset)
+            except (AttributeError, OSError):
+                _copy_file_range_ok[0] = False
+                break
+            if k <= 0:
+                raise self._bad(f"unexpected end of file reading {key!r} (truncated?)")
+            offset += k
+        buf = bytearray(min(_COPY_CHUNK, end - offset))
+        view = memoryview(buf)
+        while offset < end:
+            k = os.preadv(self.fd, [view[: end - offset]], offset)
+            if k <= 0:
+                raise self._bad(f"unexpected end of file reading {key!r} (truncated?)")
+            out = view[:k]
+            while out:
+                out = out[os.write(out_fd, out) :]
+            offset += k
+
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+_copy_file_range_ok = [hasattr(os, "copy_file_range")]  # cleared the first time the kernel refuses it
 
 
 class _Checkpoint:
@@ -243,11 +296,28 @@ class _Checkpoint:
     def names(self, kind: str) -> list[str]:
         return [n for (n, k) in self.index if k == kind]
 
-    def shape_dtype(self, name: str, kind: str) -> tuple[tuple[int, ...], torch.dtype]:
+    def shape_dtype(self, name: str, kind: str) -> tuple[tuple[int, ...], str]:
+        """Shape and dtype name (``"float32"``) of a stored value."""
         rec = self.index[(name, kind)]["rec"]
-        if rec["dtype"] not in _DTYPES_BY_NAME:
+        if rec["dtype"] not in _DTYPES:
             raise CheckpointError(f"{self.tag_dir}: unknown dtype {rec['dtype']!r} of {kind}:{name}")
-        return tuple(rec["shape"]), _DTYPES_BY_NAME[rec["dtype"]]
+        return tuple(int(d) for d in rec["shape"]), rec["dtype"]
+
+    def _pieces(self, name: str, kind: str) -> list[tuple[int, int, int, str]]:
+        """The pieces covering the whole value once, in flat order; an error if some are missing."""
+        shape, _ = self.shape_dtype(name, kind)
+        numel = math.prod(shape)
+        out, pos = [], 0
+        for lo, hi, rank, key in self.index[(name, kind)]["pieces"]:
+            if lo != pos:
+                break
+            out.append((lo, hi, rank, key))
+            pos = hi
+        if pos != numel:
+            raise CheckpointError(
+                f"checkpoint {self.tag_dir} does not hold all of {kind}:{name} (a rank file is missing?)"
+            )
+        return out
 
     def _file(self, rank: int) -> _RankFile:
         if rank not in self._files:
@@ -259,20 +329,19 @@ class _Checkpoint:
 
     def read_full(self, name: str, kind: str) -> torch.Tensor:
         """The whole value, each rank's piece read straight into its slice of one buffer."""
+        torch = _torch()
         shape, dtype = self.shape_dtype(name, kind)
-        numel = math.prod(shape)
-        out = torch.empty(numel, dtype=dtype)
-        pos = 0
-        for lo, hi, rank, key in self.index[(name, kind)]["pieces"]:
-            if lo != pos:
-                break
+        out = torch.empty(math.prod(shape), dtype=getattr(torch, dtype))
+        for lo, hi, rank, key in self._pieces(name, kind):
             self._file(rank).read_into(key, out[lo:hi])
-            pos = hi
-        if pos != numel:
-            raise CheckpointError(
-                f"checkpoint {self.tag_dir} does not hold all of {kind}:{name} (a rank file is missing?)"
-            )
         return out.view(shape)
+
+    def copy_to(self, name: str, kind: str, out_fd: int) -> None:
+        """Append the raw bytes of the whole value to ``out_fd``, piece by piece, no tensor made."""
+        _, dtype = self.shape_dtype(name, kind)
+        item = _DTYPES[dtype][1]
+        for lo, hi, rank, key in self._pieces(name, kind):
+            self._file(rank).copy_to(key, dtype, (hi - lo) * item, out_fd)
 
     def close(self) -> None:
         for f in self._files.values():
@@ -311,14 +380,14 @@ def _plan(ckpt: _Checkpoint, exclude_frozen: bool) -> list[tuple[str, str]]:
     return out + [(n, "buffer") for n in ckpt.names("buffer")]
 
 
-def _out_shape_dtype(ckpt: _Checkpoint, name: str, kind: str) -> tuple[tuple[int, ...], torch.dtype]:
-    shape, dtype = ckpt.shape_dtype(name, kind)
-    return shape, (dtype if kind == "buffer" else torch.float32)
+def _out_dtype(ckpt: _Checkpoint, name: str, kind: str) -> str:
+    """Buffers keep their dtype; weights come out fp32 (the master, or the weight upcast where none was saved)."""
+    return ckpt.shape_dtype(name, kind)[1] if kind == "buffer" else "float32"
 
 
 def _value(ckpt: _Checkpoint, name: str, kind: str) -> torch.Tensor:
     t = ckpt.read_full(name, kind)
-    return t if kind == "buffer" else t.float()  # the fp32 master, or the weight upcast where none was saved
+    return t if kind == "buffer" else t.float()
 
 
 def get_fp32_state_dict_from_zero_checkpoint(
@@ -339,6 +408,7 @@ def load_state_dict_from_zero_checkpoint(
 
     The model is no longer usable with the engine it came from: re-create the engine to continue training.
     """
+    torch = _torch()
     if not isinstance(model, torch.nn.Module):
         raise TypeError(
             f"load_state_dict_from_zero_checkpoint: model must be a torch.nn.Module, got {type(model)}"
@@ -377,73 +447,98 @@ class _Progress:
             self._bar.close()
 
 
-_Entry = tuple[str, tuple[int, ...], torch.dtype, Callable[[], torch.Tensor]]
+class _Out:
+    """One output tensor: its name, shape and dtype name, and where its value comes from."""
+
+    def __init__(self, ckpt: _Checkpoint, name: str, kind: str) -> None:
+        self.ckpt, self.name, self.kind = ckpt, name, kind
+        self.shape, self.src_dtype = ckpt.shape_dtype(name, kind)
+        self.dtype = _out_dtype(ckpt, name, kind)
+        self.nbytes = math.prod(self.shape) * _DTYPES[self.dtype][1]
+
+    def value(self) -> torch.Tensor:
+        return _value(self.ckpt, self.name, self.kind)
+
+    def write(self, fd: int) -> None:
+        """Append the value's bytes to ``fd``: copied as stored, or converted with torch when the dtype changes."""
+        if self.src_dtype == self.dtype:
+            self.ckpt.copy_to(self.name, self.kind, fd)  # no tensor: see [Note: streaming conversion]
+            return
+        t = self.value()
+        if t.numel():
+            view = memoryview(t.reshape(-1).view(_torch().uint8).numpy())
+            while view:
+                view = view[os.write(fd, view) :]
 
 
-def _nbytes(e: _Entry) -> int:
-    return math.prod(e[1]) * torch.empty((), dtype=e[2]).element_size()
-
-
-def _shards(entries: list[_Entry], max_bytes: int) -> Iterator[list[_Entry]]:
-    shard: list[_Entry] = []
+def _shards(entries: list[_Out], max_bytes: int) -> Iterator[list[_Out]]:
+    shard: list[_Out] = []
     size = 0
     for e in entries:
-        if shard and size + _nbytes(e) > max_bytes:
+        if shard and size + e.nbytes > max_bytes:
             yield shard
             shard, size = [], 0
         shard.append(e)
-        size += _nbytes(e)
+        size += e.nbytes
     if shard:
         yield shard
 
 
-def _commit(tmp: str, path: str, f: Any) -> None:
-    f.flush()
-    os.fsync(f.fileno())
-    f.close()
+def _atomic_fd(path: str, fill: Any) -> None:
+    """Create ``path`` atomically: ``fill(fd)`` writes a temporary file that is fsynced and renamed."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        fill(fd)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
     os.replace(tmp, path)
 
 
-def _write_safetensors(path: str, shard: list[_Entry], progress: _Progress) -> None:
-    """A standard safetensors file written one tensor at a time (see [Note: streaming conversion])."""
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _write_safetensors(path: str, shard: list[_Out], progress: _Progress) -> None:
+    """A standard safetensors file: header first, then each tensor streamed (see [Note: streaming conversion])."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     off = 0
-    for name, shape, dtype, _ in shard:
-        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        header[name] = {"dtype": _ST_CODES[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
-        off += n
+    for e in shard:
+        header[e.name] = {
+            "dtype": _DTYPES[e.dtype][0],
+            "shape": list(e.shape),
+            "data_offsets": [off, off + e.nbytes],
+        }
+        off += e.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    f = open(tmp, "wb", buffering=0)  # noqa: SIM115 (closed by _commit, or below on error)
-    try:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        for name, shape, dtype, produce in shard:
-            t = produce()
-            if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-                raise CheckpointError(
-                    f"tensor {name!r}: expected {shape} {dtype}, got {tuple(t.shape)} {t.dtype}"
-                )
-            if t.numel():
-                view = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-                while view:
-                    view = view[f.write(view) :]
-            progress.update(t.numel() * t.element_size())
-            del t
-        _commit(tmp, path, f)
-    except BaseException:
-        f.close()
-        os.unlink(tmp)
-        raise
+
+    def fill(fd: int) -> None:
+        _write_all(fd, struct.pack("<Q", len(raw)) + raw)
+        for e in shard:
+            e.write(fd)
+            progress.update(e.nbytes)
+        written = os.lseek(fd, 0, os.SEEK_CUR)
+        if written != 8 + len(raw) + off:
+            raise CheckpointError(f"{path}: wrote {written} bytes, expected {8 + len(raw) + off}")
+
+    _atomic_fd(path, fill)
 
 
-def _write_bin(path: str, shard: list[_Entry], progress: _Progress) -> None:
+def _write_bin(path: str, shard: list[_Out], progress: _Progress) -> None:
+    torch = _torch()
     tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save({name: produce() for name, _, _, produce in shard}, tmp)
+    torch.save({e.name: e.value() for e in shard}, tmp)
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    progress.update(sum(_nbytes(e) for e in shard))
+    progress.update(sum(e.nbytes for e in shard))
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(
@@ -465,10 +560,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     limit = parse_size(max_shard_size)
     ckpt = _Checkpoint(checkpoint_dir, tag)
     try:
-        entries: list[_Entry] = []
-        for name, kind in _plan(ckpt, exclude_frozen_parameters):
-            shape, dtype = _out_shape_dtype(ckpt, name, kind)
-            entries.append((name, shape, dtype, lambda n=name, k=kind: _value(ckpt, n, k)))
+        entries = [_Out(ckpt, name, kind) for name, kind in _plan(ckpt, exclude_frozen_parameters)]
         shards = list(_shards(entries, limit))
         out_dir = os.path.dirname(os.path.abspath(output_file))
         os.makedirs(out_dir, exist_ok=True)
@@ -479,21 +571,19 @@ def convert_zero_checkpoint_to_fp32_state_dict(
             if len(shards) == 1
             else [f"{stem}-{i + 1:05d}-of-{len(shards):05d}{ext}" for i in range(len(shards))]
         )
-        bar = _Progress(sum(_nbytes(e) for e in entries), progress)
+        bar = _Progress(sum(e.nbytes for e in entries), progress)
         written, weight_map = [], {}
         for fname, shard in zip(names, shards):
             path = os.path.join(out_dir, fname)
             (_write_safetensors if safe_serialization else _write_bin)(path, shard, bar)
             written.append(path)
-            weight_map.update({e[0]: fname for e in shard})
+            weight_map.update({e.name: fname for e in shard})
         bar.close()
         if len(shards) > 1:
-            index = {"metadata": {"total_size": sum(_nbytes(e) for e in entries)}, "weight_map": weight_map}
+            index = {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": weight_map}
             index_path = os.path.join(out_dir, f"{stem}{ext}.index.json")
-            tmp = f"{index_path}.tmp.{os.getpid()}"
-            f = open(tmp, "wb")  # noqa: SIM115 (closed by _commit)
-            f.write(json.dumps(index, indent=2, sort_keys=True).encode())
-            _commit(tmp, index_path, f)
+            data = json.dumps(index, indent=2, sort_keys=True).encode()
+            _atomic_fd(index_path, lambda fd: _write_all(fd, data))
             written.append(index_path)
         return written
     finally:

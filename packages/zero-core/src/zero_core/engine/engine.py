@@ -47,6 +47,9 @@ class ZeroEngine(torch.nn.Module):
         self.strategy = strategy
         self.config = config
         self.loss_scaler = loss_scaler
+        # Strategies that report gradients to users (safe_get_full_grad) unscale them with it.
+        if hasattr(strategy, "bind_loss_scaler"):
+            strategy.bind_loss_scaler(loss_scaler)
         self.lr_scheduler = lr_scheduler
         self.training_dataloader = training_dataloader
         self.monitor = monitor
