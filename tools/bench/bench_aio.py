@@ -120,6 +120,14 @@ def main() -> None:
             ).stdout.strip()
             or "uncommitted"
         )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "packages/zero-ops", "tools/bench"],
+            capture_output=True,
+            text=True,
+            cwd=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."),
+        ).stdout.strip()
+        if dirty and commit != "uncommitted":
+            commit += " + uncommitted changes to packages/zero-ops / tools/bench"
     except OSError:
         commit = "uncommitted"
     cpu = next(

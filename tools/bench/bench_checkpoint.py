@@ -36,6 +36,45 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)])
 
 
+def _input() -> torch.Tensor:
+    return torch.randn(1, WIDTH, generator=torch.Generator().manual_seed(1))
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    """Plain single-process PyTorch: the same model, input and one Adam step as every engine here."""
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    model(_input()).pow(2).mean().backward()
+    opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _verify_output(files: list[str], ref: dict[str, torch.Tensor], who: str) -> float:
+    """Check a converted fp32 state dict: files exist, same tensors and numel as the model, values match.
+
+    Returns the largest absolute difference to the reference; raises if anything is off.
+    """
+    from safetensors import safe_open
+
+    if not files or not all(os.path.isfile(f) for f in files):
+        raise RuntimeError(f"{who}: conversion output missing: {files}")
+    got: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(f, "pt") as sf:
+            for k in sf.keys():
+                got[k] = sf.get_tensor(k)
+    if set(got) != set(ref):
+        raise RuntimeError(f"{who}: output tensors {sorted(set(got) ^ set(ref))[:6]} differ from the model's")
+    if sum(t.numel() for t in got.values()) != sum(t.numel() for t in ref.values()):
+        raise RuntimeError(f"{who}: output numel differs from the model's")
+    worst = 0.0
+    for k, v in ref.items():
+        if got[k].dtype != torch.float32 or got[k].shape != v.shape or not torch.allclose(got[k], v, rtol=1e-5, atol=1e-7):
+            raise RuntimeError(f"{who}: tensor {k} differs from the PyTorch reference")
+        worst = max(worst, (got[k] - v).abs().max().item())
+    return worst
+
+
 def _cfg(stage: int) -> dict:
     return {
         "train_micro_batch_size_per_gpu": 1,
@@ -74,7 +113,7 @@ def _zero_rank(workdir: str, stage: int, reps: int) -> dict:
     import zero_core
 
     engine, *_ = zero_core.initialize(model=_model(), config=_cfg(stage))
-    engine.backward(engine(torch.randn(1, WIDTH)).pow(2).mean())
+    engine.backward(engine(_input()).pow(2).mean())
     engine.step()
     saves, loads = [], []
     for _ in range(reps):
@@ -92,19 +131,30 @@ def _zero_rank(workdir: str, stage: int, reps: int) -> dict:
     return {"save": saves, "load": loads}
 
 
-def _peak_rss_run(cmd: list[str]) -> tuple[float, int]:
-    """Wall time and peak RSS (bytes) of ``cmd`` (a python script + args) in a fresh interpreter."""
-    wrapper = (
-        "import resource, runpy, sys\nsys.argv = sys.argv[1:]\n"
-        "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\nfinally:\n"
-        "    print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
-    )
+_RSS_WRAPPER = (
+    "import runpy, sys\n"
+    "sys.argv = sys.argv[1:]\n"
+    "try:\n"
+    "    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    "except SystemExit as e:\n"
+    "    if e.code:\n"
+    "        raise\n"
+    "hwm = next(l for l in open('/proc/self/status') if l.startswith('VmHWM:')).split()[1]\n"
+    "print('PEAK_RSS_KB', hwm, file=sys.stderr)\n"
+)
+
+
+def _peak_rss_run(cmd: list[str], env: dict | None = None) -> tuple[float, int]:
+    """Wall time and peak RSS (VmHWM, bytes) of ``cmd`` (a python script + args) in a fresh interpreter.
+
+    Raises unless the script exits 0: a failed conversion must never be reported as a fast one.
+    """
     t0 = time.perf_counter()
-    p = subprocess.run([cmd[0], "-c", wrapper, *cmd[1:]], capture_output=True, text=True)
+    p = subprocess.run([cmd[0], "-c", _RSS_WRAPPER, *cmd[1:]], capture_output=True, text=True, env=env)
     dt = time.perf_counter() - t0
     m = re.search(r"PEAK_RSS_KB (\d+)", p.stderr)
-    if m is None:
-        raise RuntimeError(f"{cmd} failed: {p.stderr[-2000:]}")
+    if p.returncode != 0 or m is None:
+        raise RuntimeError(f"{cmd} failed (exit {p.returncode}): {p.stderr[-2000:]}")
     return dt, int(m.group(1)) * 1024
 
 
@@ -181,7 +231,8 @@ _DS_WORKER = textwrap.dedent(
            "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}},
            "zero_optimization": {"stage": stage}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    engine.backward(engine(torch.randn(1, width)).pow(2).mean()); engine.step()
+    x = torch.randn(1, width, generator=torch.Generator().manual_seed(1))
+    engine.backward(engine(x).pow(2).mean()); engine.step()
     dist.barrier(); t0 = time.perf_counter()
     engine.save_checkpoint(out, tag="t")
     dist.barrier(); save = time.perf_counter() - t0
@@ -194,7 +245,7 @@ _DS_WORKER = textwrap.dedent(
 )
 
 
-def _deepspeed(ds_python: str, workdir: str, stage: int) -> dict | None:
+def _deepspeed(ds_python: str, workdir: str, stage: int, ref: dict[str, torch.Tensor]) -> dict:
     script = os.path.join(workdir, "ds_worker.py")
     with open(script, "w") as f:
         f.write(_DS_WORKER)
@@ -219,15 +270,19 @@ def _deepspeed(ds_python: str, workdir: str, stage: int) -> dict | None:
         timeout=900,
     )
     m = re.search(r"DS_RESULT (.*)", p.stdout)
-    if m is None:
-        print(p.stdout[-3000:], p.stderr[-3000:], file=sys.stderr)
-        return None
+    if m is None or p.returncode != 0:
+        raise RuntimeError(f"DeepSpeed stage {stage} failed: {p.stdout[-2000:]} {p.stderr[-3000:]}")
     res = json.loads(m.group(1))
     res["bytes"] = _du(os.path.join(out, "t"))
     conv = os.path.join(out, "zero_to_fp32.py")
-    res["convert"] = _peak_rss_run([ds_python, conv, out, os.path.join(workdir, f"ds_s{stage}_fp32")])
+    fp32_dir = os.path.join(workdir, f"ds_s{stage}_fp32")
+    # safetensors output so both tools write the same format; its own default is a torch .bin pickle
+    res["convert"] = _peak_rss_run([ds_python, conv, out, fp32_dir, "--safe_serialization"], env=env)
+    files = [os.path.join(fp32_dir, f) for f in sorted(os.listdir(fp32_dir)) if f.endswith(".safetensors")]
+    res["out_bytes"] = sum(os.path.getsize(f) for f in files)
+    res["max_diff"] = _verify_output(files, ref, f"DeepSpeed stage {stage}")
     shutil.rmtree(out, ignore_errors=True)
-    shutil.rmtree(os.path.join(workdir, f"ds_s{stage}_fp32"), ignore_errors=True)
+    shutil.rmtree(fp32_dir, ignore_errors=True)
     return res
 
 

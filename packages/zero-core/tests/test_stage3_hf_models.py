@@ -11,9 +11,8 @@ import os
 
 import pytest
 import torch
+import transformers  # zero-core's test extra installs it
 from zero_core.testing import run_multirank
-
-transformers = pytest.importorskip("transformers")
 
 STEPS, BATCH, SEQ, VOCAB = 10, 2, 8, 64
 

@@ -6,6 +6,17 @@ first time a channel is used (a length, then an int64 description), then cached 
 later transfers move only the payload. ``reset_activation_shape()`` on both ends forgets the
 cache (e.g. when curriculum learning changes the sequence length). Gloo cannot send bool
 tensors, so they travel as uint8 and are turned back into bool on arrival.
+
+[Note: asynchronous p2p]
+Payloads move with ``isend``/``irecv``. A send never blocks the sender: it returns a
+:class:`PendingSend` that keeps the tensors alive until the transfer is done, so the stage goes
+on computing while the transport drains it. A receive can be *posted* long before its data is
+needed (:class:`PendingRecv`), so the bytes land while the receiver computes, and ``wait()`` at
+the instruction costs nothing when they already arrived. Messages between two ranks are matched
+in posting order per tag, and a rank pair may carry several streams at once (interleaved
+schedules send activations of one chunk and gradients of another over the same pair), so every
+stream has its own tag: see ``activation_tag``/``grad_tag``. Only the first-use handshake is
+blocking; it runs before any payload of its channel is posted, on the channel's own tag.
 """
 
 from __future__ import annotations
@@ -46,6 +57,20 @@ class Payload:
     metas: tuple[TensorMeta, ...]
     is_tuple: bool
 
+    def floating(self) -> tuple[TensorMeta, ...]:
+        """The metas of the floating tensors (those that carry gradients back)."""
+        return tuple(m for m in self.metas if m.dtype.is_floating_point)
+
+
+def activation_tag(boundary: int) -> int:
+    """Tag of the activations crossing virtual-stage boundary ``boundary -> boundary + 1``."""
+    return 2 * boundary
+
+
+def grad_tag(boundary: int) -> int:
+    """Tag of the gradients crossing virtual-stage boundary ``boundary + 1 -> boundary``."""
+    return 2 * boundary + 1
+
 
 def as_tensors(value: object, where: str) -> tuple[tuple[torch.Tensor, ...], bool]:
     """Normalise a stage output to ``(tensors, was_tuple)``; anything else is a clear error."""
@@ -84,61 +109,110 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-class P2PChannel:
-    """A one-way channel to or from one peer rank, caching the payload description."""
+class PendingSend:
+    """Sends in flight; holds their tensors until they are done (see [Note: asynchronous p2p])."""
 
-    def __init__(self, peer: int) -> None:
+    def __init__(self, works: list, tensors: list[torch.Tensor]) -> None:
+        self._works = works
+        self._tensors = tensors
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def wait(self) -> None:
+        for w in self._works:
+            w.wait()
+        self._works, self._tensors = [], []
+
+
+class PendingRecv:
+    """Receives posted into fresh buffers; ``wait()`` returns the value (tensor or tuple)."""
+
+    def __init__(self, works: list, buffers: list[torch.Tensor], payload: Payload) -> None:
+        self._works = works
+        self._buffers = buffers
+        self.payload = payload
+
+    def wait(self) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        for w in self._works:
+            w.wait()
+        out = [
+            buf.to(torch.bool) if meta.dtype == torch.bool else buf
+            for buf, meta in zip(self._buffers, self.payload.metas)
+        ]
+        return tuple(out) if self.payload.is_tuple else out[0]
+
+
+def post_send(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor], peer: int, tag: int) -> PendingSend:
+    """Start sending ``tensors`` (in order) to global rank ``peer`` on ``tag``."""
+    wires = [_wire(t) for t in tensors]
+    return PendingSend([_dist.isend(w, peer, tag=tag) for w in wires], wires)
+
+
+def post_recv(payload: Payload, peer: int, tag: int) -> PendingRecv:
+    """Post receives for a message described by ``payload`` from global rank ``peer`` on ``tag``."""
+    bufs = [
+        torch.empty(m.shape, dtype=torch.uint8 if m.dtype == torch.bool else m.dtype) for m in payload.metas
+    ]
+    return PendingRecv([_dist.irecv(b, peer, tag=tag) for b in bufs], bufs, payload)
+
+
+class P2PChannel:
+    """A one-way stream of activations to or from one peer rank on one tag, caching the
+    payload description (see [Note: p2p metadata handshake])."""
+
+    def __init__(self, peer: int, tag: int = 0) -> None:
         self.peer = peer
+        self.tag = tag
         self.payload: Payload | None = None
 
     def reset(self) -> None:
         """Forget the payload description; the next transfer shakes hands again."""
         self.payload = None
 
-    def send(self, value: object) -> None:
+    def isend(self, value: object) -> PendingSend:
+        """Start sending ``value``; shakes hands (blocking) on first use."""
         tensors, is_tuple = as_tensors(value, "SendActivation")
         if self.payload is None:
             desc = _encode(tensors, is_tuple)
-            _dist.send(torch.tensor([desc.numel()], dtype=torch.int64), self.peer)
-            _dist.send(desc, self.peer)
+            _dist.send(torch.tensor([desc.numel()], dtype=torch.int64), self.peer, tag=self.tag)
+            _dist.send(desc, self.peer, tag=self.tag)
             self.payload = _decode(desc.tolist())
-        else:
+        elif len(tensors) != len(self.payload.metas) or any(
+            t.dtype != m.dtype or tuple(t.shape) != m.shape for t, m in zip(tensors, self.payload.metas)
+        ):
             now = tuple(TensorMeta(tuple(t.shape), t.dtype) for t in tensors)
-            if now != self.payload.metas:
-                raise ValueError(
-                    f"p2p: activation shapes/dtypes changed from {self.payload.metas} to {now}; "
-                    "call reset_activation_shape() on every rank when they change"
-                )
-        for t in tensors:
-            _dist.send(_wire(t), self.peer)
+            raise ValueError(
+                f"p2p: activation shapes/dtypes changed from {self.payload.metas} to {now}; "
+                "call reset_activation_shape() on every rank when they change"
+            )
+        return post_send(tensors, self.peer, self.tag)
 
-    def recv(self) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    def send(self, value: object) -> None:
+        """Send ``value`` and wait until the transport is done with it."""
+        self.isend(value).wait()
+
+    def irecv(self) -> PendingRecv:
+        """Post the receive of the next value; shakes hands (blocking) on first use."""
         if self.payload is None:
             length = torch.zeros(1, dtype=torch.int64)
-            _dist.recv(length, self.peer)
+            _dist.recv(length, self.peer, tag=self.tag)
             desc = torch.zeros(int(length.item()), dtype=torch.int64)
-            _dist.recv(desc, self.peer)
+            _dist.recv(desc, self.peer, tag=self.tag)
             self.payload = _decode(desc.tolist())
-        out = []
-        for meta in self.payload.metas:
-            wire_dtype = torch.uint8 if meta.dtype == torch.bool else meta.dtype
-            buf = torch.empty(meta.shape, dtype=wire_dtype)
-            _dist.recv(buf, self.peer)
-            out.append(buf.to(torch.bool) if meta.dtype == torch.bool else buf)
-        return tuple(out) if self.payload.is_tuple else out[0]
+        return post_recv(self.payload, self.peer, self.tag)
+
+    def recv(self) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Receive the next value (blocking)."""
+        return self.irecv().wait()
 
 
-def send_grads(grads: list[torch.Tensor], peer: int) -> None:
-    """Send gradients whose shapes the receiver knows (they match what it sent us)."""
-    for g in grads:
-        _dist.send(_wire(g), peer)
+def send_grads(grads: list[torch.Tensor], peer: int, tag: int = 1) -> None:
+    """Send gradients whose shapes the receiver knows (they match what it sent us); blocking."""
+    post_send(grads, peer, tag).wait()
 
 
-def recv_grads(metas: list[TensorMeta], peer: int) -> list[torch.Tensor]:
-    """Receive one gradient per meta."""
-    out = []
-    for meta in metas:
-        buf = torch.empty(meta.shape, dtype=meta.dtype)
-        _dist.recv(buf, peer)
-        out.append(buf)
-    return out
+def recv_grads(metas: list[TensorMeta], peer: int, tag: int = 1) -> list[torch.Tensor]:
+    """Receive one gradient per meta (blocking)."""
+    value = post_recv(Payload(tuple(metas), True), peer, tag).wait()
+    return list(value)

@@ -15,12 +15,12 @@ _LAZY: dict[str, str] = {
     "safe_get_full_optimizer_state": "zero_core.zero.debug_access",
     "safe_set_full_fp32_param": "zero_core.zero.debug_access",
     "safe_set_full_optimizer_state": "zero_core.zero.debug_access",
-    # stage 3 only: a parameter's local partition (see zero/stage3/state_access.py)
-    "safe_get_local_fp32_param": "zero_core.zero.stage3.state_access",
-    "safe_get_local_grad": "zero_core.zero.stage3.state_access",
-    "safe_get_local_optimizer_state": "zero_core.zero.stage3.state_access",
-    "safe_set_local_fp32_param": "zero_core.zero.stage3.state_access",
-    "safe_set_local_optimizer_state": "zero_core.zero.stage3.state_access",
+    # this rank's partition of a parameter (stages 1-3; see [Note: safe_get owner protocol])
+    "safe_get_local_fp32_param": "zero_core.zero.debug_access",
+    "safe_get_local_grad": "zero_core.zero.debug_access",
+    "safe_get_local_optimizer_state": "zero_core.zero.debug_access",
+    "safe_set_local_fp32_param": "zero_core.zero.debug_access",
+    "safe_set_local_optimizer_state": "zero_core.zero.debug_access",
 }
 
 
