@@ -176,7 +176,7 @@ def main():
         f"- zero_ops op: {op_report()[0]}",
         f"- DeepSpeed: {_ds_version()}",
         f"- load average at start: {os.getloadavg()}",
-        f"- command: `OMP_NUM_THREADS=1 {os.path.basename(sys.executable)} tools/bench/bench_cpu_adam.py --sizes "
+        f"- command: `DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 {sys.executable} tools/bench/bench_cpu_adam.py --sizes "
         f"{' '.join(f'{s:g}' for s in args.sizes)} --threads {' '.join(map(str, args.threads))} "
         f"--reps {args.reps}`",
         "- variants of one table are timed round-robin (one call each per round) so noise hits all alike;",

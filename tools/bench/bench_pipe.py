@@ -1,9 +1,24 @@
 """Pipeline bubble and throughput: zero_pipe 1F1B / interleaved vs theory and torch.distributed.pipelining.
 
-Each stage holds equal Linear+tanh blocks. The engine records (kind, chunk, start, end) of every
-forward/backward; per batch, the idle fraction of a stage is 1 - busy / (batch span over all
-stages) (CLOCK_MONOTONIC is shared by the processes). Theory for equal stages: 1F1B
-(p-1)/(m+p-1), interleaved with c chunks (p-1)/(c*m+p-1).
+One launch per pipeline depth p runs every schedule on the same model (``LAYERS`` blocks of
+Linear(DIM, DIM) + tanh, split evenly over the p stages, or over 2p chunks for interleaving),
+interleaving the repetitions of all schedules so that load from other jobs on the machine hits
+them alike. Each rank is pinned to one core (``rank % ncpu``): with p=2 every stage owns a core,
+with p=4 two stages share one (oversubscribed: wall-clock idle there is not a pipeline bubble,
+a stage that waits hands its core to its neighbour).
+
+Per batch and stage: busy = wall time inside forward/backward compute (perf_counter around the
+compute of each instruction; for torch.distributed.pipelining, around its stage's
+``forward_maybe_with_nosync``/``backward_maybe_with_nosync``), span = first compute start to last
+compute end over all stages, idle = 1 - busy / span, averaged over stages. Thread CPU time over
+the same compute spans gives the share of compute wall time stolen by other processes.
+
+Three references for the idle fraction:
+- formula: (p-1)/(c*m+p-1) (equal-cost slots, c chunks per stage);
+- cost-aware: the schedule simulated (asynchronous sends, no transport cost) with each stage's
+  median measured forward and backward times of this configuration;
+- replay: the schedule simulated with the exact measured duration of every computation of the
+  batch: the idle the dependencies alone imply; measured minus replay is transport/runtime overhead.
 
     OMP_NUM_THREADS=1 python tools/bench/bench_pipe.py [--out tools/bench/results/bench_pipe.md]
 """
@@ -20,13 +35,13 @@ import time
 import torch
 from torch import nn
 
-DIM, MB, BLOCKS_PER_STAGE, BATCHES, WARMUP = 384, 64, 4, 6, 2
+TORCH_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B")
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, dim: int) -> None:
         super().__init__()
-        self.lin = nn.Linear(DIM, DIM)
+        self.lin = nn.Linear(dim, dim)
 
     def forward(self, x):
         return torch.tanh(self.lin(x))
@@ -36,72 +51,188 @@ def _loss(out, y):
     return ((out - y) ** 2).mean()
 
 
-def _zero_pipe_rank(stages, m, chunks):
+def _gpipe_schedule_cls():
+    """All forwards, then all backwards (GPipe), compiled by zero_pipe's planner for simulation."""
+    from zero_pipe.schedule import TrainSchedule
+    from zero_pipe.timeline import Compute
+
+    class GPipeOrder(TrainSchedule):
+        def _compute_order(self, stage):
+            m = self.micro_batches
+            return [Compute("F", 0, i) for i in range(m)] + [Compute("B", 0, i) for i in range(m)]
+
+        def num_pipe_buffers(self):
+            return self.allocated_buffers()
+
+    return GPipeOrder
+
+
+# -- ranks ---------------------------------------------------------------------------------
+def _spanned(fn, kind, chunk, sink):
+    def wrapper(*args, **kwargs):
+        start, cpu = time.perf_counter(), time.thread_time()
+        out = fn(*args, **kwargs)
+        sink.append((kind, chunk, start, time.perf_counter(), time.thread_time() - cpu))
+        return out
+
+    return wrapper
+
+
+def _bench_rank(p, ms, reps, warmup, dim, mb, layers):
+    from torch.distributed import pipelining as pp
     from zero_pipe import LayerSpec, PipelineEngine, PipelineModule
 
-    torch.set_num_threads(1)
-    layers = [LayerSpec(Block) for _ in range(BLOCKS_PER_STAGE * stages)]
-    model = PipelineModule(
-        layers, num_stages=stages, loss_fn=_loss, partition_method="uniform", num_chunks=chunks
-    )
-    engine = PipelineEngine(
-        model,
-        torch.optim.SGD(model.parameters(), lr=1e-3),
-        {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": m},
-    )
-    data = [(torch.randn(MB, DIM), torch.randn(MB, DIM)) for _ in range(m)]
-    traces, walls = [], []
-    for b in range(WARMUP + BATCHES):
-        engine.trace = []
-        torch.distributed.barrier()
-        t0 = time.perf_counter()
-        engine.train_batch(iter(data))
-        walls.append(time.perf_counter() - t0)
-        if b >= WARMUP:
-            traces.append(engine.trace)
-    return traces, walls[WARMUP:]
-
-
-def _torch_rank(stages, m, schedule_name):
-    from torch.distributed import pipelining as pp
-
-    torch.set_num_threads(1)
     rank = torch.distributed.get_rank()
-    chunks = 2 if schedule_name == "ScheduleInterleaved1F1B" else 1
-    total = BLOCKS_PER_STAGE * stages
-    per = total // (stages * chunks)
-    stage_objs = []
-    for c in range(chunks):
-        v = c * stages + rank
-        mod = nn.Sequential(*[Block() for _ in range(per)])
-        stage_objs.append(pp.PipelineStage(mod, v, stages * chunks, torch.device("cpu")))
-    cls = getattr(pp, schedule_name)
-    sched = cls(stage_objs if chunks > 1 else stage_objs[0], n_microbatches=m, loss_fn=_loss)
-    x, y = torch.randn(MB * m, DIM), torch.randn(MB * m, DIM)
-    walls = []
-    for _b in range(WARMUP + BATCHES):
-        torch.distributed.barrier()
-        t0 = time.perf_counter()
-        if rank == 0:
-            sched.step(x)
-        elif rank == stages - 1:
-            sched.step(target=y, losses=[])
+    ncpu = len(os.sched_getaffinity(0))
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[rank % ncpu]})
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+
+    runners = []  # (name, m, run(batch_data) -> spans)
+    for chunks in (1, 2):
+        model = PipelineModule(
+            [LayerSpec(Block, dim) for _ in range(layers)],
+            num_stages=p,
+            loss_fn=_loss,
+            partition_method="uniform",
+            num_chunks=chunks,
+        )
+        engine = PipelineEngine(
+            model,
+            torch.optim.SGD(model.parameters(), lr=1e-4),
+            {"train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": ms[0]},
+        )
+        name = "zero_pipe 1F1B" if chunks == 1 else "zero_pipe interleaved (2 chunks)"
+        for m in ms:
+
+            def run(data, engine=engine, m=m):
+                engine.set_train_batch_size(mb * m)
+                engine.trace = []
+                engine.train_batch(iter(data))
+                return [tuple(s) for s in engine.trace]
+
+            runners.append((name, m, run))
+    for sname in TORCH_SCHEDULES:
+        chunks = 2 if sname == "ScheduleInterleaved1F1B" else 1
+        per = layers // (p * chunks)
+        for m in ms:
+            sink: list = []
+            stages = []
+            for c in range(chunks):
+                mod = nn.Sequential(*[Block(dim) for _ in range(per)])
+                st = pp.PipelineStage(mod, c * p + rank, p * chunks, torch.device("cpu"))
+                st.forward_maybe_with_nosync = _spanned(st.forward_maybe_with_nosync, "F", c, sink)
+                st.backward_maybe_with_nosync = _spanned(st.backward_maybe_with_nosync, "B", c, sink)
+                stages.append(st)
+            sched = getattr(pp, sname)(stages if chunks > 1 else stages[0], n_microbatches=m, loss_fn=_loss)
+
+            def run(data, sched=sched, sink=sink):
+                sink.clear()
+                x = torch.cat([d[0] for d in data])
+                y = torch.cat([d[1] for d in data])
+                if rank == 0:
+                    sched.step(x)
+                elif rank == p - 1:
+                    sched.step(target=y, losses=[])
+                else:
+                    sched.step()
+                return list(sink)
+
+            runners.append((f"torch.distributed.pipelining {sname}", m, run))
+
+    datas = {m: [(torch.randn(mb, dim), torch.randn(mb, dim)) for _ in range(m)] for m in ms}
+    results = {(name, m): [] for name, m, _ in runners}
+    loads = []
+    for rep in range(warmup + reps):
+        for name, m, run in runners:
+            torch.distributed.barrier()
+            if rank == 0:
+                loads.append(os.getloadavg()[0])
+            t0, c0 = time.perf_counter(), time.process_time()
+            spans = run(datas[m])
+            t1, c1 = time.perf_counter(), time.process_time()
+            if rep >= warmup:
+                results[(name, m)].append({"t0": t0, "t1": t1, "cpu": c1 - c0, "spans": spans})
+    return results, loads, cores[rank % ncpu]
+
+
+# -- analysis ------------------------------------------------------------------------------
+def _sim_cls(name):
+    from zero_pipe.schedule import InterleavedTrainSchedule, TrainSchedule
+
+    if "GPipe" in name:
+        return _gpipe_schedule_cls(), {}
+    if "nterleaved" in name:
+        return InterleavedTrainSchedule, {"chunks": 2}
+    return TrainSchedule, {}
+
+
+def _stream_kinds(cls, kw, m, p, s):
+    from zero_pipe.instructions import BackwardPass, ForwardPass
+
+    sch = cls(m, p, s, **kw)
+    return [
+        ("F" if isinstance(i, ForwardPass) else "B", i.chunk_id)
+        for step in sch.steps()
+        for i in step
+        if isinstance(i, (ForwardPass, BackwardPass))
+    ]
+
+
+def _analyse(name, m, p, batches):
+    from zero_pipe.simulator import simulate
+
+    cls, kw = _sim_cls(name)
+    chunks = kw.get("chunks", 1)
+    kinds = [_stream_kinds(cls, kw, m, p, s) for s in range(p)]
+    idles, replays, walls, steal_num, steal_den, waits = [], [], [], 0.0, 0.0, []
+    f_times = [[] for _ in range(p)]
+    b_times = [[] for _ in range(p)]
+    replay_ok = True
+    for b in batches:  # b: per-rank dicts of one batch
+        compute = [[s for s in r["spans"] if s[0] in "FB"] for r in b]
+        t0 = min(s[2] for c in compute for s in c)
+        t1 = max(s[3] for c in compute for s in c)
+        busy = [sum(s[3] - s[2] for s in c) for c in compute]
+        idles.append(statistics.fmean(1 - x / (t1 - t0) for x in busy))
+        walls.append(max(r["t1"] for r in b) - min(r["t0"] for r in b))
+        waits.append(
+            statistics.fmean(sum(s[3] - s[2] for s in r["spans"] if s[0] == "W") for r in b) / (t1 - t0)
+        )
+        for st, c in enumerate(compute):
+            for s in c:
+                (f_times if s[0] == "F" else b_times)[st].append(s[3] - s[2])
+                steal_num += (s[3] - s[2]) - s[4]
+                steal_den += s[3] - s[2]
+        if [[(s[0], s[1]) for s in c] for c in compute] == kinds:
+            res = simulate(
+                cls, m, p, eager_sends=True, op_costs=[[s[3] - s[2] for s in c] for c in compute], **kw
+            )
+            replays.append(res.bubble_fraction)
         else:
-            sched.step()
-        walls.append(time.perf_counter() - t0)
-    return walls[WARMUP:]
+            replay_ok = False
+    # Cost-aware: per-stage median forward/backward time (chunks of a stage are equal in size).
+    med_f = [statistics.median(x) for x in f_times]
+    med_b = [statistics.median(x) for x in b_times]
+    costs = [[med_f[s] if k == "F" else med_b[s] for k, _ in kinds[s]] for s in range(p)]
+    cost_aware = simulate(cls, m, p, eager_sends=True, op_costs=costs, **kw).bubble_fraction
+    return {
+        "idle": idles,
+        "formula": (p - 1) / (chunks * m + p - 1),
+        "cost_aware": cost_aware,
+        "replay": replays if replay_ok else None,
+        "wall": walls,
+        "steal": steal_num / steal_den,
+        "wait": statistics.median(waits),
+        "f_ms": [1e3 * x for x in med_f],
+        "b_ms": [1e3 * x for x in med_b],
+        "messages": 2 * m * (chunks * p - 1),
+    }
 
 
-def _idle(traces_by_rank):
-    """Median over batches of the mean idle fraction over stages."""
-    per_batch = []
-    for b in range(len(traces_by_rank[0])):
-        ev = [traces_by_rank[r][b] for r in range(len(traces_by_rank))]
-        t0 = min(e[2] for tr in ev for e in tr)
-        t1 = max(e[3] for tr in ev for e in tr)
-        idle = [1 - sum(e[3] - e[2] for e in tr) / (t1 - t0) for tr in ev]
-        per_batch.append(sum(idle) / len(idle))
-    return statistics.median(per_batch), min(per_batch), max(per_batch)
+def _fmt_spread(xs, scale=1.0, digits=3):
+    return f"{statistics.median(xs) * scale:.{digits}f} [{min(xs) * scale:.{digits}f}, {max(xs) * scale:.{digits}f}]"
 
 
 def main() -> None:
@@ -109,85 +240,103 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "bench_pipe.md"))
+    ap.add_argument("--stages", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--dim", type=int, default=1024)
+    ap.add_argument("--mb", type=int, default=128, help="micro-batch size (samples)")
+    ap.add_argument("--layers", type=int, default=8, help="Linear+tanh blocks of the whole model")
     args = ap.parse_args()
-    rows = []
-    for stages in (2, 4):
-        for m in (4, 8):
-            for chunks in (1, 2):
-                res = run_multirank(_zero_pipe_rank, stages, args=(stages, m, chunks), timeout=300)
-                med, lo, hi = _idle([r[0] for r in res])
-                wall = statistics.median(max(r[1][b] for r in res) for b in range(BATCHES))
-                theory = (stages - 1) / (chunks * m + stages - 1)
-                name = "zero_pipe 1F1B" if chunks == 1 else "zero_pipe interleaved (2 chunks)"
-                rows.append(
-                    (
-                        stages,
-                        m,
-                        name,
-                        f"{med:.3f} [{lo:.3f}, {hi:.3f}]",
-                        f"{theory:.3f}",
-                        f"{(med - theory) * 100:+.1f}",
-                        wall,
-                        MB * m / wall,
-                    )
-                )
-                print(rows[-1], flush=True)
-            for sname in ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B"):
-                try:
-                    res = run_multirank(_torch_rank, stages, args=(stages, m, sname), timeout=300)
-                    wall = statistics.median(max(r[b] for r in res) for b in range(BATCHES))
-                    rows.append(
-                        (
-                            stages,
-                            m,
-                            f"torch.distributed.pipelining {sname}",
-                            "n/a",
-                            "",
-                            "",
-                            wall,
-                            MB * m / wall,
-                        )
-                    )
-                except Exception as err:  # record, do not hide, what does not run on gloo CPU
-                    rows.append(
-                        (
-                            stages,
-                            m,
-                            f"torch.distributed.pipelining {sname}",
-                            f"failed: {str(err)[:80]}",
-                            "",
-                            "",
-                            float("nan"),
-                            float("nan"),
-                        )
-                    )
-                print(rows[-1], flush=True)
+    for p in args.stages:
+        if args.layers % (2 * p):
+            raise SystemExit(f"--layers must be a multiple of 2 * stages ({2 * p}) for interleaving")
+    started = time.perf_counter()
+    load_before = os.getloadavg()
+    rows, loads = [], []
+    for p in args.stages:
+        res = run_multirank(
+            _bench_rank,
+            p,
+            args=(p, args.micro_batches, args.reps, args.warmup, args.dim, args.mb, args.layers),
+            timeout=600,
+        )
+        loads.extend(res[0][1])
+        pinning = [r[2] for r in res]
+        for name, m in res[0][0]:
+            batches = list(zip(*[r[0][(name, m)] for r in res]))
+            a = _analyse(name, m, p, batches)
+            rows.append((p, m, name, a, pinning))
+            print(p, m, name, {k: v for k, v in a.items() if k not in ("idle", "wall", "replay")}, flush=True)
+    elapsed = time.perf_counter() - started
+    _write(args, rows, loads, load_before, os.getloadavg(), elapsed)
+
+
+def _write(args, rows, loads, load_before, load_after, elapsed):
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
         ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain"], capture_output=True, text=True
+        ).stdout.strip()
+        commit += " (with uncommitted changes)" if dirty else ""
     except Exception:
         commit = "uncommitted"
     cpu = next(
         (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?"
     )
+    cmd = "OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_pipe.py"
     lines = [
         "# bench_pipe: pipeline bubble and throughput",
         "",
         f"- machine: nproc={os.cpu_count()}, CPU: {cpu}, {platform.platform()}",
         f"- versions: python {platform.python_version()}, torch {torch.__version__}",
         f"- git commit: {commit}",
-        "- command: `OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_pipe.py`",
-        f"- model: {BLOCKS_PER_STAGE} x Linear({DIM},{DIM})+tanh per stage, micro batch {MB}, fp32, gloo, "
-        f"{BATCHES} measured batches after {WARMUP} warm-up; medians, [min, max] over batches",
-        "- idle = mean over stages of 1 - busy(F+B compute) / batch span; theory (p-1)/(c*m+p-1) "
-        "(c = chunks per stage); diff = measured - theory in points",
+        f"- command: `{cmd}` (run time {elapsed:.0f} s)",
+        f"- load average (1 min) before {load_before[0]:.1f}, after {load_after[0]:.1f}; sampled before every "
+        f"batch: median {statistics.median(loads):.1f} [{min(loads):.1f}, {max(loads):.1f}] on {os.cpu_count()} cores",
+        f"- model: {args.layers} x (Linear({args.dim},{args.dim}) + tanh) split over the stages (or 2 chunks per "
+        f"stage), micro batch {args.mb}, fp32, gloo, one thread per rank, rank r pinned to core r % nproc; "
+        f"{args.reps} measured batches per row after {args.warmup} warm-up, repetitions interleaved across rows; "
+        "medians [min, max] over batches",
+        "- idle = mean over stages of 1 - busy / span (busy: wall time inside forward/backward compute; span: first "
+        "compute start to last compute end over all stages). formula = (p-1)/(c m + p-1); cost-aware = simulated "
+        "schedule with the per-stage median F/B times; replay = simulated schedule with every measured F/B duration "
+        "of the batch (n/a: the library's compute order differs from the simulated one); steal = share of compute "
+        "wall time the thread was off-CPU; wait = mean share of the span a stage spent blocked on a receive",
         "",
-        "| stages p | micro-batches m | schedule | idle measured | idle theory | diff (pts) | s/batch | samples/s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| p | m | schedule | s/batch | samples/s | idle measured | formula | cost-aware | replay | measured - "
+        "formula (pts) | measured - replay (pts) | steal | wait |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        lines.append(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]} | {r[6]:.4f} | {r[7]:.0f} |")
+    for p, m, name, a, _pin in rows:
+        wall = statistics.median(a["wall"])
+        idle = statistics.median(a["idle"])
+        replay = a["replay"]
+        lines.append(
+            f"| {p} | {m} | {name} | {_fmt_spread(a['wall'])} | {args.mb * m / wall:.0f} | {_fmt_spread(a['idle'])} | "
+            f"{a['formula']:.3f} | {a['cost_aware']:.3f} | "
+            + (f"{statistics.median(replay):.3f}" if replay else "n/a")
+            + f" | {(idle - a['formula']) * 100:+.1f} | "
+            + (f"{(idle - statistics.median(replay)) * 100:+.1f}" if replay else "n/a")
+            + f" | {a['steal'] * 100:.0f}% | "
+            + (f"{a['wait'] * 100:.0f}%" if name.startswith("zero_pipe") else "n/a")
+            + " |"
+        )
+    lines += [
+        "",
+        "Per-stage median compute time of one micro-batch (ms; interleaved: one chunk) and messages per batch:",
+        "",
+        "| p | m | schedule | forward ms per stage | backward ms per stage | B/F | messages |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for p, m, name, a, _pin in rows:
+        bf = statistics.fmean(b / f for b, f in zip(a["b_ms"], a["f_ms"]))
+        lines.append(
+            f"| {p} | {m} | {name} | {', '.join(f'{x:.1f}' for x in a['f_ms'])} | "
+            f"{', '.join(f'{x:.1f}' for x in a['b_ms'])} | {bf:.2f} | {a['messages']} |"
+        )
     with open(args.out, "w") as fh:
         fh.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -4,12 +4,12 @@ Same GPT (examples/gpt.py), micro-batch and Adam for every variant; each variant
 pair of forked ranks (so peak RSS is per variant), variants alternate within a pass and the
 passes repeat (the machine is shared and noisy: compare ratios from one launch only).
 
-* default launch (project venv): zero stage 3 (agreement checks on, the default, and off) and
-  FSDP2 (``fully_shard`` per block, then the root), fp32 and bf16.
-* ``--deepspeed`` (run with a venv that has deepspeed, e.g. /tmp/dsvenv): torch DDP and DeepSpeed
-  stage 3 with the same zero_optimization settings, fp32 and bf16. DeepSpeed is compared by its
-  ratio to DDP measured in that launch; the default launch writes the results file, the
-  DeepSpeed launch appends its table to it.
+* default launch (project venv): torch DDP, FSDP2 (``fully_shard`` per block, then the root) and
+  zero stage 3 (agreement checks on, the default, and off), fp32 and bf16.
+* ``--deepspeed`` (run with a venv that has deepspeed and zero-core, e.g. /tmp/dsvenv after
+  ``pip install --no-deps -e packages/zero-core``): DDP, FSDP2, zero stage 3 and DeepSpeed stage 3
+  with the same zero_optimization settings, all interleaved in one launch so every ratio is taken
+  within one run.
 
 Step time = forward + backward + optimizer step, median over timed steps (after 1 warm-up) of
 every rank and pass. Model states per rank come from live tensors after backward
@@ -221,11 +221,14 @@ def _commit() -> str:
         return "uncommitted"
 
 
-def _run(names: list[str], steps: int, passes: int) -> dict:
+def _run(names: list[str], steps: int, passes: int) -> tuple[dict, list[float]]:
+    """Every (variant, precision) once per pass, interleaved; also the 1-min load average before each launch."""
     rows: dict = {}
+    loads: list[float] = []
     for _ in range(passes):
         for precision in ("fp32", "bf16"):
             for name in names:
+                loads.append(os.getloadavg()[0])
                 res = _launch((name, precision, steps))
                 r = rows.setdefault(
                     (name, precision), {"times": [], "states": 0, "rss": 0, "psi": res[0]["psi"]}
@@ -234,24 +237,28 @@ def _run(names: list[str], steps: int, passes: int) -> dict:
                     r["times"] += rr["times"]
                     r["states"] = max(r["states"], rr["states"])
                     r["rss"] = max(r["rss"], rr["rss"])
-    return rows
+    loads.append(os.getloadavg()[0])
+    return rows, loads
 
 
-def _table(rows: dict, base_name: str) -> list[str]:
+def _table(rows: dict) -> list[str]:
     lines = [
-        f"| variant | precision | median step (ms) | min-max (ms) | ratio vs {base_name} | peak RSS/rank (MiB) "
-        "| model states/rank (MiB) | vs theory |",
-        "|---|---|---|---|---|---|---|---|",
+        "| variant | precision | median step (ms) | min-max (ms) | ratio vs fsdp2 | ratio vs ddp "
+        "| peak RSS/rank (MiB) | model states/rank (MiB) | vs theory |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for (name, precision), r in rows.items():
+    for (name, precision), r in sorted(rows.items(), key=lambda kv: kv[0][1] != "fp32"):
         t = r["times"]
         med = statistics.median(t)
-        base = statistics.median(rows[(base_name, precision)]["times"])
+        ratios = []
+        for base_name in ("fsdp2", "ddp"):
+            base = rows.get((base_name, precision))
+            ratios.append(f"{med / statistics.median(base['times']):.2f}" if base else "-")
         theory = 16 * r["psi"] / 2
         st = f"{r['states'] / 2**20:.1f} | {r['states'] / theory:.3f}" if r["states"] else "- | -"
         lines.append(
-            f"| {name} | {precision} | {med * 1e3:.0f} | {min(t) * 1e3:.0f}-{max(t) * 1e3:.0f} | {med / base:.2f} "
-            f"| {r['rss'] / 2**20:.0f} | {st} |"
+            f"| {name} | {precision} | {med * 1e3:.0f} | {min(t) * 1e3:.0f}-{max(t) * 1e3:.0f} "
+            f"| {ratios[0]} | {ratios[1]} | {r['rss'] / 2**20:.0f} | {st} |"
         )
     return lines
 
@@ -265,47 +272,44 @@ def main() -> None:
     a = ap.parse_args()
     if a.steps < 1 or a.passes < 1:
         raise SystemExit("--steps and --passes must be >= 1")
+    names = ["ddp", "fsdp2", "zero3"] + (["deepspeed3"] if a.deepspeed else ["zero3_nocheck"])
+    versions = f"python {platform.python_version()}, torch {torch.__version__}"
     if a.deepspeed:
         import deepspeed
 
-        rows = _run(["ddp", "deepspeed3"], a.steps, a.passes)
-        lines = [
-            "",
-            f"## DeepSpeed {deepspeed.__version__} stage 3 (separate launch, its own venv; ratio vs DDP of that launch)",
-            "",
-            f"- command: `OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu /tmp/dsvenv/bin/python tools/bench/bench_zero3.py "
-            f"--deepspeed --steps {a.steps} --passes {a.passes}`",
-            "- model states are not measured for DeepSpeed/DDP here (no live-tensor breakdown): '-'",
-            "",
-            *_table(rows, "ddp"),
-        ]
-        text = "\n".join(lines) + "\n"
-        with open(a.out, "a") as fh:
-            fh.write(text)
-        print(text)
-        return
-    rows = _run(["fsdp2", "zero3", "zero3_nocheck"], a.steps, a.passes)
+        versions += f", deepspeed {deepspeed.__version__} (DS_ACCELERATOR={os.environ.get('DS_ACCELERATOR')})"
+    prefix = "DS_ACCELERATOR=cpu /tmp/dsvenv/bin/python" if a.deepspeed else ".venv/bin/python"
+    flag = " --deepspeed" if a.deepspeed else ""
+    t0 = time.perf_counter()
+    rows, loads = _run(names, a.steps, a.passes)
+    wall = time.perf_counter() - t0
     psi = next(iter(rows.values()))["psi"]
     lines = [
-        "# bench_zero3: ZeRO stage 3 vs torch FSDP2 and DeepSpeed stage 3 (CPU, gloo, 2 ranks)",
+        "# bench_zero3: ZeRO stage 3 vs torch DDP, FSDP2"
+        + (" and DeepSpeed stage 3" if a.deepspeed else "")
+        + " (CPU, gloo, 2 ranks)",
         "",
-        f"- machine: {os.cpu_count()} CPUs ({_cpu_model()}), {platform.platform()}; shared with other jobs "
-        f"(load average at start {os.getloadavg()[0]:.1f})",
-        f"- versions: python {platform.python_version()}, torch {torch.__version__}",
+        f"- machine: {os.cpu_count()} CPUs ({_cpu_model()}), {platform.platform()}; shared with other jobs",
+        f"- load average (1 min) before each launch: min {min(loads):.1f}, median {statistics.median(loads):.1f}, "
+        f"max {max(loads):.1f} ({len(loads)} samples over {wall:.0f} s)",
+        f"- versions: {versions}",
         f"- git commit: {_commit()}",
-        f"- command: `OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_zero3.py --steps {a.steps} "
+        f"- command: `OMP_NUM_THREADS=1 {prefix} tools/bench/bench_zero3.py{flag} --steps {a.steps} "
         f"--passes {a.passes}`",
         f"- model: examples/gpt.py GPT d_model 512, 6 layers, 8 heads, seq 128, Ψ = {psi:,}; micro-batch {MICRO} "
-        f"per rank; Adam lr 1e-4; zero_optimization {ZERO}",
-        "- FSDP2: fully_shard per block then root, MixedPrecisionPolicy(param_dtype, reduce_dtype) = the precision",
-        "- zero3 = collective agreement checks on (default), zero3_nocheck = off "
-        "(see [Note: stage 3 collective agreement])",
-        f"- {a.passes} passes, variants alternating, {a.steps} timed steps after 1 warm-up, pooled over both ranks",
-        "- model states: max over steps of live shard bytes after backward; theory 16Ψ/N bytes "
-        "(fp32: 4+4+8, bf16: 2+2+12)",
-        "- peak RSS includes the forked parent's ~torch import (same for all variants)",
+        f"per rank; Adam lr 1e-4, no clipping; zero_optimization {ZERO} (same for zero3 and deepspeed3)",
+        "- FSDP2: fully_shard per block then root, MixedPrecisionPolicy(param_dtype, reduce_dtype) = the precision;"
+        " DDP bf16 = model cast to bf16",
+        "- zero3 = collective agreement checks on (default)"
+        + ("" if a.deepspeed else ", zero3_nocheck = off")
+        + " (see [Note: stage 3 collective agreement])",
+        f"- {a.passes} passes; in each pass every variant and precision runs once, in turn, in its own pair of "
+        f"forked ranks; {a.steps} timed steps after 1 warm-up; times pooled over both ranks and passes",
+        "- model states: max over steps of live shard bytes after backward (engine.memory_breakdown()); "
+        "theory 16Ψ/N bytes (fp32: 4+4+8, bf16: 2+2+12); '-' where no live-tensor breakdown exists",
+        "- peak RSS includes the forked parent's torch import (same for all variants)",
         "",
-        *_table(rows, "fsdp2"),
+        *_table(rows),
     ]
     text = "\n".join(lines) + "\n"
     Path(a.out).write_text(text)

@@ -1,22 +1,16 @@
-"""Stage-3 safe_get/safe_set helpers and zero.Init(remote_device="cpu") (one 4-rank launch).
+"""Stage-3 safe_get/safe_set helpers and zero.Init(module=..., remote_device="cpu") shards (one 4-rank launch).
 
-Construction memory under zero.Init is measured (``init_rise``) but not asserted; see the test.
+Construction-time peak memory under zero.Init is asserted in test_stage3_init_memory.py, in fresh
+(non-forked) processes.
 """
 
 from __future__ import annotations
-
-import resource
 
 import pytest
 import torch
 from zero_core.testing import run_multirank
 
-WORLD, LAYERS, WIDTH = 4, 16, 1024
-
-
-def _rss_now() -> int:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * resource.getpagesize()
+WORLD = 4
 
 
 def _rank() -> dict:
@@ -36,13 +30,25 @@ def _rank() -> dict:
     )
 
     rank, out = comm.get_rank(), {}
-    # -- construction memory ------------------------------------------------------------
-    before = _rss_now()
-    with zero_core.Init(remote_device="cpu"):
-        big = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
-    out["init_rise"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
-    out["shard_device"] = str(big[0].weight.zero_shard.device)
-    del big
+    # -- partitioning a pre-built module: shards are new CPU storage, never views of the original --
+    torch.manual_seed(rank)  # ranks differ: the partition must take rank 0's values
+    pre = torch.nn.Linear(10, 7)
+    originals = [p.data for p in pre.parameters()]
+    rank0_weight = originals[0].clone()
+    comm.broadcast(rank0_weight, src=0)
+    zero_core.Init(module=pre, remote_device="cpu")
+    shards = [p.zero_shard for p in pre.parameters()]
+    out["shard_storage_bytes"] = [s.untyped_storage().nbytes() for s in shards]
+    out["shard_devices"] = [str(s.device) for s in shards]
+    orig_ptrs = {o.untyped_storage().data_ptr() for o in originals}
+    out["aliases_original"] = any(s.untyped_storage().data_ptr() in orig_ptrs for s in shards)
+    before = shards[0].clone()
+    originals[0].add_(1.0)  # writing the constructed tensor must not reach the shard
+    out["shard_unchanged"] = torch.equal(shards[0], before)
+    out["data_numel"] = [p.data.numel() for p in pre.parameters()]
+    with zero_core.GatheredParameters(list(pre.parameters())):
+        out["pre_weight_is_rank0"] = torch.equal(pre.weight.detach(), rank0_weight)
+    del pre, originals, shards
     # -- safe_* helpers -----------------------------------------------------------------
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
@@ -80,7 +86,9 @@ def _rank() -> dict:
     except ValueError as exc:
         out["bad_local"] = str(exc)
     # a parameter no stage partitions (stage 0, frozen): its local part is the whole parameter
-    out["unowned_local"] = safe_get_local_fp32_param(torch.nn.Parameter(torch.tensor([[1.0, 2.0], [3.0, 4.0]])))
+    out["unowned_local"] = safe_get_local_fp32_param(
+        torch.nn.Parameter(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+    )
     return out
 
 
@@ -89,12 +97,14 @@ def results() -> list[dict]:
     return run_multirank(_rank, WORLD, timeout=150)
 
 
-def test_init_remote_device_cpu_and_partitioned(results: list[dict]) -> None:
-    # The peak-RSS bound during construction is measured (init_rise) but not asserted: on this
-    # shared machine ru_maxrss in forked ranks varied between 0.6x and 1.1x of the full model
-    # from run to run, so it cannot tell a bounded construction from an unbounded one.
+def test_init_module_remote_device_cpu_owns_its_shards(results: list[dict]) -> None:
     for r in results:
-        assert r["shard_device"] == "cpu"  # remote_device="cpu": partitions in CPU memory
+        # weight 70 -> 18 per rank, bias 7 -> 2 per rank (padded), fp32; each in its own storage
+        assert r["shard_storage_bytes"] == [18 * 4, 2 * 4]
+        assert r["shard_devices"] == ["cpu", "cpu"]
+        assert not r["aliases_original"] and r["shard_unchanged"]
+        assert r["data_numel"] == [0, 0]  # released: the module keeps no full parameter
+        assert r["pre_weight_is_rank0"]
 
 
 def test_safe_helpers_full_and_local(results: list[dict]) -> None:

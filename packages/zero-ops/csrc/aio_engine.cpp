@@ -139,13 +139,14 @@ void AioEngine::submit(bool is_write, const std::string& path, uintptr_t buffer,
                              ": the file has only " + std::to_string(st.st_size) + " bytes", path);
     }
   }
-  if (is_write && backend_ == AioBackend::kLibaio && nbytes > 0) reserve_for_write(*req);
 #ifdef O_DIRECT
   if (use_direct_) {
     // EINVAL here means the file system (tmpfs, some FUSE) refuses O_DIRECT: stay buffered.
     req->fd_direct = ::open(path.c_str(), flags | O_DIRECT | O_CLOEXEC, 0644);
   }
 #endif
+  // Only O_DIRECT writes run asynchronously in the kernel; buffered ones complete in io_submit.
+  if (is_write && backend_ == AioBackend::kLibaio && req->fd_direct >= 0 && nbytes > 0) reserve_for_write(*req);
   const int64_t blocks = nbytes == 0 ? 0 : (nbytes + block_size_ - 1) / block_size_;
   // A task takes up to queue_depth consecutive blocks (one at a time with single_submit), so a
   // worker keeps a batch of blocks in flight without going back to the shared queue.
@@ -166,7 +167,7 @@ void AioEngine::submit(bool is_write, const std::string& path, uintptr_t buffer,
   work_cv_.notify_all();
 }
 
-// ext4 (and others) complete kernel-AIO writes that extend the file synchronously inside
+// ext4 (and others) complete kernel-AIO O_DIRECT writes that extend the file synchronously inside
 // io_submit, which serialises a whole queue behind each block. Reserving the range first
 // (fallocate, else a sparse ftruncate) makes every block an in-size write the kernel runs
 // asynchronously. The final size is what the write would produce anyway; ENOSPC is reported

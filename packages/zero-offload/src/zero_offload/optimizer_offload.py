@@ -35,6 +35,8 @@ from zero_ops.adam import CPUAdamKernel
 from zero_offload.nvme_swapper import BufferPool, StateSwapper, buffers_needed, round_tile
 from zero_offload.swap_files import SwapDirectory
 
+_MASTER = "fp32_master"  # the masters' swapped array (See [Note: masters on NVMe])
+
 
 def _bytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
@@ -112,6 +114,8 @@ class OptimizerOffload:
         sub_group_size: elements per tile of the step (and per NVMe transfer).
         nvme_path, buffer_count, pin_memory, pipeline_read, pipeline_write, fast_init: the
             ``offload_optimizer`` settings; ``aio``: the ``aio`` config section as a dict.
+        masters_on_nvme: with ``device="nvme"``, swap the fp32 masters with the states
+            (ZeRO-Infinity; see [Note: masters on NVMe]).
     """
 
     def __init__(
@@ -129,6 +133,7 @@ class OptimizerOffload:
         pipeline_write: bool = False,
         fast_init: bool = False,
         aio: dict[str, Any] | None = None,
+        masters_on_nvme: bool = False,
     ) -> None:
         if device not in ("cpu", "nvme"):
             raise ValueError(
@@ -151,6 +156,8 @@ class OptimizerOffload:
         self.pipeline_read = bool(pipeline_read)
         self.pipeline_write = bool(pipeline_write)
         self.fast_init = bool(fast_init)
+        # See [Note: masters on NVMe]
+        self.masters_on_nvme = bool(masters_on_nvme) and device == "nvme"
         self.groups: list[_Group] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(master) -> (group, index)
         self._staged: set[int] = set()
@@ -188,7 +195,8 @@ class OptimizerOffload:
         g = _Group(len(self.groups), [int(s.numel()) for s in sources])
         g.master = _host_empty(g.numel, torch.float32, self.pin)
         g.grad = _host_empty(g.numel, torch.float32, self.pin)
-        if self.low_dtype != torch.float32:
+        if self.low_dtype != torch.float32 or self.masters_on_nvme:
+            # masters on NVMe: the updated weights (even fp32) need a home the module reads from
             g.low = _host_empty(g.numel, self.low_dtype, self.pin)
         for i, s in enumerate(sources):
             lo, hi = g.offsets[i], g.offsets[i + 1]
@@ -227,6 +235,8 @@ class OptimizerOffload:
                     state.update({k: v[lo:hi].view(p.shape) for k, v in g.states.items()})
                     optimizer.state[p] = state
             return
+        if self.masters_on_nvme:
+            names_per_group = [(*n, _MASTER) for n in names_per_group]
         tile = round_tile(min(self.tile, max((g.numel for g in self.groups), default=1)))
         nstates = max((len(n) for n in names_per_group), default=2)
         self.nvme_tile = tile
@@ -256,6 +266,10 @@ class OptimizerOffload:
             )
             for p in g.params:
                 optimizer.state[p] = {"step": torch.tensor(0.0)}
+            if self.masters_on_nvme:  # the masters' only copy is the swap file from now on
+                for lo, hi in g.swapper.tiles():
+                    g.swapper.write_range(_MASTER, lo, g.master[lo:hi])
+                g.master.untyped_storage().resize_(0)
 
     # -- per step ---------------------------------------------------------------------------
     def owns(self, master: torch.Tensor) -> bool:
@@ -362,18 +376,23 @@ class OptimizerOffload:
                 kernel=kernel,
                 hp=hp,
             ) -> None:
+                master = states.pop(_MASTER, None)  # masters on NVMe: this tile's, swapped in
                 for lo, hi, step, _ in runs:
                     a, b = max(lo, t_lo), min(hi, t_hi)
                     if a >= b:
                         continue
+                    m = grp.master[a:b] if master is None else master[a - t_lo : b - t_lo]
+                    fp32_low = grp.low is not None and grp.low.dtype == torch.float32
                     kernel.step(
-                        grp.master[a:b],
+                        m,
                         grp.grad[a:b],
                         {k: v[a - t_lo : b - t_lo] for k, v in states.items()},
                         step=step,
                         lr=hp["lr"],
-                        low_precision_out=None if grp.low is None else grp.low[a:b],
+                        low_precision_out=None if grp.low is None or fp32_low else grp.low[a:b],
                     )
+                    if fp32_low:
+                        grp.low[a:b].copy_(m)
                 if grp.device_low is not None:  # overlap the copy-back with the next tile
                     src = grp.low if grp.low is not None else grp.master
                     grp.device_low[t_lo:t_hi].copy_(src[t_lo:t_hi], non_blocking=True)
@@ -409,8 +428,95 @@ class OptimizerOffload:
         if grp.swapper is not None:
             lo, hi = grp.offsets[i], grp.offsets[i + 1]
             for k in grp.swapper.state_names:
-                state[k] = grp.swapper.read_range(k, lo, hi).view(master.shape)
+                if k != _MASTER:
+                    state[k] = grp.swapper.read_range(k, lo, hi).view(master.shape)
         return state
+
+    # [Note: masters on NVMe]
+    # ZeRO-Infinity (stage 3 with offload_optimizer nvme): the fp32 masters are one more swapped
+    # array of the tile pipeline ([Note: tile pipeline]), read and written with the Adam states
+    # of the same tile, so resident CPU memory for masters + states is buffer_count x tile x
+    # (states + 1) x 4 bytes. The master Parameters the client optimizer holds keep their
+    # shapes but own no memory (their storage is resized to zero bytes); code that needs master
+    # values reads or writes them here (``master_value`` / ``set_master``), tile by tile from
+    # and to the swap file. The updated weights (in the training dtype, fp32 included) go to
+    # the module from a host buffer the step writes tile by tile (``updated``).
+    @torch.no_grad()
+    def master_value(self, master: torch.Tensor) -> torch.Tensor:
+        """A new fp32 tensor with ``master``'s values (shape of ``master``), wherever they live."""
+        g, i = self._where[id(master)]
+        grp = self.groups[g]
+        lo, hi = grp.offsets[i], grp.offsets[i + 1]
+        if not self.masters_on_nvme:
+            return grp.master[lo:hi].clone().view(master.shape)
+        out = torch.empty(hi - lo, dtype=torch.float32)
+        for a in range(lo, hi, self.nvme_tile):
+            b = min(hi, a + self.nvme_tile)
+            out[a - lo : b - lo].copy_(grp.swapper.read_range(_MASTER, a, b))
+        return out.view(master.shape)
+
+    @torch.no_grad()
+    def set_master(self, master: torch.Tensor, values: torch.Tensor) -> None:
+        """Set ``master``'s fp32 values (and its updated low-precision copy), wherever they live."""
+        g, i = self._where[id(master)]
+        grp = self.groups[g]
+        lo, hi = grp.offsets[i], grp.offsets[i + 1]
+        v = values.detach().reshape(-1).to(torch.float32)
+        if v.numel() != hi - lo:
+            raise ValueError(
+                f"OptimizerOffload.set_master: {v.numel()} values for a master of {hi - lo} elements"
+            )
+        if self.masters_on_nvme:
+            for a in range(lo, hi, self.nvme_tile):
+                b = min(hi, a + self.nvme_tile)
+                grp.swapper.write_range(_MASTER, a, v[a - lo : b - lo])
+        else:
+            grp.master[lo:hi].copy_(v)
+        if grp.low is not None:
+            grp.low[lo:hi].copy_(v)
+        if grp.device_low is not None:
+            grp.device_low[lo:hi].copy_(grp.low[lo:hi] if grp.low is not None else v)
+
+    @torch.no_grad()
+    def sync_from_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """After ``optimizer.load_state_dict``: move the loaded states into their offloaded homes.
+
+        torch's ``load_state_dict`` replaces each ``optimizer.state[p]`` with new tensors; this
+        copies them to the host buffers / swap files and restores the views (cpu) or the
+        step-only entries (nvme).
+        """
+        for grp in self.groups:
+            for i, p in enumerate(grp.params):
+                state = dict(optimizer.state.get(p, {}))
+                lo, hi = grp.offsets[i], grp.offsets[i + 1]
+                if grp.swapper is None:
+                    mine = {"step": torch.tensor(float(state.get("step", 0.0)))}
+                    mine.update({k: v[lo:hi].view(p.shape) for k, v in grp.states.items()})
+                    optimizer.state[p] = mine
+                else:
+                    optimizer.state[p] = {"step": torch.tensor(float(state.get("step", 0.0)))}
+                tensors = {k: v for k, v in state.items() if k != "step" and torch.is_tensor(v)}
+                if tensors:
+                    self.load_state(optimizer, p, tensors)
+
+    def state_dict_with_states(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """``optimizer.state_dict()`` with the NVMe-resident states read in (a snapshot)."""
+        sd = optimizer.state_dict()
+        index = {}
+        k = 0
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                index[id(p)] = k
+                k += 1
+        for grp in self.groups:
+            if grp.swapper is None:
+                continue
+            for p in grp.params:
+                if id(p) in index:
+                    entry = dict(sd["state"].get(index[id(p)], {}))
+                    entry.update({k: v for k, v in self.state_of(optimizer, p).items() if k != "step"})
+                    sd["state"][index[id(p)]] = entry
+        return sd
 
     @torch.no_grad()
     def load_state(
@@ -420,7 +526,11 @@ class OptimizerOffload:
         g, i = self._where[id(master)]
         grp = self.groups[g]
         lo, hi = grp.offsets[i], grp.offsets[i + 1]
-        names = grp.swapper.state_names if grp.swapper is not None else tuple(grp.states)
+        names = (
+            tuple(k for k in grp.swapper.state_names if k != _MASTER)
+            if grp.swapper is not None
+            else tuple(grp.states)
+        )
         mine = optimizer.state.setdefault(master, {"step": torch.tensor(0.0)})
         for k, v in state.items():
             if k not in names:
@@ -442,7 +552,10 @@ class OptimizerOffload:
     def refresh_low_precision(self) -> None:
         """Re-derive the low-precision copies from the masters (after masters were loaded or set)."""
         for grp in self.groups:
-            if grp.low is not None:
+            if grp.low is not None and self.masters_on_nvme:
+                for lo, hi in grp.swapper.tiles():
+                    grp.low[lo:hi].copy_(grp.swapper.read_range(_MASTER, lo, hi))
+            elif grp.low is not None:
                 grp.low.copy_(grp.master)
             if grp.device_low is not None:
                 grp.device_low.copy_(grp.low if grp.low is not None else grp.master)
@@ -451,7 +564,7 @@ class OptimizerOffload:
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes of the host-side pools (and of the device-side copy-back buffers on CUDA)."""
         return {
-            "host_master_weights": _bytes(g.master for g in self.groups),
+            "host_master_weights": sum(g.master.untyped_storage().nbytes() for g in self.groups),
             "host_gradients": _bytes(g.grad for g in self.groups),
             "host_low_precision_params": _bytes(g.low for g in self.groups),
             "host_optimizer_states": _bytes(t for g in self.groups for t in g.states.values()),
@@ -502,4 +615,6 @@ def build_optimizer_offload(
         pipeline_write=bool(oo.pipeline_write),
         fast_init=bool(oo.fast_init),
         aio=aio,
+        # ZeRO-Infinity swaps the masters too; stages 1/2 keep them in CPU memory, as DeepSpeed does
+        masters_on_nvme=int(getattr(zero_config, "stage", 0)) == 3,
     )

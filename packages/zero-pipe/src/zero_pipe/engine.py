@@ -7,14 +7,25 @@ clips and applies the gradients (see [Note: pipeline gradient reduction]). The r
 one process training the whole ``nn.Sequential`` on the whole batch with a mean loss.
 
 Activations move between *virtual* stages ``v -> v + 1`` (``v = chunk * stages + stage``); each
-boundary has its own :class:`P2PChannel`, so every boundary keeps its own cached shapes.
+boundary has its own :class:`P2PChannel` (and tags), so every boundary keeps its own cached shapes.
+
+[Note: receive prefetch]
+Sends are asynchronous and receives are posted ahead of the instruction that consumes them (see
+[Note: asynchronous p2p] in ``p2p.py``): when a batch starts, the first receive of every stream
+(activations of a chunk, gradients of a chunk) whose shapes are known is posted, and whenever a
+receive completes the next one of the same stream is posted. The data of micro-batch ``i + 1``
+thus flows while micro-batch ``i`` computes. This keeps the deadlock-freedom of the compiled
+order (see [Note: deadlock-free pipeline communication]): a posted receive or a send never
+blocks, and every blocking wait is for a message its peer sends no later than in the
+rendezvous order, so the waits-for graph stays a subgraph of an acyclic one. All sends of a
+batch are waited on before ``train_batch``/``eval_batch`` return.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from zero_core.config import ZeroConfig, load_config
@@ -35,7 +46,18 @@ from zero_pipe.instructions import (
 )
 from zero_pipe.module import PipelineModule
 from zero_pipe.optimizer_step import PipelineConfigError, StageOptimizer, build_strategy, check_zero_stage
-from zero_pipe.p2p import P2PChannel, TensorMeta, as_tensors, recv_grads, send_grads
+from zero_pipe.p2p import (
+    P2PChannel,
+    Payload,
+    PendingRecv,
+    PendingSend,
+    TensorMeta,
+    activation_tag,
+    as_tensors,
+    grad_tag,
+    post_recv,
+    post_send,
+)
 from zero_pipe.schedule import (
     InferenceSchedule,
     InterleavedInferenceSchedule,
@@ -44,7 +66,24 @@ from zero_pipe.schedule import (
     TrainSchedule,
 )
 
-__all__ = ["PipelineConfigError", "PipelineEngine"]
+__all__ = ["ComputeSpan", "PipelineConfigError", "PipelineEngine"]
+
+
+class ComputeSpan(NamedTuple):
+    """One traced interval of a stage: ``kind`` is ``"F"``/``"B"`` (forward/backward compute of
+    ``chunk``) or ``"W"`` (blocked waiting for a received activation or gradient). ``start`` and
+    ``end`` are ``time.perf_counter()`` values (CLOCK_MONOTONIC, comparable across processes on
+    one host); ``cpu`` is the calling thread's CPU time over the span, so ``end - start - cpu``
+    of a compute span is time taken from it by other processes."""
+
+    kind: str
+    chunk: int
+    start: float
+    end: float
+    cpu: float
+
+
+_Compiled = tuple[list[Any], dict[int, int], list[int]]
 
 
 def _dtype_of(cfg: ZeroConfig) -> torch.dtype:
@@ -124,8 +163,12 @@ class PipelineEngine:
         self.global_samples = 0
         self._at_boundary = False
         self._channels: dict[int, P2PChannel] = {}
-        #: when a list, ``train_batch``/``eval_batch`` append (kind, chunk, start, end) per compute
-        self.trace: list[tuple[str, int, float, float]] | None = None
+        self._compiled: dict[tuple, _Compiled] = {}
+        self._posted: dict[int, PendingRecv] = {}
+        self._sends: list[PendingSend] = []
+        #: when a list, ``train_batch``/``eval_batch`` append one :class:`ComputeSpan` per forward,
+        #: backward and receive wait
+        self.trace: list[ComputeSpan] | None = None
 
     def _load_config(self, config: Mapping[str, Any] | ZeroConfig) -> ZeroConfig:
         source = f"pipeline data-parallel size (world / {self.num_stages} stages)"
@@ -335,8 +378,31 @@ class PipelineEngine:
         if ch is None:
             v_here = [self._virtual(c) for c in range(self.num_chunks)]
             peer = boundary + 1 if boundary in v_here else boundary
-            ch = self._channels[boundary] = P2PChannel(self._stage_rank(peer))
+            ch = self._channels[boundary] = P2PChannel(self._stage_rank(peer), activation_tag(boundary))
         return ch
+
+    def _compile(self, schedule: PipeSchedule) -> _Compiled:
+        """The flat instruction stream of ``schedule``, and for prefetching: the index of the next
+        receive of the same stream after each receive, and the first receive of every stream.
+        Cached: a schedule depends only on its class, sizes and stage."""
+        key = (type(schedule), schedule.micro_batches, schedule.stages, schedule.stage_id, schedule.chunks)
+        hit = self._compiled.get(key)
+        if hit is not None:
+            return hit
+        stream = [ins for step in schedule.steps() for ins in step]
+        next_same: dict[int, int] = {}
+        last: dict[tuple[type, int], int] = {}
+        first: list[int] = []
+        for i, ins in enumerate(stream):
+            if isinstance(ins, (RecvActivation, RecvGrad)):
+                k = (type(ins), ins.chunk_id)
+                if k in last:
+                    next_same[last[k]] = i
+                else:
+                    first.append(i)
+                last[k] = i
+        self._compiled[key] = (stream, next_same, first)
+        return self._compiled[key]
 
     def _run(self, schedule: PipeSchedule, training: bool) -> None:
         self._training = training
@@ -345,9 +411,61 @@ class PipelineEngine:
         self._outputs_buf: dict[int, Any] = {}
         self._grads: dict[int, list[torch.Tensor]] = {}
         self._at_boundary = False
-        for step in schedule.steps():
-            for ins in step:
-                self._INSTRUCTIONS[type(ins)](self, ins)
+        stream, self._next_same, first = self._compile(schedule)
+        self._stream = stream
+        self._posted = {}
+        self._sends = []
+        for i in first:  # See [Note: receive prefetch]
+            self._prefetch(i)
+        for i, ins in enumerate(stream):
+            self._pc = i
+            self._INSTRUCTIONS[type(ins)](self, ins)
+        for pending in self._sends:
+            pending.wait()
+        self._sends = []
+
+    def _recv_source(self, ins: Any) -> tuple[Payload | None, int, int]:
+        """(payload if known, peer rank, tag) of a RecvActivation/RecvGrad instruction."""
+        v = self._virtual(ins.chunk_id)
+        if isinstance(ins, RecvActivation):
+            ch = self._channel(v - 1)
+            return ch.payload, ch.peer, ch.tag
+        sent = self._channel(v).payload  # gradients have the shapes of the activations we sent
+        payload = None if sent is None else Payload(sent.floating(), True)
+        return payload, self._stage_rank(v + 1), grad_tag(v)
+
+    def _prefetch(self, index: int | None) -> None:
+        """Post the receive of instruction ``index`` now, if its shapes are known."""
+        if index is None or index in self._posted:
+            return
+        payload, peer, tag = self._recv_source(self._stream[index])
+        if payload is not None:
+            self._posted[index] = post_recv(payload, peer, tag)
+
+    def _received(self, post: Callable[[], PendingRecv]) -> Any:
+        """Wait for the receive of the current instruction (posted ahead or by ``post``), then
+        post the next receive of the same stream."""
+        pending = self._posted.pop(self._pc, None)
+        if pending is None:
+            pending = post()
+        if self.trace is None:
+            value = pending.wait()
+        else:
+            start, cpu = time.perf_counter(), time.thread_time()
+            value = pending.wait()
+            self.trace.append(
+                ComputeSpan(
+                    "W", self._stream[self._pc].chunk_id, start, time.perf_counter(), time.thread_time() - cpu
+                )
+            )
+        self._prefetch(self._next_same.get(self._pc))
+        return value
+
+    def _sent(self, pending: PendingSend) -> None:
+        """Keep an in-flight send alive; retire the oldest ones that are done."""
+        self._sends.append(pending)
+        while self._sends and self._sends[0].is_completed():
+            self._sends.pop(0).wait()
 
     def _next_batch(self) -> Any:
         batch = next(self.data_iterator)
@@ -377,9 +495,9 @@ class PipelineEngine:
         if self.trace is None:
             fn()
             return
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         fn()
-        self.trace.append((kind, chunk, start, time.perf_counter()))
+        self.trace.append(ComputeSpan(kind, chunk, start, time.perf_counter(), time.thread_time() - cpu))
 
     def _exec_forward(self, ins: ForwardPass) -> None:
         self._timed("F", ins.chunk_id, lambda: self._forward(ins.buffer_id, ins.chunk_id))
@@ -418,12 +536,12 @@ class PipelineEngine:
         self._labels.pop(b, None)
 
     def _exec_send_act(self, ins: SendActivation) -> None:
-        self._channel(self._virtual(ins.chunk_id)).send(self._outputs_buf[ins.buffer_id])
+        self._sent(self._channel(self._virtual(ins.chunk_id)).isend(self._outputs_buf[ins.buffer_id]))
         if not self._training:
             self._outputs_buf.pop(ins.buffer_id)
 
     def _exec_recv_act(self, ins: RecvActivation) -> None:
-        value = self._channel(self._virtual(ins.chunk_id) - 1).recv()
+        value = self._received(lambda: self._channel(self._virtual(ins.chunk_id) - 1).irecv())
         if self._training:
             tensors, _ = as_tensors(value, "RecvActivation")
             for t in tensors:
@@ -436,12 +554,17 @@ class PipelineEngine:
         grads = [
             t.grad if t.grad is not None else torch.zeros_like(t) for t in tensors if t.is_floating_point()
         ]
-        send_grads(grads, self._stage_rank(self._virtual(ins.chunk_id) - 1))
+        boundary = self._virtual(ins.chunk_id) - 1
+        self._sent(post_send(grads, self._stage_rank(boundary), grad_tag(boundary)))
 
     def _exec_recv_grad(self, ins: RecvGrad) -> None:
-        outs, _ = as_tensors(self._outputs_buf[ins.buffer_id], "RecvGrad")
-        metas = [TensorMeta(tuple(o.shape), o.dtype) for o in outs if o.is_floating_point()]
-        self._grads[ins.buffer_id] = recv_grads(metas, self._stage_rank(self._virtual(ins.chunk_id) + 1))
+        def post() -> PendingRecv:
+            outs, _ = as_tensors(self._outputs_buf[ins.buffer_id], "RecvGrad")
+            metas = tuple(TensorMeta(tuple(o.shape), o.dtype) for o in outs if o.is_floating_point())
+            v = self._virtual(ins.chunk_id)
+            return post_recv(Payload(metas, True), self._stage_rank(v + 1), grad_tag(v))
+
+        self._grads[ins.buffer_id] = list(self._received(post))
 
     def _exec_reduce_tied(self, ins: ReduceTiedGrads) -> None:
         self._at_boundary = True

@@ -5,10 +5,19 @@ actors with *rendezvous* point-to-point semantics (a send completes only when th
 receive is posted, the strictest blocking model), tracks which micro-batch each pipeline buffer
 holds, and reports deadlocks, unmatched messages, buffer clobbering, and missing or repeated
 computations. With per-op costs it also gives the makespan and the bubble (idle) fraction.
+
+``eager_sends=True`` models the engine's asynchronous transport instead (see [Note: asynchronous
+p2p] in ``p2p.py``): a send completes at once, and a receive waits until its message was sent
+(plus ``comm_cost``). ``op_costs`` replaces the uniform forward/backward costs by the measured
+duration of every computation (per stage, in execution order), so a measured run can be
+*replayed*: the idle time the schedule's dependencies alone imply given the compute the stages
+really did, which separates the bubble from transport and runtime overheads.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from zero_pipe.instructions import (
@@ -64,13 +73,24 @@ def simulate(
     forward_cost: float = 1.0,
     backward_cost: float = 2.0,
     comm_cost: float = 0.0,
+    *,
+    eager_sends: bool = False,
+    op_costs: Sequence[Sequence[float]] | None = None,
     **schedule_kwargs,
 ) -> SimResult:
-    """Run ``schedule_cls(micro_batches, stages, s, **schedule_kwargs)`` for every stage."""
+    """Run ``schedule_cls(micro_batches, stages, s, **schedule_kwargs)`` for every stage.
+
+    ``op_costs[s][k]`` is the cost of stage ``s``'s ``k``-th ForwardPass/BackwardPass (in stream
+    order); when given it overrides ``forward_cost``/``backward_cost``.
+    """
     scheds = [schedule_cls(micro_batches, stages, s, **schedule_kwargs) for s in range(stages)]
     chunks = scheds[0].chunks
     num_virtual = stages * chunks
     streams = [[ins for step in sch.steps() for ins in step] for sch in scheds]
+    if op_costs is not None:
+        _check_op_costs(op_costs, streams)
+    computed = [0] * stages
+    inbox: dict[tuple[int, int, str], deque[tuple[float, int]]] = {}
     is_train = any(isinstance(i, BackwardPass) for st in streams for i in st)
     pc = [0] * stages
     clock = [0.0] * stages
@@ -145,7 +165,8 @@ def simulate(
                 fail(s, f"{ins}: forward of micro-batch {slot.mb} run twice")
             slot.has_output = True
             done_f.add((v, slot.mb))
-            cost = forward_cost
+            cost = forward_cost if op_costs is None else op_costs[s][computed[s]]
+            computed[s] += 1
             if not is_train and v == num_virtual - 1:
                 release_if_done(s, ins.buffer_id, slot)
         elif isinstance(ins, BackwardPass):
@@ -154,7 +175,8 @@ def simulate(
                 fail(s, f"{ins}: backward of micro-batch {slot.mb} without output/gradient or run twice")
             slot.backward_done = True
             done_b.add((v, slot.mb))
-            cost = backward_cost
+            cost = backward_cost if op_costs is None else op_costs[s][computed[s]]
+            computed[s] += 1
             release_if_done(s, ins.buffer_id, slot)
         elif isinstance(ins, (ReduceGrads, OptimizerStep)):
             mine = {(vstage(s, c), i) for c in range(chunks) for i in range(micro_batches)}
@@ -166,16 +188,52 @@ def simulate(
         busy[s] += cost
         return True
 
-    while True:
-        progressed = False
+    def eager_step() -> bool:
+        """Sends complete at once into the receiver's inbox; receives take delivered messages."""
+        nonlocal messages
+        moved = False
         for s in range(stages):
-            while pc[s] < len(streams[s]) and not isinstance(
-                streams[s][pc[s]], (SendActivation, RecvActivation, SendGrad, RecvGrad)
-            ):
-                local_step(s, streams[s][pc[s]])
+            while pc[s] < len(streams[s]):
+                ins = streams[s][pc[s]]
+                if isinstance(ins, (SendActivation, SendGrad)):
+                    t, t_chunk = peer(s, ins)
+                    src = slot_of(s, ins)
+                    kind = "A" if isinstance(ins, SendActivation) else "G"
+                    if kind == "A" and not src.has_output:
+                        fail(s, f"{ins} before the forward of micro-batch {src.mb}")
+                    if kind == "G" and not src.backward_done:
+                        fail(s, f"{ins} before the backward of micro-batch {src.mb}")
+                    inbox.setdefault((t, t_chunk, kind), deque()).append((clock[s] + comm_cost, src.mb))
+                    if kind == "G" or not is_train:
+                        release_if_done(s, ins.buffer_id, src, sent_grad=True)
+                    messages += 1
+                elif isinstance(ins, (RecvActivation, RecvGrad)):
+                    kind = "A" if isinstance(ins, RecvActivation) else "G"
+                    queue = inbox.get((s, ins.chunk_id, kind))
+                    if not queue:
+                        break
+                    arrival, mb = queue.popleft()
+                    if kind == "A":
+                        slot_for_write(s, ins, mb)
+                    else:
+                        dst = slot_of(s, ins)
+                        if dst.mb != mb or not dst.has_output or dst.has_grad:
+                            fail(
+                                s,
+                                f"{ins} receives the gradient of micro-batch {mb} into micro-batch {dst.mb}",
+                            )
+                        dst.has_grad = True
+                    clock[s] = max(clock[s], arrival)
+                else:
+                    break
                 pc[s] += 1
-                progressed = True
-        # Match messages whose both ends are at the head of their streams.
+                moved = True
+        return moved
+
+    def rendezvous_step() -> bool:
+        """Match messages whose both ends are at the head of their streams."""
+        nonlocal messages
+        moved = False
         for s in range(stages):
             if pc[s] >= len(streams[s]):
                 continue
@@ -215,7 +273,19 @@ def simulate(
             pc[s] += 1
             pc[t] += 1
             messages += 1
-            progressed = True
+            moved = True
+        return moved
+
+    while True:
+        progressed = False
+        for s in range(stages):
+            while pc[s] < len(streams[s]) and not isinstance(
+                streams[s][pc[s]], (SendActivation, RecvActivation, SendGrad, RecvGrad)
+            ):
+                local_step(s, streams[s][pc[s]])
+                pc[s] += 1
+                progressed = True
+        progressed |= eager_step() if eager_sends else rendezvous_step()
         if all(pc[s] == len(streams[s]) for s in range(stages)):
             break
         if not progressed:
@@ -224,6 +294,8 @@ def simulate(
                 f"{schedule_cls.__name__}(m={micro_batches}, p={stages}) deadlocks at {heads}"
             )
 
+    if any(inbox.values()):
+        raise ScheduleError(f"messages sent but never received: {[k for k, q in inbox.items() if q]}")
     want_f = {(v, i) for v in range(num_virtual) for i in range(micro_batches)}
     if done_f != want_f:
         raise ScheduleError(f"missing forwards: {sorted(want_f - done_f)}")
@@ -239,3 +311,17 @@ def simulate(
         messages=messages,
         trace=trace,
     )
+
+
+def _check_op_costs(op_costs: Sequence[Sequence[float]], streams: list[list]) -> None:
+    if len(op_costs) != len(streams):
+        raise ValueError(
+            f"simulate: op_costs needs one sequence per stage ({len(streams)}), got {len(op_costs)}"
+        )
+    for s, (costs, stream) in enumerate(zip(op_costs, streams)):
+        n = sum(isinstance(i, (ForwardPass, BackwardPass)) for i in stream)
+        if len(costs) != n or any(not isinstance(c, (int, float)) or c < 0 for c in costs):
+            raise ValueError(
+                f"simulate: op_costs[{s}] must hold {n} non-negative numbers (one per forward/backward "
+                f"of stage {s}, in order), got {len(costs)}"
+            )

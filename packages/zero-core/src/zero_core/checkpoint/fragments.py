@@ -164,6 +164,9 @@ class CheckpointReader:
         self.tag_dir = tag_dir
         self._tables = rank_tables
         self.exclude_frozen = False  # the saver dropped frozen parameters: their absence is not an error
+        # {name a strategy asks for: name in the checkpoint}: an expert-parallel rank's local expert
+        # names -> global ones (see [Note: expert fragments] in experts.py); applying it is idempotent
+        self.aliases: dict[str, str] = {}
         self._files: dict[int, TensorFile] = {}
         self._index: dict[tuple[str, str], _Entry] = {}
         for rank, table in enumerate(rank_tables):
@@ -187,9 +190,10 @@ class CheckpointReader:
         return [n for (n, k) in self._index if k == kind]
 
     def has(self, name: str, kind: str) -> bool:
-        return (name, kind) in self._index
+        return (self.aliases.get(name, name), kind) in self._index
 
     def kinds(self, name: str) -> list[str]:
+        name = self.aliases.get(name, name)
         return [k for (n, k) in self._index if n == name]
 
     def optimizer_keys(self, name: str) -> list[str]:
@@ -208,6 +212,7 @@ class CheckpointReader:
         return self._entry(name, kind).python_scalar
 
     def _entry(self, name: str, kind: str) -> _Entry:
+        name = self.aliases.get(name, name)
         try:
             return self._index[(name, kind)]
         except KeyError:

@@ -19,6 +19,7 @@ next save of the tag finds no ``<tag>`` and simply renames its staging directory
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -31,6 +32,7 @@ import torch
 from zero_core import comm
 from zero_core.checkpoint import rng
 from zero_core.checkpoint.atomic import atomic_write_bytes, fsync_dir
+from zero_core.checkpoint.experts import check_expert_parallel_supported, global_expert_names
 from zero_core.checkpoint.format import (
     COMMIT_FILE,
     FORMAT_NAME,
@@ -107,11 +109,14 @@ def _param_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return out
 
 
+def _zero_stage(engine: Any) -> int:
+    return int(getattr(getattr(engine.config, "zero_optimization", None), "stage", 0) or 0)
+
+
 def _engine_meta(
     engine: Any, tag: str, world: int, client_state: dict[str, Any], exclude: bool
 ) -> dict[str, Any]:
     cfg = engine.config
-    zc = getattr(cfg, "zero_optimization", None)
     names = checkpoint_names(engine.module)  # global names of expert parameters (see experts.py)
     sched = getattr(engine, "lr_scheduler", None)
     sched_state = None
@@ -124,7 +129,7 @@ def _engine_meta(
         "checksum": CHECKSUM_ALGORITHM,
         "tag": tag,
         "world_size": world,
-        "zero_stage": int(getattr(zc, "stage", 0) or 0),
+        "zero_stage": _zero_stage(engine),
         "compute_dtype": dtype_name(engine.compute_dtype),
         "exclude_frozen_parameters": bool(exclude),
         "global_steps": int(engine.global_steps),
@@ -217,6 +222,7 @@ def save_checkpoint(
             f"save_checkpoint: the {type(strategy).__name__} strategy cannot be checkpointed "
             "(it has no checkpoint_fragments/load_checkpoint_fragments)"
         )
+    check_expert_parallel_supported(engine.module, _zero_stage(engine), "save_checkpoint")
     group = getattr(engine, "dp_group", None)
     on = comm.is_initialized()
     rank = comm.get_rank(group) if on else 0
@@ -232,6 +238,11 @@ def save_checkpoint(
         os.makedirs(stage_dir)
     _barrier(group)
     fragments = strategy.checkpoint_fragments(exclude_frozen_parameters=exclude_frozen_parameters)
+    # Strategies name fragments by module parameter name; expert parameters are stored under their
+    # global expert name whatever the strategy (see [Note: expert fragments]; idempotent).
+    renamed = global_expert_names(engine.module)
+    if renamed:
+        fragments = [dataclasses.replace(f, name=renamed.get(f.name, f.name)) for f in fragments]
     if rank == 0:
         fragments = fragments + buffer_fragments(engine.module)
     _write_rank(stage_dir, rank, world, fragments)

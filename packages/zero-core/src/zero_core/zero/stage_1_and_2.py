@@ -658,7 +658,7 @@ class PartitionedOptimizerStrategy:
                     state,
                     segments,
                     elementwise_numel=master.numel(),
-                    emit_scalars=self.rank == 0,
+                    emit_scalars=self._ranks[g] == 0,  # once per (expert) group
                 )
         return out
 

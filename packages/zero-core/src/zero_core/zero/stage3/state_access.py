@@ -66,7 +66,7 @@ class Stage3StateAccess:
             raise ValueError(
                 f"{where}: {param_name(p)} is frozen (requires_grad=False): it has no optimizer state"
             )
-        state = self.strategy.optimizer.state.get(m, {})
+        state = self.strategy._optimizer_state(m)  # offloaded states: read from their home
         if key not in state:
             have = sorted(state) or "none yet: states appear after the first optimizer step"
             raise KeyError(f"{where}: {param_name(p)} has no optimizer state {key!r} (available: {have})")
@@ -86,7 +86,7 @@ class Stage3StateAccess:
         st = p.zero_state
         m = self._master(p)
         if m is not None:
-            m.copy_(local)
+            self.strategy._set_master_value(m, local)
         if m is None or m.data_ptr() != st.shard.data_ptr():
             write_shard(p, local)
 
@@ -104,7 +104,7 @@ class Stage3StateAccess:
     # -- full form (collective getters) -------------------------------------------------
     def full_fp32_param(self, p: torch.nn.Parameter) -> torch.Tensor:
         m = self._master(p)
-        return self._gather(p, m if m is not None else read_shard(p))
+        return self._gather(p, self.strategy._master_value(m) if m is not None else read_shard(p))
 
     def full_grad(self, p: torch.nn.Parameter) -> torch.Tensor | None:
         self.strategy.wait_reductions()
@@ -128,12 +128,12 @@ class Stage3StateAccess:
     @torch.no_grad()
     def set_full_optimizer_state(self, p: torch.nn.Parameter, value: torch.Tensor, key: str) -> None:
         target = self._state(p, key, "safe_set_full_optimizer_state")
-        target.copy_(self._local_slice(p, value))
+        self._write_state(p, key, target, self._local_slice(p, value))
 
     # -- local form (no communication) ----------------------------------------------------
     def local_fp32_param(self, p: torch.nn.Parameter) -> torch.Tensor:
         m = self._master(p)
-        return (m if m is not None else read_shard(p)).detach().float().clone()
+        return (self.strategy._master_value(m) if m is not None else read_shard(p)).detach().float().clone()
 
     def local_grad(self, p: torch.nn.Parameter) -> torch.Tensor | None:
         self.strategy.wait_reductions()
@@ -151,7 +151,15 @@ class Stage3StateAccess:
     def set_local_optimizer_state(self, p: torch.nn.Parameter, value: torch.Tensor, key: str) -> None:
         target = self._state(p, key, "safe_set_local_optimizer_state")
         self._check_local(p, value, "safe_set_local_optimizer_state")
-        target.copy_(value.detach().reshape(target.shape))
+        self._write_state(p, key, target, value.detach().reshape(target.shape))
+
+    def _write_state(self, p: torch.nn.Parameter, key: str, target: torch.Tensor, value: torch.Tensor) -> None:
+        m = self._master(p)
+        off = self.strategy.offload
+        if off is not None and off.owns(m):  # it may live on NVMe: write it there
+            off.load_state(self.strategy.optimizer, m, {key: value.reshape(target.shape)})
+        else:
+            target.copy_(value.reshape(target.shape))
 
 
 __all__ = ["Stage3StateAccess"]

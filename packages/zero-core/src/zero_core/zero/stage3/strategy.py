@@ -189,8 +189,7 @@ class Stage3Strategy:
     def _refresh_master(self, p: torch.nn.Parameter) -> None:
         m = self.master.get(p.zero_state.id)
         if m is not None and m.data_ptr() != p.zero_state.shard.data_ptr():
-            with torch.no_grad():
-                m.copy_(read_shard(p))
+            self._set_master_value(m, read_shard(p))
 
     # -- TrainingStrategy --------------------------------------------------------------
     def before_backward(self, is_boundary: bool) -> None:
@@ -317,11 +316,29 @@ class Stage3Strategy:
         found = {id(p.zero_state.offload): p.zero_state.offload for p in self.params if p.zero_state.offload}
         return list(found.values())
 
+    # Masters may live on NVMe (See [Note: masters on NVMe] in zero_offload): read and write them
+    # through these two instead of touching the tensors.
+    def _master_value(self, m: torch.Tensor) -> torch.Tensor:
+        if self.offload is not None and self.offload.owns(m):
+            return self.offload.master_value(m)
+        return m.detach()
+
+    @torch.no_grad()
+    def _set_master_value(self, m: torch.Tensor, values: torch.Tensor) -> None:
+        if self.offload is not None and self.offload.owns(m):
+            self.offload.set_master(m, values)
+        else:
+            m.copy_(values.reshape(m.shape))
+
     def state_dict(self) -> dict[str, Any]:
         return {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self.optimizer.state_dict()
+            if self.offload is None
+            else self.offload.state_dict_with_states(self.optimizer),
             "master": [
-                self.master[p.zero_state.id].detach() for p in self.params if p.zero_state.id in self.master
+                self._master_value(self.master[p.zero_state.id])
+                for p in self.params
+                if p.zero_state.id in self.master
             ],
             "shards": [read_shard(p).detach() for p in self.params],
         }
@@ -329,11 +346,13 @@ class Stage3Strategy:
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.offload is not None:
+            self.offload.sync_from_optimizer(self.optimizer)
         for p, saved in zip(self.params, state.get("shards", [])):
             write_shard(p, saved)
         masters = [self.master[p.zero_state.id] for p in self.params if p.zero_state.id in self.master]
         for m, saved in zip(masters, state.get("master", [])):
-            m.copy_(saved)
+            self._set_master_value(m, saved)
         self.refresh_persistent()
 
     # -- optimizer offload (zero-offload; see [Note: optimizer offload hook] there) ----------
@@ -439,7 +458,7 @@ class Stage3Strategy:
                 out.append(Fragment(name, PARAM, shape, lo, hi, read_shard(p).detach()[: hi - lo]))
             if m is None:
                 continue
-            out.append(Fragment(name, FP32, shape, lo, hi, m.detach()[: hi - lo]))
+            out.append(Fragment(name, FP32, shape, lo, hi, self._master_value(m).reshape(-1)[: hi - lo]))
             out += optimizer_state_fragments(
                 name,
                 shape,
@@ -478,7 +497,9 @@ class Stage3Strategy:
             lo, hi = self._owned_range(p)
             m = self.master.get(st.id)
             if m is not None:
-                m[: hi - lo].copy_(reader.read_fp32(name, lo, hi))
+                value = self._master_value(m).reshape(-1).clone()
+                value[: hi - lo].copy_(reader.read_fp32(name, lo, hi))
+                self._set_master_value(m, value)
             if m is None or m.data_ptr() != st.shard.data_ptr():
                 if st.offload is None:
                     st.shard[: hi - lo].copy_(reader.read_module_value(name, st.shard.dtype, lo, hi))
