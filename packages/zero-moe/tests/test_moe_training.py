@@ -9,11 +9,11 @@ replicated one (ep_size=1), so both reduction paths are exercised.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-import pytest
 from zero_core.testing import run_multirank
 from zero_moe import MoE, reduce_moe_gradients, split_params_into_different_moe_groups_for_optimizer
 

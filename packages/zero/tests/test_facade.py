@@ -9,7 +9,6 @@ import pathlib
 import re
 
 import pytest
-
 import zero
 import zero._lazy as lazy
 
