@@ -33,21 +33,32 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TILE = 1 << 18  # sub_group_size (elements)
 BUFFER_COUNT = 4
+PIPELINE = False
+
+
+def tile_of(width: int) -> int:
+    """sub_group_size: one Linear layer per tile (DeepSpeed's swap buffers are sized per sub-group)."""
+    return width * width + width
 
 
 def config(variant: str, nvme: str, width: int) -> dict:
     zc = {
         "stage": 3,
-        "sub_group_size": TILE,
+        "sub_group_size": tile_of(width),
         "param_persistence_threshold": 0,
+        # one layer ahead: DeepSpeed's param swapper runs out of its buffers with the default
+        "prefetch_bucket_size": width * width + width,
+        "max_live_parameters": 3 * (width * width + width),
+        "max_reuse_distance": width * width + width,
         "offload_optimizer": {
             "device": "nvme",
             "nvme_path": nvme,
             "buffer_count": BUFFER_COUNT,
-            "pipeline_read": True,
-            "pipeline_write": True,
+            # DeepSpeed 0.19.8's PipelinedOptimizerSwapper asserts ("ran out of swap buffers") with
+            # 4-8 buffers on this model, and more would break the 4x memory bound: no pipelining
+            "pipeline_read": PIPELINE,
+            "pipeline_write": PIPELINE,
         },
     }
     if variant == "opt+param":
@@ -65,8 +76,13 @@ def config(variant: str, nvme: str, width: int) -> dict:
         "steps_per_print": 10**6,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},
         "zero_optimization": zc,
-        "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 2, "single_submit": False,
-                "overlap_events": True},
+        "aio": {
+            "block_size": 1048576,
+            "queue_depth": 8,
+            "thread_count": 2,
+            "single_submit": False,
+            "overlap_events": True,
+        },
     }
 
 
@@ -91,6 +107,7 @@ def worker(args: argparse.Namespace) -> None:
     nvme = tempfile.mkdtemp(prefix=f"{args.worker}_", dir=args.nvme)
     cfg = config(args.variant, nvme, args.width)
     model = _model(args.width, args.layers)
+    n_params = sum(p.numel() for p in model.parameters())
     x = torch.randn(8, args.width, generator=torch.Generator().manual_seed(1))
     out: dict = {"impl": args.worker, "variant": args.variant}
     if args.worker == "deepspeed":
@@ -113,10 +130,10 @@ def worker(args: argparse.Namespace) -> None:
         engine.backward(loss)
         engine.step()
         times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
+        losses.append(loss.item())
     out["times"] = times
     out["losses"] = losses
-    out["n_params"] = sum(p.numel() for p in model.parameters())
+    out["n_params"] = n_params
     if args.worker == "ours":
         off = engine.strategy.offload
         bd = engine.memory_breakdown()
@@ -158,13 +175,29 @@ def _dd(path: str, mib: int) -> tuple[float, float]:
 def _launch(impl: str, variant: str, args: argparse.Namespace) -> dict:
     py = args.ds_python if impl == "deepspeed" else sys.executable
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    cmd = [py, os.path.abspath(__file__), "--worker", impl, "--variant", variant, "--nvme", args.nvme,
-           "--steps", str(args.steps), "--width", str(args.width), "--layers", str(args.layers)]
+    cmd = [
+        py,
+        os.path.abspath(__file__),
+        "--worker",
+        impl,
+        "--variant",
+        variant,
+        "--nvme",
+        args.nvme,
+        "--steps",
+        str(args.steps),
+        "--width",
+        str(args.width),
+        "--layers",
+        str(args.layers),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
-        raise RuntimeError(f"{impl} {variant} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(line[len("RESULT "):])
+        raise RuntimeError(
+            f"{impl} {variant} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
+    return json.loads(line[len("RESULT ") :])
 
 
 def _med(xs: list[float]) -> float:
@@ -179,7 +212,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--ds-python", default="/tmp/dsvenv/bin/python")
     args = ap.parse_args()
     if args.worker is not None:
@@ -200,8 +233,11 @@ def main() -> None:
     dd_w, dd_r = _dd(args.nvme, mib)
     dd_mix = 2 / (1 / dd_w + 1 / dd_r)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    allowed = BUFFER_COUNT * TILE * 3 * 4
+    cpu = next(
+        (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?"
+    )
+    tile = tile_of(args.width)
+    allowed = BUFFER_COUNT * tile * 3 * 4
     rows = []
     for variant in ("opt", "opt+param"):
         ours = [t for r in runs[("ours", variant)] for t in r["times"][warm:]]
@@ -228,7 +264,7 @@ def main() -> None:
         f"- swap dir (same file system for both and for dd): {args.nvme}",
         f"- model: {args.layers} x Linear({args.width}, {args.width}), {n} parameters, fp32, micro-batch 8, "
         f"Adam; fp32 master+exp_avg+exp_avg_sq {12 * n / 2**20:.1f} MiB vs {allowed / 2**20:.1f} MiB allowed "
-        f"for them in CPU memory (buffer_count {BUFFER_COUNT} x tile {TILE} x 3 x 4 B): "
+        f"for them in CPU memory (buffer_count {BUFFER_COUNT} x tile {tile} x 3 x 4 B): "
         f"{12 * n / allowed:.1f}x larger",
         f"- ours, measured (opt): host_swap_buffers {mem.get('host_swap_buffers', 0) / 2**20:.1f} MiB, "
         f"host_master_weights {mem.get('host_master_weights', 0)} B, host_optimizer_states "

@@ -277,8 +277,9 @@ def _write(args, rows, loads, load_before, load_after, elapsed):
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
         ).stdout.strip()
+        mine = ["--", "packages/zero-pipe", "tools/bench/bench_pipe.py"]
         dirty = subprocess.run(
-            ["git", "status", "--porcelain"], capture_output=True, text=True
+            ["git", "status", "--porcelain", *mine], capture_output=True, text=True
         ).stdout.strip()
         commit += " (with uncommitted changes)" if dirty else ""
     except Exception:

@@ -65,6 +65,28 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x[:, :-1], x[:, 1:]
 
 
+def _deepspeed_state_bytes(opt: object) -> int:
+    """Live model-state bytes of a DeepSpeed stage-3 optimizer, each storage counted once.
+
+    Parameter shards (``fp16_partitioned_groups_flat``: views of one flat buffer), fp32 master
+    shards (DeepSpeed aliases them to the parameter shards when both are fp32), the flat gradient
+    partition buffer and the optimizer states; the attribute names are those of deepspeed 0.19.8.
+    """
+    tensors = [
+        *opt.fp16_partitioned_groups_flat,
+        *opt.fp32_partitioned_groups_flat,
+        opt.grad_partitions_flat_buffer,
+    ]
+    for st in opt.optimizer.state.values():
+        tensors += [v for v in st.values() if torch.is_tensor(v)]
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is not None and t.numel() > 0:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
 def _variant(name: str, precision: str, steps: int) -> dict:
     import torch.distributed as dist
 
@@ -115,6 +137,7 @@ def _variant(name: str, precision: str, steps: int) -> dict:
         def step_fn(s: int) -> None:
             x, y = _batch(s, rank)
             engine.backward(engine(x, y))
+            states["bytes"] = max(states["bytes"], _deepspeed_state_bytes(engine.optimizer))
             engine.step()
     elif name == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -230,6 +253,8 @@ def _run(names: list[str], steps: int, passes: int) -> tuple[dict, list[float]]:
             for name in names:
                 loads.append(os.getloadavg()[0])
                 res = _launch((name, precision, steps))
+                med = statistics.median(t for rr in res for t in rr["times"])
+                print(f"{name} {precision}: median step {med * 1e3:.0f} ms", file=sys.stderr, flush=True)
                 r = rows.setdefault(
                     (name, precision), {"times": [], "states": 0, "rss": 0, "psi": res[0]["psi"]}
                 )
@@ -306,6 +331,7 @@ def main() -> None:
         f"- {a.passes} passes; in each pass every variant and precision runs once, in turn, in its own pair of "
         f"forked ranks; {a.steps} timed steps after 1 warm-up; times pooled over both ranks and passes",
         "- model states: max over steps of live shard bytes after backward (engine.memory_breakdown()); "
+        "for deepspeed3 the same from its optimizer's live flat buffers (each storage once); "
         "theory 16Ψ/N bytes (fp32: 4+4+8, bf16: 2+2+12); '-' where no live-tensor breakdown exists",
         "- peak RSS includes the forked parent's torch import (same for all variants)",
         "",

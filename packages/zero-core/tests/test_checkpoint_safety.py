@@ -171,6 +171,34 @@ def test_corrupted_and_truncated_files_are_named(saved, tmp_path):
         _good_state(d)
 
 
+def _load_error(tmp: str) -> str:
+    from zero_core.checkpoint import CheckpointError
+
+    engine = _engine(2)
+    try:
+        engine.load_checkpoint(tmp, tag="t")
+    except CheckpointError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_engine_load_names_a_corrupted_file_on_every_rank(saved, tmp_path):
+    # the ranks split the checksumming (see [Note: shared verification]): rank 1 checks
+    # rank_00001, finds the flip, and rank 0 must fail too, naming the same file
+    d = _copy(saved, str(tmp_path / "flip"))
+    path = os.path.join(d, "t", "rank_00001.safetensors")
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 5)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x01]))
+    e0, e1 = run_multirank(_load_error, 2, args=(d,))
+    assert "rank_00001.safetensors fails its checksum" in e1, e1
+    assert "rank_00001.safetensors failed verification" in e0 and "rank 1 checked it" in e0, e0
+    (e,) = run_multirank(_load_error, 1, args=(d,))
+    assert "rank_00001.safetensors fails its checksum" in e, e
+
+
 class _Evil:
     def __init__(self, marker: str) -> None:
         self.marker = marker

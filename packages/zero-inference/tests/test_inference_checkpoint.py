@@ -145,6 +145,7 @@ def _zero_inference_worker(nvme_dir: str) -> dict[str, float | bool | int]:
         out[f"{label}_logits"] = float((engine(x).logits - want).abs().max())
         out[f"{label}_numel"] = engine.zero_partitioner.partition_numel()
         out[f"{label}_released"] = all(p.numel() == 0 for p in engine.module.model.layers.parameters())
+        engine.close()
     out["full_numel"] = sum(p.numel() for p in M.llama().model.layers.parameters())
     return out
 
@@ -174,6 +175,25 @@ def test_zero_inference_nvme_offload_single_process(tmp_path) -> None:
             x, attention_mask=torch.ones_like(x), max_new_tokens=3, do_sample=False, pad_token_id=0
         ),
     )
+
+
+def _forked_child_drops_backend(path: str) -> bool:
+    import gc
+
+    gc.collect()  # the parent's live backend (inherited) is destroyed here: must not hang
+    return True
+
+
+def test_nvme_backend_survives_fork(tmp_path) -> None:
+    from zero_core.testing import run_multirank
+    from zero_inference.nvme_offload import NvmeOffloadBackend
+
+    backend = NvmeOffloadBackend(tmp_path)
+    backend.swap_out("a", torch.ones(4))
+    del backend  # a reference cycle or a late GC would leave it alive at the fork: same effect
+    live = NvmeOffloadBackend(tmp_path / "live")
+    assert all(run_multirank(_forked_child_drops_backend, 2, args=(str(tmp_path),), timeout=60))
+    live.close()
 
 
 def test_nvme_backend_follows_the_offload_protocol(tmp_path) -> None:

@@ -54,8 +54,17 @@ def _engine(stage: int, offload: dict | None, nvme: str):
     model = Tiny()
     zc = {"stage": stage, "sub_group_size": 700}
     if offload is not None:
+        offload = dict(offload)
+        param = offload.pop("param", None)
+        if param is not None:  # stage-3 parameter offload too
+            zc["offload_param"] = {"device": param, **({"nvme_path": nvme} if param == "nvme" else {})}
         zc["offload_optimizer"] = {**offload, "nvme_path": nvme} if offload["device"] == "nvme" else offload
-    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**6, "zero_optimization": zc}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**6,
+        "zero_optimization": zc,
+    }
     engine, *_ = zero_core.initialize(
         model=model, optimizer=torch.optim.Adam(model.parameters(), lr=2e-3), config=cfg
     )
@@ -104,6 +113,8 @@ CASES = [
     (3, NVME, None),
     (3, None, CPU),
     (1, CPU, NVME),
+    (3, None, NVME),  # load into masters and states on NVMe (ZeRO-Infinity)
+    (3, {**NVME, "param": "nvme"}, {**CPU, "param": "cpu"}),
 ]
 
 

@@ -36,7 +36,9 @@ class TinyLM(nn.Module):
 
 def _data(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(500 + step)
-    return torch.randint(0, VOCAB, (2 * world, 8), generator=g), torch.randint(0, VOCAB, (2 * world, 8), generator=g)
+    return torch.randint(0, VOCAB, (2 * world, 8), generator=g), torch.randint(
+        0, VOCAB, (2 * world, 8), generator=g
+    )
 
 
 def _train(case: dict, nvme: str) -> dict:
@@ -115,7 +117,11 @@ def test_offload_low_precision_matches_non_offloaded_run(world: int, tmp_path) -
     (results, *_) = run_multirank(_run, world, args=(cases, str(tmp_path)), timeout=240)
     for k, (off_case, _) in enumerate(PAIRS):
         off, ref = results[2 * k], results[2 * k + 1]
-        assert off["dtype"] == ref["dtype"] == f"torch.{'bfloat16' if off_case['dtype'] == 'bf16' else 'float16'}"
+        assert (
+            off["dtype"]
+            == ref["dtype"]
+            == f"torch.{'bfloat16' if off_case['dtype'] == 'bf16' else 'float16'}"
+        )
         torch.testing.assert_close(
             torch.tensor(off["losses"]), torch.tensor(ref["losses"]), rtol=2e-3, atol=1e-4, msg=f"{off_case}"
         )

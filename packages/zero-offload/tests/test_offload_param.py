@@ -120,7 +120,9 @@ def _train(case: dict, nvme_root: str) -> tuple:
         "memory": memory,
         "fetches": po.fetches,
         "read_ahead_hits": po.read_ahead_hits,
-        "swap_file": None if po.swap_dir is None else str(po.swap_dir.path / f"params{len(po._files) - 1}.swp"),
+        "swap_file": None
+        if po.swap_dir is None
+        else str(po.swap_dir.path / f"params{len(po._files) - 1}.swp"),
         "shard_numel": {n: p.zero_state.shard_numel for n, p in model.named_parameters()},
     }
     info["swap_file_existed"] = info["swap_file"] is not None and os.path.exists(info["swap_file"])
@@ -168,7 +170,10 @@ def test_offload_param_matches_single_process_torch(world: int, tmp_path) -> Non
                 opts = case["param_opts"]
                 assert bd["nvme_parameters"] >= 4 * (shard_elems - opts["max_in_cpu"]), (case, bd)
                 assert bd["host_parameters"] <= 4 * opts["max_in_cpu"], (case, bd)
-                assert bd["host_param_swap_buffers"] <= opts["buffer_count"] * opts["buffer_size"] * 4, (case, bd)
+                assert bd["host_param_swap_buffers"] <= opts["buffer_count"] * opts["buffer_size"] * 4, (
+                    case,
+                    bd,
+                )
         if case["param"] == "nvme":
             assert info["swap_file_existed"] and info["read_ahead_hits"] > 0, (case, info)
         assert info["swap_removed"], case
@@ -176,3 +181,46 @@ def test_offload_param_matches_single_process_torch(world: int, tmp_path) -> Non
         for (_, s0, _), (_, s1, _) in zip(results[0], other):
             for k in s0:
                 torch.testing.assert_close(s0[k], s1[k], rtol=0, atol=0)
+
+
+def _errors(nvme_root: str) -> dict:
+    import zero_core
+    from zero_core.zero.stage3 import Init
+
+    out = {}
+    cfg = _config(dict(param="nvme", param_opts={"buffer_size": 100, "max_in_cpu": 0}), nvme_root)  # < 512
+    model = TinyLM()
+    try:
+        zero_core.initialize(model=model, optimizer=torch.optim.Adam(model.parameters()), config=cfg)
+        out["buffer_size"] = "no error"
+    except ValueError as exc:
+        out["buffer_size"] = str(exc)
+    try:
+        with Init(remote_device="nvme"):
+            TinyLM()
+        out["init"] = "no error"
+    except ValueError as exc:
+        out["init"] = str(exc)
+    # a parameter swap file removed mid-run is reported by name
+    cfg = _config(dict(param="nvme", param_opts={"max_in_cpu": 0}), nvme_root)
+    model = TinyLM()
+    engine, *_ = zero_core.initialize(model=model, optimizer=torch.optim.Adam(model.parameters()), config=cfg)
+    po = engine.strategy.param_offload
+    victim = po.swap_dir.path / "params0.swp"
+    os.remove(victim)
+    x, y = _data(0, 1)
+    try:
+        engine.backward(engine(x[:MICRO], y[:MICRO]))
+        out["removed"] = "no error"
+    except OSError as exc:
+        out["removed"] = f"{victim}|{exc}"
+    engine.destroy()
+    return out
+
+
+def test_offload_param_clear_errors(tmp_path) -> None:
+    (out,) = run_multirank(_errors, 1, args=(str(tmp_path),), timeout=60)
+    assert "offload_param.buffer_size is 100" in out["buffer_size"], out
+    assert "remote_device='nvme'" in out["init"] and "offload_param" in out["init"], out
+    victim, msg = out["removed"].split("|", 1)
+    assert victim in msg and "disappeared" in msg, out

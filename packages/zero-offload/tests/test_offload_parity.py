@@ -3,7 +3,10 @@
 Every combination of stage 1/2/3 x optimizer cpu/nvme, ratio 0.5, pipeline_read/write on and
 off and gradient accumulation runs in one launch per world size (a launch costs ~1-2 s). A
 ``sub_group_size`` of 1000 elements splits every group into several tiles, so the NVMe
-pipeline really streams (the model has ~2.9k trainable elements).
+pipeline really streams (the model has ~2.9k trainable elements). Every case also checks that
+each gradient reached host memory as its reduced bucket finished during backward (see
+[Note: gradient staging]) and none had to be copied by step(); at stage 3 with nvme the fp32
+masters are swapped with the states (see [Note: masters on NVMe]).
 """
 
 from __future__ import annotations

@@ -185,6 +185,12 @@ class InferenceEngine(nn.Module):
             self._plan = discover_plan(model, self.tp_size, cfg.injection_policy)
             apply_plan(model, self._plan, self.tp_rank, self.tp_size, group=self.tp_group)
 
+    def close(self) -> None:
+        """Release what the engine holds outside the model: ZeRO-Inference hooks and offload files."""
+        if self.zero_partitioner is not None:
+            self.zero_partitioner.close()
+            self.zero_partitioner = None
+
     @property
     def config(self) -> DeepSpeedInferenceConfig:
         return self._config

@@ -11,6 +11,9 @@ handle and completed by ``wait()``; a ``swap_in`` into a tensor the handle canno
 (not a contiguous CPU tensor) goes through a staging buffer copied in ``wait()``. zero-offload,
 when it provides an NVMe store, is the intended long-term home of this; the protocol makes the
 two interchangeable.
+
+Fork safety is zero-ops' business: see [Note: aio engines across fork] in zero_ops.aio.
+``close()`` drops the handle in the process that created it.
 """
 
 from __future__ import annotations
@@ -111,3 +114,4 @@ class NvmeOffloadBackend:
         self._files.clear()
         shutil.rmtree(self.dir, ignore_errors=True)
         self._closed = True
+        self._handle = None  # its I/O threads stop here, in the process that started them

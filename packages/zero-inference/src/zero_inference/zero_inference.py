@@ -112,6 +112,16 @@ class ZeroInferencePartitioner:
         for p, _, _, device, _, _ in self.partitions[id(layer)]:
             p.data = torch.empty(0, dtype=p.dtype, device=device)
 
+    def close(self) -> None:
+        """Remove the hooks and free the offload store (NVMe files and I/O threads)."""
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        self._prefetched.clear()
+        if self.backend is not None:
+            self.backend.close()
+            self.backend = None
+
     def partition_numel(self) -> int:
         """Elements this rank holds for the partitioned layers (on the device, CPU or NVMe)."""
         return sum(part[4] for parts in self.partitions.values() for part in parts)

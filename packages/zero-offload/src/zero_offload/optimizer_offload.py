@@ -502,6 +502,11 @@ class OptimizerOffload:
     def state_dict_with_states(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """``optimizer.state_dict()`` with the NVMe-resident states read in (a snapshot)."""
         sd = optimizer.state_dict()
+        # a snapshot: torch's state_dict shares the live tensors (``step`` is updated in place)
+        sd["state"] = {
+            k: {n: v.clone() if torch.is_tensor(v) else v for n, v in st.items()}
+            for k, st in sd["state"].items()
+        }
         index = {}
         k = 0
         for group in optimizer.param_groups:
@@ -571,6 +576,10 @@ class OptimizerOffload:
             "host_swap_buffers": self.pool.nbytes() if self.pool is not None else 0,
             "offload_device_buffers": _bytes(g.device_low for g in self.groups),
         }
+
+    def swapped_bytes_per_step(self) -> int:
+        """Bytes one optimizer step reads plus writes through the swap files (0 with device cpu)."""
+        return sum(2 * 4 * g.numel * len(g.swapper.state_names) for g in self.groups if g.swapper is not None)
 
     def owned_tensors(self) -> list[torch.Tensor]:
         """Host tensors owned here (the strategies exclude them from device-side accounting)."""

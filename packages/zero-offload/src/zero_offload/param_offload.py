@@ -72,7 +72,9 @@ class ParamOffload:
         aio: dict[str, Any] | None = None,
     ) -> None:
         if device not in ("cpu", "nvme"):
-            raise ValueError(f'zero_optimization.offload_param.device must be "cpu" or "nvme", got {device!r}')
+            raise ValueError(
+                f'zero_optimization.offload_param.device must be "cpu" or "nvme", got {device!r}'
+            )
         for name, v, lo in (
             ("buffer_count", buffer_count, 1 if device == "nvme" else 0),
             ("buffer_size", buffer_size, 1 if device == "nvme" else 0),
@@ -117,10 +119,13 @@ class ParamOffload:
     @torch.no_grad()
     def adopt(self, params: list[torch.nn.Parameter]) -> None:
         """Move the shards of ``params`` (partitioned, released) to their homes and free the device copies."""
-        new = [p for p in params if getattr(p.zero_state, "offload", None) is None]
-        for p in new:
+        for p in params:
             if not hasattr(p, "zero_state"):
-                raise TypeError("ParamOffload.adopt: parameters must be partitioned by ZeRO stage 3 first")
+                raise TypeError(
+                    f"ParamOffload.adopt: expected parameters partitioned by ZeRO stage 3 (with .zero_state), "
+                    f"got a {type(p).__name__} of shape {tuple(getattr(p, 'shape', ()))}"
+                )
+        new = [p for p in params if p.zero_state.offload is None]
         nvme_new = []
         for p in new:
             st = p.zero_state

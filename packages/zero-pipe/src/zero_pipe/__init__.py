@@ -2,7 +2,7 @@
 
 from zero_pipe.config import PipelineSectionConfig
 from zero_pipe.data import RepeatingLoader
-from zero_pipe.engine import PipelineConfigError, PipelineEngine
+from zero_pipe.engine import ComputeSpan, PipelineConfigError, PipelineEngine
 from zero_pipe.initialize import initialize_pipeline
 from zero_pipe.instructions import (
     BackwardPass,
@@ -38,6 +38,7 @@ from zero_pipe.version import __version__
 __all__ = [
     "BackwardPass",
     "BufferOpInstruction",
+    "ComputeSpan",
     "DataParallelSchedule",
     "ForwardPass",
     "InferenceSchedule",

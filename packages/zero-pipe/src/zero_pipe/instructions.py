@@ -65,11 +65,11 @@ class BackwardPass(BufferOpInstruction):
 
 
 class SendActivation(BufferOpInstruction):
-    """Send the buffer's outputs to the next stage (blocking; paired with ``RecvActivation``)."""
+    """Send the buffer's outputs to the next stage (asynchronous; paired with ``RecvActivation``)."""
 
 
 class RecvActivation(BufferOpInstruction):
-    """Receive the buffer's inputs from the previous stage (blocking; paired with ``SendActivation``)."""
+    """Receive the buffer's inputs from the previous stage (waits for them; paired with ``SendActivation``)."""
 
 
 class SendGrad(BufferOpInstruction):

@@ -1,7 +1,9 @@
 """Compile per-stage compute orders into deadlock-free instruction streams.
 
 [Note: deadlock-free pipeline communication]
-Activations and gradients move with *blocking* point-to-point ops. A schedule is described by
+The order is derived for *blocking* (rendezvous) point-to-point ops, the strictest model; the
+engine's asynchronous sends and posted receives only relax it (see [Note: receive prefetch] in
+``engine.py``). A schedule is described by
 the order in which each stage runs its forward (F) and backward (B) computations. We place
 every computation on a global clock of ticks "as soon as possible" (one computation per stage
 per tick, after its dependencies finished in an earlier tick) and transmit each message in the

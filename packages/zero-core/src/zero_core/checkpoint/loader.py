@@ -170,6 +170,11 @@ def load_checkpoint(
     meta, reader = open_checkpoint(load_dir, tag)
     reader.aliases = global_expert_names(engine.module)  # see [Note: expert fragments]
     try:
+        _verify_tensor_files(reader, getattr(engine, "dp_group", None))
+    except BaseException:
+        reader.close()
+        raise
+    try:
         strategy.load_checkpoint_fragments(
             reader,
             load_optimizer_states=load_optimizer_states and not load_module_only,
@@ -184,6 +189,43 @@ def load_checkpoint(
     finally:
         reader.close()
     return reader.tag_dir, meta.get("client_state", {})
+
+
+def _verify_tensor_files(reader: CheckpointReader, group: Any) -> None:
+    """Checksum every rank tensor file once, the files split over the loading ranks.
+
+    [Note: shared verification]
+    A rank loading a resharded or stage-0 layout reads from most rank files, and verifying each
+    file it touches would make every rank checksum (nearly) the whole checkpoint. Instead rank
+    ``i`` of ``M`` verifies files ``i, i + M, ...`` while the others do theirs, and one
+    all-reduce tells every rank the lowest-numbered bad file, so all of them raise an error
+    naming it before any tensor is copied; the reader then trusts the verified files.
+    """
+    on = comm.is_initialized() and comm.get_world_size(group) > 1
+    rank, world = (comm.get_rank(group), comm.get_world_size(group)) if on else (0, 1)
+    n = reader.world_size
+    bad, error = n, None
+    for r in range(rank, n, world):
+        table = reader.rank_table(r)
+        try:
+            verify_file(os.path.join(reader.tag_dir, table["file"]), table["file_record"])
+        except CheckpointError as e:
+            bad, error = r, e  # this rank's first bad file
+            break
+    mine = bad
+    if on:
+        flag = torch.tensor([bad], dtype=torch.int64)
+        comm.all_reduce(flag, op=comm.ReduceOp.MIN, group=group)
+        bad = int(flag.item())
+    if bad < n:
+        if error is not None and bad == mine:
+            raise error
+        path = os.path.join(reader.tag_dir, reader.rank_table(bad)["file"])
+        raise CheckpointError(
+            f"checkpoint file {path} failed verification (truncated, corrupted or modified; rank "
+            f"{bad % world} checked it and raised the details)"
+        )
+    reader.mark_verified(range(n))
 
 
 def _restore_engine(

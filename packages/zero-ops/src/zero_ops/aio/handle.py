@@ -13,6 +13,7 @@ they can be detected early and from wait() otherwise.
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any
 
 import torch
@@ -20,6 +21,32 @@ import torch
 from zero_ops import _native
 from zero_ops.aio._threadpool import ThreadPoolEngine
 from zero_ops.aio.buffers import locked_empty
+
+# [Note: aio engines across fork]
+# A fork() copies a native engine but not its worker threads, and may copy its mutex and
+# condition variables while a worker waits on them: destroying that copy in the child blocks
+# forever (pthread_cond_destroy waits for waiters that exist only in the parent). Forked
+# children (multi-rank test harnesses, DataLoader workers) therefore never destroy an engine
+# they inherited: the after-fork hook below keeps every inherited native engine alive for the
+# child's lifetime. The parent is unaffected; the child leaks only the small engine objects.
+_live_native: weakref.WeakSet[Any] = weakref.WeakSet()
+_inherited: list[Any] = []
+
+
+class _EngineRef:
+    """A weak-referenceable holder of a native engine (pybind objects are not)."""
+
+    __slots__ = ("engine", "__weakref__")
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+
+def _keep_inherited_engines_alive() -> None:
+    _inherited.extend(list(_live_native))
+
+
+os.register_at_fork(after_in_child=_keep_inherited_engines_alive)
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -86,6 +113,8 @@ class AsyncIOHandle:
             self._engine: Any = ThreadPoolEngine(*args)
         else:
             self._engine = C.AioEngine(*args, engine)
+            self._engine_ref = _EngineRef(self._engine)
+            _live_native.add(self._engine_ref)
         self._inflight: list[torch.Tensor] = []
 
     # -- DeepSpeed-style getters ---------------------------------------------------------

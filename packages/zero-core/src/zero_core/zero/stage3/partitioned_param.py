@@ -237,6 +237,15 @@ def read_shard(param: torch.nn.Parameter) -> torch.Tensor:
     return st.shard if st.offload is None else st.offload.read(param).to(st.shard.device)
 
 
+def shares_shard(master: torch.Tensor, st: PartitionState) -> bool:
+    """Whether ``master`` is the shard itself (fp32 without offload), not a separate copy.
+
+    Compares storages that hold memory: an offloaded shard and a master on NVMe both have
+    empty storages (null data pointers) while being different tensors.
+    """
+    return master.untyped_storage().nbytes() > 0 and master.data_ptr() == st.shard.data_ptr()
+
+
 @torch.no_grad()
 def write_shard(param: torch.nn.Parameter, values: torch.Tensor) -> None:
     """Set this rank's shard to ``values`` (flat, cast to the shard dtype), wherever it lives."""

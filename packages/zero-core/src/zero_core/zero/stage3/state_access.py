@@ -31,6 +31,7 @@ from zero_core.zero.stage3.partitioned_param import (
     collective_timeout,
     param_name,
     read_shard,
+    shares_shard,
     write_shard,
 )
 
@@ -87,7 +88,7 @@ class Stage3StateAccess:
         m = self._master(p)
         if m is not None:
             self.strategy._set_master_value(m, local)
-        if m is None or m.data_ptr() != st.shard.data_ptr():
+        if m is None or not shares_shard(m, st):
             write_shard(p, local)
 
     @staticmethod
@@ -153,7 +154,9 @@ class Stage3StateAccess:
         self._check_local(p, value, "safe_set_local_optimizer_state")
         self._write_state(p, key, target, value.detach().reshape(target.shape))
 
-    def _write_state(self, p: torch.nn.Parameter, key: str, target: torch.Tensor, value: torch.Tensor) -> None:
+    def _write_state(
+        self, p: torch.nn.Parameter, key: str, target: torch.Tensor, value: torch.Tensor
+    ) -> None:
         m = self._master(p)
         off = self.strategy.offload
         if off is not None and off.owns(m):  # it may live on NVMe: write it there

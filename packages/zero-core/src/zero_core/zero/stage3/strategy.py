@@ -31,6 +31,7 @@ from zero_core.zero.stage3.partitioned_param import (
     release_param,
     set_param_name,
     set_shard_dtype,
+    shares_shard,
     write_shard,
 )
 from zero_core.zero.stage3.reduce_buckets import GradBucketReducer
@@ -188,7 +189,7 @@ class Stage3Strategy:
 
     def _refresh_master(self, p: torch.nn.Parameter) -> None:
         m = self.master.get(p.zero_state.id)
-        if m is not None and m.data_ptr() != p.zero_state.shard.data_ptr():
+        if m is not None and not shares_shard(m, p.zero_state):
             self._set_master_value(m, read_shard(p))
 
     # -- TrainingStrategy --------------------------------------------------------------
@@ -243,7 +244,7 @@ class Stage3Strategy:
                 m.grad = None
             elif g is None:
                 m.grad = None
-            elif g.dtype == torch.float32 and m.data_ptr() == st.shard.data_ptr():
+            elif g.dtype == torch.float32 and shares_shard(m, st):
                 m.grad = g.mul_(grad_scale) if grad_scale != 1.0 else g
             else:
                 m.grad = g.float().mul_(grad_scale)
@@ -253,9 +254,11 @@ class Stage3Strategy:
         for p in self.params:
             st = p.zero_state
             m = self.master.get(st.id)
-            if m is not None and m.data_ptr() != st.shard.data_ptr():
+            if m is not None and not shares_shard(m, st):
                 # with optimizer offload: the low-precision copy its CPU step wrote
-                write_shard(p, self.offload.updated(m) if self.offload is not None and self.offload.owns(m) else m)
+                write_shard(
+                    p, self.offload.updated(m) if self.offload is not None and self.offload.owns(m) else m
+                )
         self.refresh_persistent()
 
     def refresh_persistent(self) -> None:
@@ -289,7 +292,7 @@ class Stage3Strategy:
             m
             for p in self.params
             if (m := self.master.get(p.zero_state.id)) is not None
-            and m.data_ptr() != p.zero_state.shard.data_ptr()
+            and not shares_shard(m, p.zero_state)
             and (off is None or not off.owns(m))
         ]
         persistent = [
@@ -452,9 +455,7 @@ class Stage3Strategy:
             lo, hi = self._owned_range(p)
             shape = tuple(st.shape)
             m = self.master.get(st.id)
-            if (
-                m is None or m.data_ptr() != st.shard.data_ptr()
-            ):  # 16-bit or frozen: the weight is not the master
+            if m is None or not shares_shard(m, st):  # 16-bit or frozen: the weight is not the master
                 out.append(Fragment(name, PARAM, shape, lo, hi, read_shard(p).detach()[: hi - lo]))
             if m is None:
                 continue
@@ -500,7 +501,7 @@ class Stage3Strategy:
                 value = self._master_value(m).reshape(-1).clone()
                 value[: hi - lo].copy_(reader.read_fp32(name, lo, hi))
                 self._set_master_value(m, value)
-            if m is None or m.data_ptr() != st.shard.data_ptr():
+            if m is None or not shares_shard(m, st):
                 if st.offload is None:
                     st.shard[: hi - lo].copy_(reader.read_module_value(name, st.shard.dtype, lo, hi))
                 else:
