@@ -21,6 +21,7 @@ Usage: python tools/bench/bench_offload.py [--nvme DIR] [--steps N] [--rounds R]
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import platform
@@ -105,6 +106,7 @@ def worker(args: argparse.Namespace) -> None:
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     nvme = tempfile.mkdtemp(prefix=f"{args.worker}_", dir=args.nvme)
+    atexit.register(shutil.rmtree, nvme, True)  # also when a run fails: never leave swap files behind
     cfg = config(args.variant, nvme, args.width)
     model = _model(args.width, args.layers)
     n_params = sum(p.numel() for p in model.parameters())
@@ -262,6 +264,7 @@ def main() -> None:
         f"- command: `OMP_NUM_THREADS=1 python tools/bench/bench_offload.py --steps {args.steps} --rounds "
         f"{args.rounds} --width {args.width} --layers {args.layers}`",
         f"- swap dir (same file system for both and for dd): {args.nvme}",
+        '- config (same JSON for both): stage 3, sub_group_size = one layer, offload_optimizer nvme buffer_count 4 with pipeline_read/write off (DeepSpeed 0.19.8\'s PipelinedOptimizerSwapper asserts "ran out of swap buffers" with 4-8 buffers on this model), offload_param nvme buffer_count 5 / buffer_size one layer / max_in_cpu 0, prefetch_bucket_size one layer, max_live_parameters three layers (its param swapper runs out of buffers with the defaults), gradient_clipping 0; both runs print the same losses',
         f"- model: {args.layers} x Linear({args.width}, {args.width}), {n} parameters, fp32, micro-batch 8, "
         f"Adam; fp32 master+exp_avg+exp_avg_sq {12 * n / 2**20:.1f} MiB vs {allowed / 2**20:.1f} MiB allowed "
         f"for them in CPU memory (buffer_count {BUFFER_COUNT} x tile {tile} x 3 x 4 B): "

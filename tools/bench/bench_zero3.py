@@ -16,7 +16,7 @@ every rank and pass. Model states per rank come from live tensors after backward
 (``engine.memory_breakdown()``: parameter, gradient, master and optimizer-state shards), against
 the ZeRO formula (4+4+8)Ψ/N for fp32 Adam and (2+2+12)Ψ/N for bf16 Adam.
 
-Run: OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_zero3.py [--steps 4] [--passes 2]
+Run: OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_zero3.py [--steps 3] [--passes 2]
      OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu /tmp/dsvenv/bin/python tools/bench/bench_zero3.py --deepspeed
 """
 
@@ -290,7 +290,7 @@ def _table(rows: dict) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--deepspeed", action="store_true")
     ap.add_argument("--out", default=str(OUT))

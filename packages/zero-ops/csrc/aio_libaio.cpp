@@ -108,9 +108,20 @@ void LibaioQueue::run(AioRequest& r, int64_t first, int64_t count, bool single_s
     if (!stop && next < end && (overlap_events || inflight == 0)) {
       batch.clear();
       while (!free_slots.empty() && next < end) {
+        const AioRequest::Block blk = r.block(next);
+        if (!blk.direct && !single_submit) {
+          // Buffered blocks would complete synchronously inside io_submit: move a run of them
+          // with one call instead (see [Note: aio backends] and [Note: runs of blocks]).
+          const int64_t moved = r.transfer_run(next, end, depth_, direct_bytes, buffered_bytes);
+          if (moved == 0) {
+            stop = true;
+            break;
+          }
+          next += moved;
+          continue;
+        }
         const int s = free_slots.back();
         free_slots.pop_back();
-        const AioRequest::Block blk = r.block(next);
         Slot& slot = slots[s];
         slot.block = next++;
         if (r.is_write) {
