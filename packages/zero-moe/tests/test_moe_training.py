@@ -67,9 +67,15 @@ class TinyMoEModel(nn.Module):
         return F.cross_entropy(self.head(x).reshape(-1, V), labels.reshape(-1)) + 0.01 * aux
 
 
-def _build(ep_sizes: tuple[int, int]) -> TinyMoEModel:
+def _build(ep_sizes: tuple[int, int], zero_init: dict | None = None) -> TinyMoEModel:
+    """The model; with ``zero_init`` (a config) built partitioned under ``zero.Init``."""
+    from contextlib import nullcontext
+
+    from zero_core.zero.stage3 import GatheredParameters, Init
+
     torch.manual_seed(0)
-    model = TinyMoEModel(ep_sizes)
+    with Init(config_dict_or_path=zero_init) if zero_init is not None else nullcontext():
+        model = TinyMoEModel(ep_sizes)
     g = torch.Generator().manual_seed(7)
     for block in model.blocks:
         states = [
@@ -78,7 +84,9 @@ def _build(ep_sizes: tuple[int, int]) -> TinyMoEModel:
         ]
         offset = block.moe.global_expert_offset
         for i, expert in enumerate(block.moe.zero_moe.experts.zero_experts):
-            expert.load_state_dict(states[offset + i])
+            # each rank writes the experts it holds (a no-op gather without zero.Init)
+            with GatheredParameters(list(expert.parameters()), modifier_rank=0):
+                expert.load_state_dict(states[offset + i])
     return model
 
 
@@ -139,18 +147,31 @@ def test_two_rank_training_matches_single_process():
 
 # The same training through zero-core's engine: it reduces expert gradients over the
 # expert-data-parallel group only (zero_core's [Note: expert parameters]) and keeps each
-# rank's own experts when it synchronises the initial weights.
-def _engine_worker(stage: int) -> list[float]:
+# rank's own experts when it synchronises the initial weights. Stage 3 partitions experts over
+# their expert-data-parallel group ([Note: stage 3 expert parameters]); nothing is persistent
+# and buckets are small, so gathers and reduce-scatters mix dense parameters and both expert
+# groups (ep_size 2: a group of one rank; ep_size 1: both ranks) and are split by group.
+def _engine_worker(stage: int, clip: float = 0.0, zero_init: bool = False) -> list[float]:
     import zero_core
+    from zero_core.zero.stage3 import GatheredParameters
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, ref = _build((2, 1)), _build((1, 1))
+    zero_opt = {"stage": stage}
+    if stage == 3:
+        zero_opt.update(
+            param_persistence_threshold=0,
+            reduce_bucket_size=3000,
+            prefetch_bucket_size=2000,
+        )
     config = {
         "train_micro_batch_size_per_gpu": BATCH,
-        "gradient_clipping": 0.0,
+        "gradient_clipping": clip,
         "steps_per_print": 1000,
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": zero_opt,
     }
+    model, ref = _build((2, 1), config if zero_init else None), _build((1, 1))
+    if zero_init:
+        _check_partition_groups(model, world)
     engine, _, _, _ = zero_core.initialize(model=model, optimizer=_optimizer(model), config=config)
     ref_opt = _optimizer(ref)
     losses = []
@@ -162,20 +183,51 @@ def _engine_worker(stage: int) -> list[float]:
         ref_opt.zero_grad()
         for r in range(world):
             (ref(*_batch(step, r)) / world).backward()
+        if clip > 0:
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+            assert ref_norm > clip  # the clipping really scales the step
+            assert abs(engine.get_global_grad_norm() - ref_norm.item()) <= 1e-5 * ref_norm.item()
         ref_opt.step()
     ref_params = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(
-            p.detach(),
-            ref_params[_ref_name(model, name)].detach(),
-            rtol=1e-5,
-            atol=1e-6,
-            msg=lambda m, name=name: f"{name}: {m}",
-        )
+    with GatheredParameters(list(model.parameters()), enabled=stage == 3):
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(
+                p.detach(),
+                ref_params[_ref_name(model, name)].detach(),
+                rtol=1e-5,
+                atol=1e-6,
+                msg=lambda m, name=name: f"{name}: {m}",
+            )
     return losses
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_engine_training_matches_single_process(stage):
     losses = run_multirank(_engine_worker, 2, args=(stage,), timeout=180)
+    assert losses[0] != losses[1]
+
+
+def _check_partition_groups(model: TinyMoEModel, world: int) -> None:
+    """Experts of the ep_size-2 layer are whole on each rank (expert-data-parallel group of one
+    rank); those of the ep_size-1 layer and dense parameters are split over both ranks."""
+    from zero_core.zero.stage3 import is_partitioned
+
+    for name, p in model.named_parameters():
+        assert is_partitioned(p), name
+        st = p.zero_state
+        expected = 1 if name.startswith("blocks.0.") and ".zero_experts." in name else world
+        assert st.world == expected, (name, st.world)
+        assert st.grad_divisor == world, name
+        assert p.zero_shard.numel() == -(-p.zero_numel // expected), name
+
+
+def test_stage3_zero_init_partitions_experts_over_their_group_and_trains():
+    losses = run_multirank(_engine_worker, 2, args=(3, 0.0, True), timeout=180)
+    assert losses[0] != losses[1]
+
+
+def test_stage3_gradient_clipping_uses_the_global_norm_over_experts():
+    # Each expert element lives in exactly one rank's shard, so the summed norm shares are the
+    # norm of the whole model's gradient (the single-process reference's clip_grad_norm_).
+    losses = run_multirank(_engine_worker, 2, args=(3, 0.05), timeout=180)
     assert losses[0] != losses[1]

@@ -62,14 +62,6 @@ int64_t AioRequest::transfer_run(int64_t b, int64_t end, int64_t max_blocks,
   const Block first = block(b);
   const Block last = block(b + n - 1);
   const int64_t len = last.file_off + last.len - first.file_off;
-#ifdef POSIX_FADV_WILLNEED
-  if (!is_write && !first.direct) {
-    // See [Note: buffered read readahead]: start the device on the next run while this one is copied.
-    const int64_t ahead = last.file_off + last.len;
-    const int64_t ahead_len = std::min(len, offset + nbytes - ahead);
-    if (ahead_len > 0) ::posix_fadvise(fd_buffered, ahead, ahead_len, POSIX_FADV_WILLNEED);
-  }
-#endif
   if (!transfer_sync(first.fd, first.buf, len, first.file_off)) return 0;
   (first.direct ? direct_bytes : buffered_bytes) += len;
   return n;

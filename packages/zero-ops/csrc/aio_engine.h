@@ -60,16 +60,18 @@ class IoError : public std::runtime_error {
 // once, which it splits into device requests that are in flight together: a single thread gets
 // the queue depth libaio gets from its window (one 1 MiB pread at a time leaves the device idle
 // between calls, 0.63-0.81 of dd's throughput measured before this). For buffered I/O it cuts
-// the per-call overhead. Buffered reads also get readahead help (see [Note: buffered read
-// readahead]). single_submit keeps one block per call.
+// the per-call overhead. single_submit keeps one block per call.
 //
 // [Note: buffered read readahead]
 // A buffered read that misses the page cache waits for the device; the kernel's readahead hides
-// that only while it recognises a sequential stream, and two workers reading two halves of a
-// request through one file description share (and reset) one readahead state. So buffered
-// reads (1) mark the request's range POSIX_FADV_SEQUENTIAL (a larger readahead window) and
-// (2) before moving a run, ask for the next run with POSIX_FADV_WILLNEED, so the device fills
-// it while this run is copied out of the page cache. Both are hints: failures are ignored.
+// that only while it sees a sequential stream, and the workers of a request read through one
+// shared file description (one readahead state): two workers reading interleaved runs looked
+// random enough to shrink readahead (threads backend, 2 workers, cold cache: 0.80 of dd). Reads
+// therefore mark the request's descriptor POSIX_FADV_SEQUENTIAL (Linux doubles its readahead
+// window; measured 1.08 of dd for the same case). A hint only: a failure changes nothing.
+// Also measured and rejected: POSIX_FADV_WILLNEED on the next run before each read (0.21 s vs
+// 0.15 s best case for 256 MiB, the hint itself blocks while it submits the I/O).
+
 enum class AioBackend { kThreads, kLibaio };
 
 // One tensor <-> file range transfer. Owns its file descriptors; they close when the last
@@ -104,9 +106,9 @@ struct AioRequest {
   // How many blocks from b on (at most max_blocks, never past end) go through the same
   // descriptor as b; see [Note: runs of blocks].
   int64_t run_length(int64_t b, int64_t end, int64_t max_blocks) const;
-  // Moves the run [b, b + run_length(b, end, max_blocks)) with one blocking call, first hinting
-  // the run after it for buffered reads (see [Note: buffered read readahead]). Returns the number
-  // of blocks moved, 0 on failure (recorded). Adds the bytes to direct_bytes or buffered_bytes.
+  // Moves the run [b, b + run_length(b, end, max_blocks)) with one blocking call. Returns the
+  // number of blocks moved, 0 on failure (recorded). Adds the bytes to direct_bytes or
+  // buffered_bytes.
   int64_t transfer_run(int64_t b, int64_t end, int64_t max_blocks, std::atomic<int64_t>& direct_bytes,
                        std::atomic<int64_t>& buffered_bytes);
   // Blocking pread/pwrite of [buf, buf+len) at file_off until done; records a failure (with

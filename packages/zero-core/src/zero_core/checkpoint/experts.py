@@ -19,16 +19,16 @@ every strategy the saver renames fragments with :func:`global_expert_names` (par
 strategies name fragments by module name; renaming is idempotent because global names of a
 rank with offset > 0 never collide with local ones), and the loader gives the reader the same
 map as ``aliases``, so a strategy asking for its local expert name reads the global one.
-Stages 1-2 partition experts over their expert-data-parallel group, so each expert is again
-written once; stage 3 has no expert groups and is refused with ``ep_size > 1``
-(:func:`check_expert_parallel_supported`).
+Stages 1-3 partition experts over their expert-data-parallel group (stage 3: see
+[Note: stage 3 expert parameters] in ``zero/stage3/expert_partition.py``) and each rank writes
+its own partition range, so each expert is again written exactly once, whatever the stage and
+``ep_size`` of the writer and of the reader.
 """
 
 from __future__ import annotations
 
 import torch
 
-from zero_core.checkpoint.format import CheckpointError
 from zero_core.engine.param_groups import is_expert_param
 from zero_core.plugins import require
 
@@ -65,24 +65,3 @@ def writes_param(p: torch.nn.Parameter, dp_rank: int) -> bool:
         return dp_rank == 0
     groups = require("zero_moe.groups", "checkpointing Mixture-of-Experts parameters")
     return groups.get_expert_data_parallel_rank(getattr(p, "group_name", "default")) == 0
-
-
-def check_expert_parallel_supported(module: torch.nn.Module, stage: int, where: str) -> None:
-    """Refuse expert parallelism (``ep_size > 1``) at ZeRO stage 3.
-
-    Stage 3 partitions every parameter over the whole data-parallel group; it has no
-    expert-data-parallel groups, so with ``ep_size > 1`` the ranks' different experts (which
-    share local names) would be mixed into one partition and a checkpoint of them would be
-    wrong. Stages 0-2 keep experts whole per expert-data-parallel group and are supported; stage
-    3 runs MoE with ``ep_size=1`` (every expert on every rank, partitioned like dense weights).
-    """
-    if stage != 3:
-        return
-    for name, layer in module.named_modules():
-        ep = getattr(layer, "ep_size", 1)
-        if isinstance(ep, int) and ep > 1 and isinstance(getattr(layer, "num_local_experts", None), int):
-            raise CheckpointError(
-                f"{where}: MoE layer {name!r} has ep_size={ep}, but ZeRO stage 3 does not keep experts "
-                "per expert-parallel rank, so its experts cannot be checkpointed correctly. Use ZeRO stage "
-                "0, 1 or 2 with expert parallelism, or ep_size=1 at stage 3."
-            )

@@ -16,7 +16,7 @@ import torch
 
 from zero_core import comm
 from zero_core.checkpoint import rng
-from zero_core.checkpoint.experts import check_expert_parallel_supported, global_expert_names
+from zero_core.checkpoint.experts import global_expert_names
 from zero_core.checkpoint.format import (
     COMMIT_FILE,
     FORMAT_NAME,
@@ -165,8 +165,6 @@ def load_checkpoint(
         raise CheckpointError(
             f"load_checkpoint: the {type(strategy).__name__} strategy cannot load checkpoints"
         )
-    stage = int(getattr(getattr(engine.config, "zero_optimization", None), "stage", 0) or 0)
-    check_expert_parallel_supported(engine.module, stage, "load_checkpoint")
     meta, reader = open_checkpoint(load_dir, tag)
     reader.aliases = global_expert_names(engine.module)  # see [Note: expert fragments]
     try:

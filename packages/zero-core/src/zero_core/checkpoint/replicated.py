@@ -65,7 +65,7 @@ def load_module_params(reader: CheckpointReader, module: torch.nn.Module, *, str
                 raise CheckpointError(
                     f"parameter {name!r}: checkpoint shape {reader.shape(name, PARAM)} != model shape {tuple(p.shape)}"
                 )
-            p.copy_(reader.read_module_value(name, p.dtype).view_as(p))
+            reader.read_module_value_into(p.detach(), name)  # See [Note: reading into place]
 
 
 def replicated_fragments(
@@ -110,7 +110,7 @@ def load_replicated(
         target = master.get(p, p)
         # Masters follow the weights even for load_module_only: a stale master would undo the load at the next step.
         if target is not p and (reader.has(name, FP32) or reader.has(name, PARAM)):
-            target.copy_(reader.read_fp32(name).view_as(target))
+            reader.read_fp32_into(target.detach(), name)
         if not load_optimizer_states or load_module_only:
             continue
         keys = reader.optimizer_keys(name)

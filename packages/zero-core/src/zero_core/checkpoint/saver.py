@@ -32,7 +32,7 @@ import torch
 from zero_core import comm
 from zero_core.checkpoint import rng
 from zero_core.checkpoint.atomic import atomic_write_bytes, fsync_dir
-from zero_core.checkpoint.experts import check_expert_parallel_supported, global_expert_names
+from zero_core.checkpoint.experts import global_expert_names
 from zero_core.checkpoint.format import (
     COMMIT_FILE,
     FORMAT_NAME,
@@ -158,7 +158,9 @@ def _write_rank(stage_dir: str, rank: int, world: int, fragments: list[Fragment]
     ]
     entries += [TensorEntry(k, tuple(t.shape), t.dtype, (lambda t=t: t)) for k, t in rng_tensors.items()]
     tensor_name = rank_tensor_name(rank)
-    nbytes, crc = write_tensor_file(os.path.join(stage_dir, tensor_name), entries)
+    # Fragments are views of the live state (and the RNG tensors are held above) until this returns,
+    # so they are checksummed while being written (see [Note: checksum overlapped with writing]).
+    nbytes, crc = write_tensor_file(os.path.join(stage_dir, tensor_name), entries, live_tensors=True)
     table = {
         "rank": rank,
         "world_size": world,
@@ -222,7 +224,6 @@ def save_checkpoint(
             f"save_checkpoint: the {type(strategy).__name__} strategy cannot be checkpointed "
             "(it has no checkpoint_fragments/load_checkpoint_fragments)"
         )
-    check_expert_parallel_supported(engine.module, _zero_stage(engine), "save_checkpoint")
     group = getattr(engine, "dp_group", None)
     on = comm.is_initialized()
     rank = comm.get_rank(group) if on else 0

@@ -44,6 +44,14 @@ _CODES: dict[torch.dtype, str] = {
     torch.bool: "BOOL",
 }
 _FROM_CODE = {v: k for k, v in _CODES.items()}
+_ITEMSIZE = {d: torch.empty((), dtype=d).element_size() for d in _CODES}
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    size = _ITEMSIZE.get(dtype)
+    return torch.empty((), dtype=dtype).element_size() if size is None else size
+
+
 _MAX_HEADER = 100 * 2**20
 
 
@@ -61,7 +69,7 @@ class TensorEntry:
         n = 1
         for d in self.shape:
             n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return n * _itemsize(self.dtype)
 
 
 def _header_bytes(entries: list[TensorEntry], metadata: dict[str, str] | None) -> bytes:
@@ -85,9 +93,11 @@ def _header_bytes(entries: list[TensorEntry], metadata: dict[str, str] | None) -
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _as_bytes(t: torch.Tensor) -> memoryview:
+def _as_bytes(t: torch.Tensor) -> tuple[memoryview, bool]:
+    """The bytes of ``t`` flattened, and whether they are ``t``'s own memory (no copy was made)."""
     flat = t.detach().to("cpu").contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
+    shared = t.device.type == "cpu" and flat.data_ptr() == t.data_ptr()
+    return memoryview(flat.view(torch.uint8).numpy()), shared
 
 
 def write_tensor_file(
@@ -96,11 +106,19 @@ def write_tensor_file(
     *,
     metadata: dict[str, str] | None = None,
     on_tensor: Callable[[TensorEntry], None] | None = None,
+    live_tensors: bool = False,
 ) -> tuple[int, int]:
-    """Write ``entries`` atomically to ``path``, one tensor in memory at a time; returns (bytes, crc32)."""
+    """Write ``entries`` atomically to ``path``, one tensor in memory at a time; returns (bytes, crc32).
+
+    ``live_tensors`` promises that each produced tensor is (a view of) memory that outlives this
+    call unmodified, e.g. the training state being saved: the CRC of such tensors is then computed
+    by a helper thread while the file is written (see [Note: checksum overlapped with writing] in
+    ``atomic.py``).
+    Tensors produced as temporaries (a copy to CPU) are checksummed as they are written either way.
+    """
     entries = list(entries)
-    with AtomicWriter(path) as w:
-        w.write(_header_bytes(entries, metadata))
+    with AtomicWriter(path, defer_checksum=live_tensors) as w:
+        w.write(_header_bytes(entries, metadata), stable=True)  # bytes are immutable
         for e in entries:
             t = e.produce()
             if tuple(t.shape) != tuple(e.shape) or t.dtype != e.dtype:
@@ -109,7 +127,9 @@ def write_tensor_file(
                     f"{tuple(t.shape)} {t.dtype}"
                 )
             if t.numel():
-                w.write(_as_bytes(t))
+                data, shared = _as_bytes(t)
+                w.write(data, stable=live_tensors and shared)
+                del data
             del t
             if on_tensor is not None:
                 on_tensor(e)
@@ -170,7 +190,7 @@ class TensorFile:
                 if d < 0:
                     raise self._bad(f"entry {name!r} has a negative dimension")
                 numel *= d
-            if hi - lo != numel * torch.empty((), dtype=dtype).element_size() or lo < 0 or hi > data_size:
+            if hi - lo != numel * _itemsize(dtype) or lo < 0 or hi > data_size:
                 raise self._bad(
                     f"entry {name!r} claims bytes [{lo}, {hi}) of a {data_size}-byte data section for shape "
                     f"{list(shape)} {info['dtype']} (truncated?)"
@@ -193,16 +213,39 @@ class TensorFile:
 
     def read(self, name: str, lo: int = 0, hi: int | None = None) -> torch.Tensor:
         """Elements ``[lo, hi)`` of the flattened tensor ``name`` as a new 1-D tensor."""
-        dtype, shape, start, end = self._entry(name)
-        item = torch.empty((), dtype=dtype).element_size()
-        numel = (end - start) // item
+        dtype, _, start, end = self._entry(name)
+        numel = (end - start) // _itemsize(dtype)
         hi = numel if hi is None else hi
         if not 0 <= lo <= hi <= numel:
             raise CheckpointError(
                 f"{self.path}: range [{lo}, {hi}) is outside tensor {name!r} of {numel} elements"
             )
         out = torch.empty(hi - lo, dtype=dtype)
-        buf = memoryview(out.view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+        self.read_into(out, name, lo)
+        return out
+
+    def read_into(self, out: torch.Tensor, name: str, lo: int = 0) -> None:
+        """Fill ``out`` with elements ``[lo, lo + out.numel())`` of tensor ``name``, straight from the file.
+
+        ``out`` must be a contiguous CPU tensor of the stored dtype: the bytes go from the page
+        cache into it with no intermediate buffer (see [Note: reading into place] in fragments.py).
+        """
+        dtype, _, start, end = self._entry(name)
+        if out.dtype != dtype or out.device.type != "cpu" or not out.is_contiguous():
+            raise CheckpointError(
+                f"{self.path}: cannot read {name!r} ({dtype}) into a {out.dtype} tensor on {out.device} "
+                f"(contiguous: {out.is_contiguous()}); pass a contiguous CPU tensor of the stored dtype"
+            )
+        item = _itemsize(dtype)
+        numel = (end - start) // item
+        hi = lo + out.numel()
+        if not 0 <= lo <= hi <= numel:
+            raise CheckpointError(
+                f"{self.path}: range [{lo}, {hi}) is outside tensor {name!r} of {numel} elements"
+            )
+        if not out.numel():
+            return
+        buf = memoryview(out.view(-1).view(torch.uint8).numpy())
         offset = self._data_start + start + lo * item
         while len(buf):
             k = os.preadv(self._fd, [buf], offset)
@@ -210,7 +253,6 @@ class TensorFile:
                 raise self._bad(f"unexpected end of file reading {name!r} (truncated?)")
             buf = buf[k:]
             offset += k
-        return out
 
     def read_tensor(self, name: str) -> torch.Tensor:
         """The whole tensor ``name`` with its shape."""

@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -70,6 +71,25 @@ def install_param_dict(module: torch.nn.Module) -> None:
         module._parameters = ZeroParamDict(module._parameters)
 
 
+def _output_leaves(output: Any) -> list[Any]:
+    """The leaves of a module's output: pytree containers and dataclass fields, recursively.
+
+    Dataclass outputs (zero-moe's gate returns one) must be looked into: a module whose
+    output tensors are missed gets no pre-backward hook, so its parameters would not be
+    gathered for its backward.
+    """
+    out: list[Any] = []
+    todo = [output]
+    while todo:
+        leaves, _ = tree_flatten(todo.pop())
+        for leaf in leaves:
+            if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+                todo.extend(getattr(leaf, f.name) for f in dataclasses.fields(leaf))
+            else:
+                out.append(leaf)
+    return out
+
+
 class Stage3Hooks:
     """Installs and runs the hooks of [Note: stage 3 hooks] for one root module."""
 
@@ -115,7 +135,7 @@ class Stage3Hooks:
         self.coordinator.fetch(module, "forward")
 
     def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
-        leaves, _ = tree_flatten(output)
+        leaves = _output_leaves(output)
         returned = [t for t in leaves if isinstance(t, torch.nn.Parameter) and hasattr(t, "zero_state")]
         if self.stack and self.stack[-1] is module:
             self.stack.pop()

@@ -10,7 +10,18 @@ construction (``self.child.weight.data.normal_()``, ``named_parameters()`` insid
 function) gets it gathered on access; it is re-partitioned, with rank 0's value, when the
 ``__init__`` (or ``apply`` function) that touched it returns. With ``override_module_apply``
 ``Module.apply`` gathers each module's parameters around the function the same way.
-``Init(module=m)`` partitions an already-built model. Peak growth during construction is thus
+``Init(module=m)`` partitions an already-built model.
+
+Modules made without running their ``__init__`` (deep copies: an MoE layer's experts are
+copies of the expert module) and parameters a parent assigns to a child are caught by the
+enclosing ``__init__``: when it returns, every not-yet-partitioned parameter of its subtree is
+partitioned, except that a container's (``ModuleList``, ``Sequential``, ...) ``__init__``
+handles its own parameters only, because its parent may still change what it holds. That
+matters for expert parameters, which are partitioned over their expert-data-parallel group
+(see [Note: stage 3 expert parameters]): zero-moe's ``Experts`` puts its copies in a
+``ModuleList`` and tags them as experts afterwards, and an expert parameter whose expert groups
+do not exist yet (an MoE layer creates them after its experts) is left to an enclosing
+``__init__`` (the layer's) or to the strategy. Peak growth during construction is thus
 about model/N + the largest submodule's parameters (measured in fresh processes by
 ``tests/test_stage3_init_memory.py``: 322 MiB for a 512 MiB model of 64 MiB layers at N = 2).
 
@@ -33,6 +44,7 @@ from typing import Any
 import torch
 
 from zero_core import comm
+from zero_core.zero.stage3.expert_partition import expert_group_exists, partition_group
 from zero_core.zero.stage3.hooks import _ON_ACCESS_OUTSIDE_FORWARD, install_param_dict
 from zero_core.zero.stage3.partitioned_param import (
     ParamStatus,
@@ -42,6 +54,17 @@ from zero_core.zero.stage3.partitioned_param import (
     partition_param,
     release_param,
     shard_from_full,
+)
+
+
+# Containers hold modules their parent is still building (and may still tag): their
+# ``__init__`` leaves deep-copied children to the parent's. See [Note: stage 3 construction].
+_CONTAINERS = (
+    torch.nn.ModuleList,
+    torch.nn.ModuleDict,
+    torch.nn.Sequential,
+    torch.nn.ParameterList,
+    torch.nn.ParameterDict,
 )
 
 
@@ -118,8 +141,7 @@ class Init:
         self._patched: list[tuple[type, str, Any]] = []
         self._dirty: dict[int, torch.nn.Parameter] = {}
         if self.enabled and module is not None:
-            for m in module.modules():
-                self._convert(m)
+            self._convert(module)
 
     def _param_offload(self, zc: Any, remote_device: str | None) -> Any:
         """zero-offload's ParamOffload for ``remote_device`` "cpu"/"nvme" when offload_param asks for it."""
@@ -142,8 +164,18 @@ class Init:
     # -- partitioning --------------------------------------------------------------------
     @torch.no_grad()
     def _convert(self, module: torch.nn.Module) -> None:
+        # See [Note: stage 3 construction]: a container converts its own parameters only, any
+        # other module its whole subtree (deep copies, parameters assigned to a child).
+        if isinstance(module, _CONTAINERS):
+            self._convert_own(module)
+            return
+        for m in module.modules():
+            self._convert_own(m)
+
+    @torch.no_grad()
+    def _convert_own(self, module: torch.nn.Module) -> None:
         for p in list(module._parameters.values()):
-            if p is None or is_partitioned(p):
+            if p is None or is_partitioned(p) or not expert_group_exists(p):
                 continue
             if self.dtype is not None and p.dtype.is_floating_point and p.dtype != self.dtype:
                 p.data = p.data.to(self.dtype)
@@ -151,7 +183,9 @@ class Init:
                 p.data = p.data.to("cpu")
             if self.pin_memory and torch.cuda.is_available():
                 p.data = p.data.pin_memory()
-            partition_param(p, self.group, broadcast_from=0)
+            # experts over their expert-data-parallel group: See [Note: stage 3 expert parameters]
+            group, grad_divisor = partition_group(p, self.group)
+            partition_param(p, group, broadcast_from=0, grad_divisor=grad_divisor)
             if self.param_offload is not None:
                 self.param_offload.adopt([p])  # See [Note: parameter offload] in zero_offload
         install_param_dict(module)
@@ -161,7 +195,7 @@ class Init:
         st = p.zero_state
         if st.status is ParamStatus.AVAILABLE or st.id in self._dirty:
             return
-        handle = gather_params([p], self.group, what="access during zero.Init construction")
+        handle = gather_params([p], what="access during zero.Init construction")
         if handle is not None:
             handle.wait()
         st.holds += 1

@@ -143,9 +143,10 @@ class PartitionState:
         "active",
         "empty",
         "offload",
+        "grad_divisor",
     )
 
-    def __init__(self, param: torch.nn.Parameter, group: Any) -> None:
+    def __init__(self, param: torch.nn.Parameter, group: Any, grad_divisor: int | None = None) -> None:
         with _LOCK:
             self.id = _NEXT_ID[0]
             _NEXT_ID[0] += 1
@@ -165,6 +166,9 @@ class PartitionState:
         self.active = 0  # modules currently running that use it
         self.empty = torch.empty(0, dtype=param.dtype, device=param.device)
         self.offload: Any = None  # zero-offload's ParamOffload; see [Note: offloaded shards]
+        # The summed gradient is divided by this: the group size, or for an expert parameter the
+        # whole data-parallel world size (see [Note: stage 3 expert parameters]).
+        self.grad_divisor = self.world if grad_divisor is None else grad_divisor
 
 
 def is_partitioned(param: Any) -> bool:
@@ -175,13 +179,28 @@ def _full_view(st: PartitionState) -> torch.Tensor:
     return st.full[: st.numel].view(st.shape)
 
 
-def partition_param(param: torch.nn.Parameter, group: Any = None, *, broadcast_from: int | None = 0) -> None:
-    """Turn a full parameter into its 1/N shard, in place (values broadcast from ``broadcast_from``)."""
+def partition_param(
+    param: torch.nn.Parameter,
+    group: Any = None,
+    *,
+    broadcast_from: int | None = 0,
+    grad_divisor: int | None = None,
+) -> None:
+    """Turn a full parameter into its 1/N shard over ``group``, in place.
+
+    Values are broadcast from group rank ``broadcast_from`` (None: keep each rank's own).
+    ``grad_divisor`` is what the gradient summed over ``group`` is divided by (default: the
+    group size; see [Note: stage 3 expert parameters] for why experts differ).
+    """
     if not isinstance(param, torch.nn.Parameter):
         raise TypeError(f"partition_param: expected a torch.nn.Parameter, got {type(param).__name__}")
+    if grad_divisor is not None and (
+        isinstance(grad_divisor, bool) or not isinstance(grad_divisor, int) or grad_divisor < 1
+    ):
+        raise ValueError(f"partition_param: grad_divisor must be an int >= 1 or None, got {grad_divisor!r}")
     if is_partitioned(param):
         return
-    st = PartitionState(param, group)
+    st = PartitionState(param, group, grad_divisor)
     data = param.data
     if broadcast_from is not None and st.world > 1:
         data = data.contiguous()
@@ -345,19 +364,44 @@ class GatherHandle:
         self._recv = None
 
 
-def gather_params(
-    params: Iterable[torch.nn.Parameter], group: Any = None, what: str = ""
-) -> GatherHandle | None:
-    """Start gathering the released parameters among ``params`` (one bucket, one collective).
+class GroupedGatherHandle:
+    """Several :class:`GatherHandle` (one per process group) waited for as one."""
 
-    All ranks must call this with the same parameters in the same order. Returns None when
-    nothing needed gathering.
+    def __init__(self, handles: list[GatherHandle]) -> None:
+        self.handles = handles
+        self.params = [p for h in handles for p in h.params]
+
+    @property
+    def done(self) -> bool:
+        return all(h.done for h in self.handles)
+
+    def wait(self) -> None:
+        for h in self.handles:
+            h.wait()
+
+
+def gather_params(
+    params: Iterable[torch.nn.Parameter], what: str = ""
+) -> GatherHandle | GroupedGatherHandle | None:
+    """Start gathering the released parameters among ``params`` (one collective per group).
+
+    Each parameter is gathered over the group it is partitioned over: one all-gather for the
+    bucket, or one per group when it mixes dense and expert parameters (launched in order of
+    first appearance; see [Note: stage 3 expert parameters]). All ranks must call this with the
+    same parameters in the same order. Returns None when nothing needed gathering.
     """
     todo = [p for p in params if p.zero_state.status is ParamStatus.NOT_AVAILABLE]
     if not todo:
         return None
-    if group is None:
-        group = todo[0].zero_state.group
+    by_group: dict[int, list[torch.nn.Parameter]] = {}
+    for p in todo:
+        by_group.setdefault(id(p.zero_state.group), []).append(p)
+    if len(by_group) == 1:
+        return _gather_group(todo, todo[0].zero_state.group, what)
+    return GroupedGatherHandle([_gather_group(ps, ps[0].zero_state.group, what) for ps in by_group.values()])
+
+
+def _gather_group(todo: list[torch.nn.Parameter], group: Any, what: str) -> GatherHandle:
     label = f"all-gather of {[param_name(p) for p in todo[:4]]}" + (f" ({what})" if what else "")
     world = todo[0].zero_state.world
     offsets, chunk = [], 0

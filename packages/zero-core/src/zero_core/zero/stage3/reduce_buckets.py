@@ -14,7 +14,9 @@ buffer of shape ``(N, s1 + ... + sk)`` whose row r holds chunk r of every parame
 flat gradient, side by side. ``reduce_scatter_tensor`` hands rank r the sum of row r over the
 ranks, which is exactly its shard of every parameter in the bucket, contiguous. The buffer
 is divided by N before the sum (keeps fp16 in range; exact for power-of-two N), as stages 1
-and 2 do (see [Note: partitioned gradient reduction]).
+and 2 do (see [Note: partitioned gradient reduction]); expert parameters are divided by the
+whole data-parallel world size instead (their ``grad_divisor``; see
+[Note: stage 3 expert parameters]), and a bucket never mixes parameters of different groups.
 
 Ordering: every rank runs the same backward graph, so the hooks fire in the same order and
 buckets are cut at the same parameters; buckets are launched strictly in that order, and
@@ -94,7 +96,12 @@ class GradBucketReducer:
         b = self._filling
         if b.params:
             first = b.params[0].zero_state
-            if self._grads[0].dtype != grad.dtype or first.group is not st.group or first.world != st.world:
+            if (
+                self._grads[0].dtype != grad.dtype
+                or first.group is not st.group
+                or first.world != st.world
+                or first.grad_divisor != st.grad_divisor  # See [Note: stage 3 expert parameters]
+            ):
                 self.flush()
                 b = self._filling
         b.params.append(param)
@@ -124,10 +131,13 @@ class GradBucketReducer:
         more = f" and {len(b.params) - 4} more" if len(b.params) > 4 else ""
         b.what = f"reduce-scatter of the gradients of {names}{more}"
         self.launched += 1
+        if st0.grad_divisor != 1:
+            # the group size, or the data-parallel world size for experts even when their
+            # expert-data-parallel group is a single rank (See [Note: stage 3 expert parameters])
+            buf.div_(st0.grad_divisor)
         if world == 1:
             b.out = buf.view(-1)
         else:
-            buf.div_(world)
             check_agreement(1, b.params, buf.numel() * buf.element_size(), st0.group, b.what)
             b.out = torch.empty(b.total, dtype=dtype, device=device)
             b.buffer = buf

@@ -1,6 +1,7 @@
 """ZeRO stage 3 as a :class:`~zero_core.engine.strategy.TrainingStrategy`.
 
-Each rank owns 1/N of every parameter (see [Note: stage 3 parameter layout]), of its gradient
+Each rank owns 1/N of every parameter (see [Note: stage 3 parameter layout]; expert
+parameters 1/N of the expert-data-parallel group, see [Note: stage 3 expert parameters]), of its gradient
 (reduce-scattered in buckets as soon as it is produced, see [Note: stage 3 hooks] and
 [Note: stage 3 gradient buckets]) and of the optimizer
 state: the client optimizer's ``param_groups`` are rebound to fp32 *master shards*, one per
@@ -19,6 +20,8 @@ from typing import Any
 import torch
 
 from zero_core import comm
+from zero_core.engine.param_groups import is_expert_param
+from zero_core.zero.stage3.expert_partition import partition_group
 from zero_core.zero.stage3.gathered_parameters import SHARD_CHANGED, GatheredParameters
 from zero_core.zero.stage3.hooks import Stage3Hooks
 from zero_core.zero.stage3.param_coordinator import ParamCoordinator
@@ -136,13 +139,18 @@ class Stage3Strategy:
     @torch.no_grad()
     def _partition_and_make_masters(self) -> None:
         for p in self.params:
+            # experts over their expert-data-parallel group: See [Note: stage 3 expert parameters]
+            group, grad_divisor = partition_group(p, self.group)
             if not is_partitioned(p):
-                partition_param(p, self.group, broadcast_from=0)
+                partition_param(p, group, broadcast_from=0, grad_divisor=grad_divisor)
             st = p.zero_state
-            if st.group is not self.group and comm.get_world_size(self.group) != st.world:
+            if (st.group is not group and comm.get_world_size(group) != st.world) or (
+                st.grad_divisor != grad_divisor
+            ):
+                kind = "expert-data-parallel" if is_expert_param(p) else "data-parallel"
                 raise ValueError(
                     "Stage3Strategy: a parameter was partitioned by zero.Init over a group of "
-                    f"{st.world} ranks but the engine's data-parallel group has {comm.get_world_size(self.group)}"
+                    f"{st.world} ranks but its {kind} group in the engine has {comm.get_world_size(group)}"
                 )
             if not p.requires_grad:
                 set_shard_dtype(p, self.dtype)
