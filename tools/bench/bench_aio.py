@@ -14,7 +14,8 @@ Like for like, in one run, on one file, 1 MiB per I/O call for every tool:
     tensor" (single thread, one os.preadv of 1 MiB per call, no engine) is that copy's floor.
 Every write is followed by an fsync-equivalent (dd conv=fdatasync, fio --end_fsync=1, os.fsync)
 so all sides include getting the data to the device. zero_ops runs on each backend it has here
-(libaio, threads). Each round runs every variant once; the order rotates between rounds.
+(libaio, threads). Each round runs every variant once, in phases (writes, direct reads, cold
+reads, hot reads; see [phases]); the order within a phase rotates between rounds.
 """
 
 from __future__ import annotations
@@ -119,64 +120,87 @@ def main() -> None:
         return seconds
 
     count = f"count={args.mib}"
+    dd_read = [f"if={path}", "of=/dev/null", "bs=1M"]
 
-    def dd_variants() -> None:
-        add("write direct: dd bs=1M oflag=direct conv=fdatasync",
-            dd(["if=/dev/zero", f"of={path}", "bs=1M", count, "oflag=direct", "conv=fdatasync"]))  # fmt: skip
-        add("read direct: dd bs=1M iflag=direct", dd([f"if={path}", "of=/dev/null", "bs=1M", "iflag=direct"]))
-        add("write buffered: dd bs=1M conv=fdatasync",
-            dd(["if=/dev/zero", f"of={path}", "bs=1M", count, "conv=fdatasync"]))  # fmt: skip
+    # [phases] A round runs four phases, each variant once per phase in an order that rotates
+    # between rounds: writes, then direct reads, cold buffered reads and hot buffered reads of the
+    # file the last writer left. Reading right after one's own write + fsync measured 0.51-0.59 of
+    # dd for direct reads that reach 1.2-1.4 of dd on a settled file (the device is still busy
+    # with the write), so no read variant follows its own write.
+    def zero_ops_write(key: tuple[str, int, bool]) -> None:
+        b, t, direct = key
+        if os.path.exists(path):
+            os.unlink(path)
+        t0 = time.perf_counter()
+        handles[key].async_pwrite(buf, path)
+        handles[key].wait()
+        _fsync(path)
+        mode = "direct" if direct else "buffered"
+        add(f"write {mode}: zero_ops {b}, {t} thread(s), qd 8 (+fsync)", time.perf_counter() - t0)
+
+    def zero_ops_row(key: tuple[str, int, bool]) -> str:
+        return f"zero_ops {key[0]}, {key[1]} thread(s), qd 8"
+
+    writes = [
+        lambda: add("write direct: dd bs=1M oflag=direct conv=fdatasync",
+                    dd(["if=/dev/zero", f"of={path}", "bs=1M", count, "oflag=direct", "conv=fdatasync"])),
+        lambda: add("write buffered: dd bs=1M conv=fdatasync",
+                    dd(["if=/dev/zero", f"of={path}", "bs=1M", count, "conv=fdatasync"])),
+    ]  # fmt: skip
+    if have_fio:
+        writes.append(
+            lambda: add("write direct: fio libaio iodepth=8 bs=1M (+fsync)", fio(path, "write", args.mib))
+        )
+    writes += [lambda k=k: zero_ops_write(k) for k in handles]
+
+    direct_reads = [lambda: add("read direct: dd bs=1M iflag=direct", dd([*dd_read, "iflag=direct"]))]
+    if have_fio:
+        direct_reads.append(
+            lambda: add("read direct: fio libaio iodepth=8 bs=1M", fio(path, "read", args.mib))
+        )
+    direct_reads += [
+        lambda k=k: add(f"read direct: {zero_ops_row(k)}", zero_ops_read(handles[k])) for k in handles if k[2]
+    ]
+
+    def cold(name: str, fn) -> None:
         evict()
         check_evicted()
-        add("read buffered cold: dd bs=1M", dd([f"if={path}", "of=/dev/null", "bs=1M"]))
+        add(f"read buffered cold: {name}", fn())
 
-    def fio_variants() -> None:
-        add("write direct: fio libaio iodepth=8 bs=1M (+fsync)", fio(path, "write", args.mib))
-        add("read direct: fio libaio iodepth=8 bs=1M", fio(path, "read", args.mib))
-
-    def zero_ops_variants(key: tuple[str, int, bool]) -> None:
-        b, t, direct = key
-        h = handles[key]
-        mode = "direct" if direct else "buffered"
-        os.unlink(path)
-        t0 = time.perf_counter()
-        h.async_pwrite(buf, path)
-        h.wait()
-        _fsync(path)
-        add(f"write {mode}: zero_ops {b}, {t} thread(s), qd 8 (+fsync)", time.perf_counter() - t0)
-        name = f"zero_ops {b}, {t} thread(s), qd 8"
-        if direct:
-            add(f"read direct: {name}", zero_ops_read(h))
-        else:
-            evict()
-            add(f"read buffered cold: {name}", zero_ops_read(h))
+    cold_reads = [lambda: cold("dd bs=1M", lambda: dd(dd_read))]
+    cold_reads += [
+        lambda k=k: cold(zero_ops_row(k), lambda: zero_ops_read(handles[k])) for k in handles if not k[2]
+    ]
 
     # [hot reads] The first two reads of a page after it enters the page cache are slower than
     # later ones (the second one moves it to the active LRU list): measured 0.0074 s vs 0.0023 s
-    # for dd on 32 MiB. So the hot phase of a round first reads the file twice, untimed, and then
-    # times every hot variant on the same, settled page cache.
-    def hot_dd() -> None:
-        add("read buffered hot: dd bs=1M", dd([f"if={path}", "of=/dev/null", "bs=1M"]))
+    # for dd on 32 MiB. So the hot phase first reads the file twice, untimed, and then times
+    # every hot variant on the same, settled page cache.
+    hot_reads = [
+        lambda: add("read buffered hot: dd bs=1M", dd(dd_read)),
+        lambda: add("read buffered hot: pread loop into the tensor, 1 MiB per call", pread_loop()),
+        lambda: add(
+            f"read buffered hot: dd bs={args.mib}M count=1 (one read into a fresh buffer of the tensor's size)",
+            dd([*dd_read, f"bs={args.mib}M", "count=1"]),
+        ),
+    ]
+    hot_reads += [
+        lambda k=k: add(f"read buffered hot: {zero_ops_row(k)}", zero_ops_read(handles[k]))
+        for k in handles
+        if not k[2]
+    ]
 
-    def hot_pread_loop() -> None:
-        add("read buffered hot: pread loop into the tensor, 1 MiB per call", pread_loop())
-
-    def hot_zero_ops(key: tuple[str, int, bool]) -> None:
-        b, t, _ = key
-        add(f"read buffered hot: zero_ops {b}, {t} thread(s), qd 8", zero_ops_read(handles[key]))
-
-    variants = [dd_variants] + ([fio_variants] if have_fio else [])
-    variants += [lambda k=k: zero_ops_variants(k) for k in handles]
-    hot_variants = [hot_dd, hot_pread_loop] + [lambda k=k: hot_zero_ops(k) for k in handles if not k[2]]
     load_start = os.getloadavg()
     try:
-        for rnd in range(args.reps):  # round-robin: every variant once per round, rotating order
-            for group in (variants, hot_variants):
-                if group is hot_variants:
+        for rnd in range(args.reps):  # See [phases].
+            for phase in (writes, direct_reads, cold_reads, hot_reads):
+                if os.path.exists(path):
+                    _fsync(path)  # nothing of the last write left to flush during the next phase
+                if phase is hot_reads:
                     for _ in range(2):
-                        dd([f"if={path}", "of=/dev/null", "bs=1M"])  # See [hot reads] above.
-                shift = rnd % len(group)
-                for run in group[shift:] + group[:shift]:
+                        dd(dd_read)  # See [hot reads].
+                shift = rnd % len(phase)
+                for run in phase[shift:] + phase[:shift]:
                     run()
             assert all(h.direct_bytes() > 0 for (_, _, d), h in handles.items() if d)
     finally:
@@ -211,8 +235,17 @@ def main() -> None:
 
     def base(name: str) -> float:
         prefix = name.split(":")[0]  # e.g. "read buffered cold": dd's row of the same kind
-        key = next(k for k in results if k.startswith(f"{prefix}: dd"))
+        key = next(k for k in results if k.startswith(f"{prefix}: dd bs=1M"))
         return statistics.median(results[key])
+
+    floor_key = next(k for k in results if "pread loop" in k)
+
+    def vs_floor(name: str, med: float) -> str:
+        return (
+            f"{statistics.median(results[floor_key]) / med:.2f}"
+            if name.startswith("read buffered hot")
+            else ""
+        )
 
     lines = [
         "# Async I/O sequential throughput",
@@ -228,16 +261,17 @@ def main() -> None:
         f"- file size {args.mib} MiB; median of {args.reps} rounds (spread min..max), variants round-robin;",
         "  'vs dd' = dd's median time / this row's median time, same direction and mode (direct, "
         "buffered cold, buffered hot)",
+        "  'vs copy floor' (hot reads only) = the pread loop's median time / this row's median time",
         "",
-        "| variant | median s | spread s | MB/s | vs dd |",
-        "|---|---|---|---|---|",
+        "| variant | median s | spread s | MB/s | vs dd | vs copy floor |",
+        "|---|---|---|---|---|---|",
     ]
     for name in sorted(results, key=lambda k: (k.split(":")[0], "zero_ops" in k, "pread" in k, k)):
         ts = results[name]
         med = statistics.median(ts)
         lines.append(
             f"| {name} | {med:.3f} | {min(ts):.3f}..{max(ts):.3f} | {nbytes / med / 1e6:.0f} | "
-            f"{base(name) / med:.2f} |"
+            f"{base(name) / med:.2f} | {vs_floor(name, med)} |"
         )
     text = "\n".join(lines) + "\n"
     print(text)

@@ -2,8 +2,8 @@
 
 Run:  OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_checkpoint.py [--ds-python /tmp/dsvenv/bin/python]
 
-Measures in one run, repetitions interleaved (zero, DeepSpeed, dd, ...): the disk's sequential write (dd conv=fdatasync) and read (dd iflag=direct)
-bandwidth; zero's save and load (2 ranks, gloo, stages 2 and 3; median of --reps) with bytes on
+Measures in one run, repetitions interleaved (zero, DeepSpeed, dd, ...; see [Note: interleaving]): the
+disk's sequential write (dd conv=fdatasync) and read (dd iflag=direct) bandwidth; zero's save and load (2 ranks, gloo, stages 2 and 3; median of --reps) with bytes on
 disk; the conversion (the zero_to_fp32.py copied in the checkpoint, run as a user would) time
 and peak RSS, on the 100M checkpoint and on a synthetic >= 200M-parameter one; the same model
 under DeepSpeed (its save_checkpoint and its zero_to_fp32) when its venv exists. Writes
@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 
 import torch
@@ -112,16 +113,32 @@ def _dd(workdir: str) -> tuple[float, float]:
     return rate(w.stderr), rate(r.stderr)
 
 
-def _zero_rank(workdir: str, stage: int, reps: int) -> dict:
+def _wait_turn(ctl: str, name: str, limit: float = 900.0) -> None:
+    """Block until the conductor creates ``ctl/name`` (the file handshake that interleaves workers)."""
+    deadline = time.monotonic() + limit
+    while not os.path.exists(os.path.join(ctl, name)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {name} from the conductor in {limit:.0f} s")
+        time.sleep(0.05)
+
+
+def _signal(ctl: str, name: str) -> None:
+    open(os.path.join(ctl, name), "w").close()
+
+
+def _zero_rank(workdir: str, stage: int, reps: int, ctl: str) -> dict:
+    """One zero rank, alive for all reps of a stage; rep i runs when the conductor says so."""
     import torch.distributed as dist
     import zero_core
 
     engine, *_ = zero_core.initialize(model=_model(), config=_cfg(stage))
     engine.backward(engine(_input()).pow(2).mean())
     engine.step()
+    rank = dist.get_rank()
     saves, loads = [], []
-    for _ in range(reps):
-        d = os.path.join(workdir, f"zero_s{stage}")
+    for i in range(reps):
+        _wait_turn(ctl, f"go_zero_{i}")
+        d = os.path.join(workdir, f"zero_s{stage}_{i}")  # a fresh directory: a first save, not a replace
         dist.barrier()
         t0 = time.perf_counter()
         engine.save_checkpoint(d, tag="t")
@@ -132,6 +149,10 @@ def _zero_rank(workdir: str, stage: int, reps: int) -> dict:
         engine.load_checkpoint(d, tag="t")
         dist.barrier()
         loads.append(time.perf_counter() - t0)
+        if rank == 0:
+            if i:  # keep the last rep's checkpoint for the conversion runs
+                shutil.rmtree(os.path.join(workdir, f"zero_s{stage}_{i - 1}"))
+            _signal(ctl, f"done_zero_{i}")
     return {"save": saves, "load": loads}
 
 
@@ -194,12 +215,12 @@ def _synthetic(path: str, numel: int, tensors: int) -> int:
             entries.append(
                 TensorEntry(key, (hi - lo,), torch.float32, lambda i=i, n=hi - lo: torch.full((n,), float(i)))
             )
-        nb, crc = write_tensor_file(os.path.join(tag, f"rank_{r:05d}.safetensors"), entries)
+        record = write_tensor_file(os.path.join(tag, f"rank_{r:05d}.safetensors"), entries)
         table = {
             "rank": r,
             "world_size": 2,
             "file": f"rank_{r:05d}.safetensors",
-            "file_record": file_record(nb, crc),
+            "file_record": record,
             "fragments": frags,
             "rng": {},
             "rng_tensors": [],
@@ -226,9 +247,15 @@ def _synthetic(path: str, numel: int, tensors: int) -> int:
 
 _DS_WORKER = textwrap.dedent(
     """
-    import json, os, sys, time, torch, deepspeed
+    import json, os, shutil, sys, time, torch, deepspeed
     import torch.distributed as dist
     stage, out, width, depth = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    reps, ctl = int(sys.argv[5]), sys.argv[6]
+    def wait(name):
+        deadline = time.monotonic() + 900
+        while not os.path.exists(os.path.join(ctl, name)):
+            assert time.monotonic() < deadline, f"no {name} from the conductor"
+            time.sleep(0.05)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)])
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0, "steps_per_print": 10**6,
@@ -237,47 +264,52 @@ _DS_WORKER = textwrap.dedent(
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     x = torch.randn(1, width, generator=torch.Generator().manual_seed(1))
     engine.backward(engine(x).pow(2).mean()); engine.step()
-    dist.barrier(); t0 = time.perf_counter()
-    engine.save_checkpoint(out, tag="t")
-    dist.barrier(); save = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    engine.load_checkpoint(out, tag="t")
-    dist.barrier(); load = time.perf_counter() - t0
+    saves, loads = [], []
+    for i in range(reps):
+        wait(f"go_ds_{i}")
+        dist.barrier(); t0 = time.perf_counter()
+        engine.save_checkpoint(out, tag=f"t{i}")
+        dist.barrier(); saves.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        engine.load_checkpoint(out, tag=f"t{i}")
+        dist.barrier(); loads.append(time.perf_counter() - t0)
+        if dist.get_rank() == 0:
+            if i:
+                shutil.rmtree(os.path.join(out, f"t{i - 1}"))
+            open(os.path.join(ctl, f"done_ds_{i}"), "w").close()
     if dist.get_rank() == 0:
-        print("DS_RESULT", json.dumps({"save": save, "load": load}))
+        print("DS_RESULT", json.dumps({"save": saves, "load": loads}))
     """
 )
 
 
-def _deepspeed(ds_python: str, workdir: str, stage: int, ref: dict[str, torch.Tensor]) -> dict:
+def _start_deepspeed(ds_python: str, workdir: str, stage: int, reps: int, ctl: str) -> subprocess.Popen:
     script = os.path.join(workdir, "ds_worker.py")
     with open(script, "w") as f:
         f.write(_DS_WORKER)
-    out = os.path.join(workdir, f"ds_s{stage}")
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(
-        [
-            ds_python,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            script,
-            str(stage),
-            out,
-            str(WIDTH),
-            str(DEPTH),
-        ],
-        capture_output=True,
+    args = [str(stage), os.path.join(workdir, f"ds_s{stage}"), str(WIDTH), str(DEPTH), str(reps), ctl]
+    return subprocess.Popen(
+        [ds_python, "-m", "torch.distributed.run", "--nproc_per_node", "2", script, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         env=env,
-        timeout=900,
     )
-    m = re.search(r"DS_RESULT (.*)", p.stdout)
-    if m is None or p.returncode != 0:
-        raise RuntimeError(f"DeepSpeed stage {stage} failed: {p.stdout[-2000:]} {p.stderr[-3000:]}")
+
+
+def _finish_deepspeed(
+    proc: subprocess.Popen, ds_python: str, workdir: str, stage: int, ref: dict[str, torch.Tensor]
+) -> dict:
+    stdout, stderr = proc.communicate(timeout=900)
+    m = re.search(r"DS_RESULT (.*)", stdout)
+    if m is None or proc.returncode != 0:
+        raise RuntimeError(f"DeepSpeed stage {stage} failed: {stdout[-2000:]} {stderr[-3000:]}")
     res = json.loads(m.group(1))
-    res["bytes"] = _du(os.path.join(out, "t"))
+    out = os.path.join(workdir, f"ds_s{stage}")
+    last = sorted(t for t in os.listdir(out) if t.startswith("t"))[-1]
+    res["bytes"] = _du(os.path.join(out, last))
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     conv = os.path.join(out, "zero_to_fp32.py")
     fp32_dir = os.path.join(workdir, f"ds_s{stage}_fp32")
     # safetensors output so both tools write the same format; its own default is a torch .bin pickle
@@ -290,8 +322,69 @@ def _deepspeed(ds_python: str, workdir: str, stage: int, ref: dict[str, torch.Te
     return res
 
 
+def _catch(fn):
+    try:
+        return fn()
+    except BaseException as e:  # handed to the conductor thread, which re-raises it
+        return e
+
+
 def _spread(xs: list[float]) -> str:
     return f"{statistics.median(xs):.2f} [{min(xs):.2f}-{max(xs):.2f}]"
+
+
+def _run_stage(stage, args, workdir, ref, have_ds, dd_w, dd_r, loadavg) -> dict:
+    """Every rep of one stage, both implementations alive throughout (see [Note: interleaving])."""
+    from zero_core.testing import run_multirank
+
+    s = {k: [] for k in ("save", "load", "conv", "ds_save", "ds_load", "ds_conv")}
+    ctl = tempfile.mkdtemp(prefix="ctl_", dir=workdir)
+    ds_proc = _start_deepspeed(args.ds_python, workdir, stage, args.reps, ctl) if have_ds else None
+    zero_out: list = []
+
+    def zero_workers() -> None:
+        zero_out.append(
+            _catch(lambda: run_multirank(_zero_rank, 2, args=(workdir, stage, args.reps, ctl), timeout=1800))
+        )
+
+    zero_thread = threading.Thread(target=zero_workers)
+    zero_thread.start()
+
+    def turn(name: str, alive) -> None:
+        _signal(ctl, f"go_{name}")
+        while not os.path.exists(os.path.join(ctl, f"done_{name}")):
+            if not alive():
+                raise RuntimeError(f"benchmark worker for {name} exited early: {zero_out or ''}")
+            time.sleep(0.05)
+
+    for i in range(args.reps):
+        loadavg.append(os.getloadavg()[0])
+        turn(f"zero_{i}", zero_thread.is_alive)
+        if ds_proc is not None:
+            turn(f"ds_{i}", lambda: ds_proc.poll() is None)
+        w, r = _dd(workdir)
+        dd_w.append(w)
+        dd_r.append(r)
+    zero_thread.join()
+    res = zero_out[0]
+    if isinstance(res, BaseException):
+        raise res
+    s["save"], s["load"] = res[0]["save"], res[0]["load"]
+    if ds_proc is not None:
+        ds = _finish_deepspeed(ds_proc, args.ds_python, workdir, stage, ref)
+        s["ds_save"], s["ds_load"], s["ds_conv"] = ds["save"], ds["load"], [ds["convert"]]
+        s["ds_bytes"], s["ds_out_bytes"], s["ds_max_diff"] = ds["bytes"], ds["out_bytes"], ds["max_diff"]
+    d = os.path.join(workdir, f"zero_s{stage}_{args.reps - 1}")
+    s["bytes"] = _du(os.path.join(d, "t"))
+    out = os.path.join(workdir, "out.safetensors")
+    script = os.path.join(d, "t", "zero_to_fp32.py")
+    for _ in range(args.reps):
+        s["conv"].append(_peak_rss_run([sys.executable, script, d, out, "-q"]))
+        s["out_bytes"] = os.path.getsize(out)
+        s["max_diff"] = _verify_output([out], ref, f"zero stage {stage}")
+        os.unlink(out)
+    shutil.rmtree(d)
+    return s
 
 
 def main() -> None:
@@ -303,44 +396,19 @@ def main() -> None:
         "--workdir", default=None, help="scratch directory on the disk to measure (default: a tmp dir)"
     )
     args = ap.parse_args()
-    from zero_core.testing import run_multirank
 
     ref = _reference()
     have_ds = os.path.exists(args.ds_python)
     workdir = tempfile.mkdtemp(prefix="bench_ckpt_", dir=args.workdir)
     stats: dict[int, dict[str, list]] = {}
-    dd_w, dd_r, conv_rows = [], [], []
+    dd_w, dd_r, conv_rows, loadavg = [], [], [], []
     try:
-        # Interleaved: zero, DeepSpeed, dd, zero, DeepSpeed, dd ... so drift in the shared
+        # [Note: interleaving] Both implementations stay alive for all reps of a stage (one launch
+        # each, so the slow DeepSpeed start-up is paid once) and take turns through a file
+        # handshake: zero rep i, DeepSpeed rep i, dd, zero rep i + 1, ... so drift in the shared
         # machine's load hits every column alike.
         for stage in (2, 3):
-            s = stats[stage] = {k: [] for k in ("save", "load", "conv", "ds_save", "ds_load", "ds_conv")}
-            for _ in range(args.reps):
-                res = run_multirank(_zero_rank, 2, args=(workdir, stage, 1), timeout=900)[0]
-                d = os.path.join(workdir, f"zero_s{stage}")
-                s["bytes"] = _du(os.path.join(d, "t"))
-                s["save"] += res["save"]
-                s["load"] += res["load"]
-                out = os.path.join(workdir, "out.safetensors")
-                script = os.path.join(d, "t", "zero_to_fp32.py")
-                s["conv"].append(_peak_rss_run([sys.executable, script, d, out, "-q"]))
-                s["out_bytes"] = os.path.getsize(out)
-                s["max_diff"] = _verify_output([out], ref, f"zero stage {stage}")
-                os.unlink(out)
-                shutil.rmtree(d)
-                if have_ds:
-                    ds = _deepspeed(args.ds_python, workdir, stage, ref)
-                    s["ds_save"].append(ds["save"])
-                    s["ds_load"].append(ds["load"])
-                    s["ds_conv"].append(ds["convert"])
-                    s["ds_bytes"], s["ds_out_bytes"], s["ds_max_diff"] = (
-                        ds["bytes"],
-                        ds["out_bytes"],
-                        ds["max_diff"],
-                    )
-                w, r = _dd(workdir)
-                dd_w.append(w)
-                dd_r.append(r)
+            stats[stage] = _run_stage(stage, args, workdir, ref, have_ds, dd_w, dd_r, loadavg)
         syn = os.path.join(workdir, "syn")
         n = _synthetic(syn, args.synthetic_params, tensors=12)
         for shard in ("400MB",):
@@ -363,10 +431,10 @@ def main() -> None:
             shutil.rmtree(os.path.join(workdir, "sy"))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    _report(stats, conv_rows, dd_w, dd_r, args, have_ds)
+    _report(stats, conv_rows, dd_w, dd_r, loadavg, args, have_ds)
 
 
-def _report(stats, conv_rows, dd_w, dd_r, args, have_ds) -> None:
+def _report(stats, conv_rows, dd_w, dd_r, loadavg, args, have_ds) -> None:
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
@@ -394,7 +462,12 @@ def _report(stats, conv_rows, dd_w, dd_r, args, have_ds) -> None:
         f"- command: `OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_checkpoint.py --reps {args.reps}`",
         f"- model: {DEPTH} x Linear({WIDTH}, {WIDTH}) = {DEPTH * (WIDTH * WIDTH + WIDTH) / 1e6:.1f}M parameters, "
         "fp32, Adam (one step taken on a seeded input), 2 ranks (gloo)",
-        f"- repetitions interleaved (zero, DeepSpeed, dd, zero, ...), {args.reps} per stage; median [min-max]",
+        f"- one launch per implementation and stage doing all {args.reps} reps, the reps interleaved through a "
+        "file handshake (zero rep i, DeepSpeed rep i, dd, zero rep i+1, ...); each rep saves into a fresh "
+        "directory and loads it back right away (so loads read from the page cache, for both implementations; "
+        "dd's read uses O_DIRECT); median [min-max]",
+        f"- 1-minute load average at each rep: median {statistics.median(loadavg):.1f} "
+        f"[{min(loadavg):.1f}-{max(loadavg):.1f}] (other engineers' jobs share the 2 cores and the disk)",
         f"- disk sequential bandwidth, same run ({len(dd_w)} samples): write {_spread(dd_w)} GB/s "
         f"(dd bs=16M count=64 conv=fdatasync), read {_spread(dd_r)} GB/s (dd iflag=direct)",
         "- every conversion output is checked: files exist, same tensor names and total numel as the model, "

@@ -215,7 +215,8 @@ def _check_partition_groups(model: TinyMoEModel, world: int) -> None:
     for name, p in model.named_parameters():
         assert is_partitioned(p), name
         st = p.zero_state
-        expected = 1 if name.startswith("blocks.0.") and ".zero_experts." in name else world
+        # blocks.0 has ep_size 2: its experts are split over world // 2 ranks
+        expected = world // 2 if name.startswith("blocks.0.") and ".zero_experts." in name else world
         assert st.world == expected, (name, st.world)
         assert st.grad_divisor == world, name
         assert p.zero_shard.numel() == -(-p.zero_numel // expected), name
@@ -224,6 +225,14 @@ def _check_partition_groups(model: TinyMoEModel, world: int) -> None:
 def test_stage3_zero_init_partitions_experts_over_their_group_and_trains():
     losses = run_multirank(_engine_worker, 2, args=(3, 0.0, True), timeout=180)
     assert losses[0] != losses[1]
+
+
+def test_stage3_four_ranks_partitions_experts_over_two_rank_groups():
+    # ep_size 2 on 4 ranks: expert-data-parallel groups {0, 2} and {1, 3} hold halves of each
+    # expert (real all-gathers and reduce-scatters outside the data-parallel group), while the
+    # gradient is still averaged over all 4 ranks; built under zero.Init, clipped.
+    losses = run_multirank(_engine_worker, 4, args=(3, 0.05, True), timeout=240)
+    assert len({tuple(x) for x in losses}) == 4
 
 
 def test_stage3_gradient_clipping_uses_the_global_norm_over_experts():

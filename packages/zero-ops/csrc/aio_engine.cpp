@@ -51,6 +51,7 @@ AioRequest::Block AioRequest::block(int64_t b) const {
 
 int64_t AioRequest::run_length(int64_t b, int64_t end, int64_t max_blocks) const {
   const bool direct = block(b).direct;
+  if (is_write && !direct) return 1;  // See [Note: runs of blocks]: buffered writes stay per block.
   int64_t n = 1;
   while (n < max_blocks && b + n < end && block(b + n).direct == direct) ++n;
   return n;

@@ -24,8 +24,8 @@ first waits for the helper to catch up (CRC32 is order dependent), then is check
 from __future__ import annotations
 
 import os
-import signal
 import queue
+import signal
 import threading
 import zlib
 from types import TracebackType
@@ -59,20 +59,43 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-class _BackgroundCrc:
-    """CRC32 of a sequence of buffers, computed in order by a helper thread."""
+class _Checksums:
+    """CRC32 and, optionally, ``sum64`` (see ``integrity.py``) of the bytes fed in order."""
 
-    def __init__(self) -> None:
-        self.value = 0
+    def __init__(self, sum64: bool) -> None:
+        from zero_core.checkpoint.integrity import Sum64  # integrity imports torch; atomic need not
+
+        self.crc32 = 0
+        self._sum64 = Sum64() if sum64 else None
+
+    def update(self, view: memoryview) -> None:
+        self.crc32 = zlib.crc32(view, self.crc32)
+        if self._sum64 is not None:
+            self._sum64.update(view)
+
+    def sum64(self) -> str | None:
+        return None if self._sum64 is None else self._sum64.hexdigest()
+
+
+class _BackgroundChecksums:
+    """Feeds buffers to a :class:`_Checksums` in order, on a helper thread."""
+
+    def __init__(self, sums: _Checksums) -> None:
+        self.sums = sums
         self._queue: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
         self._idle = threading.Condition()
         self._outstanding = 0
-        self._thread = threading.Thread(target=self._run, name="zero-checkpoint-crc32", daemon=True)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="zero-checkpoint-checksum", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while (view := self._queue.get()) is not None:
-            self.value = zlib.crc32(view, self.value)
+            try:
+                if self._error is None:
+                    self.sums.update(view)
+            except BaseException as e:  # re-raised by wait(), in the writing thread
+                self._error = e
             del view
             with self._idle:
                 self._outstanding -= 1
@@ -83,11 +106,12 @@ class _BackgroundCrc:
             self._outstanding += 1
         self._queue.put(view)
 
-    def wait(self) -> int:
-        """Block until every submitted buffer is folded in; returns the CRC so far."""
+    def wait(self) -> None:
+        """Block until every submitted buffer is folded in."""
         with self._idle:
             self._idle.wait_for(lambda: self._outstanding == 0)
-        return self.value
+        if self._error is not None:
+            raise self._error
 
     def close(self) -> None:
         self._queue.put(None)
@@ -97,32 +121,33 @@ class _BackgroundCrc:
 class AtomicWriter:
     """A binary file that appears under ``path`` only when closed without error.
 
-    Tracks the byte count and CRC32 of what was written (see ``integrity.py``); ``crc32`` is
-    final once the writer is committed. With ``defer_checksum`` buffers written with
-    ``stable=True`` are checksummed by a helper thread, overlapped with the writes and the
-    ``fsync`` (see [Note: checksum overlapped with writing]).
+    Tracks the byte count and CRC32 (and with ``sum64=True`` the ``sum64``) of what was written
+    (see ``integrity.py``); both are final once the writer is committed. With
+    ``defer_checksum`` buffers written with ``stable=True`` are checksummed by a helper thread,
+    overlapped with the writes and the ``fsync`` (see [Note: checksum overlapped with writing]).
     """
 
-    def __init__(self, path: str, *, defer_checksum: bool = False) -> None:
+    def __init__(self, path: str, *, defer_checksum: bool = False, sum64: bool = False) -> None:
         self.path = path
         self.tmp = f"{path}.tmp.{os.getpid()}"
+        self._sums = _Checksums(sum64)
         self._f = open(self.tmp, "wb", buffering=0)  # noqa: SIM115 (closed in commit/abort)
         self.nbytes = 0
         self.crc32 = 0
-        self._crc = _BackgroundCrc() if defer_checksum else None
+        self.sum64: str | None = None
+        self._bg = _BackgroundChecksums(self._sums) if defer_checksum else None
 
     def write(self, data: bytes | memoryview, *, stable: bool = False) -> None:
-        """Append ``data``; ``stable`` promises it stays unmodified until commit (its CRC may lag)."""
+        """Append ``data``; ``stable`` promises it stays unmodified until commit (its checksum may lag)."""
         view = memoryview(data).cast("B")
         n = len(view)
         _maybe_die_midway(self._f, view)
-        if self._crc is not None and stable:
-            self._crc.submit(view)  # checksummed while this thread writes
-        elif self._crc is not None:
-            self.crc32 = zlib.crc32(view, self._crc.wait())
-            self._crc.value = self.crc32
+        if self._bg is not None and stable:
+            self._bg.submit(view)  # checksummed while this thread writes
         else:
-            self.crc32 = zlib.crc32(view, self.crc32)
+            if self._bg is not None:
+                self._bg.wait()  # checksums are order dependent: fold in what was deferred first
+            self._sums.update(view)
         rest = view
         while rest:
             k = self._f.write(rest)
@@ -135,17 +160,21 @@ class AtomicWriter:
         try:
             os.fsync(self._f.fileno())
         finally:
-            if self._crc is not None:
-                self.crc32 = self._crc.wait()
-                self._crc.close()
-                self._crc = None
+            if self._bg is not None:
+                bg, self._bg = self._bg, None
+                try:
+                    bg.wait()
+                finally:
+                    bg.close()
+        self.crc32 = self._sums.crc32
+        self.sum64 = self._sums.sum64()
         self._f.close()
         os.replace(self.tmp, self.path)
 
     def abort(self) -> None:
-        if self._crc is not None:
-            self._crc.close()
-            self._crc = None
+        if self._bg is not None:
+            self._bg.close()
+            self._bg = None
         if not self._f.closed:
             self._f.close()
         if os.path.exists(self.tmp):

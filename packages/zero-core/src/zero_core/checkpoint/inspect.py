@@ -37,11 +37,10 @@ def describe(checkpoint_dir: str) -> str:
                 f"parameters {count:,} in {len(names)} tensors | dtypes {dtypes}"
             ]
             for r in range(reader.world_size):
-                reader.tensor_file(r)  # verifies the checksum
+                reader.tensor_file(r)  # verifies the checksum (sum64 where recorded, else crc32)
                 rec = reader.rank_table(r)["file_record"]
-                lines.append(
-                    f"    {reader.rank_table(r)['file']}: {rec['bytes']:,} bytes, crc32 {rec['crc32']:#010x} OK"
-                )
+                digest = f"sum64 {rec['sum64']}" if "sum64" in rec else f"crc32 {rec['crc32']:#010x}"
+                lines.append(f"    {reader.rank_table(r)['file']}: {rec['bytes']:,} bytes, {digest} OK")
         finally:
             reader.close()
     return "\n".join(lines)

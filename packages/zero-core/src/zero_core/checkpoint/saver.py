@@ -160,12 +160,12 @@ def _write_rank(stage_dir: str, rank: int, world: int, fragments: list[Fragment]
     tensor_name = rank_tensor_name(rank)
     # Fragments are views of the live state (and the RNG tensors are held above) until this returns,
     # so they are checksummed while being written (see [Note: checksum overlapped with writing]).
-    nbytes, crc = write_tensor_file(os.path.join(stage_dir, tensor_name), entries, live_tensors=True)
+    record = write_tensor_file(os.path.join(stage_dir, tensor_name), entries, live_tensors=True)
     table = {
         "rank": rank,
         "world_size": world,
         "file": tensor_name,
-        "file_record": file_record(nbytes, crc),
+        "file_record": record,
         "fragments": [f.record() for f in fragments],
         "rng": rng_meta,
         "rng_tensors": sorted(rng_tensors),

@@ -30,6 +30,7 @@ import torch
 
 from zero_core.checkpoint.atomic import AtomicWriter
 from zero_core.checkpoint.format import CheckpointError
+from zero_core.checkpoint.integrity import file_record
 
 _CODES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -107,17 +108,18 @@ def write_tensor_file(
     metadata: dict[str, str] | None = None,
     on_tensor: Callable[[TensorEntry], None] | None = None,
     live_tensors: bool = False,
-) -> tuple[int, int]:
-    """Write ``entries`` atomically to ``path``, one tensor in memory at a time; returns (bytes, crc32).
+) -> dict[str, int | str]:
+    """Write ``entries`` atomically to ``path``, one tensor in memory at a time.
 
+    Returns the file's integrity record (``integrity.file_record``: bytes, crc32 and sum64).
     ``live_tensors`` promises that each produced tensor is (a view of) memory that outlives this
-    call unmodified, e.g. the training state being saved: the CRC of such tensors is then computed
-    by a helper thread while the file is written (see [Note: checksum overlapped with writing] in
-    ``atomic.py``).
-    Tensors produced as temporaries (a copy to CPU) are checksummed as they are written either way.
+    call unmodified, e.g. the training state being saved: such tensors are then checksummed by
+    a helper thread while the file is written (see [Note: checksum overlapped with writing] in
+    ``atomic.py``). Tensors produced as temporaries (a copy to CPU) are checksummed as they are
+    written either way, so that a streaming writer keeps one tensor in memory.
     """
     entries = list(entries)
-    with AtomicWriter(path, defer_checksum=live_tensors) as w:
+    with AtomicWriter(path, defer_checksum=live_tensors, sum64=True) as w:
         w.write(_header_bytes(entries, metadata), stable=True)  # bytes are immutable
         for e in entries:
             t = e.produce()
@@ -133,7 +135,7 @@ def write_tensor_file(
             del t
             if on_tensor is not None:
                 on_tensor(e)
-    return w.nbytes, w.crc32
+    return file_record(w.nbytes, w.crc32, w.sum64)
 
 
 class TensorFile:

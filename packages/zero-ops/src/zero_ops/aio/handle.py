@@ -61,10 +61,12 @@ class AsyncIOHandle:
     Args:
         block_size: bytes per I/O call; a request is split into blocks that the threads move
             in parallel.
-        queue_depth: libaio: blocks each worker keeps in flight in the kernel; threads: blocks
-            a worker claims at a time from the shared queue (capped at 4).
+        queue_depth: libaio: O_DIRECT blocks each worker keeps in flight in the kernel; both
+            backends: up to this many consecutive blocks that share a descriptor are moved with
+            one pread/pwrite (threads: every block; libaio: buffered blocks), see [Note: runs of
+            blocks] in csrc/aio_engine.h.
         single_submit: libaio: one io_submit call per block instead of one per batch; threads:
-            claim one block at a time.
+            one block per pread/pwrite.
         overlap_events: libaio: refill each completed slot at once (sliding window) instead of
             submitting a batch of queue_depth and waiting for all of it; no effect on threads.
         thread_count: worker threads (each with its own kernel AIO queue on libaio).

@@ -84,3 +84,29 @@ def partition_group(param: torch.nn.Parameter, dp_group: Any) -> tuple[Any, int]
             "whole world: use the default data-parallel group with Mixture-of-Experts."
         )
     return edp_group, dp_world
+
+
+def modifier_group_rank(param: torch.nn.Parameter, modifier_rank: int) -> int:
+    """The rank, within the group ``param`` is partitioned over, whose value wins for ``modifier_rank``.
+
+    ``GatheredParameters(modifier_rank=r)`` names a global rank. A dense parameter's group
+    holds it. An expert-data-parallel group may not (rank r holds other experts): there the
+    winner is the member of r's expert-parallel group, the ranks that together hold every expert
+    of the layer, so each global expert takes the value written on r's expert-parallel group.
+    With the layout of zero-moe's [Note: expert parallel groups] (expert-data-parallel group
+    ``{j, j + ep, j + 2 ep, ...}``) that member is group rank ``r // ep``.
+    """
+    st = param.zero_state
+    if st.world == 1 or st.group is None:
+        return modifier_rank
+    ranks = torch.distributed.get_process_group_ranks(st.group)
+    if modifier_rank in ranks:
+        return ranks.index(modifier_rank)
+    if not is_expert_param(param):
+        raise ValueError(
+            f"GatheredParameters: modifier_rank {modifier_rank} is not in the data-parallel group {ranks} "
+            "this parameter is partitioned over"
+        )
+    groups = require("zero_moe.groups", "ZeRO stage 3 with Mixture-of-Experts parameters")
+    ep = groups.get_expert_parallel_world_size(getattr(param, "group_name", "default"))
+    return modifier_rank // ep

@@ -4,7 +4,9 @@ Inside the context the listed partitioned parameters hold their full values on e
 With ``modifier_rank=r`` the values rank r holds at exit are broadcast to every rank and
 re-partitioned, so a change made by one rank (loading weights, custom init) reaches all
 partitions, including the strategy's fp32 master copy. All ranks must enter the context with
-the same parameters (it is collective).
+the same parameters (it is collective). For an expert parameter partitioned over its
+expert-data-parallel group, the value comes from the member of ``modifier_rank``'s
+expert-parallel group (see :func:`~zero_core.zero.stage3.expert_partition.modifier_group_rank`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import torch
 
 from zero_core import comm
+from zero_core.zero.stage3.expert_partition import modifier_group_rank
 from zero_core.zero.stage3.external_params import register_external_parameter
 from zero_core.zero.stage3.partitioned_param import (
     ParamStatus,
@@ -96,7 +99,8 @@ class GatheredParameters:
         if self.modifier_rank is not None and exc[0] is None:
             with torch.no_grad():
                 for p in self.params:
-                    broadcast_full(p, self.modifier_rank)
+                    # experts: the modifier's expert-parallel peer (See [Note: stage 3 expert parameters])
+                    broadcast_full(p, modifier_group_rank(p, self.modifier_rank))
                     shard_from_full(p)
                     for cb in SHARD_CHANGED:
                         cb(p)

@@ -56,7 +56,6 @@ from zero_core.zero.stage3.partitioned_param import (
     shard_from_full,
 )
 
-
 # Containers hold modules their parent is still building (and may still tag): their
 # ``__init__`` leaves deep-copied children to the parent's. See [Note: stage 3 construction].
 _CONTAINERS = (

@@ -432,6 +432,16 @@ class Stage3Strategy:
             return False
         from zero_core.zero.stage3.model_save import write_state_dict
 
+        # See [Note: stage 3 expert parameters]: rank 0 gathers only the experts of its own
+        # expert-parallel rank, under local names; refuse rather than write an incomplete file.
+        for name, layer in self.module.named_modules():
+            ep = getattr(layer, "ep_size", 1)
+            if isinstance(ep, int) and ep > 1 and isinstance(getattr(layer, "num_local_experts", None), int):
+                raise ValueError(
+                    f"save_16bit_model: MoE layer {name!r} has ep_size={ep}: rank 0 holds only its own experts, "
+                    "so a single 16-bit file would miss the others. Use save_checkpoint (experts are stored "
+                    "per global expert) and zero_to_fp32 to get every expert's weights."
+                )
         state: dict[str, torch.Tensor] = {}
         for key, value in self.module.state_dict(keep_vars=True).items():
             if is_partitioned(value):

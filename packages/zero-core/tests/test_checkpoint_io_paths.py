@@ -1,0 +1,153 @@
+"""The fast I/O paths of checkpoints: overlapped checksums, sum64, and reading into place.
+
+See [Note: checksum overlapped with writing] (atomic.py), [Note: fast tensor-file checksum]
+(integrity.py) and [Note: reading into place] (fragments.py).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import zlib
+
+import pytest
+import torch
+from zero_core.checkpoint import CheckpointError
+from zero_core.checkpoint.atomic import AtomicWriter
+from zero_core.checkpoint.fragments import CheckpointReader
+from zero_core.checkpoint.integrity import (
+    Sum64,
+    file_checksum,
+    file_record,
+    file_sum64,
+    sum64_reference,
+    verify_file,
+)
+from zero_core.checkpoint.tensor_file import TensorEntry, TensorFile, write_tensor_file
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 4096 + 3, 8 * 2**17 + 13])
+def test_sum64_streaming_matches_its_definition_for_any_split(n):
+    rng = random.Random(n)
+    data = bytes(rng.getrandbits(8) for _ in range(n))
+    s = Sum64()
+    i = 0
+    while i < n:
+        k = rng.randint(1, 70_000)
+        s.update(memoryview(data)[i : i + k])  # unaligned pieces and addresses
+        i += k
+    assert s.hexdigest() == sum64_reference(data)
+
+
+def test_sum64_detects_bit_flips_and_swapped_words():
+    data = bytearray(os.urandom(8 * 1000))
+    ref = sum64_reference(bytes(data))
+    for pos in (0, 7, 4000, len(data) - 1):
+        flipped = bytearray(data)
+        flipped[pos] ^= 0x10
+        assert sum64_reference(bytes(flipped)) != ref
+    swapped = bytearray(data)
+    swapped[0:8], swapped[8:16] = data[8:16], data[0:8]
+    assert sum64_reference(bytes(swapped)) != ref
+
+
+def test_deferred_checksums_equal_inline_ones(tmp_path):
+    rng = torch.Generator().manual_seed(0)
+    bufs = [torch.randint(0, 255, (n,), dtype=torch.uint8, generator=rng) for n in (13, 5000, 1 << 20, 3)]
+    paths = []
+    for defer in (False, True):
+        path = str(tmp_path / f"f{defer}")
+        with AtomicWriter(path, defer_checksum=defer, sum64=True) as w:
+            for i, b in enumerate(bufs):
+                # a mix of stable (deferred) and unstable (inline, after catching up) buffers
+                w.write(memoryview(b.numpy()), stable=i % 2 == 0)
+        paths.append((w.crc32, w.sum64, w.nbytes))
+        assert (w.nbytes, w.crc32) == file_checksum(path)
+        assert (w.nbytes, w.sum64) == file_sum64(path)
+    assert paths[0] == paths[1]
+    assert not any(p.name.startswith("fTrue.tmp") for p in tmp_path.iterdir())
+
+
+def test_live_tensor_file_record_matches_the_file(tmp_path):
+    ts = [torch.randn(1000), torch.randn(3, 7).to(torch.bfloat16), torch.arange(5)]
+    entries = [TensorEntry(f"t{i}", tuple(t.shape), t.dtype, (lambda t=t: t)) for i, t in enumerate(ts)]
+    path = str(tmp_path / "x.safetensors")
+    rec = write_tensor_file(path, entries, live_tensors=True)
+    size, crc = file_checksum(path)
+    assert rec == file_record(size, crc, file_sum64(path)[1])
+    verify_file(path, rec)
+    with TensorFile(path) as f:
+        for i, t in enumerate(ts):
+            assert torch.equal(f.read_tensor(f"t{i}"), t)
+
+
+def test_verify_uses_sum64_and_falls_back_to_crc32(tmp_path):
+    path = str(tmp_path / "x.safetensors")
+    rec = write_tensor_file(path, [TensorEntry("w", (4096,), torch.float32, lambda: torch.randn(4096))])
+    old_style = {"bytes": rec["bytes"], "crc32": rec["crc32"]}  # checkpoints saved before sum64
+    verify_file(path, rec)
+    verify_file(path, old_style)
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x01
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(CheckpointError, match=r"x\.safetensors fails its checksum \(sum64"):
+        verify_file(path, rec)
+    with pytest.raises(CheckpointError, match=r"x\.safetensors fails its checksum \(crc32"):
+        verify_file(path, old_style)
+    assert zlib.crc32(bytes(data)) != rec["crc32"]
+
+
+def _two_rank_reader(tmp_path) -> tuple[CheckpointReader, torch.Tensor]:
+    """A (10, 30) fp32 value split over two rank files at element 123."""
+    full = torch.randn(10, 30)
+    flat = full.reshape(-1)
+    tables = []
+    for r, (lo, hi) in enumerate([(0, 123), (123, 300)]):
+        key = f"fp32:w:{lo}"
+        name = f"rank_{r:05d}.safetensors"
+        piece = flat[lo:hi].clone()
+        rec = write_tensor_file(
+            str(tmp_path / name), [TensorEntry(key, (hi - lo,), torch.float32, lambda p=piece: p)]
+        )
+        frag = {"name": "w", "kind": "fp32", "shape": [10, 30], "dtype": "float32", "start": lo, "end": hi}
+        frag |= {"key": key, "elementwise": True, "python_scalar": False}
+        tables.append({"file": name, "file_record": rec, "fragments": [frag]})
+    return CheckpointReader(str(tmp_path), tables), full
+
+
+def test_read_into_fills_place_across_rank_files(tmp_path):
+    reader, full = _two_rank_reader(tmp_path)
+    flat = full.reshape(-1)
+    for lo, hi in [(0, 300), (100, 150), (123, 124), (0, 123), (299, 300), (5, 5)]:
+        out = torch.full((hi - lo,), float("nan"))
+        reader.read_into(out, "w", "fp32", lo)
+        assert torch.equal(out, flat[lo:hi])
+        assert torch.equal(reader.read("w", "fp32", lo, hi), flat[lo:hi])
+    whole = torch.empty(10, 30)
+    reader.read_fp32_into(whole, "w")
+    assert torch.equal(whole, full)
+    # a non-contiguous or other-dtype destination takes the converting fallback
+    t = torch.zeros(30, 10).t()
+    reader.read_module_value_into(t, "w")
+    assert torch.equal(t, full)
+    half = torch.zeros(300, dtype=torch.float16)
+    reader.read_module_value_into(half, "w")
+    assert torch.equal(half, flat.half())
+    with pytest.raises(CheckpointError, match=r"range \[290, 301\) is outside fp32:w of 300"):
+        reader.read_into(torch.empty(11), "w", "fp32", 290)
+    with pytest.raises(TypeError, match="out must be a tensor"):
+        reader.read_into([0.0], "w", "fp32")
+    reader.close()
+
+
+def test_tensor_file_read_into_validates_the_destination(tmp_path):
+    path = str(tmp_path / "x.safetensors")
+    write_tensor_file(path, [TensorEntry("w", (8,), torch.float32, lambda: torch.arange(8.0))])
+    with TensorFile(path) as f:
+        out = torch.empty(3)
+        f.read_into(out, "w", 4)
+        assert out.tolist() == [4.0, 5.0, 6.0]
+        with pytest.raises(CheckpointError, match=r"cannot read 'w' \(torch.float32\) into a torch.float64"):
+            f.read_into(torch.empty(3, dtype=torch.float64), "w")
+        with pytest.raises(CheckpointError, match=r"range \[6, 9\) is outside tensor 'w'"):
+            f.read_into(torch.empty(3), "w", 6)
