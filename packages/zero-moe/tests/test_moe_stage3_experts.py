@@ -57,21 +57,29 @@ def test_modifier_rank_value_reaches_every_replica_of_every_expert(modifier):
     assert {g for seen in results for g in seen} == set(range(E))
 
 
-def _save_16bit_worker(tmp: str) -> str:
+def _save_16bit_worker(tmp: str) -> list[str]:
     import zero_core
 
-    layer = _model(2)
-    cfg = {
-        "train_micro_batch_size_per_gpu": 1,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": 3, "gather_16bit_weights_on_model_save": True},
-    }
-    engine, *_ = zero_core.initialize(model=layer, config=cfg)
-    with pytest.raises(ValueError, match="ep_size=2: rank 0 holds only its own experts"):
-        engine.save_16bit_model(tmp)
-    return "refused"
+    refused = []
+    # stage 3 (its own saver) and stages 0-2 (the engine's): no rank holds every expert
+    for stage, error, match in [
+        (3, ValueError, "ep_size=2: rank 0 holds only its own experts"),
+        (0, NotImplementedError, "no single rank holds every expert"),
+        (2, NotImplementedError, "no single rank holds every expert"),
+    ]:
+        cfg = {
+            "train_micro_batch_size_per_gpu": 1,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": stage, "gather_16bit_weights_on_model_save": True},
+        }
+        engine, *_ = zero_core.initialize(model=_model(2), config=cfg)
+        with pytest.raises(error, match=match):
+            engine.save_16bit_model(tmp)
+        refused.append(f"stage {stage}")
+    return refused
 
 
 def test_save_16bit_model_refuses_expert_parallel_layers(tmp_path):
-    assert run_multirank(_save_16bit_worker, 2, args=(str(tmp_path),), timeout=120) == ["refused"] * 2
+    want = ["stage 3", "stage 0", "stage 2"]
+    assert run_multirank(_save_16bit_worker, 2, args=(str(tmp_path),), timeout=120) == [want] * 2
     assert list(tmp_path.iterdir()) == []

@@ -132,6 +132,14 @@ class ZeroEngine(torch.nn.Module):
             return bool(saver(str(save_dir), save_filename, exclude_frozen_parameters))
         from zero_core.zero.stage3.model_save import write_state_dict
 
+        if comm.is_initialized() and any(comm.get_world_size(g) > 1 for g, _ in _expert_groups(self.module)):
+            # Ranks of an expert-parallel group hold different experts under the same local
+            # names: rank 0's state dict is not the model. See [Note: expert parameters].
+            raise NotImplementedError(
+                "save_16bit_model: the model has experts sharded over an expert-parallel group "
+                "(ep_size > 1), so no single rank holds every expert; use engine.save_checkpoint(...) "
+                "and zero.utils.zero_to_fp32 to get the full model"
+            )
         frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
         state = {
             k: (v.to(self.compute_dtype) if v.is_floating_point() else v)
@@ -348,3 +356,18 @@ class ZeroEngine(torch.nn.Module):
     def last_loss(self) -> float | None:
         """Mean loss over the micro-batches of the last optimizer step."""
         return self._last_loss
+
+
+def _expert_groups(module: torch.nn.Module) -> list[tuple[Any, list[torch.nn.Parameter]]]:
+    """``[(expert-parallel group, expert params)]`` of ``module`` (empty without experts)."""
+    from zero_core.engine.param_groups import is_expert_param
+    from zero_core.plugins import require
+
+    experts: dict[str, list[torch.nn.Parameter]] = {}
+    for p in module.parameters():
+        if is_expert_param(p):
+            experts.setdefault(getattr(p, "group_name", "default"), []).append(p)
+    if not experts:
+        return []
+    groups = require("zero_moe.groups", "saving a Mixture-of-Experts model")
+    return [(groups.get_expert_parallel_group(name), ps) for name, ps in experts.items()]
