@@ -73,28 +73,49 @@ def test_live_tensor_file_record_matches_the_file(tmp_path):
     entries = [TensorEntry(f"t{i}", tuple(t.shape), t.dtype, (lambda t=t: t)) for i, t in enumerate(ts)]
     path = str(tmp_path / "x.safetensors")
     rec = write_tensor_file(path, entries, live_tensors=True)
-    size, crc = file_checksum(path)
-    assert rec == file_record(size, crc, file_sum64(path)[1])
+    assert (
+        rec
+        == file_record(file_sum64(path)[0], sum64=file_sum64(path)[1])
+        == {"bytes": os.path.getsize(path), "sum64": rec["sum64"]}
+    )
     verify_file(path, rec)
     with TensorFile(path) as f:
         for i, t in enumerate(ts):
             assert torch.equal(f.read_tensor(f"t{i}"), t)
 
 
+def _load_script():
+    """The standalone conversion script, imported from its file as a checkpoint copy would be."""
+    import importlib.util
+
+    import zero_core.checkpoint.zero_to_fp32 as mod
+
+    spec = importlib.util.spec_from_file_location("standalone_zero_to_fp32", mod.__file__)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
 def test_verify_uses_sum64_and_falls_back_to_crc32(tmp_path):
+    script = _load_script()
     path = str(tmp_path / "x.safetensors")
-    rec = write_tensor_file(path, [TensorEntry("w", (4096,), torch.float32, lambda: torch.randn(4096))])
-    old_style = {"bytes": rec["bytes"], "crc32": rec["crc32"]}  # checkpoints saved before sum64
-    verify_file(path, rec)
-    verify_file(path, old_style)
+    rec = write_tensor_file(path, [TensorEntry("w", (4099,), torch.float32, lambda: torch.randn(4099))])
+    assert set(rec) == {"bytes", "sum64"}
+    old_style = file_record(*file_checksum(path))  # checkpoints saved before sum64
+    for check in (verify_file, script._verify):
+        check(path, rec)
+        check(path, old_style)
     data = bytearray(open(path, "rb").read())
     data[len(data) // 2] ^= 0x01
     open(path, "wb").write(bytes(data))
-    with pytest.raises(CheckpointError, match=r"x\.safetensors fails its checksum \(sum64"):
-        verify_file(path, rec)
-    with pytest.raises(CheckpointError, match=r"x\.safetensors fails its checksum \(crc32"):
-        verify_file(path, old_style)
-    assert zlib.crc32(bytes(data)) != rec["crc32"]
+    for check in (verify_file, script._verify):
+        with pytest.raises(Exception, match=r"x\.safetensors fails its checksum \(sum64"):
+            check(path, rec)
+        with pytest.raises(Exception, match=r"x\.safetensors fails its checksum \(crc32"):
+            check(path, old_style)
+        with pytest.raises(Exception, match=r"record of checkpoint file .*x\.safetensors has no checksum"):
+            check(path, {"bytes": len(data)})
+    assert zlib.crc32(bytes(data)) != old_style["crc32"]
 
 
 def _two_rank_reader(tmp_path) -> tuple[CheckpointReader, torch.Tensor]:

@@ -111,7 +111,7 @@ def write_tensor_file(
 ) -> dict[str, int | str]:
     """Write ``entries`` atomically to ``path``, one tensor in memory at a time.
 
-    Returns the file's integrity record (``integrity.file_record``: bytes, crc32 and sum64).
+    Returns the file's integrity record (``integrity.file_record``: bytes and sum64).
     ``live_tensors`` promises that each produced tensor is (a view of) memory that outlives this
     call unmodified, e.g. the training state being saved: such tensors are then checksummed by
     a helper thread while the file is written (see [Note: checksum overlapped with writing] in
@@ -119,7 +119,7 @@ def write_tensor_file(
     written either way, so that a streaming writer keeps one tensor in memory.
     """
     entries = list(entries)
-    with AtomicWriter(path, defer_checksum=live_tensors, sum64=True) as w:
+    with AtomicWriter(path, defer_checksum=live_tensors, crc32=False, sum64=True) as w:
         w.write(_header_bytes(entries, metadata), stable=True)  # bytes are immutable
         for e in entries:
             t = e.produce()

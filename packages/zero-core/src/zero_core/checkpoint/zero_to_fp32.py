@@ -14,9 +14,11 @@ shards ``<stem>-00001-of-0000N.safetensors`` next to it plus ``<OUTPUT>.index.js
 [Note: standalone conversion script]
 Like DeepSpeed's, the copy of this file inside a checkpoint must run on a machine without
 this repository: it imports only the standard library (torch lazily, only where a tensor must
-be made; ``tqdm`` for the progress bar when present), never ``zero_core``. It therefore carries its own minimal reader of the
+be made; numpy lazily, to verify the ``sum64`` checksum of rank tensor files; ``tqdm`` for the
+progress bar when present), never ``zero_core``. It therefore carries its own minimal reader of the
 format described in [Note: checkpoint format] (``zero_core/checkpoint/format.py``): JSON
-tables, CRC32 checksums, the safetensors header, and the assembly of a parameter from the
+tables, CRC32 and sum64 checksums (a copy of ``integrity.Sum64``, see [Note: fast tensor-file
+checksum]), the safetensors header, and the assembly of a parameter from the
 fragments of every rank file. It only reads whole values, which is all consolidation needs;
 the engine's ranged, resharding reader is ``fragments.CheckpointReader``. When ``zero_core``
 is importable its ``CheckpointError`` is raised, so library callers catch one error type.
@@ -131,8 +133,42 @@ def _read_json(path: str) -> Any:
         raise CheckpointError(f"{path} is not valid JSON ({e}); the file is corrupted") from None
 
 
-def _verify(path: str, record: dict[str, int]) -> None:
-    """Raise naming ``path`` unless its size and CRC32 match ``record``."""
+def _file_sum64(path: str) -> str:
+    """``sum64`` of the file (the definition is in zero_core/checkpoint/integrity.py)."""
+    try:
+        import numpy as np
+    except ImportError:
+        raise CheckpointError(
+            f"verifying {path} needs numpy (its checksum is sum64); install it with `pip install numpy`"
+        ) from None
+    mask, words = 2**64 - 1, 2**17
+    weights = np.arange(1, words + 1, dtype=np.uint64)
+    a = b = seen = 0
+
+    def fold(data: bytes | memoryview) -> None:
+        nonlocal a, b, seen
+        w = np.frombuffer(data, dtype="<u8")
+        for lo in range(0, w.size, words):
+            chunk = w[lo : lo + words]
+            ca = int(chunk.sum(dtype=np.uint64))
+            b = (b + int(np.dot(chunk, weights[: chunk.size])) + seen * ca) & mask
+            a = (a + ca) & mask
+            seen += chunk.size
+
+    buf, carry = bytearray(_CHUNK), b""
+    with open(path, "rb", buffering=0) as f:
+        while k := f.readinto(buf):
+            data = carry + bytes(buf[:k]) if carry else memoryview(buf)[:k]
+            whole = len(data) - len(data) % 8
+            fold(data[:whole])
+            carry = bytes(data[whole:])  # a short read can split a word
+    if carry:
+        fold(carry.ljust(8, b"\0"))
+    return f"{a:016x}{b:016x}"
+
+
+def _verify(path: str, record: dict[str, Any]) -> None:
+    """Raise naming ``path`` unless its size and checksum (sum64, else CRC32) match ``record``."""
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file {path} is missing")
     size = os.path.getsize(path)
@@ -141,14 +177,24 @@ def _verify(path: str, record: dict[str, int]) -> None:
             f"checkpoint file {path} has {size} bytes, the checkpoint recorded {record.get('bytes')}: "
             "it is truncated or was modified"
         )
+    if "sum64" in record:
+        digest = _file_sum64(path)
+        if digest != record["sum64"]:
+            raise CheckpointError(
+                f"checkpoint file {path} fails its checksum (sum64 {digest}, recorded {record['sum64']}): "
+                "it is corrupted or was modified"
+            )
+        return
+    if "crc32" not in record:
+        raise CheckpointError(f"the record of checkpoint file {path} has no checksum: {record!r}")
     crc, buf = 0, bytearray(_CHUNK)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
         while k := f.readinto(buf):
             crc = zlib.crc32(view[:k], crc)
-    if crc != record.get("crc32"):
+    if crc != record["crc32"]:
         raise CheckpointError(
-            f"checkpoint file {path} fails its checksum (crc32 {crc:#010x}, recorded {record.get('crc32', 0):#010x}): "
+            f"checkpoint file {path} fails its checksum (crc32 {crc:#010x}, recorded {record['crc32']:#010x}): "
             "it is corrupted or was modified"
         )
 

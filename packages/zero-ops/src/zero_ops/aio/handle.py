@@ -61,10 +61,10 @@ class AsyncIOHandle:
     Args:
         block_size: bytes per I/O call; a request is split into blocks that the threads move
             in parallel.
-        queue_depth: libaio: O_DIRECT blocks each worker keeps in flight in the kernel; both
-            backends: up to this many consecutive blocks that share a descriptor are moved with
-            one pread/pwrite (threads: every block; libaio: buffered blocks), see [Note: runs of
-            blocks] in csrc/aio_engine.h.
+        queue_depth: libaio: O_DIRECT blocks each worker keeps in flight in the kernel. Up to
+            this many consecutive blocks that share a descriptor are moved with one pread/pwrite
+            (threads: O_DIRECT blocks and buffered reads; libaio: buffered reads; buffered writes
+            stay one block per call), see [Note: runs of blocks] in csrc/aio_engine.h.
         single_submit: libaio: one io_submit call per block instead of one per batch; threads:
             one block per pread/pwrite.
         overlap_events: libaio: refill each completed slot at once (sliding window) instead of
