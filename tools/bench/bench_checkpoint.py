@@ -231,7 +231,7 @@ def _synthetic(path: str, numel: int, tensors: int) -> int:
         files[f"rank_{r:05d}.json"] = file_record(*file_checksum(jp))
     meta = {
         "format": "zero-checkpoint",
-        "format_version": 1,
+        "format_version": 2,
         "world_size": 2,
         "files": files,
         "parameters": [[n, True, [per]] for n in names],

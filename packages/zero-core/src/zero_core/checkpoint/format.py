@@ -29,7 +29,9 @@ name, fsynced and renamed (``atomic.py``); a whole tag is first written into a h
 directory that rank 0 renames into place only after a barrier, then ``latest`` is replaced.
 A crash at any point therefore leaves the previous tag complete and ``latest`` naming it.
 Checksums (``integrity.py``) chain: ``checkpoint.json`` -> every ``rank_*.json`` -> every
-``rank_*.safetensors``; a mismatch raises an error naming the file.
+``rank_*.safetensors``; a mismatch raises an error naming the file. Format version 2 records
+the rank tensor files with ``sum64`` rather than CRC32 (see [Note: fast tensor-file checksum]);
+version-1 checkpoints still load.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from typing import Any
 import torch
 
 FORMAT_NAME = "zero-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: rank tensor files are recorded with sum64 instead of crc32 (integrity.py)
 LATEST_FILE = "latest"
 COMMIT_FILE = "checkpoint.json"
 SCRIPT_FILE = "zero_to_fp32.py"

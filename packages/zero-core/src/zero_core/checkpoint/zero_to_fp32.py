@@ -72,7 +72,7 @@ __all__ = [
 ]
 
 FORMAT_NAME = "zero-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # as zero_core/checkpoint/format.py
 COMMIT_FILE = "checkpoint.json"
 LATEST_FILE = "latest"
 _TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=@-]{0,199}$")
@@ -317,7 +317,7 @@ class _Checkpoint:
             raise CheckpointError(f"{commit} is not a zero checkpoint record")
         if int(meta.get("format_version", -1)) > FORMAT_VERSION:
             raise CheckpointError(
-                f"{commit} has format version {meta['format_version']}; this script reads up to 1"
+                f"{commit} has format version {meta['format_version']}; this script reads up to {FORMAT_VERSION}"
             )
         self.meta = meta
         self.tables = []
