@@ -3,8 +3,9 @@
 Run:  OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_checkpoint.py [--ds-python /tmp/dsvenv/bin/python]
 
 Measures in one run, repetitions interleaved (zero, DeepSpeed, dd, ...; see [Note: interleaving]): the
-disk's sequential write (dd conv=fdatasync) and read (dd iflag=direct) bandwidth; zero's save and load (2 ranks, gloo, stages 2 and 3; median of --reps) with bytes on
-disk; the conversion (the zero_to_fp32.py copied in the checkpoint, run as a user would) time
+disk's sequential write (dd conv=fdatasync) and read (dd iflag=direct) bandwidth; zero's save and load
+(2 ranks, gloo, stages 2 and 3; median of --reps; loads warm and cold, see [Note: cold-cache loads]) with
+bytes on disk; the conversion (the zero_to_fp32.py copied in the checkpoint, run as a user would) time
 and peak RSS, on the 100M checkpoint and on a synthetic >= 200M-parameter one; the same model
 under DeepSpeed (its save_checkpoint and its zero_to_fp32) when its venv exists. Writes
 tools/bench/results/bench_checkpoint.md.
@@ -94,6 +95,37 @@ def _du(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
+def _cached_bytes() -> int:
+    """``Cached`` of /proc/meminfo: the page cache's size, system-wide."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("Cached:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no Cached line")
+
+
+def _evict(path: str) -> int:
+    """fsync every file under ``path`` and drop its pages from the page cache (no root needed).
+
+    [Note: cold-cache loads]
+    A load right after a save reads the files from the page cache, while dd's read uses
+    O_DIRECT, i.e. the disk. Each rep therefore loads twice: warm (right after the save) and
+    cold (after this eviction), for both implementations. ``POSIX_FADV_DONTNEED`` drops only
+    clean pages, hence the fsync first (DeepSpeed's torch.save does not fsync). Returns how
+    much ``Cached`` fell, reported next to the checkpoint's size as evidence that the pages went.
+    """
+    before = _cached_bytes()
+    for d, _, fs in os.walk(path):
+        for f in fs:
+            fd = os.open(os.path.join(d, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return before - _cached_bytes()
+
+
 def _dd(workdir: str) -> tuple[float, float]:
     path = os.path.join(workdir, "dd.bin")
     w = subprocess.run(
@@ -135,7 +167,7 @@ def _zero_rank(workdir: str, stage: int, reps: int, ctl: str) -> dict:
     engine.backward(engine(_input()).pow(2).mean())
     engine.step()
     rank = dist.get_rank()
-    saves, loads = [], []
+    saves, loads, cold, evicted = [], [], [], []
     for i in range(reps):
         _wait_turn(ctl, f"go_zero_{i}")
         d = os.path.join(workdir, f"zero_s{stage}_{i}")  # a fresh directory: a first save, not a replace
@@ -146,14 +178,21 @@ def _zero_rank(workdir: str, stage: int, reps: int, ctl: str) -> dict:
         saves.append(time.perf_counter() - t0)
         dist.barrier()
         t0 = time.perf_counter()
-        engine.load_checkpoint(d, tag="t")
+        engine.load_checkpoint(d, tag="t")  # warm: the files were just written
         dist.barrier()
         loads.append(time.perf_counter() - t0)
+        if rank == 0:
+            evicted.append(_evict(d))  # See [Note: cold-cache loads]
+        dist.barrier()
+        t0 = time.perf_counter()
+        engine.load_checkpoint(d, tag="t")
+        dist.barrier()
+        cold.append(time.perf_counter() - t0)
         if rank == 0:
             if i:  # keep the last rep's checkpoint for the conversion runs
                 shutil.rmtree(os.path.join(workdir, f"zero_s{stage}_{i - 1}"))
             _signal(ctl, f"done_zero_{i}")
-    return {"save": saves, "load": loads}
+    return {"save": saves, "load": loads, "cold": cold, "evicted": evicted}
 
 
 _RSS_WRAPPER = (
@@ -264,21 +303,35 @@ _DS_WORKER = textwrap.dedent(
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     x = torch.randn(1, width, generator=torch.Generator().manual_seed(1))
     engine.backward(engine(x).pow(2).mean()); engine.step()
-    saves, loads = [], []
+    def cached():
+        return next(int(l.split()[1]) * 1024 for l in open("/proc/meminfo") if l.startswith("Cached:"))
+    def evict(path):  # the bench's _evict (see [Note: cold-cache loads] there)
+        before = cached()
+        for d, _, fs in os.walk(path):
+            for f in fs:
+                fd = os.open(os.path.join(d, f), os.O_RDONLY)
+                os.fsync(fd); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED); os.close(fd)
+        return before - cached()
+    saves, loads, cold, evicted = [], [], [], []
     for i in range(reps):
         wait(f"go_ds_{i}")
         dist.barrier(); t0 = time.perf_counter()
         engine.save_checkpoint(out, tag=f"t{i}")
         dist.barrier(); saves.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
+        dist.barrier(); t0 = time.perf_counter()
         engine.load_checkpoint(out, tag=f"t{i}")
         dist.barrier(); loads.append(time.perf_counter() - t0)
+        if dist.get_rank() == 0:
+            evicted.append(evict(os.path.join(out, f"t{i}")))
+        dist.barrier(); t0 = time.perf_counter()
+        engine.load_checkpoint(out, tag=f"t{i}")
+        dist.barrier(); cold.append(time.perf_counter() - t0)
         if dist.get_rank() == 0:
             if i:
                 shutil.rmtree(os.path.join(out, f"t{i - 1}"))
             open(os.path.join(ctl, f"done_ds_{i}"), "w").close()
     if dist.get_rank() == 0:
-        print("DS_RESULT", json.dumps({"save": saves, "load": loads}))
+        print("DS_RESULT", json.dumps({"save": saves, "load": loads, "cold": cold, "evicted": evicted}))
     """
 )
 
@@ -337,7 +390,8 @@ def _run_stage(stage, args, workdir, ref, have_ds, dd_w, dd_r, loadavg) -> dict:
     """Every rep of one stage, both implementations alive throughout (see [Note: interleaving])."""
     from zero_core.testing import run_multirank
 
-    s = {k: [] for k in ("save", "load", "conv", "ds_save", "ds_load", "ds_conv")}
+    keys = ["save", "load", "cold", "evicted", "conv"]
+    s = {k: [] for k in keys + [f"ds_{k}" for k in keys]}
     ctl = tempfile.mkdtemp(prefix="ctl_", dir=workdir)
     ds_proc = _start_deepspeed(args.ds_python, workdir, stage, args.reps, ctl) if have_ds else None
     zero_out: list = []
@@ -369,10 +423,12 @@ def _run_stage(stage, args, workdir, ref, have_ds, dd_w, dd_r, loadavg) -> dict:
     res = zero_out[0]
     if isinstance(res, BaseException):
         raise res
-    s["save"], s["load"] = res[0]["save"], res[0]["load"]
+    for k in ("save", "load", "cold", "evicted"):
+        s[k] = res[0][k]
     if ds_proc is not None:
         ds = _finish_deepspeed(ds_proc, args.ds_python, workdir, stage, ref)
         s["ds_save"], s["ds_load"], s["ds_conv"] = ds["save"], ds["load"], [ds["convert"]]
+        s["ds_cold"], s["ds_evicted"] = ds["cold"], ds["evicted"]
         s["ds_bytes"], s["ds_out_bytes"], s["ds_max_diff"] = ds["bytes"], ds["out_bytes"], ds["max_diff"]
     d = os.path.join(workdir, f"zero_s{stage}_{args.reps - 1}")
     s["bytes"] = _du(os.path.join(d, "t"))
@@ -464,8 +520,9 @@ def _report(stats, conv_rows, dd_w, dd_r, loadavg, args, have_ds) -> None:
         "fp32, Adam (one step taken on a seeded input), 2 ranks (gloo)",
         f"- one launch per implementation and stage doing all {args.reps} reps, the reps interleaved through a "
         "file handshake (zero rep i, DeepSpeed rep i, dd, zero rep i+1, ...); each rep saves into a fresh "
-        "directory and loads it back right away (so loads read from the page cache, for both implementations; "
-        "dd's read uses O_DIRECT); median [min-max]",
+        "directory, loads it back right away (warm: from the page cache), then fsyncs every checkpoint file, "
+        "drops it from the page cache (posix_fadvise DONTNEED) and loads it again (cold: from the disk, as "
+        "dd's O_DIRECT read); median [min-max]",
         f"- 1-minute load average at each rep: median {statistics.median(loadavg):.1f} "
         f"[{min(loadavg):.1f}-{max(loadavg):.1f}] (other engineers' jobs share the 2 cores and the disk)",
         f"- disk sequential bandwidth, same run ({len(dd_w)} samples): write {_spread(dd_w)} GB/s "
@@ -473,18 +530,28 @@ def _report(stats, conv_rows, dd_w, dd_r, loadavg, args, have_ds) -> None:
         "- every conversion output is checked: files exist, same tensor names and total numel as the model, "
         "values equal a plain single-process PyTorch run of the same step (allclose rtol 1e-5)",
         "",
-        "| stage | impl | save s | save GB/s | vs dd write | load s | load GB/s | vs dd read | bytes on disk |",
-        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    evict = []
+    for stage, s in stats.items():
+        evict.append(f"stage {stage} zero {med(s['evicted']) / 1e6:.0f} MB of {s['bytes'] / 1e6:.0f} MB")
+        if have_ds:
+            evict.append(f"DeepSpeed {med(s['ds_evicted']) / 1e6:.0f} MB of {s['ds_bytes'] / 1e6:.0f} MB")
+    lines += [
+        "- eviction check: /proc/meminfo Cached fell per eviction (median) by " + ", ".join(evict),
+        "",
+        "| stage | impl | save s | save GB/s | vs dd write | warm load s | GB/s | vs dd read "
+        "| cold load s | GB/s | vs dd read | bytes on disk |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for stage, s in stats.items():
-        impls = [("zero", s["save"], s["load"], s["bytes"])]
+        impls = [("zero", s["save"], s["load"], s["cold"], s["bytes"])]
         if have_ds:
-            impls.append((f"DeepSpeed {ds_version}", s["ds_save"], s["ds_load"], s["ds_bytes"]))
-        for name, sv, ld, nb in impls:
-            gs, gl = nb / med(sv) / 1e9, nb / med(ld) / 1e9
+            impls.append((f"DeepSpeed {ds_version}", s["ds_save"], s["ds_load"], s["ds_cold"], s["ds_bytes"]))
+        for name, sv, ld, cl, nb in impls:
+            gs, gl, gc = nb / med(sv) / 1e9, nb / med(ld) / 1e9, nb / med(cl) / 1e9
             lines.append(
                 f"| {stage} | {name} | {_spread(sv)} | {gs:.2f} | {gs / w:.0%} | {_spread(ld)} | {gl:.2f} | "
-                f"{gl / r:.0%} | {nb / 1e6:.0f} MB |"
+                f"{gl / r:.0%} | {_spread(cl)} | {gc:.2f} | {gc / r:.0%} | {nb / 1e6:.0f} MB |"
             )
     lines += [
         "",

@@ -290,8 +290,8 @@ class CheckpointReader:
         (together ~3x the cost of the read itself on this machine). ``read_into`` reads each
         piece with one ``preadv`` straight into the caller's tensor, when it is a contiguous CPU
         tensor of the stored dtype; otherwise it falls back to ``read`` and a converting copy.
-        Loaders of whole, replicated weights (``replicated.py``) use it; partitioned strategies
-        can use it for their flat masters and optimizer states the same way.
+        Every strategy's loader uses it for module weights, masters and optimizer states (see
+        [Note: loading into the live state] in ``inplace.py`` for where they read to).
         """
         entry = self._entry(name, kind)
         if not torch.is_tensor(out):
@@ -347,6 +347,18 @@ class CheckpointReader:
         else:
             with torch.no_grad():
                 out.copy_(self.read_fp32(name, start, start + out.numel()).view_as(out))
+
+    def fp32_module_value_is_master(self, name: str) -> bool:
+        """Whether ``read_module_value(name, float32)`` and ``read_fp32(name)`` read the same stored value.
+
+        They differ only when the checkpoint holds both an fp32 ``param`` and an ``fp32`` master
+        for ``name``: the module value then comes from the first, the master from the second.
+        A loader whose master is a view of its fp32 module weights skips the second read when
+        this holds (see [Note: loading into the live state] in ``inplace.py``).
+        """
+        return not (
+            self.has(name, FP32) and self.has(name, PARAM) and self.dtype(name, PARAM) == torch.float32
+        )
 
     def read_full(self, name: str, kind: str) -> torch.Tensor:
         return self.read(name, kind).view(self.shape(name, kind))

@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import os
 import zlib
+from collections.abc import Callable
 
 import numpy as np
 
 from zero_core.checkpoint.format import CheckpointError
 
 CHECKSUM_ALGORITHM = "sum64 (rank tensor files), crc32 (JSON files)"
-_CHUNK = 8 * 2**20
+_CHUNK = 2**20  # bytes per read while verifying (see [Note: verification reads ahead])
+_WINDOW = 32 * 2**20  # bytes queued for readahead beyond the read position
 _MASK = 2**64 - 1
 _WORDS = 2**17  # words per chunk: 1 MiB, stays in cache between the sum and the dot
 
@@ -99,15 +101,47 @@ def sum64_reference(data: bytes) -> str:
     return f"{a:016x}{b:016x}"
 
 
-def _stream(path: str, fold: object) -> int:
-    # One reused buffer, faulted in on the first read: the later reads are page-cache memcpys.
-    view = memoryview(bytearray(_CHUNK))
-    total = 0
-    with open(path, "rb", buffering=0) as f:
-        while k := f.readinto(view):
-            fold(view[:k])  # type: ignore[operator]
+def _stream(path: str, fold: Callable[[memoryview], None]) -> int:
+    """Feed the bytes of the file at ``path`` to ``fold`` in order, in chunks; returns the byte count.
+
+    [Note: verification reads ahead]
+    Verifying a checkpoint reads every byte of its tensor files once, before anything is
+    loaded: when the files are not in the page cache (a restart on another node, or after the
+    cache was dropped) this pass is the one that reads them from the disk, and the load's
+    later reads are page-cache copies. A loop of ``read`` then checksum leaves the disk idle
+    while it checksums. Here the kernel is asked to read ahead (``POSIX_FADV_SEQUENTIAL``,
+    and ``POSIX_FADV_WILLNEED`` on a window of ``_WINDOW`` bytes beyond the read position,
+    which only queues the I/O), so the disk streams while this thread copies and checksums
+    ``_CHUNK``-sized pieces; a 1 MiB piece stays in the CPU cache between the copy and the
+    checksum. Measured on this machine (shared and noisy), two 600 MiB files verified
+    concurrently with the page cache dropped: 0.82-0.90 s, the disk's own pace (plain 1 MiB
+    reads of the same files took 0.65-1.15 s, ``dd bs=16M`` 0.62-1.74 s in the same runs).
+    Verification is therefore disk-bound on a cold load; what a cold load adds on top is the
+    strategy's copies out of the page cache, which must wait for it (see [Note: shared
+    verification] in ``loader.py``).
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        advise = hasattr(os, "posix_fadvise")
+        if advise:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        view = memoryview(bytearray(_CHUNK))
+        step = max(_WINDOW // 4, 1)  # readahead is queued in quarters of the window
+        total = 0
+        queued = 0  # bytes asked for with WILLNEED so far
+        while True:
+            if advise and queued < size:
+                while queued < min(size, total + _WINDOW):
+                    os.posix_fadvise(fd, queued, step, os.POSIX_FADV_WILLNEED)
+                    queued += step
+            k = os.preadv(fd, [view], total)
+            if k <= 0:
+                return total
+            fold(view[:k])
             total += k
-    return total
+    finally:
+        os.close(fd)
 
 
 def file_checksum(path: str) -> tuple[int, int]:

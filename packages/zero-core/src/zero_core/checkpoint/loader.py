@@ -105,7 +105,16 @@ def _load_buffers(reader: CheckpointReader, module: torch.nn.Module, strict: boo
         )
     for name, t in mine.items():
         if name in saved:
-            t.copy_(reader.read_full(name, BUFFER).to(t.dtype))
+            numel = 1
+            for d in reader.shape(name, BUFFER):
+                numel *= d
+            if numel != t.numel():
+                raise CheckpointError(
+                    f"checkpoint {reader.tag_dir}: buffer {name!r} has shape {reader.shape(name, BUFFER)}, the "
+                    f"model's {tuple(t.shape)}"
+                )
+            # in place; converts where the dtypes differ (see [Note: reading into place])
+            reader.read_into(t, name, BUFFER)
 
 
 def full_module_state_dict(reader: CheckpointReader, module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -198,6 +207,11 @@ def _verify_tensor_files(reader: CheckpointReader, group: Any) -> None:
     ``i`` of ``M`` verifies files ``i, i + M, ...`` while the others do theirs, and one
     all-reduce tells every rank the lowest-numbered bad file, so all of them raise an error
     naming it before any tensor is copied; the reader then trusts the verified files.
+    This pass also brings the files into the page cache: on a cold load it is the one that
+    reads the disk (see [Note: verification reads ahead] in ``integrity.py``), and the
+    strategy's copies, which must wait for it, come from memory. A cold load therefore costs
+    the disk time plus those copies; overlapping them would mean copying bytes of a file not
+    yet known to be good into the live state.
     """
     on = comm.is_initialized() and comm.get_world_size(group) > 1
     rank, world = (comm.get_rank(group), comm.get_world_size(group)) if on else (0, 1)

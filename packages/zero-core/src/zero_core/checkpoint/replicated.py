@@ -15,7 +15,15 @@ import torch
 
 from zero_core.checkpoint.experts import global_expert_names, writes_param
 from zero_core.checkpoint.format import CheckpointError
-from zero_core.checkpoint.fragments import FP32, PARAM, CheckpointReader, Fragment, optimizer_state_fragments
+from zero_core.checkpoint.fragments import (
+    FP32,
+    OPTIM_PREFIX,
+    PARAM,
+    CheckpointReader,
+    Fragment,
+    optimizer_state_fragments,
+)
+from zero_core.checkpoint.inplace import state_buffer
 
 
 def module_fragments(module: torch.nn.Module, *, exclude_frozen_parameters: bool = False) -> list[Fragment]:
@@ -116,12 +124,22 @@ def load_replicated(
         keys = reader.optimizer_keys(name)
         if not keys:
             continue
+        live = optimizer.state.get(target, {})
         state: dict[str, Any] = {}
         for key in keys:
-            value = reader.read_optimizer_state(name, key)
-            if torch.is_tensor(value) and reader.is_elementwise(name, "optim." + key):
-                value = value.view_as(target).to(target.device)
-            state[key] = value
+            kind = OPTIM_PREFIX + key
+            if not reader.is_elementwise(name, kind):
+                state[key] = reader.read_optimizer_state(name, key)
+                continue
+            if reader.shape(name, kind) != tuple(p.shape):
+                raise CheckpointError(
+                    f"parameter {name!r}: optimizer state {key!r} has shape {reader.shape(name, kind)} in the "
+                    f"checkpoint, the parameter {tuple(p.shape)}"
+                )
+            # See [Note: loading into the live state] in inplace.py
+            buf = state_buffer(live.get(key), target.numel(), reader.dtype(name, kind), target.device)
+            reader.read_into(buf, name, kind)
+            state[key] = buf.view_as(target)
         optimizer.state[target] = state
 
 

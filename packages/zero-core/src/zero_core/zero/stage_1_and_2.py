@@ -671,41 +671,52 @@ class PartitionedOptimizerStrategy:
         load_module_only: bool = False,
         strict: bool = True,
     ) -> None:
-        """Whole module weights, then this rank's master segments and optimizer states, from any layout."""
-        from zero_core.checkpoint.fragments import OPTIM_PREFIX
+        """Whole module weights, then this rank's master segments and optimizer states, from any layout.
+
+        Every range is read in place, into the live masters and optimizer states (see [Note:
+        loading into the live state] in checkpoint/inplace.py).
+        """
+        from zero_core.checkpoint.fragments import FP32, OPTIM_PREFIX, PARAM
+        from zero_core.checkpoint.inplace import state_buffer, zero_uncovered
         from zero_core.checkpoint.replicated import load_module_params
 
         load_module_params(reader, self.module, strict=strict)
         for g, gg in enumerate(self.groups):
-            master = self.masters[g]
+            master = self.masters[g].detach()
             owned = [
                 (name, self._own_segments(g, i))
                 for i, name in enumerate(gg.names)
-                if reader.has(name, "fp32") or reader.has(name, "param")
+                if reader.has(name, FP32) or reader.has(name, PARAM)
             ]
             for name, segments in owned:
+                # See [Note: fp32 master aliasing]: the module weights loaded above are the master
+                if self.master_aliases_params and reader.fp32_module_value_is_master(name):
+                    continue
                 for so, po, n in segments:
-                    master[so : so + n].copy_(reader.read_fp32(name, po, po + n))
+                    reader.read_fp32_into(master[so : so + n], name, po)
             if not load_optimizer_states or load_module_only or not owned:
                 continue
             first = owned[0][0]
+            live = self.optimizer.state.get(self.masters[g], {}) if self.offload is None else {}
             state: dict[str, Any] = {}
             for key in reader.optimizer_keys(first):
                 kind = OPTIM_PREFIX + key
                 if not reader.is_elementwise(first, kind):
-                    state[key] = reader.read_optimizer_state(
-                        first, key
-                    )  # per group: the same for all its params
+                    # per group: the same for all its params
+                    state[key] = reader.read_optimizer_state(first, key)
                     continue
-                buf = torch.zeros(master.shape, dtype=reader.dtype(first, kind), device=master.device)
+                buf = state_buffer(live.get(key), master.numel(), reader.dtype(first, kind), master.device)
+                covered = []
                 for name, segments in owned:
                     for so, po, n in segments:
-                        buf[so : so + n].copy_(reader.read(name, kind, po, po + n))
-                state[key] = buf
+                        reader.read_into(buf[so : so + n], name, kind, po)
+                        covered.append((so, so + n))
+                zero_uncovered(buf, covered)  # padding and parameters absent from the checkpoint
+                state[key] = buf.view(master.shape)
             if state:
                 if self.offload is not None:
-                    self.offload.load_state(self.optimizer, master, state)
+                    self.offload.load_state(self.optimizer, self.masters[g], state)
                 else:
-                    self.optimizer.state[master] = state
+                    self.optimizer.state[self.masters[g]] = state
         if self.offload is not None:
             self.offload.refresh_low_precision()

@@ -497,9 +497,14 @@ class Stage3Strategy:
         load_module_only: bool = False,
         strict: bool = True,
     ) -> None:
-        """This rank's shard range of every parameter, master and optimizer state, from any layout (collective)."""
+        """This rank's shard range of every parameter, master and optimizer state, from any layout (collective).
+
+        Ranges are read in place, into the live shards, masters and optimizer states (see [Note:
+        loading into the live state] in checkpoint/inplace.py).
+        """
         from zero_core.checkpoint.format import CheckpointError
         from zero_core.checkpoint.fragments import FP32, OPTIM_PREFIX, PARAM
+        from zero_core.checkpoint.inplace import state_buffer, zero_uncovered
         from zero_core.checkpoint.replicated import check_names
 
         check_names(reader, self.module, strict=strict)
@@ -515,29 +520,36 @@ class Stage3Strategy:
                 )
             lo, hi = self._owned_range(p)
             m = self.master.get(st.id)
-            if m is not None:
-                value = self._master_value(m).reshape(-1).clone()
-                value[: hi - lo].copy_(reader.read_fp32(name, lo, hi))
+            offloaded = m is not None and self.offload is not None and self.offload.owns(m)
+            if offloaded:
+                value = self._master_value(m).reshape(-1)  # a new tensor: the store keeps the master
+                reader.read_fp32_into(value[: hi - lo], name, lo)
                 self._set_master_value(m, value)
+            elif m is not None:
+                reader.read_fp32_into(m.detach().view(-1)[: hi - lo], name, lo)
             if m is None or not shares_shard(m, st):
                 if st.offload is None:
-                    st.shard[: hi - lo].copy_(reader.read_module_value(name, st.shard.dtype, lo, hi))
+                    reader.read_module_value_into(st.shard[: hi - lo], name, lo)
                 else:
-                    value = torch.zeros(st.shard_numel, dtype=st.shard.dtype)
-                    value[: hi - lo].copy_(reader.read_module_value(name, st.shard.dtype, lo, hi))
+                    value = torch.empty(st.shard_numel, dtype=st.shard.dtype)
+                    reader.read_module_value_into(value[: hi - lo], name, lo)
+                    zero_uncovered(value, [(0, hi - lo)])
                     write_shard(p, value)
             if m is None or not load_optimizer_states or load_module_only:
                 continue
+            live = {} if offloaded else self.optimizer.state.get(m, {})
             state: dict[str, Any] = {}
             for key in reader.optimizer_keys(name):
-                if not reader.is_elementwise(name, OPTIM_PREFIX + key):
+                kind = OPTIM_PREFIX + key
+                if not reader.is_elementwise(name, kind):
                     state[key] = reader.read_optimizer_state(name, key)
                     continue
-                buf = torch.zeros(m.shape, dtype=reader.dtype(name, OPTIM_PREFIX + key), device=m.device)
-                buf[: hi - lo].copy_(reader.read(name, OPTIM_PREFIX + key, lo, hi))
-                state[key] = buf
+                buf = state_buffer(live.get(key), m.numel(), reader.dtype(name, kind), m.device)
+                reader.read_into(buf[: hi - lo], name, kind, lo)
+                zero_uncovered(buf, [(0, hi - lo)])  # the shard's padding
+                state[key] = buf.view(m.shape)
             if state:
-                if self.offload is not None and self.offload.owns(m):
+                if offloaded:
                     self.offload.load_state(self.optimizer, m, state)
                 else:
                     self.optimizer.state[m] = state
