@@ -152,3 +152,23 @@ def test_resolve_batch_false_keeps_sizes():
     resolved = cfg.with_batch_sizes(3)
     assert (resolved.train_batch_size, resolved.gradient_accumulation_steps) == (6, 1)
     assert cfg.train_batch_size is None  # with_batch_sizes returns a copy
+
+
+def test_auto_batch_sizes_name_the_hf_trainer():
+    """An HF-Trainer config whose batch sizes are all "auto" says why nothing can be derived."""
+    hf = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+    }
+    with pytest.raises(ConfigError) as info:
+        load_config(hf, world_size=2)
+    text = str(info.value)
+    assert "give train_batch_size or train_micro_batch_size_per_gpu" in text
+    assert 'train_batch_size and train_micro_batch_size_per_gpu are "auto"' in text
+    assert "HuggingFace Trainer" in text
+    with pytest.raises(ConfigError, match='train_micro_batch_size_per_gpu is "auto"'):
+        resolve_batch_size(None, "auto", None, world_size=1)
+    # one size given: the "auto" ones are derived as if absent
+    cfg = load_config({**hf, "train_micro_batch_size_per_gpu": 3}, world_size=2)
+    assert (cfg.train_batch_size, cfg.gradient_accumulation_steps) == (6, 1)

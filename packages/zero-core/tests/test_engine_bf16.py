@@ -3,10 +3,12 @@ that matches the same scheme written by hand in one process."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from zero_core.testing import run_multirank
+from zero_core.testing.models import TinyLM, token_batch
 
 VOCAB, MICRO, WORLD, STEPS, LR = 16, 4, 2, 10, 1e-2
 # bf16 keeps 8 significant bits: the engine sums the two ranks' bf16 gradients in bf16 while the
@@ -15,28 +17,19 @@ VOCAB, MICRO, WORLD, STEPS, LR = 16, 4, 2, 10, 1e-2
 RTOL, ATOL = 2e-2, 2e-3
 
 
-class Tiny(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, 16)
-        self.l1 = nn.Linear(16, 32)
-        self.head = nn.Linear(32, VOCAB)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = self.head(torch.tanh(self.l1(self.emb(x))))
-        return F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
+# emb -> l1 -> tanh -> head
+_model = functools.partial(TinyLM, VOCAB, 16, 32, mlp="one_layer", norm=False)
 
 
 def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     # two fixed batches alternate, so the loss falls clearly within 10 steps
-    g = torch.Generator().manual_seed(1000 * (step % 2) + rank)
-    return torch.randint(0, VOCAB, (MICRO, 6), generator=g), torch.randint(0, VOCAB, (MICRO, 6), generator=g)
+    return token_batch(1000 * (step % 2) + rank, MICRO, 6, VOCAB)
 
 
 def _reference() -> tuple[list[float], list[torch.Tensor]]:
     """The mixed-precision scheme by hand: bf16 model, fp32 masters, AdamW over the masters."""
     torch.manual_seed(0)
-    model = Tiny()
+    model = _model()
     masters = [nn.Parameter(p.detach().clone().float()) for p in model.parameters()]
     opt = torch.optim.AdamW(masters, lr=LR, weight_decay=0.01)
     model.to(torch.bfloat16)
@@ -67,7 +60,7 @@ def _train() -> dict:
 
     rank = comm.get_rank()
     torch.manual_seed(0)
-    model = Tiny()
+    model = _model()
     cfg = {
         "train_micro_batch_size_per_gpu": MICRO,
         "steps_per_print": 10**6,
@@ -101,7 +94,7 @@ def _train() -> dict:
 def test_bf16_matches_hand_written_mixed_precision():
     ref_losses, ref_masters = _reference()
     torch.manual_seed(0)
-    init = [p.detach().clone() for p in Tiny().parameters()]
+    init = [p.detach().clone() for p in _model().parameters()]
     for out in run_multirank(_train, WORLD):
         assert out["module_dtypes"] == {torch.bfloat16}
         assert out["master_dtypes"] == {torch.float32}

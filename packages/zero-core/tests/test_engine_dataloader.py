@@ -1,6 +1,7 @@
 """The data loader ``initialize`` builds from ``training_data``: disjoint DistributedSampler shards,
-drop_last, a reshuffle per epoch seeded with ``seed + epoch``, the client's ``collate_fn``, and
-``RepeatingLoader`` moving to the next epoch."""
+``dataloader_drop_last`` (DeepSpeed's default false pads and keeps a short last batch), a reshuffle
+per epoch seeded with ``seed + epoch``, the client's ``collate_fn``, and ``RepeatingLoader`` moving
+to the next epoch."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def _epochs() -> dict:
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         training_data=Indices(),
         collate_fn=collate,
-        config={"train_micro_batch_size_per_gpu": MICRO},
+        config={"train_micro_batch_size_per_gpu": MICRO, "dataloader_drop_last": True},
     )
     assert engine.training_dataloader is loader
     epochs = []
@@ -70,6 +71,32 @@ def test_sharded_reshuffled_collated_loader():
         shards = [{i for b in out["epochs"][epoch] for i in b} for out in results]
         assert not shards[0] & shards[1]  # disjoint across ranks
         assert len(shards[0]) == len(shards[1]) == 3 * MICRO
+
+
+def _default_epoch() -> dict:
+    import zero_core
+
+    model = torch.nn.Linear(2, 2)
+    _, _, loader, _ = zero_core.initialize(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        training_data=Indices(),
+        config={"train_micro_batch_size_per_gpu": MICRO},
+    )
+    return {"len": len(loader), "batches": [b.tolist() for b in loader]}
+
+
+def test_default_keeps_every_sample_like_deepspeed():
+    """Without ``dataloader_drop_last`` no sample is lost: 27 items pad to 14 per rank, 4 batches."""
+    results = run_multirank(_default_epoch, WORLD)
+    order = torch.randperm(N, generator=torch.Generator().manual_seed(0)).tolist()
+    padded = order + order[: WORLD * -(-N // WORLD) - N]
+    for rank, out in enumerate(results):
+        mine = padded[rank::WORLD]
+        assert out["len"] == 4
+        assert out["batches"] == [mine[i : i + MICRO] for i in range(0, len(mine), MICRO)]
+        assert [len(b) for b in out["batches"]] == [4, 4, 4, 2]
+    assert {i for out in results for b in out["batches"] for i in b} == set(range(N))
 
 
 def test_bad_micro_batch_for_loader():

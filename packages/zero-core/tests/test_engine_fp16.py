@@ -3,31 +3,22 @@ scale follows the hysteresis rules of [Note: loss scaling], and a static scale u
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 from zero_core.testing import run_multirank
+from zero_core.testing.models import TinyLM, token_batch
 
 VOCAB, MICRO, WORLD = 16, 2, 2
 
 
-class Tiny(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, 8)
-        self.l1 = nn.Linear(8, 12)
-        self.head = nn.Linear(12, VOCAB)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor, poison: bool = False) -> torch.Tensor:
-        logits = self.head(torch.tanh(self.l1(self.emb(x))))
-        loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
-        return loss * float("inf") if poison else loss
+# emb -> l1 -> tanh -> head; forward(x, y, poison=True) returns an infinite loss
+_model = functools.partial(TinyLM, VOCAB, 8, 12, mlp="one_layer", norm=False)
 
 
 def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randint(0, VOCAB, (MICRO, 5), generator=g), torch.randint(0, VOCAB, (MICRO, 5), generator=g)
+    return token_batch(1000 * step + rank, MICRO, 5, VOCAB)
 
 
 # step -> how the overflow is produced: "grad" = inf gradients on rank 1 only (the all-reduce
@@ -58,28 +49,35 @@ def _expected_scales(consecutive: bool) -> list[float]:
     return out
 
 
-def _dynamic(consecutive: bool) -> dict:
+def _engine(fp16: dict, lr: float):
+    """An fp16 engine (SGD with ``lr``) over a freshly seeded model; returns (engine, optimizer, model)."""
     import zero_core
-    from zero_core import comm
 
-    rank = comm.get_rank()
     torch.manual_seed(0)
-    model = Tiny()
+    model = _model()
     cfg = {
         "train_micro_batch_size_per_gpu": MICRO,
         "steps_per_print": 10**6,
-        "fp16": {
-            "enabled": True,
-            "loss_scale": 0,
-            "initial_scale_power": 8,
-            "loss_scale_window": 3,
-            "hysteresis": 2,
-            "consecutive_hysteresis": consecutive,
-            "min_loss_scale": 64,
-        },
-        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "fp16": {"enabled": True, **fp16},
+        "optimizer": {"type": "SGD", "params": {"lr": lr}},
     }
     engine, opt, _, _ = zero_core.initialize(model=model, config=cfg)
+    return engine, opt, model
+
+
+def _dynamic(consecutive: bool) -> dict:
+    from zero_core import comm
+
+    rank = comm.get_rank()
+    scaling = {
+        "loss_scale": 0,
+        "initial_scale_power": 8,
+        "loss_scale_window": 3,
+        "hysteresis": 2,
+        "consecutive_hysteresis": consecutive,
+        "min_loss_scale": 64,
+    }
+    engine, opt, model = _engine(scaling, lr=0.1)
     out: dict = {"scales": [], "changed": [], "skipped": [], "steps": [], "lr": []}
     out["dtypes"] = (
         {p.dtype for p in model.parameters()},
@@ -125,19 +123,10 @@ def test_overflow_on_one_rank_skips_everywhere_and_follows_hysteresis(consecutiv
 
 
 def _static(scale: float) -> dict:
-    import zero_core
     from zero_core import comm
 
     rank = comm.get_rank()
-    torch.manual_seed(0)
-    model = Tiny()
-    cfg = {
-        "train_micro_batch_size_per_gpu": MICRO,
-        "steps_per_print": 10**6,
-        "fp16": {"enabled": True, "loss_scale": scale},
-        "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
-    }
-    engine, opt, _, _ = zero_core.initialize(model=model, config=cfg)
+    engine, opt, _ = _engine({"loss_scale": scale}, lr=0.5)
     for it in range(3):
         x, y = _batch(it, rank)
         engine.backward(engine(x, y))
@@ -152,7 +141,7 @@ def _static(scale: float) -> dict:
 def _static_reference(scale: float) -> list[torch.Tensor]:
     """fp16 model, fp32 masters, by hand: grads of (loss * scale) per rank, averaged, unscaled, SGD."""
     torch.manual_seed(0)
-    model = Tiny()
+    model = _model()
     masters = [p.detach().clone().float() for p in model.parameters()]
     model.half()
     for it in range(3):

@@ -3,33 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from zero_core.testing import run_multirank
+from zero_core.testing.models import TinyLM, token_batch
 
 VOCAB = 16
 MICRO = 2
 
 
-class Tiny(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, 8)
-        self.l1 = nn.Linear(8, 12)
-        self.head = nn.Linear(12, VOCAB)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = self.head(torch.tanh(self.l1(self.emb(x))))
-        return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+# emb -> l1 -> tanh -> head
+_model = functools.partial(TinyLM, VOCAB, 8, 12, mlp="one_layer", norm=False)
 
 
 def _batch(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(77 + step)
-    return torch.randint(0, VOCAB, (n, 5), generator=g), torch.randint(0, VOCAB, (n, 5), generator=g)
+    return token_batch(77 + step, n, 5, VOCAB)
 
 
 def _cfg(**extra) -> dict:
@@ -45,7 +37,7 @@ def test_argument_errors_before_distributed_init():
     with pytest.raises(TypeError, match="model must be a torch.nn.Module, got dict"):
         zero_core.initialize(model={"w": 1}, config=_cfg())
     with pytest.raises(ValueError, match="config= or config_params=, not both"):
-        zero_core.initialize(model=Tiny(), config=_cfg(), config_params=_cfg())
+        zero_core.initialize(model=_model(), config=_cfg(), config_params=_cfg())
 
 
 def _errors_in_process(tmp: str) -> list[str]:
@@ -54,19 +46,19 @@ def _errors_in_process(tmp: str) -> list[str]:
 
     seen = []
     with pytest.raises(ValueError, match=r"no optimizer: pass optimizer= .* or add an 'optimizer' section"):
-        zero_core.initialize(model=Tiny(), config=_cfg())
+        zero_core.initialize(model=_model(), config=_cfg())
     seen.append("no optimizer")
     with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer or a callable, got int"):
-        zero_core.initialize(model=Tiny(), optimizer=3, config=_cfg())
+        zero_core.initialize(model=_model(), optimizer=3, config=_cfg())
     seen.append("bad optimizer")
     with pytest.raises(TypeError, match="the optimizer callable returned str"):
-        zero_core.initialize(model=Tiny(), optimizer=lambda ps: "adam", config=_cfg())
+        zero_core.initialize(model=_model(), optimizer=lambda ps: "adam", config=_cfg())
     seen.append("bad callable")
     with pytest.raises(ConfigError, match="no config given"):
-        zero_core.initialize(model=Tiny(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+        zero_core.initialize(model=_model(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
     seen.append("no config")
     with pytest.raises(ConfigError, match='optimizer.type: "Nope": unknown optimizer'):
-        zero_core.initialize(model=Tiny(), config=_cfg(optimizer={"type": "Nope", "params": {}}))
+        zero_core.initialize(model=_model(), config=_cfg(optimizer={"type": "Nope", "params": {}}))
     seen.append("bad type")
     return seen
 
@@ -83,15 +75,15 @@ def _config_sources(path: str) -> dict[str, int]:
     opt = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
     out = {}
     out["dict"] = zero_core.initialize(
-        model=Tiny(), optimizer=opt, config=_cfg(train_micro_batch_size_per_gpu=3)
+        model=_model(), optimizer=opt, config=_cfg(train_micro_batch_size_per_gpu=3)
     )
-    out["path"] = zero_core.initialize(model=Tiny(), optimizer=opt, config=path)
-    out["config_params"] = zero_core.initialize(model=Tiny(), optimizer=opt, config_params=path)
+    out["path"] = zero_core.initialize(model=_model(), optimizer=opt, config=path)
+    out["config_params"] = zero_core.initialize(model=_model(), optimizer=opt, config_params=path)
     out["args.zero_config"] = zero_core.initialize(
-        args=argparse.Namespace(zero_config=path), model=Tiny(), optimizer=opt
+        args=argparse.Namespace(zero_config=path), model=_model(), optimizer=opt
     )
     out["args.deepspeed_config"] = zero_core.initialize(
-        args=argparse.Namespace(deepspeed_config=path), model=Tiny(), optimizer=opt
+        args=argparse.Namespace(deepspeed_config=path), model=_model(), optimizer=opt
     )
     micro = {k: v[0].train_micro_batch_size_per_gpu() for k, v in out.items()}
     # stage 0's bucket size: 25 MiB of fp32 unless reduce_bucket_size is given (see [Note: gradient buckets])
@@ -126,13 +118,13 @@ def _optimizer_sources() -> dict[str, str]:
     import zero_core
 
     out = {}
-    model = Tiny()
+    model = _model()
     client = torch.optim.Adagrad(model.parameters(), lr=0.1)
     engine, opt, _, _ = zero_core.initialize(model=model, optimizer=client, config=_cfg())
     assert opt is client and engine.optimizer is client
     out["client"] = type(opt).__name__
 
-    model = Tiny()
+    model = _model()
     engine, opt, _, _ = zero_core.initialize(
         model=model, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.25), config=_cfg()
     )
@@ -140,7 +132,7 @@ def _optimizer_sources() -> dict[str, str]:
     out["callable"] = f"{type(opt).__name__}@{opt.param_groups[0]['lr']}"
 
     for name in ("Adam", "AdamW", "SGD", "Adagrad", "Lamb"):
-        model = Tiny()
+        model = _model()
         _, opt, _, _ = zero_core.initialize(
             model=model, config=_cfg(optimizer={"type": name, "params": {"lr": 0.01}})
         )
@@ -154,7 +146,7 @@ def _optimizer_sources() -> dict[str, str]:
         assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
     # model_parameters restricts what the config-built optimizer sees
-    model = Tiny()
+    model = _model()
     _, opt, _, _ = zero_core.initialize(
         model=model,
         model_parameters=model.head.parameters(),
@@ -202,7 +194,7 @@ def _scheduler_sources() -> dict[str, object]:
     from zero_core.lr_schedules import WarmupLR
 
     out: dict[str, object] = {}
-    model = Tiny()
+    model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     client = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     engine, _, _, sched = zero_core.initialize(model=model, optimizer=opt, lr_scheduler=client, config=_cfg())
@@ -210,7 +202,7 @@ def _scheduler_sources() -> dict[str, object]:
     _train(engine, 5)
     out["object"] = engine.get_lr()  # 1.0 * 0.5 ** (5 // 2)
 
-    model = Tiny()
+    model = _model()
     engine, _, _, sched = zero_core.initialize(
         model=model,
         optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0),
@@ -222,7 +214,7 @@ def _scheduler_sources() -> dict[str, object]:
     out["callable"] = engine.get_lr()  # 1 / 4
 
     params = {"warmup_min_lr": 0.0, "warmup_max_lr": 0.1, "warmup_num_steps": 10, "warmup_type": "linear"}
-    model = Tiny()
+    model = _model()
     engine, _, _, sched = zero_core.initialize(
         model=model,
         config=_cfg(
@@ -239,7 +231,7 @@ def _scheduler_sources() -> dict[str, object]:
         twin.step()
     out["config"] = (lrs, twin_lrs)
 
-    model = Tiny()
+    model = _model()
     engine, _, _, sched = zero_core.initialize(
         model=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
@@ -271,7 +263,7 @@ STEPS, GAS, CLIP, WORLD = 4, 2, 0.3, 2
 
 def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
-    model = Tiny()
+    model = _model()
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
     norms = []
     for s in range(STEPS):
@@ -289,7 +281,7 @@ def _engine_api() -> dict:
 
     rank = comm.get_rank()
     torch.manual_seed(0)
-    model = Tiny()
+    model = _model()
     engine, _, _, _ = zero_core.initialize(
         model=model,
         optimizer=lambda ps: torch.optim.Adam(ps, lr=0.05),

@@ -102,51 +102,17 @@ def test_torchrun_argv_single_node_is_standalone(tmp_path):
 def test_torchrun_argv_multi_node_flags(tmp_path):
     script = tmp_path / "t.py"
     script.write_text("")
-    ns = _parse(
-        [
-            "--nproc_per_node",
-            "8",
-            "--nnodes",
-            "2",
-            "--node_rank",
-            "1",
-            "--master_addr",
-            "node0",
-            "--master-port",
-            "29600",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            "node0:29400",
-            "--rdzv-id",
-            "job7",
-            "--max-restarts",
-            "2",
-            str(script),
-        ]
+    ours = (
+        "--nproc_per_node 8 --nnodes 2 --node_rank 1 --master_addr node0 --master-port 29600 "
+        "--rdzv-backend c10d --rdzv-endpoint node0:29400 --rdzv-id job7 --max-restarts 2"
     )
-    argv = torchrun_argv(ns)
-    assert argv == [
-        "--nproc-per-node",
-        "8",
-        "--nnodes",
-        "2",
-        "--node-rank",
-        "1",
-        "--master-addr",
-        "node0",
-        "--master-port",
-        "29600",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        "node0:29400",
-        "--rdzv-id",
-        "job7",
-        "--max-restarts",
-        "2",
-        str(script),
-    ]
+    # torchrun's spellings: underscores become dashes, dashed flags pass through
+    theirs = (
+        "--nproc-per-node 8 --nnodes 2 --node-rank 1 --master-addr node0 --master-port 29600 "
+        "--rdzv-backend c10d --rdzv-endpoint node0:29400 --rdzv-id job7 --max-restarts 2"
+    )
+    argv = torchrun_argv(_parse([*ours.split(), str(script)]))
+    assert argv == [*theirs.split(), str(script)]
 
 
 def test_mpiexec_command(tmp_path):

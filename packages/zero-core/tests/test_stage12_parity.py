@@ -11,43 +11,25 @@ a copy: both paths are checked. ``round_robin_gradients`` is a documented no-op 
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from zero_core.testing import run_multirank
+from zero_core.testing.models import TinyLM, token_batch
+from zero_core.testing.parity import assert_trajectory_close, state_snapshot, train_engine, train_reference
 
-STEPS = 20
-MICRO = 2
-SEQ = 8
-VOCAB = 32
+STEPS, MICRO, SEQ, VOCAB = 20, 2, 8, 32
 
 
-class TinyLM(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, 16)
-        self.attn = nn.MultiheadAttention(16, 2, bias=False, batch_first=True)  # a key bias has a ~0 gradient
-        self.l1 = nn.Linear(16, 23)
-        self.l2 = nn.Linear(23, 16)
-        self.norm = nn.LayerNorm(16)
-        self.head = nn.Linear(16, VOCAB)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        h = self.emb(x)
-        mask = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool), 1)
-        h = h + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
-        h = h + self.l2(torch.tanh(self.l1(h)))
-        logits = self.head(self.norm(h))
-        return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+# emb, causal attention (no biases: a key bias has a ~0 gradient), MLP, LayerNorm, head; all residual
+_model = functools.partial(TinyLM, VOCAB, 16, 23, attention=True)
 
 
 def _data(step: int, world: int, gas: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + step)
-    n = world * gas * MICRO
-    return torch.randint(0, VOCAB, (n, SEQ), generator=g), torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    return token_batch(1000 + step, world * gas * MICRO, SEQ, VOCAB)
 
 
 def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
@@ -71,31 +53,25 @@ def _scheduler(opt: torch.optim.Optimizer, use: bool):
 
 def _reference(world: int, case: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
-    model = TinyLM()
+    model = _model()
     opt = _optimizer(case["opt"], model)
-    sched = _scheduler(opt, case.get("sched", False))
-    losses = []
-    for step in range(STEPS):
-        x, y = _data(step, world, case["gas"])
-        loss = model(x, y)
-        loss.backward()
-        if case["clip"] > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"])
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if sched is not None:
-            sched.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return train_reference(
+        model,
+        opt,
+        lambda step: _data(step, world, case["gas"]),
+        STEPS,
+        clip=case["clip"],
+        scheduler=_scheduler(opt, case.get("sched", False)),
+    )
 
 
 def _train(case: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
     import zero_core
     from zero_core import comm
 
-    rank, world = comm.get_rank(), comm.get_world_size()
+    world = comm.get_world_size()
     torch.manual_seed(0)
-    model = TinyLM()
+    model = _model()
     gas = case["gas"]
     zc = {"stage": case["stage"], "reduce_bucket_size": case["bucket"], "overlap_comm": case["overlap"]}
     zc.update(case.get("zero", {}))
@@ -115,19 +91,8 @@ def _train(case: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
     sched = _scheduler(optimizer, case.get("sched", False))
     if sched is not None:
         engine.lr_scheduler = sched
-    losses = []
-    for step in range(STEPS):
-        x, y = _data(step, world, gas)
-        for micro in range(gas):
-            lo = (micro * world + rank) * MICRO
-            loss = engine(x[lo : lo + MICRO], y[lo : lo + MICRO])
-            engine.backward(loss)
-            engine.step()
-        t = torch.tensor([engine.last_loss])
-        comm.all_reduce(t)
-        losses.append(t.item() / world)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return losses, state, engine.strategy.master_aliases_params
+    losses = train_engine(engine, lambda step: _data(step, world, gas), STEPS, micro=MICRO, gas=gas)
+    return losses, state_snapshot(model), engine.strategy.master_aliases_params
 
 
 class _Records(logging.Handler):
@@ -220,14 +185,4 @@ def test_stage12_matches_single_process(world: int, cases: list[dict]) -> None:
             losses, state, aliased = per_rank[ci]
             where = f"case {case}, rank {rank}"
             assert aliased == (case["bucket"] == BIG), f"fp32 master aliasing: {aliased}; {where}"
-            torch.testing.assert_close(
-                torch.tensor(losses),
-                torch.tensor(ref_losses),
-                rtol=1e-5,
-                atol=1e-6,
-                msg=lambda m, w=where: f"losses, {w}: {m}",
-            )
-            for k, v in ref_state.items():
-                torch.testing.assert_close(
-                    state[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k, w=where: f"{k}, {w}: {m}"
-                )
+            assert_trajectory_close(losses, state, ref_losses, ref_state, rtol=1e-5, atol=1e-6, where=where)

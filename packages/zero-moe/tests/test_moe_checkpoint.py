@@ -19,26 +19,9 @@ class TwoLayer(nn.Module):
         super().__init__()
         torch.manual_seed(seed)
         self.proj = nn.Linear(M, M)
-        self.moe1 = MoE(
-            M,
-            nn.Linear(M, M),
-            num_experts=E,
-            ep_size=ep_size,
-            k=2,
-            capacity_factor=4.0,
-            use_rts=False,
-            top2_2nd_expert_sampling=False,
-        )
-        self.moe2 = MoE(
-            M,
-            nn.Linear(M, M),
-            num_experts=E,
-            ep_size=ep_size,
-            k=1,
-            capacity_factor=4.0,
-            use_rts=False,
-            use_residual=True,
-        )
+        common = dict(num_experts=E, ep_size=ep_size, capacity_factor=4.0, use_rts=False)
+        self.moe1 = MoE(M, nn.Linear(M, M), k=2, top2_2nd_expert_sampling=False, **common)
+        self.moe2 = MoE(M, nn.Linear(M, M), k=1, use_residual=True, **common)
         g = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():  # distinct weights per global expert, independent of ep_size
             for layer in (self.moe1, self.moe2):

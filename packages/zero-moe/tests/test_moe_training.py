@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from zero_core.testing import run_multirank
+from zero_core.testing.parity import assert_tensors_close
 from zero_moe import MoE, reduce_moe_gradients, split_params_into_different_moe_groups_for_optimizer
 
 V, D, SEQ, BATCH, E, STEPS = 16, 16, 8, 2, 4, 3
@@ -109,6 +110,13 @@ def _ref_name(model: TinyMoEModel, name: str) -> str:
     return f"{head}.zero_experts.{block.moe.global_expert_offset + int(local)}.{rest}"
 
 
+def _assert_matches_reference(model: TinyMoEModel, ref: TinyMoEModel) -> None:
+    """Every parameter of ``model`` equals the reference's (an expert: the one of its global index)."""
+    ref_params = dict(ref.named_parameters())
+    want = {name: ref_params[_ref_name(model, name)] for name, _ in model.named_parameters()}
+    assert_tensors_close(dict(model.named_parameters()), want, rtol=1e-5, atol=1e-6)
+
+
 def _train_worker() -> list[float]:
     rank, world = dist.get_rank(), dist.get_world_size()
     model, ref = _build((2, 1)), _build((1, 1))
@@ -127,15 +135,7 @@ def _train_worker() -> list[float]:
             (ref(*_batch(step, r)) / world).backward()
         ref_opt.step()
 
-    ref_params = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(
-            p.detach(),
-            ref_params[_ref_name(model, name)].detach(),
-            rtol=1e-5,
-            atol=1e-6,
-            msg=lambda m, name=name: f"{name}: {m}",
-        )
+    _assert_matches_reference(model, ref)
     return losses
 
 
@@ -188,16 +188,8 @@ def _engine_worker(stage: int, clip: float = 0.0, zero_init: bool = False) -> li
             assert ref_norm > clip  # the clipping really scales the step
             assert abs(engine.get_global_grad_norm() - ref_norm.item()) <= 1e-5 * ref_norm.item()
         ref_opt.step()
-    ref_params = dict(ref.named_parameters())
     with GatheredParameters(list(model.parameters()), enabled=stage == 3):
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(
-                p.detach(),
-                ref_params[_ref_name(model, name)].detach(),
-                rtol=1e-5,
-                atol=1e-6,
-                msg=lambda m, name=name: f"{name}: {m}",
-            )
+        _assert_matches_reference(model, ref)
     return losses
 
 

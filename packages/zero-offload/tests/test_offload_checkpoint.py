@@ -8,50 +8,33 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 from zero_core.testing import run_multirank
+from zero_core.testing.models import TinyLM, token_batch
+from zero_core.testing.parity import train_engine, train_reference
 
 VOCAB = 32
 
 
-class Tiny(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, 16)
-        self.l1 = nn.Linear(16, 24)
-        self.head = nn.Linear(24, VOCAB)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.head(torch.tanh(self.l1(self.emb(x)))).reshape(-1, VOCAB), y.reshape(-1))
+def _model() -> TinyLM:
+    return TinyLM(VOCAB, 16, 24, mlp="one_layer", norm=False)
 
 
 def _data(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(7 + step)
-    return torch.randint(0, VOCAB, (2 * world, 6), generator=g), torch.randint(
-        0, VOCAB, (2 * world, 6), generator=g
-    )
+    return token_batch(7 + step, 2 * world, 6, VOCAB)
 
 
 def _reference(world: int) -> list[float]:
     torch.manual_seed(0)
-    model = Tiny()
+    model = _model()
     opt = torch.optim.Adam(model.parameters(), lr=2e-3)
-    out = []
-    for step in range(20):
-        loss = model(*_data(step, world))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append(loss.item())
-    return out
+    return train_reference(model, opt, lambda step: _data(step, world), 20)[0]
 
 
 def _engine(stage: int, offload: dict | None, nvme: str):
     import zero_core
 
     torch.manual_seed(0)
-    model = Tiny()
+    model = _model()
     zc = {"stage": stage, "sub_group_size": 700}
     if offload is not None:
         offload = dict(offload)
@@ -74,16 +57,7 @@ def _engine(stage: int, offload: dict | None, nvme: str):
 def _steps(engine, lo: int, hi: int) -> list[float]:
     from zero_core import comm
 
-    rank, world = comm.get_rank(), comm.get_world_size()
-    out = []
-    for step in range(lo, hi):
-        x, y = _data(step, world)
-        engine.backward(engine(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]))
-        engine.step()
-        t = torch.tensor([engine.last_loss])
-        comm.all_reduce(t)
-        out.append(t.item() / world)
-    return out
+    return train_engine(engine, lambda step: _data(step, comm.get_world_size()), range(lo, hi), micro=2)
 
 
 def _save_resume(cases: list, ckpt_root: str, nvme: str) -> list[list[float]]:

@@ -14,31 +14,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 from zero_core.testing import run_multirank
+from zero_core.testing.models import TinyLM, token_batch
+from zero_core.testing.parity import train_engine
 
 STEPS = 10
 VOCAB = 32
 
 
-class TinyLM(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, 16)
-        self.l1 = nn.Linear(16, 24)
-        self.head = nn.Linear(24, VOCAB)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = self.head(torch.tanh(self.l1(self.emb(x))))
-        return F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
-
-
 def _data(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(500 + step)
-    return torch.randint(0, VOCAB, (2 * world, 8), generator=g), torch.randint(
-        0, VOCAB, (2 * world, 8), generator=g
-    )
+    return token_batch(500 + step, 2 * world, 8, VOCAB)
 
 
 def _train(case: dict, nvme: str) -> dict:
@@ -46,9 +31,9 @@ def _train(case: dict, nvme: str) -> dict:
     from zero_core import comm
     from zero_core.zero.stage3 import GatheredParameters
 
-    rank, world = comm.get_rank(), comm.get_world_size()
+    world = comm.get_world_size()
     torch.manual_seed(0)
-    model = TinyLM()
+    model = TinyLM(VOCAB, 16, 24, mlp="one_layer", norm=False)
     zc: dict = {"stage": case["stage"], "sub_group_size": 500}
     if case.get("opt"):
         zc["offload_optimizer"] = {"device": case["opt"]}
@@ -71,14 +56,7 @@ def _train(case: dict, nvme: str) -> dict:
     engine, *_ = zero_core.initialize(
         model=model, optimizer=torch.optim.Adam(model.parameters(), lr=3e-3), config=cfg
     )
-    losses = []
-    for step in range(STEPS):
-        x, y = _data(step, world)
-        engine.backward(engine(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]))
-        engine.step()
-        t = torch.tensor([engine.last_loss])
-        comm.all_reduce(t)
-        losses.append(t.item() / world)
+    losses = train_engine(engine, lambda step: _data(step, world), STEPS, micro=2)
     params = list(model.parameters())
     if case["stage"] == 3:
         with GatheredParameters(params):

@@ -10,26 +10,16 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 from zero_core.testing import run_multirank
+from zero_core.testing.models import MLPClassifier, classification_batch
 
-
-class Tiny(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.l1 = nn.Linear(32, 64)
-        self.l2 = nn.Linear(64, 8)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.l2(torch.tanh(self.l1(x))), y)
-
-
+_model = functools.partial(MLPClassifier, 32, 64, 8)
 N_TRAINABLE = 32 * 64 + 64 + 64 * 8 + 8  # 2632
 
 
@@ -37,7 +27,7 @@ def _engine(stage: int, offload: dict | None, sub_group_size: int = 1000):
     import zero_core
 
     torch.manual_seed(0)
-    model = Tiny()
+    model = _model()
     zc = {"stage": stage, "sub_group_size": sub_group_size}
     if offload is not None:
         zc["offload_optimizer"] = offload
@@ -49,8 +39,7 @@ def _engine(stage: int, offload: dict | None, sub_group_size: int = 1000):
 
 
 def _train_one(engine) -> None:
-    g = torch.Generator().manual_seed(1)
-    engine.backward(engine(torch.randn(4, 32, generator=g), torch.randint(0, 8, (4,), generator=g)))
+    engine.backward(engine(*classification_batch(1, 4, 32, 8)))
     engine.step()
 
 
@@ -172,7 +161,7 @@ def test_offload_rejects_non_adam_optimizer() -> None:
     def build():
         import zero_core
 
-        model = Tiny()
+        model = _model()
         cfg = {
             "train_micro_batch_size_per_gpu": 4,
             "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},

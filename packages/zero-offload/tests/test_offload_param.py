@@ -15,49 +15,21 @@ import os
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from zero_core.testing import run_multirank
+from zero_core.testing import parity, run_multirank
+from zero_core.testing.models import TinyLM, token_batch
 
-STEPS = 20
-MICRO = 2
-SEQ = 8
-VOCAB = 32
-
-
-class TinyLM(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, 16)
-        self.l1 = nn.Linear(16, 23)
-        self.l2 = nn.Linear(23, 16)
-        self.norm = nn.LayerNorm(16)
-        self.head = nn.Linear(16, VOCAB)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        h = self.emb(x)
-        h = h + self.l2(torch.tanh(self.l1(h)))
-        return F.cross_entropy(self.head(self.norm(h)).reshape(-1, VOCAB), y.reshape(-1))
+STEPS, MICRO, SEQ, VOCAB = 20, 2, 8, 32
 
 
 def _data(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + step)
-    n = world * MICRO
-    return torch.randint(0, VOCAB, (n, SEQ), generator=g), torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    return token_batch(1000 + step, world * MICRO, SEQ, VOCAB)
 
 
 def _reference(world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
-    model = TinyLM()
+    model = TinyLM(VOCAB, 16, 23)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    losses = []
-    for step in range(STEPS):
-        loss = model(*_data(step, world))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return parity.train_reference(model, opt, lambda step: _data(step, world), STEPS)
 
 
 def _config(case: dict, nvme_root: str) -> dict:
@@ -85,37 +57,33 @@ def _config(case: dict, nvme_root: str) -> dict:
 def _train(case: dict, nvme_root: str) -> tuple:
     import zero_core
     from zero_core import comm
-    from zero_core.zero.stage3 import GatheredParameters
-
-    rank, world = comm.get_rank(), comm.get_world_size()
     from zero_core.zero.stage3 import Init
 
+    world = comm.get_world_size()
     torch.manual_seed(0)
     cfg = _config(case, nvme_root)
     if case.get("init"):  # zero.Init places each shard at its home as it is constructed
         with Init(remote_device=case["param"], config_dict_or_path=cfg):
-            model = TinyLM()
+            model = TinyLM(VOCAB, 16, 23)
         placed = [p.zero_state.offload for p in model.parameters()]
         assert all(o is not None and o is placed[0] for o in placed), placed
     else:
-        model = TinyLM()
+        model = TinyLM(VOCAB, 16, 23)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     engine, *_ = zero_core.initialize(model=model, optimizer=opt, config=cfg)
     if case.get("init"):
         assert {id(o) for o in engine.strategy._param_offloads()} == {id(placed[0])}
     po = engine.strategy._param_offloads()[0]
-    losses, memory = [], []
-    for step in range(STEPS):
-        x, y = _data(step, world)
-        engine.backward(engine(x[rank * MICRO : (rank + 1) * MICRO], y[rank * MICRO : (rank + 1) * MICRO]))
-        engine.step()
-        t = torch.tensor([engine.last_loss])
-        comm.all_reduce(t)
-        losses.append(t.item() / world)
+    memory = []
+
+    def record_memory(step: int) -> None:
         if step in (0, STEPS - 1):
             memory.append(engine.memory_breakdown())
-    with GatheredParameters(list(model.parameters())):
-        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    losses = parity.train_engine(
+        engine, lambda step: _data(step, world), STEPS, micro=MICRO, after_step=record_memory
+    )
+    state = parity.state_snapshot(model, gathered=True)
     info = {
         "memory": memory,
         "fetches": po.fetches,
@@ -152,11 +120,9 @@ def test_offload_param_matches_single_process_torch(world: int, tmp_path) -> Non
     results = run_multirank(_run_cases, world, args=(CASES, str(tmp_path)), timeout=240)
     ref_losses, ref_state = _reference(world)
     for case, (losses, state, info) in zip(CASES, results[0]):
-        torch.testing.assert_close(
-            torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6, msg=f"losses {case}"
+        parity.assert_trajectory_close(
+            losses, state, ref_losses, ref_state, rtol=1e-5, atol=1e-6, where=f"{case}"
         )
-        for k, v in ref_state.items():
-            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=f"{k} {case}")
         assert info["fetches"] > 0, case
         shard_elems = sum(info["shard_numel"].values())
         for bd in info["memory"]:
@@ -179,8 +145,7 @@ def test_offload_param_matches_single_process_torch(world: int, tmp_path) -> Non
         assert info["swap_removed"], case
     for other in results[1:]:
         for (_, s0, _), (_, s1, _) in zip(results[0], other):
-            for k in s0:
-                torch.testing.assert_close(s0[k], s1[k], rtol=0, atol=0)
+            parity.assert_states_equal(s1, s0)
 
 
 def _errors(nvme_root: str) -> dict:
@@ -189,7 +154,7 @@ def _errors(nvme_root: str) -> dict:
 
     out = {}
     cfg = _config(dict(param="nvme", param_opts={"buffer_size": 100, "max_in_cpu": 0}), nvme_root)  # < 512
-    model = TinyLM()
+    model = TinyLM(VOCAB, 16, 23)
     try:
         zero_core.initialize(model=model, optimizer=torch.optim.Adam(model.parameters()), config=cfg)
         out["buffer_size"] = "no error"
@@ -197,13 +162,13 @@ def _errors(nvme_root: str) -> dict:
         out["buffer_size"] = str(exc)
     try:
         with Init(remote_device="nvme"):
-            TinyLM()
+            TinyLM(VOCAB, 16, 23)
         out["init"] = "no error"
     except ValueError as exc:
         out["init"] = str(exc)
     # a parameter swap file removed mid-run is reported by name
     cfg = _config(dict(param="nvme", param_opts={"max_in_cpu": 0}), nvme_root)
-    model = TinyLM()
+    model = TinyLM(VOCAB, 16, 23)
     engine, *_ = zero_core.initialize(model=model, optimizer=torch.optim.Adam(model.parameters()), config=cfg)
     po = engine.strategy.param_offload
     victim = po.swap_dir.path / "params0.swp"

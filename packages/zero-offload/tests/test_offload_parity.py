@@ -16,35 +16,14 @@ import os
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-from zero_core.testing import run_multirank
+from zero_core.testing import parity, run_multirank
+from zero_core.testing.models import TinyLM, token_batch
 
-STEPS = 20
-MICRO = 2
-SEQ = 8
-VOCAB = 32
-
-
-class TinyLM(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, 16)
-        self.l1 = nn.Linear(16, 23)
-        self.l2 = nn.Linear(23, 16)
-        self.norm = nn.LayerNorm(16)
-        self.head = nn.Linear(16, VOCAB)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        h = self.emb(x)
-        h = h + self.l2(torch.tanh(self.l1(h)))
-        logits = self.head(self.norm(h))
-        return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+STEPS, MICRO, SEQ, VOCAB = 20, 2, 8, 32
 
 
 def _data(step: int, world: int, gas: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + step)
-    n = world * gas * MICRO
-    return torch.randint(0, VOCAB, (n, SEQ), generator=g), torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    return token_batch(1000 + step, world * gas * MICRO, SEQ, VOCAB)
 
 
 def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
@@ -53,29 +32,19 @@ def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
 
 def _reference(world: int, gas: int, clip: float) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
-    model = TinyLM()
-    opt = _optimizer(model)
-    losses = []
-    for step in range(STEPS):
-        x, y = _data(step, world, gas)
-        loss = model(x, y)
-        loss.backward()
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model = TinyLM(VOCAB, 16, 23)
+    return parity.train_reference(
+        model, _optimizer(model), lambda step: _data(step, world, gas), STEPS, clip=clip
+    )
 
 
 def _train(case: dict, nvme_root: str) -> tuple[list[float], dict[str, torch.Tensor], dict]:
     import zero_core
     from zero_core import comm
-    from zero_core.zero.stage3 import GatheredParameters
 
-    rank, world = comm.get_rank(), comm.get_world_size()
+    world = comm.get_world_size()
     torch.manual_seed(0)
-    model = TinyLM()
+    model = TinyLM(VOCAB, 16, 23)
     gas = case["gas"]
     off = {"device": case["device"], **case.get("off", {})}
     if case["device"] == "nvme":
@@ -95,22 +64,8 @@ def _train(case: dict, nvme_root: str) -> tuple[list[float], dict[str, torch.Ten
     engine, _, _, _ = zero_core.initialize(model=model, optimizer=_optimizer(model), config=cfg)
     swap_dir = getattr(getattr(engine.strategy, "offload", None), "swap_dir", None)
     swap_path = None if swap_dir is None else str(swap_dir.path)
-    losses = []
-    for step in range(STEPS):
-        x, y = _data(step, world, gas)
-        for micro in range(gas):
-            lo = (micro * world + rank) * MICRO
-            loss = engine(x[lo : lo + MICRO], y[lo : lo + MICRO])
-            engine.backward(loss)
-            engine.step()
-        t = torch.tensor([engine.last_loss])
-        comm.all_reduce(t)
-        losses.append(t.item() / world)
-    if case["stage"] == 3:
-        with GatheredParameters(list(model.parameters())):
-            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    else:
-        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    losses = parity.train_engine(engine, lambda step: _data(step, world, gas), STEPS, micro=MICRO, gas=gas)
+    state = parity.state_snapshot(model, gathered=case["stage"] == 3)
     had_files = swap_path is not None and len(os.listdir(swap_path)) > 0
     engine.destroy()
     info = {
@@ -147,11 +102,9 @@ def test_offload_matches_single_process_torch(world: int, tmp_path) -> None:
         if key not in refs:
             refs[key] = _reference(world, *key)
         ref_losses, ref_state = refs[key]
-        torch.testing.assert_close(
-            torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6, msg=f"losses {case}"
+        parity.assert_trajectory_close(
+            losses, state, ref_losses, ref_state, rtol=1e-5, atol=1e-6, where=f"{case}"
         )
-        for k, v in ref_state.items():
-            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=f"{k} {case}")
         if case["device"] == "nvme":
             assert info["had_swap_files"], case
         # every gradient reached host memory as its bucket finished, none in step()
@@ -160,5 +113,4 @@ def test_offload_matches_single_process_torch(world: int, tmp_path) -> None:
     # every rank ends with the same weights
     for other in results[1:]:
         for (_, s0, _), (_, s1, _) in zip(results[0], other):
-            for k in s0:
-                torch.testing.assert_close(s0[k], s1[k], rtol=0, atol=0)
+            parity.assert_states_equal(s1, s0)

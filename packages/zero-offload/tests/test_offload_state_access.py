@@ -11,26 +11,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 from zero_core.testing import run_multirank
-
-
-class Tiny(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.l1 = nn.Linear(12, 40)
-        self.l2 = nn.Linear(40, 5)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.l2(torch.tanh(self.l1(x))), y)
+from zero_core.testing.models import MLPClassifier, classification_batch
+from zero_core.testing.parity import train_engine
 
 
 def _engine(offload: bool, nvme: str):
     import zero_core
 
     torch.manual_seed(0)
-    model = Tiny()
+    model = MLPClassifier(12, 40, 5)
     zc: dict = {"stage": 3, "sub_group_size": 300, "param_persistence_threshold": 0}
     if offload:
         zc["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme, "pipeline_read": True}
@@ -50,17 +40,10 @@ def _engine(offload: bool, nvme: str):
 def _steps(engine, lo: int, hi: int) -> list[float]:
     from zero_core import comm
 
-    rank, world = comm.get_rank(), comm.get_world_size()
-    out = []
-    for step in range(lo, hi):
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(4 * world, 12, generator=g), torch.randint(0, 5, (4 * world,), generator=g)
-        engine.backward(engine(x[4 * rank : 4 * rank + 4], y[4 * rank : 4 * rank + 4]))
-        engine.step()
-        t = torch.tensor([engine.last_loss])
-        comm.all_reduce(t)
-        out.append(t.item() / world)
-    return out
+    world = comm.get_world_size()
+    return train_engine(
+        engine, lambda step: classification_batch(step, 4 * world, 12, 5), range(lo, hi), micro=4
+    )
 
 
 def _round_trip(nvme: str) -> dict:

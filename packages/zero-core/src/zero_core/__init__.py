@@ -8,9 +8,37 @@ dependencies (tensorboard, wandb, mpi4py) are only imported when used.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 from zero_core.version import __version__
+
+
+def _lazy_exports(
+    module_name: str, namespace: dict[str, Any], table: dict[str, str]
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """The module-level ``__getattr__`` and ``__dir__`` of a package whose public names load lazily.
+
+    ``table`` maps each lazy name to ``"module:attribute"``, or to ``"module"`` when the attribute
+    has the public name. The first access imports the module and caches the value in
+    ``namespace`` (the package's globals), so later reads are ordinary attribute reads.
+    Used by this package and ``zero_core.utils``.
+    """
+
+    def __getattr__(name: str) -> Any:
+        target = table.get(name)
+        if target is None:
+            raise AttributeError(f"module '{module_name}' has no attribute '{name}'")
+        module, _, attr = target.partition(":")
+        value = getattr(importlib.import_module(module), attr or name)
+        namespace[name] = value
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted([*namespace, *table])
+
+    return __getattr__, __dir__
+
 
 # public name -> "module:attribute" (filled in as subsystems land)
 _LAZY: dict[str, str] = {
@@ -34,19 +62,7 @@ _LAZY: dict[str, str] = {
     "TiledLinear": "zero_core.zero.stage3.tiled_linear:TiledLinear",
 }
 
-
-def __getattr__(name: str) -> Any:
-    target = _LAZY.get(name)
-    if target is None:
-        raise AttributeError(f"module 'zero_core' has no attribute '{name}'")
-    module, _, attr = target.partition(":")
-    value = getattr(importlib.import_module(module), attr)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+__getattr__, __dir__ = _lazy_exports(__name__, globals(), _LAZY)
 
 
 __all__ = ["__version__", *_LAZY]

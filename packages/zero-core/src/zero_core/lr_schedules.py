@@ -20,6 +20,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -295,26 +296,31 @@ class OneCycle(_Schedule):
             return None
         return (self.last_batch_iteration - self._total_size + 1) / self.decay_step_size
 
-    def get_lr(self) -> list[float]:
+    def _cycled(
+        self,
+        start: list[float],
+        end: list[float],
+        decay_rate: float,
+        decayed: Callable[[float, float], float],
+    ) -> list[float]:
+        """Per group, ``start + (end - start) * scale`` during the cycle; after it
+        ``decayed(start, decay_rate * interval)``, or ``start`` itself when nothing decays."""
         if self.last_batch_iteration < self._total_size:
             scale = self._scale()
-            return [lo + (hi - lo) * scale for lo, hi in zip(self.min_lrs, self.max_lrs)]
+            return [a + (b - a) * scale for a, b in zip(start, end)]
         interval = self._decay_interval()
-        if interval is None or self.decay_lr_rate == 0:
-            return list(self.min_lrs)
-        return [lo / (1.0 + self.decay_lr_rate * interval) for lo in self.min_lrs]
+        if interval is None or decay_rate == 0:
+            return list(start)
+        return [decayed(a, decay_rate * interval) for a in start]
+
+    def get_lr(self) -> list[float]:
+        return self._cycled(self.min_lrs, self.max_lrs, self.decay_lr_rate, lambda lo, d: lo / (1.0 + d))
 
     def get_mom(self) -> list[float] | None:
         """Momentum (``betas[0]`` or ``momentum``) of every param group, or None when not cycled."""
         if not self.cycle_momentum:
             return None
-        if self.last_batch_iteration < self._total_size:
-            scale = self._scale()
-            return [hi - (hi - lo) * scale for lo, hi in zip(self.min_moms, self.max_moms)]
-        interval = self._decay_interval()
-        if interval is None or self.decay_mom_rate == 0:
-            return list(self.max_moms)
-        return [hi * (1.0 + self.decay_mom_rate * interval) for hi in self.max_moms]
+        return self._cycled(self.max_moms, self.min_moms, self.decay_mom_rate, lambda hi, d: hi * (1.0 + d))
 
     def _apply(self) -> None:
         super()._apply()

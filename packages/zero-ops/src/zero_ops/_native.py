@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from types import ModuleType
 
 _C: ModuleType | None
@@ -43,8 +44,24 @@ def fallback_reason() -> str:
     return _reason
 
 
-def warn_fallback(op: str) -> None:
-    """Warns, once per process, that the native ops (here first ``op``) run on the torch fallback."""
+def run(op: str, native_call: Callable[[ModuleType], None], fallback: Callable[[], None]) -> None:
+    """Runs ``native_call`` on the compiled module, or warns (once, see ``warn_fallback``) and runs
+    ``fallback`` when it is unavailable. ``op`` names the public function calling this one, and
+    the warning points at that function's caller."""
+    C = native()
+    if C is None:
+        warn_fallback(op, stacklevel=4)
+        fallback()
+        return
+    native_call(C)
+
+
+def warn_fallback(op: str, *, stacklevel: int = 3) -> None:
+    """Warns, once per process, that the native ops (here first ``op``) run on the torch fallback.
+
+    ``stacklevel`` as for ``warnings.warn`` counted from this function: the default 3 names the
+    caller of the op that called this function directly.
+    """
     global _warned
     if _warned:
         return
@@ -54,5 +71,5 @@ def warn_fallback(op: str) -> None:
         f"({_reason}); results are the same, speed is lower. "
         "Reinstall zero-ops with a C++17 compiler available to get the native kernels.",
         RuntimeWarning,
-        stacklevel=3,
+        stacklevel=stacklevel,
     )

@@ -10,6 +10,15 @@ zero-ops does not import zero_core: these classes satisfy the protocol by shape 
 each tile ``on_tile_done(start, end)`` is called, so offload can start copying that tile's
 updated (low-precision) parameters to the device while the next tile is computed. Tiling does
 not change results: each element's update is independent of the others.
+
+[Note: one update function]
+Each optimizer has one function that applies its update to flat fp32 buffers described by a
+``_flat.FlatUpdate`` (buffers, state buffers by name, a mapping of hyper-parameters, step, lr,
+threads): ``adam_update``, ``adagrad_update``, ``lion_update``, in ``<optimizer>/functional.py``
+next to the ``cpu_*_step`` they call. The CPU optimizers (``CPUOptimizerBase``) hand it a param
+group as the hyper-parameters, the flat kernels (``FlatKernelBase``) their merged
+hyper-parameters, so the two front ends cannot drift apart in how they read one. A subclass only
+names the function (``_update_fn``) and its state buffers.
 """
 
 from __future__ import annotations
@@ -25,10 +34,15 @@ TileCallback = Callable[[int, int], None]
 
 
 class FlatKernelBase:
-    """Common part: hyper-parameter merging, state checks, tiling."""
+    """Common part: hyper-parameter merging, state checks, tiling, and ``step``.
+
+    Subclasses set ``_name``, ``_hparam_names``, ``_update_fn`` (see [Note: one update function])
+    and define ``state_names()``.
+    """
 
     _name = "kernel"
     _hparam_names: tuple[str, ...] = ()
+    _update_fn: Callable[..., None]
 
     def __init__(self, hparams: dict[str, Any], threads: int | None, tile_numel: int | None) -> None:
         if tile_numel is not None and (
@@ -36,11 +50,38 @@ class FlatKernelBase:
         ):
             raise ValueError(f"{self._name}: tile_numel must be an int >= 1 or None, got {tile_numel!r}")
         self.hparams = hparams
-        self.threads = _flat.resolve_threads(self._name, threads) if threads is not None else None
+        self.threads = _flat.optional_threads(self._name, threads)
         self.tile_numel = tile_numel
 
     def state_names(self) -> tuple[str, ...]:
         raise NotImplementedError
+
+    def step(
+        self,
+        params: torch.Tensor,
+        grads: torch.Tensor,
+        states: Mapping[str, torch.Tensor],
+        *,
+        step: int,
+        lr: float,
+        low_precision_out: torch.Tensor | None = None,
+        on_tile_done: TileCallback | None = None,
+        **hparams: Any,
+    ) -> None:
+        """One update of the flat ``params`` (and ``states``) in place, tile by tile (see
+        [Note: tiled updates]); ``hparams`` override the constructor's for this call."""
+        h = self._merged(hparams)
+        self._check_step(step)
+        names = self.state_names()
+        update = type(self)._update_fn
+
+        def fn(p: torch.Tensor, g: torch.Tensor, *rest: torch.Tensor | None) -> None:
+            update(_flat.FlatUpdate(p, g, dict(zip(names, rest[:-1])), rest[-1], h, step, lr, self.threads))
+
+        self._run_tiled(params, grads, self._states(states), low_precision_out, on_tile_done, fn)
+
+    def _check_step(self, step: int) -> None:
+        """Validates ``step`` up front, for kernels whose update does not (it checks it itself)."""
 
     def init_states(self, params: torch.Tensor) -> dict[str, torch.Tensor]:
         """Zero-filled fp32 state buffers for the flat ``params``."""

@@ -22,16 +22,21 @@ from typing import Any
 
 import torch
 
+from zero_ops import _flat
+
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class CPUOptimizerBase(torch.optim.Optimizer):
     """Base of the CPU optimizers: validation, state creation, fp32 working copies.
 
-    Subclasses define ``_state_names(group)``, ``_update(work, grad, states, lp_out, group,
-    step)`` (a flat-kernel call on contiguous fp32 buffers) and optionally
-    ``_normalize_loaded_group(group)``.
+    Subclasses set ``_update_fn``, the optimizer's update on contiguous fp32 buffers, called with
+    the param group as hyper-parameters (see [Note: one update function] in zero_ops.flat_kernel),
+    define ``_state_names(group)`` and optionally ``_normalize_loaded_group(group)``.
     """
+
+    _update_fn: Callable[..., None]
+    threads: int | None = None
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], fp32_optimizer_states: bool) -> None:
         if not isinstance(fp32_optimizer_states, bool):
@@ -50,17 +55,6 @@ class CPUOptimizerBase(torch.optim.Optimizer):
 
     # -- subclass hooks ------------------------------------------------------------------
     def _state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
-        raise NotImplementedError
-
-    def _update(
-        self,
-        work: torch.Tensor,
-        grad: torch.Tensor,
-        states: dict[str, torch.Tensor],
-        lp_out: torch.Tensor | None,
-        group: dict[str, Any],
-        step: int,
-    ) -> None:
         raise NotImplementedError
 
     def _normalize_loaded_group(self, group: dict[str, Any]) -> None:
@@ -109,7 +103,7 @@ class CPUOptimizerBase(torch.optim.Optimizer):
                 master = state["master_param"] = p.detach().float().contiguous()
             lp_out = p if p.is_contiguous() else torch.empty(p.shape, dtype=p.dtype)
             states = {k: state[k] for k in self._state_names(group)}
-            self._update(master.view(-1), grad.view(-1), _flat_views(states), lp_out.view(-1), group, step)
+            self._update(master, grad, states, lp_out, group, step)
             if lp_out is not p:
                 p.copy_(lp_out)
             return
@@ -120,12 +114,29 @@ class CPUOptimizerBase(torch.optim.Optimizer):
         for k in self._state_names(group):
             t = state[k]
             states[k] = t if (t.dtype == torch.float32 and t.is_contiguous()) else t.float().contiguous()
-        self._update(work.view(-1), grad.view(-1), _flat_views(states), None, group, step)
+        self._update(work, grad, states, None, group, step)
         for k, t in states.items():
             if t is not state[k]:
                 state[k].copy_(t)
         if not direct:
             p.copy_(work)
+
+    def _update(
+        self,
+        work: torch.Tensor,
+        grad: torch.Tensor,
+        states: dict[str, torch.Tensor],
+        lp_out: torch.Tensor | None,
+        group: dict[str, Any],
+        step: int,
+    ) -> None:
+        """Runs ``_update_fn`` on flat views of the contiguous buffers, the group as hyper-parameters."""
+        flat_states = {k: v.view(-1) for k, v in states.items()}
+        lp_flat = None if lp_out is None else lp_out.view(-1)
+        update = _flat.FlatUpdate(
+            work.view(-1), grad.view(-1), flat_states, lp_flat, group, step, group["lr"], self.threads
+        )
+        type(self)._update_fn(update)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state_dict of this optimizer or of torch's matching optimizer.
@@ -152,7 +163,3 @@ class CPUOptimizerBase(torch.optim.Optimizer):
                 elif isinstance(value, torch.Tensor) and value.is_floating_point():
                     dtype = torch.float32 if key == "master_param" else self._state_dtype(p)
                     self.state[p][key] = value.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
-
-
-def _flat_views(states: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.view(-1) for k, v in states.items()}

@@ -28,7 +28,13 @@ import torch
 import torch.distributed as dist
 
 from zero_core.comm._issue import check_tensor, issue, nbytes
-from zero_core.comm.groups import check_group, group_ranks, is_non_member, require_initialized, to_timedelta
+from zero_core.comm.groups import (
+    check_group,
+    check_member_rank,
+    is_non_member,
+    require_initialized,
+    to_timedelta,
+)
 from zero_core.comm.work import Work
 
 ReduceOp = dist.ReduceOp
@@ -62,19 +68,29 @@ def _check_op(op: Any, where: str) -> None:
         raise TypeError(f"zero_core.comm.{where}: op must be a zero_core.comm.ReduceOp, got {op!r}")
 
 
-def _check_src(src: Any, group: Any, name: str, where: str) -> None:
-    ranks = group_ranks(group)
-    if isinstance(src, bool) or not isinstance(src, int) or src not in ranks:
-        raise ValueError(
-            f"zero_core.comm.{where}: {name} must be the global rank of a group member {list(ranks)}, got {src!r}"
-        )
-
-
 def _check_same(a: torch.Tensor, b: torch.Tensor, where: str) -> None:
     if a.dtype != b.dtype or a.device != b.device:
         raise ValueError(
             f"zero_core.comm.{where}: output and input must share dtype and device, got "
             f"{a.dtype}/{a.device} and {b.dtype}/{b.device}"
+        )
+
+
+def _check_output_input(output: Any, input: Any, where: str) -> None:
+    """Both are tensors of one dtype and device."""
+    check_tensor(output, "output", where)
+    check_tensor(input, "input", where)
+    _check_same(output, input, where)
+
+
+def _check_world_multiple(
+    big: torch.Tensor, small: torch.Tensor, n: int, names: tuple[str, str], where: str
+) -> None:
+    """``big`` (named ``names[0]``) holds exactly world_size ``n`` times ``small``'s elements."""
+    if big.numel() != small.numel() * n:
+        raise ValueError(
+            f"zero_core.comm.{where}: {names[0]} must have world_size ({n}) x {names[1]}.numel() "
+            f"= {small.numel() * n} elements, got {big.numel()}"
         )
 
 
@@ -136,7 +152,7 @@ def reduce(
     """Reduce ``tensor`` into global rank ``dst`` (other ranks' tensors are left unspecified)."""
     n = _prepare("reduce", group)
     check_tensor(tensor, "tensor", "reduce")
-    _check_src(dst, group, "dst", "reduce")
+    check_member_rank(dst, group, "dst", "reduce")
     red = _Reduction(tensor, op, group, n, "reduce")
     is_dst = dist.get_rank() == dst
 
@@ -175,14 +191,8 @@ def reduce_scatter_tensor(
 ) -> Work | None:
     """Reduce ``input`` (world_size equal chunks, flat order) and give rank i chunk i in ``output``."""
     n = _prepare("reduce_scatter_tensor", group)
-    check_tensor(output, "output", "reduce_scatter_tensor")
-    check_tensor(input, "input", "reduce_scatter_tensor")
-    _check_same(output, input, "reduce_scatter_tensor")
-    if input.numel() != output.numel() * n:
-        raise ValueError(
-            f"zero_core.comm.reduce_scatter_tensor: input must have world_size ({n}) x output.numel() "
-            f"= {output.numel() * n} elements, got {input.numel()}"
-        )
+    _check_output_input(output, input, "reduce_scatter_tensor")
+    _check_world_multiple(input, output, n, ("input", "output"), "reduce_scatter_tensor")
     red = _Reduction(output, op, group, n, "reduce_scatter_tensor")
     flat_out = _flat_out(output)
     flat_in = input.reshape(-1).to(flat_out.dtype)
@@ -203,14 +213,8 @@ def all_gather_into_tensor(
 ) -> Work | None:
     """Concatenate every rank's ``input`` (flat, in group-rank order) into ``output``."""
     n = _prepare("all_gather_into_tensor", group)
-    check_tensor(output, "output", "all_gather_into_tensor")
-    check_tensor(input, "input", "all_gather_into_tensor")
-    _check_same(output, input, "all_gather_into_tensor")
-    if output.numel() != input.numel() * n:
-        raise ValueError(
-            f"zero_core.comm.all_gather_into_tensor: output must have world_size ({n}) x input.numel() "
-            f"= {input.numel() * n} elements, got {output.numel()}"
-        )
+    _check_output_input(output, input, "all_gather_into_tensor")
+    _check_world_multiple(output, input, n, ("output", "input"), "all_gather_into_tensor")
     flat_out = _flat_out(output)
     flat_in = input.reshape(-1).to(flat_out.dtype)
 
@@ -282,7 +286,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool 
     """Copy ``tensor`` of global rank ``src`` into ``tensor`` on every member of ``group``."""
     _prepare("broadcast", group)
     check_tensor(tensor, "tensor", "broadcast")
-    _check_src(src, group, "src", "broadcast")
+    check_member_rank(src, group, "src", "broadcast")
     return issue(
         "broadcast",
         group,
@@ -319,9 +323,7 @@ def all_to_all_single(
     Split sizes may be uneven (the MoE dispatch case); None means equal chunks.
     """
     n = _prepare("all_to_all_single", group)
-    check_tensor(output, "output", "all_to_all_single")
-    check_tensor(input, "input", "all_to_all_single")
-    _check_same(output, input, "all_to_all_single")
+    _check_output_input(output, input, "all_to_all_single")
     if output.dim() == 0 or input.dim() == 0:
         raise ValueError("zero_core.comm.all_to_all_single: tensors must have at least one dimension")
     _check_splits(output_split_sizes, output.shape[0], n, "output_split_sizes")
@@ -347,7 +349,7 @@ def broadcast_object_list(
         raise TypeError(
             f"zero_core.comm.broadcast_object_list: object_list must be a list, got {type(object_list).__name__}"
         )
-    _check_src(src, group, "src", "broadcast_object_list")
+    check_member_rank(src, group, "src", "broadcast_object_list")
     issue(
         "broadcast_object_list",
         group,

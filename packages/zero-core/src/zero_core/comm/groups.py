@@ -35,6 +35,18 @@ def check_group(group: Any, where: str) -> None:
         )
 
 
+def check_member_rank(rank: Any, group: Any, name: str, where: str, *, optional: bool = False) -> None:
+    """Raises ValueError unless ``rank`` is the global rank of a member of ``group`` (the world
+    when None); with ``optional`` a None ``rank`` is accepted."""
+    if rank is None and optional:
+        return
+    ranks = group_ranks(group)
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank not in ranks:
+        raise ValueError(
+            f"zero_core.comm.{where}: {name} must be the global rank of a group member {list(ranks)}, got {rank!r}"
+        )
+
+
 def get_rank(group: ProcessGroup | None = None) -> int:
     """This process's rank in ``group`` (the world when None); -1 if not a member."""
     require_initialized("get_rank")

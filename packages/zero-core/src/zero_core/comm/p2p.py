@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from zero_core.comm._issue import begin, check_tensor, issue, nbytes
-from zero_core.comm.groups import check_group, group_ranks, require_initialized
+from zero_core.comm.groups import check_group, check_member_rank, require_initialized
 from zero_core.comm.work import Work
 
 
@@ -33,9 +33,7 @@ class P2POp:
         else:
             raise ValueError(f"zero_core.comm.P2POp: op must be zero_core.comm.isend or irecv, got {op!r}")
         where = "isend" if self.op is dist.isend else "irecv"
-        check_tensor(tensor, "tensor", f"P2POp({where})")
-        _check_peer(peer, group, "peer", f"P2POp({where})")
-        _check_tag(tag, f"P2POp({where})")
+        _check_args(f"P2POp({where})", tensor, peer, group, tag, "peer")
         self.tensor, self.peer, self.group, self.tag = tensor, peer, group, tag
 
     def to_torch(self) -> dist.P2POp:
@@ -47,89 +45,54 @@ class P2POp:
         )
 
 
-def _check_peer(peer: Any, group: Any, name: str, where: str, *, optional: bool = False) -> None:
+def _check_args(where: str, tensor: Any, peer: Any, group: Any, tag: Any, peer_name: str) -> None:
+    """Validates a transfer's arguments; a ``src`` peer may be None (receive from any rank)."""
+    check_tensor(tensor, "tensor", where)
     require_initialized(where)
     check_group(group, where)
-    if peer is None and optional:
-        return
-    ranks = group_ranks(group)
-    if isinstance(peer, bool) or not isinstance(peer, int) or peer not in ranks:
+    check_member_rank(peer, group, peer_name, where, optional=peer_name == "src")
+    if peer is not None and peer == dist.get_rank():
         raise ValueError(
-            f"zero_core.comm.{where}: {name} must be the global rank of a group member {list(ranks)}, got {peer!r}"
+            f"zero_core.comm.{where}: {peer_name}={peer} is this rank; a rank cannot send to itself"
         )
-    if peer == dist.get_rank():
-        raise ValueError(f"zero_core.comm.{where}: {name}={peer} is this rank; a rank cannot send to itself")
-
-
-def _check_tag(tag: Any, where: str) -> None:
     if isinstance(tag, bool) or not isinstance(tag, int):
         raise TypeError(f"zero_core.comm.{where}: tag must be an int, got {tag!r}")
 
 
+def _transfer(
+    op: str, tensor: torch.Tensor, peer: int | None, group: Any, tag: int, peer_name: str, *, async_op: bool
+) -> Any:
+    """Validate, then run ``torch.distributed.<op>`` through ``issue`` (logged). Returns a ``Work``
+    for the async ops, else what torch returned (the sender's rank for ``recv``)."""
+    _check_args(op, tensor, peer, group, tag, peer_name)
+    returned: list[Any] = []
+
+    def call() -> Any:
+        returned.append(getattr(dist, op)(tensor, peer, group=group, tag=tag))
+        return returned[0]
+
+    work = issue(op, group, nbytes(tensor), tensor.device, call, async_op=async_op)
+    return work if async_op else returned[0]
+
+
 def send(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> None:
     """Send ``tensor`` to global rank ``dst`` (blocks until handed to the transport)."""
-    check_tensor(tensor, "tensor", "send")
-    _check_peer(dst, group, "dst", "send")
-    _check_tag(tag, "send")
-    issue(
-        "send",
-        group,
-        nbytes(tensor),
-        tensor.device,
-        lambda: dist.send(tensor, dst, group=group, tag=tag),
-        async_op=False,
-    )
+    _transfer("send", tensor, dst, group, tag, "dst", async_op=False)
 
 
 def recv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0) -> int:
     """Receive into ``tensor`` from global rank ``src`` (any rank when None); returns the sender."""
-    check_tensor(tensor, "tensor", "recv")
-    _check_peer(src, group, "src", "recv", optional=True)
-    _check_tag(tag, "recv")
-    sender: list[int] = []
-    issue(
-        "recv",
-        group,
-        nbytes(tensor),
-        tensor.device,
-        lambda: sender.append(dist.recv(tensor, src, group=group, tag=tag)),
-        async_op=False,
-    )
-    return sender[0]
+    return _transfer("recv", tensor, src, group, tag, "src", async_op=False)
 
 
 def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Work:
     """Start sending ``tensor`` to global rank ``dst``; do not modify it before ``wait()``."""
-    check_tensor(tensor, "tensor", "isend")
-    _check_peer(dst, group, "dst", "isend")
-    _check_tag(tag, "isend")
-    work = issue(
-        "isend",
-        group,
-        nbytes(tensor),
-        tensor.device,
-        lambda: dist.isend(tensor, dst, group=group, tag=tag),
-        async_op=True,
-    )
-    assert work is not None
-    return work
+    return _transfer("isend", tensor, dst, group, tag, "dst", async_op=True)
 
 
 def irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0) -> Work:
     """Start receiving into ``tensor`` from global rank ``src`` (any rank when None)."""
-    check_tensor(tensor, "tensor", "irecv")
-    _check_peer(src, group, "src", "irecv", optional=True)
-    _check_tag(tag, "irecv")
-    work = issue(
-        "irecv",
-        group,
-        nbytes(tensor),
-        tensor.device,
-        lambda: dist.irecv(tensor, src, group=group, tag=tag),
-        async_op=True,
-    )
-    assert work is not None
-    return work
+    return _transfer("irecv", tensor, src, group, tag, "src", async_op=True)
 
 
 def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:

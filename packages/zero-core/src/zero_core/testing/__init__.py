@@ -1,5 +1,10 @@
 """Multi-rank test harness: run a function on N gloo-connected CPU processes from pytest.
 
+Two submodules, imported explicitly (they import torch, this module does not), hold what parity
+tests share: ``zero_core.testing.models`` (small reference models and seeded batches, see
+[Note: reference models]) and ``zero_core.testing.parity`` (train with plain PyTorch and with an
+engine on the same data, compare; see [Note: parity runs]).
+
 Usage::
 
     import torch

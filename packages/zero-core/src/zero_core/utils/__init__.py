@@ -3,9 +3,7 @@ debugging helpers."""
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from zero_core import _lazy_exports
 from zero_core.utils.repeating_loader import RepeatingLoader
 
 # name -> module that defines it (loaded on first access; they need the ZeRO machinery)
@@ -23,12 +21,7 @@ _LAZY: dict[str, str] = {
     "safe_set_local_optimizer_state": "zero_core.zero.debug_access",
 }
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'zero_core.utils' has no attribute '{name}'")
-    return getattr(importlib.import_module(module), name)
+__getattr__, __dir__ = _lazy_exports(__name__, globals(), _LAZY)
 
 
 __all__ = ["RepeatingLoader", *_LAZY]

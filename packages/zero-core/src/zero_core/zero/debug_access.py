@@ -30,35 +30,55 @@ from typing import Any
 
 import torch
 
+_ABSENT = object()
 
-def _check_param(param: Any, where: str) -> Any:
+
+def _owner_method(where: str, param: Any, *, local: bool, value: Any = _ABSENT, key: Any = _ABSENT) -> Any:
+    """Checks the arguments of the public function ``where`` and returns the bound method of the
+    parameter's owner that implements it (named ``where`` without ``safe_`` / ``safe_get_``; see
+    [Note: safe_get owner protocol]), or None for a parameter no ZeRO stage owns.
+
+    Checks, in order: ``param`` is a tensor; a ``local`` function is implemented by the owner;
+    ``value`` (when given) is a tensor, of the parameter's full shape unless ``local``; ``key``
+    (when given, an optimizer-state function) is a non-empty string and the parameter has an
+    owner (optimizer state of an unowned parameter lives in ``engine.optimizer.state``).
+    """
     if not isinstance(param, torch.Tensor):
         raise TypeError(
             f"{where}: param must be a model parameter (torch.nn.Parameter), got {type(param).__name__}"
         )
-    return getattr(param, "_zero_owner", None)
-
-
-def _check_value(param: torch.Tensor, value: Any, where: str) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{where}: value must be a torch.Tensor, got {type(value).__name__}")
-    # a stage-3 parameter's .shape is empty while released: its real shape is zero_shape
-    shape = tuple(getattr(param, "zero_shape", param.shape))
-    if tuple(value.shape) != shape:
-        raise ValueError(f"{where}: value has shape {tuple(value.shape)}, the parameter has {shape}")
-
-
-def _check_key(key: Any, where: str) -> None:
-    if not isinstance(key, str) or not key:
-        raise TypeError(f"{where}: optim_state_key must be a non-empty string such as 'exp_avg', got {key!r}")
+    owner = getattr(param, "_zero_owner", None)
+    name = where.replace("safe_get_", "").replace("safe_", "")
+    if local and owner is not None and not hasattr(owner, name):
+        raise NotImplementedError(f"{where}: the ZeRO stage owning this parameter does not implement it")
+    if value is not _ABSENT:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{where}: value must be a torch.Tensor, got {type(value).__name__}")
+        if not local:
+            # a stage-3 parameter's .shape is empty while released: its real shape is zero_shape
+            shape = tuple(getattr(param, "zero_shape", param.shape))
+            if tuple(value.shape) != shape:
+                raise ValueError(f"{where}: value has shape {tuple(value.shape)}, the parameter has {shape}")
+    if key is not _ABSENT:
+        if not isinstance(key, str) or not key:
+            raise TypeError(
+                f"{where}: optim_state_key must be a non-empty string such as 'exp_avg', got {key!r}"
+            )
+        if owner is None:
+            verb = "write" if where.startswith("safe_set_") else "read"
+            raise ValueError(
+                f"{where}: this parameter is not partitioned by ZeRO (stage 0 or frozen); "
+                f"{verb} engine.optimizer.state directly"
+            )
+    return None if owner is None else getattr(owner, name)
 
 
 def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
     """The full fp32 (master) value of ``param``, assembled from every rank's partition. Collective."""
-    owner = _check_param(param, "safe_get_full_fp32_param")
-    if owner is None:
+    method = _owner_method("safe_get_full_fp32_param", param, local=False)
+    if method is None:
         return param.detach().float().clone()
-    return owner.full_fp32_param(param)
+    return method(param)
 
 
 def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
@@ -67,63 +87,44 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     Valid between the backward of an accumulation boundary and ``engine.step()``; with fp16 it
     is divided by the current loss scale, so it is the gradient of the unscaled loss.
     """
-    owner = _check_param(param, "safe_get_full_grad")
-    if owner is None:
+    method = _owner_method("safe_get_full_grad", param, local=False)
+    if method is None:
         return None if param.grad is None else param.grad.detach().float().clone()
-    return owner.full_grad(param)
+    return method(param)
 
 
 def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor:
     """The full optimizer state ``optim_state_key`` (e.g. ``"exp_avg"``) of ``param``. Collective."""
-    owner = _check_param(param, "safe_get_full_optimizer_state")
-    _check_key(optim_state_key, "safe_get_full_optimizer_state")
-    if owner is None:
-        raise ValueError(
-            "safe_get_full_optimizer_state: this parameter is not partitioned by ZeRO (stage 0 or frozen); "
-            "read engine.optimizer.state directly"
-        )
-    return owner.full_optimizer_state(param, optim_state_key)
+    method = _owner_method("safe_get_full_optimizer_state", param, local=False, key=optim_state_key)
+    return method(param, optim_state_key)
 
 
 def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """Set the full fp32 value of ``param`` (master and module copy). Every rank passes the same value."""
-    owner = _check_param(param, "safe_set_full_fp32_param")
-    _check_value(param, value, "safe_set_full_fp32_param")
-    if owner is None:
+    method = _owner_method("safe_set_full_fp32_param", param, local=False, value=value)
+    if method is None:
         with torch.no_grad():
             param.copy_(value.to(param.dtype))
         return
-    owner.set_full_fp32_param(param, value)
+    method(param, value)
 
 
 def safe_set_full_optimizer_state(
     param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str
 ) -> None:
     """Set the full optimizer state ``optim_state_key`` of ``param``. Every rank passes the same value."""
-    owner = _check_param(param, "safe_set_full_optimizer_state")
-    _check_value(param, value, "safe_set_full_optimizer_state")
-    _check_key(optim_state_key, "safe_set_full_optimizer_state")
-    if owner is None:
-        raise ValueError(
-            "safe_set_full_optimizer_state: this parameter is not partitioned by ZeRO (stage 0 or frozen); "
-            "write engine.optimizer.state directly"
-        )
-    owner.set_full_optimizer_state(param, value, optim_state_key)
-
-
-def _owner_for_local(param: Any, where: str) -> Any:
-    owner = _check_param(param, where)
-    if owner is not None and not hasattr(owner, where.replace("safe_get_", "").replace("safe_", "")):
-        raise NotImplementedError(f"{where}: the ZeRO stage owning this parameter does not implement it")
-    return owner
+    method = _owner_method(
+        "safe_set_full_optimizer_state", param, local=False, value=value, key=optim_state_key
+    )
+    method(param, value, optim_state_key)
 
 
 def safe_get_local_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
     """This rank's partition of the fp32 (master) value of ``param``, flat. Not collective."""
-    owner = _owner_for_local(param, "safe_get_local_fp32_param")
-    if owner is None:
+    method = _owner_method("safe_get_local_fp32_param", param, local=True)
+    if method is None:
         return param.detach().float().reshape(-1).clone()
-    return owner.local_fp32_param(param)
+    return method(param)
 
 
 def safe_get_local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
@@ -131,34 +132,22 @@ def safe_get_local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
 
     Valid between the backward of an accumulation boundary and ``engine.step()``.
     """
-    owner = _owner_for_local(param, "safe_get_local_grad")
-    if owner is None:
+    method = _owner_method("safe_get_local_grad", param, local=True)
+    if method is None:
         return None if param.grad is None else param.grad.detach().float().reshape(-1).clone()
-    return owner.local_grad(param)
+    return method(param)
 
 
 def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor:
     """This rank's partition of optimizer state ``optim_state_key`` of ``param``. Not collective."""
-    owner = _owner_for_local(param, "safe_get_local_optimizer_state")
-    _check_key(optim_state_key, "safe_get_local_optimizer_state")
-    if owner is None:
-        raise ValueError(
-            "safe_get_local_optimizer_state: this parameter is not partitioned by ZeRO (stage 0 or frozen); "
-            "read engine.optimizer.state directly"
-        )
-    return owner.local_optimizer_state(param, optim_state_key)
-
-
-def _check_local_value(value: Any, where: str) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{where}: value must be a torch.Tensor, got {type(value).__name__}")
+    method = _owner_method("safe_get_local_optimizer_state", param, local=True, key=optim_state_key)
+    return method(param, optim_state_key)
 
 
 def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """Set this rank's partition of the fp32 value of ``param`` (same numel as the local getter's)."""
-    owner = _owner_for_local(param, "safe_set_local_fp32_param")
-    _check_local_value(value, "safe_set_local_fp32_param")
-    if owner is None:
+    method = _owner_method("safe_set_local_fp32_param", param, local=True, value=value)
+    if method is None:
         if value.numel() != param.numel():
             raise ValueError(
                 f"safe_set_local_fp32_param: value has {value.numel()} elements, the parameter {param.numel()}"
@@ -166,22 +155,17 @@ def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) ->
         with torch.no_grad():
             param.copy_(value.detach().reshape(param.shape).to(param.dtype))
         return
-    owner.set_local_fp32_param(param, value)
+    method(param, value)
 
 
 def safe_set_local_optimizer_state(
     param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str
 ) -> None:
     """Set this rank's partition of optimizer state ``optim_state_key`` of ``param``."""
-    owner = _owner_for_local(param, "safe_set_local_optimizer_state")
-    _check_local_value(value, "safe_set_local_optimizer_state")
-    _check_key(optim_state_key, "safe_set_local_optimizer_state")
-    if owner is None:
-        raise ValueError(
-            "safe_set_local_optimizer_state: this parameter is not partitioned by ZeRO (stage 0 or frozen); "
-            "write engine.optimizer.state directly"
-        )
-    owner.set_local_optimizer_state(param, value, optim_state_key)
+    method = _owner_method(
+        "safe_set_local_optimizer_state", param, local=True, value=value, key=optim_state_key
+    )
+    method(param, value, optim_state_key)
 
 
 __all__ = [

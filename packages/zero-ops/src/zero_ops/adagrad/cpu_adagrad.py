@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from zero_ops import _flat
-from zero_ops.adagrad.functional import cpu_adagrad_step
+from zero_ops.adagrad.functional import adagrad_update
 from zero_ops.optimizer_base import CPUOptimizerBase
 
 _WHERE = "CPUAdagrad"
@@ -16,6 +16,8 @@ class CPUAdagrad(CPUOptimizerBase):
     """Adagrad for CPU parameters; same results and state layout as ``torch.optim.Adagrad``
     (``initial_accumulator_value=0``). ``amsgrad`` exists for DeepSpeed compatibility and must be
     False (DeepSpeed does not implement it either)."""
+
+    _update_fn = staticmethod(adagrad_update)
 
     def __init__(
         self,
@@ -35,7 +37,7 @@ class CPUAdagrad(CPUOptimizerBase):
         _flat.check_scalar(_WHERE, "lr_decay", lr_decay, low=0.0)
         if amsgrad:
             raise ValueError(f"{_WHERE}: amsgrad=True is not supported by Adagrad")
-        self.threads = _flat.resolve_threads(_WHERE, threads) if threads is not None else None
+        self.threads = _flat.optional_threads(_WHERE, threads)
         defaults = {
             "lr": lr,
             "eps": eps,
@@ -53,20 +55,6 @@ class CPUAdagrad(CPUOptimizerBase):
         if group.get("maximize", False):
             raise ValueError(f"{_WHERE}.load_state_dict: maximize=True is not supported")
         group.setdefault("lr_decay", 0.0)
-
-    def _update(self, work, grad, states, lp_out, group, step) -> None:
-        cpu_adagrad_step(
-            work,
-            grad,
-            states["sum"],
-            step=step,
-            lr=group["lr"],
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            lr_decay=group["lr_decay"],
-            low_precision_out=lp_out,
-            threads=self.threads,
-        )
 
 
 DeepSpeedCPUAdagrad = CPUAdagrad

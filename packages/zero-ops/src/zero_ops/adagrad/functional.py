@@ -7,7 +7,6 @@ import torch
 from zero_ops import _flat, _native
 
 _WHERE = "cpu_adagrad_step"
-_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def cpu_adagrad_step(
@@ -28,15 +27,8 @@ def cpu_adagrad_step(
     ``clr = lr / (1 + (step - 1) * lr_decay)``; weight decay is added to the gradient (L2), as in
     torch.optim.Adagrad. Buffers follow the rules of :func:`zero_ops.adam.cpu_adam_step`.
     """
-    if not isinstance(params_fp32, torch.Tensor):
-        raise TypeError(f"{_WHERE}: params_fp32 must be a torch.Tensor, got {type(params_fp32).__name__}")
-    numel = params_fp32.numel()
-    _flat.check_flat("params_fp32", params_fp32, numel, (torch.float32,), _WHERE)
-    _flat.check_flat("grads", grads, numel, _GRAD_DTYPES, _WHERE)
-    _flat.check_flat("state_sum", state_sum, numel, (torch.float32,), _WHERE)
-    lp_code = _flat.low_precision_code(_WHERE, low_precision_out, numel)
-    _flat.check_distinct(
-        _WHERE, params_fp32=params_fp32, grads=grads, state_sum=state_sum, low_precision_out=low_precision_out
+    numel, lp_code = _flat.check_buffers(
+        _WHERE, params_fp32, grads, {"state_sum": state_sum}, low_precision_out
     )
     step = _flat.check_step(_WHERE, step)
     lr = _flat.check_scalar(_WHERE, "lr", lr, low=0.0)
@@ -47,25 +39,42 @@ def cpu_adagrad_step(
     clr = lr / (1 + (step - 1) * lr_decay)
     if numel == 0:
         return
-    C = _native.native()
-    if C is None:
-        _native.warn_fallback("cpu_adagrad_step")
-        adagrad_step_torch(
+    _native.run(
+        _WHERE,
+        lambda C: C.adagrad_step(
+            params_fp32.data_ptr(),
+            grads.data_ptr(),
+            _flat.DTYPE_CODES[grads.dtype],
+            state_sum.data_ptr(),
+            _flat.ptr(low_precision_out),
+            lp_code,
+            numel,
+            clr,
+            eps,
+            weight_decay,
+            n_threads,
+        ),
+        lambda: adagrad_step_torch(
             params_fp32, grads, state_sum, low_precision_out, clr=clr, eps=eps, weight_decay=weight_decay
-        )
-        return
-    C.adagrad_step(
-        params_fp32.data_ptr(),
-        grads.data_ptr(),
-        _flat.DTYPE_CODES[grads.dtype],
-        state_sum.data_ptr(),
-        _flat.ptr(low_precision_out),
-        lp_code,
-        numel,
-        clr,
-        eps,
-        weight_decay,
-        n_threads,
+        ),
+    )
+
+
+def adagrad_update(u: _flat.FlatUpdate) -> None:
+    """:func:`cpu_adagrad_step` for ``u``: hyper-parameters ``eps``, ``weight_decay``,
+    ``lr_decay``; state ``sum``. See [Note: one update function]."""
+    h = u.hparams
+    cpu_adagrad_step(
+        u.params,
+        u.grads,
+        u.states["sum"],
+        step=u.step,
+        lr=u.lr,
+        eps=h["eps"],
+        weight_decay=h["weight_decay"],
+        lr_decay=h["lr_decay"],
+        low_precision_out=u.low_precision_out,
+        threads=u.threads,
     )
 
 

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from zero_ops import _flat
-from zero_ops.adam.functional import cpu_adam_step
+from zero_ops.adam.functional import adam_update
 from zero_ops.optimizer_base import CPUOptimizerBase
 
 _WHERE = "CPUAdam"
@@ -19,6 +19,8 @@ class CPUAdam(CPUOptimizerBase):
     and the same state_dict layout (see [Note: CPU optimizer state layout]). bf16/fp16 parameters
     keep an fp32 master copy and fp32 moments unless ``fp32_optimizer_states=False``.
     """
+
+    _update_fn = staticmethod(adam_update)
 
     def __init__(
         self,
@@ -35,10 +37,7 @@ class CPUAdam(CPUOptimizerBase):
         threads: int | None = None,
     ) -> None:
         _flat.check_scalar(_WHERE, "lr", lr, low=0.0)
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"{_WHERE}: betas must be a pair (beta1, beta2), got {betas!r}")
-        for i, b in enumerate(betas):
-            _flat.check_scalar(_WHERE, f"betas[{i}]", b, low=0.0, high=1.0, high_open=True)
+        _flat.check_betas(_WHERE, betas, high_open=True)
         _flat.check_scalar(_WHERE, "eps", eps, low=0.0)
         _flat.check_scalar(_WHERE, "weight_decay", weight_decay, low=0.0)
         for name, flag in (
@@ -48,7 +47,7 @@ class CPUAdam(CPUOptimizerBase):
         ):
             if not isinstance(flag, bool):
                 raise TypeError(f"{_WHERE}: {name} must be a bool, got {flag!r}")
-        self.threads = _flat.resolve_threads(_WHERE, threads) if threads is not None else None
+        self.threads = _flat.optional_threads(_WHERE, threads)
         defaults = {
             "lr": lr,
             "betas": tuple(betas),
@@ -76,26 +75,6 @@ class CPUAdam(CPUOptimizerBase):
         group.setdefault("bias_correction", True)
         group.setdefault("amsgrad", False)
         group.setdefault("maximize", False)
-
-    def _update(self, work, grad, states, lp_out, group, step) -> None:
-        beta1, beta2 = group["betas"]
-        cpu_adam_step(
-            work,
-            grad,
-            states["exp_avg"],
-            states["exp_avg_sq"],
-            step=step,
-            lr=group["lr"],
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            adamw_mode=group["adamw_mode"],
-            bias_correction=group["bias_correction"],
-            amsgrad_max=states.get("max_exp_avg_sq"),
-            low_precision_out=lp_out,
-            threads=self.threads,
-        )
 
 
 # DeepSpeed's name, for users migrating from deepspeed.ops.adam.

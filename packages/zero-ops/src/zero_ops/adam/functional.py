@@ -12,7 +12,6 @@ import torch
 from zero_ops import _flat, _native
 
 _WHERE = "cpu_adam_step"
-_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def adam_scalars(
@@ -70,21 +69,12 @@ def cpu_adam_step(
             rounded to nearest-even, written in the same pass over memory.
         threads: kernel threads (default: ``torch.get_num_threads()``).
     """
-    numel = _flat_numel(params_fp32)
-    _flat.check_flat("grads", grads, numel, _GRAD_DTYPES, _WHERE)
-    _flat.check_flat("exp_avg", exp_avg, numel, (torch.float32,), _WHERE)
-    _flat.check_flat("exp_avg_sq", exp_avg_sq, numel, (torch.float32,), _WHERE)
-    if amsgrad_max is not None:
-        _flat.check_flat("amsgrad_max", amsgrad_max, numel, (torch.float32,), _WHERE)
-    lp_code = _flat.low_precision_code(_WHERE, low_precision_out, numel)
-    _flat.check_distinct(
+    numel, lp_code = _flat.check_buffers(
         _WHERE,
-        params_fp32=params_fp32,
-        grads=grads,
-        exp_avg=exp_avg,
-        exp_avg_sq=exp_avg_sq,
-        amsgrad_max=amsgrad_max,
-        low_precision_out=low_precision_out,
+        params_fp32,
+        grads,
+        {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "amsgrad_max": amsgrad_max},
+        low_precision_out,
     )
     step = _flat.check_step(_WHERE, step)
     lr = _flat.check_scalar(_WHERE, "lr", lr, low=0.0)
@@ -104,10 +94,28 @@ def cpu_adam_step(
     )
     if numel == 0:
         return
-    C = _native.native()
-    if C is None:
-        _native.warn_fallback("cpu_adam_step")
-        adam_step_torch(
+    _native.run(
+        _WHERE,
+        lambda C: C.adam_step(
+            params_fp32.data_ptr(),
+            grads.data_ptr(),
+            _flat.DTYPE_CODES[grads.dtype],
+            exp_avg.data_ptr(),
+            exp_avg_sq.data_ptr(),
+            _flat.ptr(amsgrad_max),
+            _flat.ptr(low_precision_out),
+            lp_code,
+            numel,
+            beta1,
+            beta2,
+            eps,
+            s["step_size"],
+            s["bias_correction2_sqrt"],
+            s["decoupled_decay"],
+            s["l2_decay"],
+            n_threads,
+        ),
+        lambda: adam_step_torch(
             params_fp32,
             grads,
             exp_avg,
@@ -118,26 +126,32 @@ def cpu_adam_step(
             beta2=beta2,
             eps=eps,
             **s,
-        )
-        return
-    C.adam_step(
-        params_fp32.data_ptr(),
-        grads.data_ptr(),
-        _flat.DTYPE_CODES[grads.dtype],
-        exp_avg.data_ptr(),
-        exp_avg_sq.data_ptr(),
-        _flat.ptr(amsgrad_max),
-        _flat.ptr(low_precision_out),
-        lp_code,
-        numel,
-        beta1,
-        beta2,
-        eps,
-        s["step_size"],
-        s["bias_correction2_sqrt"],
-        s["decoupled_decay"],
-        s["l2_decay"],
-        n_threads,
+        ),
+    )
+
+
+def adam_update(u: _flat.FlatUpdate) -> None:
+    """:func:`cpu_adam_step` for ``u``: hyper-parameters ``betas``, ``eps``, ``weight_decay``,
+    ``adamw_mode``, ``bias_correction``; states ``exp_avg``, ``exp_avg_sq`` and, with AMSGrad,
+    ``max_exp_avg_sq``. See [Note: one update function]."""
+    h = u.hparams
+    beta1, beta2 = h["betas"]
+    cpu_adam_step(
+        u.params,
+        u.grads,
+        u.states["exp_avg"],
+        u.states["exp_avg_sq"],
+        step=u.step,
+        lr=u.lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=h["eps"],
+        weight_decay=h["weight_decay"],
+        adamw_mode=h["adamw_mode"],
+        bias_correction=h["bias_correction"],
+        amsgrad_max=u.states.get("max_exp_avg_sq"),
+        low_precision_out=u.low_precision_out,
+        threads=u.threads,
     )
 
 
@@ -173,10 +187,3 @@ def adam_step_torch(
     param.addcdiv_(exp_avg, denom, value=-step_size)
     if low_precision_out is not None:
         low_precision_out.copy_(param)
-
-
-def _flat_numel(params_fp32: torch.Tensor) -> int:
-    if not isinstance(params_fp32, torch.Tensor):
-        raise TypeError(f"{_WHERE}: params_fp32 must be a torch.Tensor, got {type(params_fp32).__name__}")
-    _flat.check_flat("params_fp32", params_fp32, params_fp32.numel(), (torch.float32,), _WHERE)
-    return params_fp32.numel()

@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
-import torch
-
-from zero_ops.adam.functional import cpu_adam_step
-from zero_ops.flat_kernel import FlatKernelBase, TileCallback
+from zero_ops.adam.functional import adam_update
+from zero_ops.flat_kernel import FlatKernelBase
 
 
 class CPUAdamKernel(FlatKernelBase):
@@ -16,6 +11,7 @@ class CPUAdamKernel(FlatKernelBase):
 
     _name = "CPUAdamKernel"
     _hparam_names = ("betas", "eps", "weight_decay", "adamw_mode", "bias_correction")
+    _update_fn = staticmethod(adam_update)
 
     def __init__(
         self,
@@ -44,42 +40,3 @@ class CPUAdamKernel(FlatKernelBase):
 
     def state_names(self) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if self.amsgrad else ("exp_avg", "exp_avg_sq")
-
-    def step(
-        self,
-        params: torch.Tensor,
-        grads: torch.Tensor,
-        states: Mapping[str, torch.Tensor],
-        *,
-        step: int,
-        lr: float,
-        low_precision_out: torch.Tensor | None = None,
-        on_tile_done: TileCallback | None = None,
-        **hparams: Any,
-    ) -> None:
-        """One update of the flat ``params`` in place (see cpu_adam_step and [Note: tiled updates])."""
-        h = self._merged(hparams)
-        beta1, beta2 = h["betas"]
-        bufs = self._states(states)
-
-        def fn(p, g, m, v, *rest):
-            vmax = rest[0] if self.amsgrad else None
-            cpu_adam_step(
-                p,
-                g,
-                m,
-                v,
-                step=step,
-                lr=lr,
-                beta1=beta1,
-                beta2=beta2,
-                eps=h["eps"],
-                weight_decay=h["weight_decay"],
-                adamw_mode=h["adamw_mode"],
-                bias_correction=h["bias_correction"],
-                amsgrad_max=vmax,
-                low_precision_out=rest[-1],
-                threads=self.threads,
-            )
-
-        self._run_tiled(params, grads, bufs, low_precision_out, on_tile_done, fn)

@@ -11,7 +11,6 @@ import torch
 from zero_ops import _flat, _native
 
 _WHERE = "cpu_lion_step"
-_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def cpu_lion_step(
@@ -27,16 +26,7 @@ def cpu_lion_step(
     threads: int | None = None,
 ) -> None:
     """Applies one Lion update in place (buffers follow :func:`zero_ops.adam.cpu_adam_step`)."""
-    if not isinstance(params_fp32, torch.Tensor):
-        raise TypeError(f"{_WHERE}: params_fp32 must be a torch.Tensor, got {type(params_fp32).__name__}")
-    numel = params_fp32.numel()
-    _flat.check_flat("params_fp32", params_fp32, numel, (torch.float32,), _WHERE)
-    _flat.check_flat("grads", grads, numel, _GRAD_DTYPES, _WHERE)
-    _flat.check_flat("exp_avg", exp_avg, numel, (torch.float32,), _WHERE)
-    lp_code = _flat.low_precision_code(_WHERE, low_precision_out, numel)
-    _flat.check_distinct(
-        _WHERE, params_fp32=params_fp32, grads=grads, exp_avg=exp_avg, low_precision_out=low_precision_out
-    )
+    numel, lp_code = _flat.check_buffers(_WHERE, params_fp32, grads, {"exp_avg": exp_avg}, low_precision_out)
     lr = _flat.check_scalar(_WHERE, "lr", lr, low=0.0)
     beta1 = _flat.check_scalar(_WHERE, "beta1", beta1, low=0.0, high=1.0)
     beta2 = _flat.check_scalar(_WHERE, "beta2", beta2, low=0.0, high=1.0)
@@ -45,26 +35,43 @@ def cpu_lion_step(
     decay = 1 - lr * weight_decay if weight_decay != 0 else 1.0
     if numel == 0:
         return
-    C = _native.native()
-    if C is None:
-        _native.warn_fallback("cpu_lion_step")
-        lion_step_torch(
+    _native.run(
+        _WHERE,
+        lambda C: C.lion_step(
+            params_fp32.data_ptr(),
+            grads.data_ptr(),
+            _flat.DTYPE_CODES[grads.dtype],
+            exp_avg.data_ptr(),
+            _flat.ptr(low_precision_out),
+            lp_code,
+            numel,
+            lr,
+            beta1,
+            beta2,
+            decay,
+            n_threads,
+        ),
+        lambda: lion_step_torch(
             params_fp32, grads, exp_avg, low_precision_out, lr=lr, beta1=beta1, beta2=beta2, decay=decay
-        )
-        return
-    C.lion_step(
-        params_fp32.data_ptr(),
-        grads.data_ptr(),
-        _flat.DTYPE_CODES[grads.dtype],
-        exp_avg.data_ptr(),
-        _flat.ptr(low_precision_out),
-        lp_code,
-        numel,
-        lr,
-        beta1,
-        beta2,
-        decay,
-        n_threads,
+        ),
+    )
+
+
+def lion_update(u: _flat.FlatUpdate) -> None:
+    """:func:`cpu_lion_step` for ``u``: hyper-parameters ``betas``, ``weight_decay``; state
+    ``exp_avg``; ``u.step`` is not used (Lion has no bias correction). See
+    [Note: one update function]."""
+    beta1, beta2 = u.hparams["betas"]
+    cpu_lion_step(
+        u.params,
+        u.grads,
+        u.states["exp_avg"],
+        lr=u.lr,
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=u.hparams["weight_decay"],
+        low_precision_out=u.low_precision_out,
+        threads=u.threads,
     )
 
 

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
-import torch
-
 from zero_ops import _flat
-from zero_ops.flat_kernel import FlatKernelBase, TileCallback
-from zero_ops.lion.functional import cpu_lion_step
+from zero_ops.flat_kernel import FlatKernelBase
+from zero_ops.lion.functional import lion_update
 
 
 class CPULionKernel(FlatKernelBase):
@@ -17,6 +12,7 @@ class CPULionKernel(FlatKernelBase):
 
     _name = "CPULionKernel"
     _hparam_names = ("betas", "weight_decay")
+    _update_fn = staticmethod(lion_update)
 
     def __init__(
         self,
@@ -31,34 +27,5 @@ class CPULionKernel(FlatKernelBase):
     def state_names(self) -> tuple[str, ...]:
         return ("exp_avg",)
 
-    def step(
-        self,
-        params: torch.Tensor,
-        grads: torch.Tensor,
-        states: Mapping[str, torch.Tensor],
-        *,
-        step: int,
-        lr: float,
-        low_precision_out: torch.Tensor | None = None,
-        on_tile_done: TileCallback | None = None,
-        **hparams: Any,
-    ) -> None:
-        """One Lion update of the flat ``params`` in place."""
-        h = self._merged(hparams)
-        beta1, beta2 = h["betas"]
-        _flat.check_step(self._name, step)
-
-        def fn(p, g, m, lp):
-            cpu_lion_step(
-                p,
-                g,
-                m,
-                lr=lr,
-                beta1=beta1,
-                beta2=beta2,
-                weight_decay=h["weight_decay"],
-                low_precision_out=lp,
-                threads=self.threads,
-            )
-
-        self._run_tiled(params, grads, self._states(states), low_precision_out, on_tile_done, fn)
+    def _check_step(self, step: int) -> None:
+        _flat.check_step(self._name, step)  # Lion's update does not use step, so nothing else would
