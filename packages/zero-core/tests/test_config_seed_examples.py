@@ -335,10 +335,15 @@ def test_hf_trainer_style_config_with_auto():
         "train_micro_batch_size_per_gpu": "auto",
         "wall_clock_breakdown": False,
     }
-    with pytest.raises(ValueError, match="give train_batch_size or train_micro_batch_size_per_gpu"):
+    with pytest.raises(ValueError, match="give train_batch_size or train_micro_batch_size_per_gpu") as info:
         load_config(config)  # nothing to derive the batch from: HF fills these in
+    assert "HuggingFace Trainer" in str(info.value)
     config["train_micro_batch_size_per_gpu"] = 4
-    cfg = load_config(config, world_size=2)
+    with pytest.warns(UserWarning) as caught:  # the "auto" params that fall back to defaults are named
+        cfg = load_config(config, world_size=2)
+    said = " ".join(str(w.message) for w in caught)
+    assert 'optimizer.params: lr, betas, eps, weight_decay are "auto"' in said
+    assert 'scheduler.params: warmup_min_lr, warmup_max_lr, warmup_num_steps are "auto"' in said
     assert (cfg.train_batch_size, cfg.gradient_accumulation_steps) == (8, 1)
     assert cfg.fp16.enabled is False and cfg.bf16.enabled is False
     assert cfg.optimizer.params == {}

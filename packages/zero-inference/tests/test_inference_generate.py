@@ -78,3 +78,37 @@ def test_limits_and_validation() -> None:
         engine.generate(torch.zeros(3, dtype=torch.long))
     with pytest.raises(TypeError, match="needs a causal language model"):
         zi.init_inference(M.bert().bert, dtype="fp32").generate(M.ids())
+
+
+def test_unset_settings_follow_generation_config() -> None:
+    """As in DeepSpeed, whose generate is the model's own: eos, pad and length from generation_config."""
+    x = M.ids(batch=2, length=4)
+    ref = M.gpt2()
+    first = int(zi.init_inference(M.gpt2(), dtype="fp32").generate(x, max_new_tokens=1)[0, -1])
+    for model in (ref, M.gpt2()):
+        model.generation_config.eos_token_id = first  # row 0 stops after one token
+        model.generation_config.pad_token_id = 3
+    want = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=6, do_sample=False)
+    engine = zi.init_inference(M.gpt2(), dtype="fp32")
+    engine.module.generation_config.eos_token_id = first
+    engine.module.generation_config.pad_token_id = 3
+    got = engine.generate(x, max_new_tokens=6)
+    assert torch.equal(got, want) and int(got[0, 5]) == 3
+    assert engine.generate(x, max_length=7).shape[1] <= 7
+    with pytest.raises(ValueError, match="max_length=4 leaves no room"):
+        engine.generate(x, max_length=4)
+
+
+def test_other_transformers_arguments_use_the_models_generate() -> None:
+    x = M.ids(batch=2, length=5)
+    kw = {
+        "num_beams": 3,
+        "repetition_penalty": 1.3,
+        "max_new_tokens": 5,
+        "attention_mask": torch.ones_like(x),
+    }
+    want = M.llama().generate(x, pad_token_id=0, **kw)
+    assert torch.equal(zi.init_inference(M.llama(), dtype="fp32").generate(x, pad_token_id=0, **kw), want)
+    injected = zi.init_inference(M.llama(), dtype="fp32", replace_with_kernel_inject=True)
+    with pytest.raises(TypeError, match=r"\['num_beams', 'repetition_penalty'\] are not supported"):
+        injected.generate(x, **kw)

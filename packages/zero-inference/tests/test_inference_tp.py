@@ -131,3 +131,53 @@ def test_tp2_equals_single_process() -> None:
 
 def test_tp4_equals_single_process() -> None:
     _check(4)
+
+
+HF_KINDS = ["falcon_mqa", "falcon_gqa", "falcon_alibi", "bloom", "phi", "gptj", "gemma", "phi3", "qwen2_moe"]
+
+
+def _hf_architectures(ckpt_dir: str) -> dict[str, float | bool]:
+    """Auto TP (no policy) at tp_size=2 on layouts beyond GPT-2/Llama: logits and greedy tokens."""
+    x = M.ids(batch=2, length=6, vocab=61)
+    mask = torch.ones_like(x)
+    mask[0, :2] = 0  # left padding: BLOOM's ALiBi then comes from the padded-mask path
+    out: dict[str, float | bool] = {}
+    for kind in HF_KINDS:
+        ref = M.hf_causal_lm(kind)
+        with torch.no_grad():
+            want = ref(x, attention_mask=mask).logits
+        want_gen = ref.generate(x, attention_mask=mask, max_new_tokens=5, do_sample=False)
+        engine = zi.init_inference(M.hf_causal_lm(kind), tensor_parallel={"tp_size": 2}, dtype=torch.float32)
+        with torch.no_grad():
+            got = engine(x, attention_mask=mask).logits
+        out[f"{kind}_logits"] = _close(got[1], want[1])  # row 0's padded positions are undefined
+        out[f"{kind}_logits_padded_row"] = _close(got[0, 2:], want[0, 2:])
+        out[f"{kind}_generate"] = bool(
+            torch.equal(engine.generate(x, attention_mask=mask, max_new_tokens=5), want_gen)
+        )
+    # Falcon's replicated key/value rows survive a save at tp_size=2 and a reload at tp_size=1.
+    zi.init_inference(
+        M.hf_causal_lm("falcon_mqa"),
+        tensor_parallel={"tp_size": 2},
+        dtype="fp32",
+        save_mp_checkpoint_path=ckpt_dir,
+    )
+    torch.distributed.barrier()
+    with zi.empty_model():
+        empty = M.hf_causal_lm("falcon_mqa", seed=5)
+    whole = zi.init_inference(empty, dtype="fp32", checkpoint=ckpt_dir)
+    with torch.no_grad():
+        out["falcon_mqa_reshard_to_1"] = _close(whole(x).logits, M.hf_causal_lm("falcon_mqa")(x).logits)
+    return out
+
+
+def test_auto_tp_hf_architectures() -> None:
+    with tempfile.TemporaryDirectory() as d:
+        results = run_multirank(_hf_architectures, 2, args=(os.path.join(d, "tp"),), timeout=240)
+    for rank, res in enumerate(results):
+        assert set(res) >= {f"{k}_generate" for k in HF_KINDS}
+        for key, value in res.items():
+            if isinstance(value, bool):
+                assert value, (rank, key)
+            else:
+                assert value < TOL, (rank, key, value)

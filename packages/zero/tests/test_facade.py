@@ -77,3 +77,17 @@ def test_missing_package_names_distribution(monkeypatch):
 def test_unknown_name():
     with pytest.raises(AttributeError, match="no attribute 'not_a_thing'"):
         zero.not_a_thing  # noqa: B018
+
+
+def test_zero_to_fp32_runs_as_a_module(tmp_path):
+    """``python -m zero.utils.zero_to_fp32`` is the converter's command line (as with DeepSpeed's)."""
+    import subprocess
+    import sys
+
+    run = [sys.executable, "-m", "zero.utils.zero_to_fp32"]
+    usage = subprocess.run([*run, "--help"], capture_output=True, text=True, timeout=120)
+    assert usage.returncode == 0 and "checkpoint_dir" in usage.stdout, usage
+    missing = subprocess.run(
+        [*run, str(tmp_path), str(tmp_path / "out.safetensors")], capture_output=True, text=True
+    )
+    assert missing.returncode != 0 and "zero_to_fp32: error" in missing.stderr, missing

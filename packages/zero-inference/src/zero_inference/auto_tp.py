@@ -5,38 +5,72 @@ A model given without a policy is searched for its repeated transformer layers: 
 an ``nn.ModuleList`` that are all of one class and hold linears (``nn.Linear`` or HF's
 ``Conv1D``, whose weight is stored transposed). Inside a layer, a linear is *row-parallel* when
 its name is a known output projection (``o_proj``, ``out_proj``, ``c_proj``, ``down_proj``,
-``fc2``, ``wo``, ``w2``, ``dense_4h_to_h``, or a ``dense`` under ``output``/``attention``),
-and *column-parallel* otherwise; routers (``gate``, ``router``) stay replicated since their
-outputs are needed whole. An ``injection_policy`` ``{layer class: (row-parallel linear names)}``
-replaces the search: those classes are the layers, the named linears are row-parallel, the
-other linears of the class are column-parallel. Fused projections are column-split per block
-(``c_attn``/``qkv_proj``/``Wqkv``: 3, ``gate_up_proj``: 2). Attention modules that keep local
-head counts as attributes (GPT-2's ``split_size``, ``num_heads`` ...) get them divided.
-The input embedding and the LM head are split over the vocabulary (see
-[Note: tensor-parallel layout]); every other module is replicated.
+``fc2``, ``fc_out``, ``wo``, ``w2``, ``dense_4h_to_h``, or a ``dense`` under
+``output``/``attention``/``self_attn``), and *column-parallel* otherwise; routers (``gate``,
+``router``) stay replicated since their outputs are needed whole. An ``injection_policy``
+``{layer class: (row-parallel linear names)}`` replaces the search: those classes are the
+layers, the named linears are row-parallel, the other linears of the class are column-parallel.
+
+Fused projections are column-split so that every rank keeps whole heads. Block layouts
+(``c_attn``/``qkv_proj``/``Wqkv`` = [q | k | v], ``gate_up_proj`` = [gate | up]) are split per
+block, with the q and k/v blocks sized from the attention's head counts (grouped-query attention
+makes them unequal). ``query_key_value`` (GPT-NeoX, BLOOM, Falcon) stores each head's (or each
+key/value group's) q, k and v together, so one contiguous slice holds whole heads; Falcon's
+multi-query variant is [q heads | k | v] with one key/value head, which every rank keeps whole
+(its ``num_kv_heads`` stays 1). Attention modules that keep local head counts as attributes
+(GPT-2's ``split_size``, ``num_heads``, ``num_kv_heads`` ...) get them divided, and tensors
+that carry one slice per head into them (ALiBi biases) are cut to their heads (see
+[Note: per-head attention inputs]). The input embedding and the LM head are split over the
+vocabulary (see [Note: tensor-parallel layout]); every other module is replicated.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from zero_inference.param_source import ModuleSource, ParamSource, iter_blocks
-from zero_inference.tp_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from zero_inference.param_source import (
+    ModuleSource,
+    ParamSource,
+    Segments,
+    column_segments,
+    iter_blocks,
+    segment_ranges,
+)
+from zero_inference.tp_heads import install_head_slicing
+from zero_inference.tp_layers import ColumnParallelLinear, RowParallelLinear, shard_embedding
 
-ROW_NAMES = {"o_proj", "out_proj", "c_proj", "down_proj", "fc2", "wo", "w2", "dense_4h_to_h", "proj_out"}
-ROW_PARENTS_OF_DENSE = {"output", "attention", "self_attention", "attn"}
-REPLICATED_NAMES = {"gate", "router", "q_attn"}
+ROW_NAMES = {
+    "o_proj",
+    "out_proj",
+    "c_proj",
+    "down_proj",
+    "fc2",
+    "fc_out",
+    "wo",
+    "w2",
+    "dense_4h_to_h",
+    "proj_out",
+}
+ROW_PARENTS_OF_DENSE = {"output", "attention", "self_attention", "attn", "self_attn"}
+REPLICATED_NAMES = {
+    "gate",
+    "router",
+    "q_attn",
+}  # and any leaf ending in "_gate" (Qwen2-MoE's shared_expert_gate)
 FUSED_BLOCKS = {"c_attn": 3, "qkv_proj": 3, "Wqkv": 3, "gate_up_proj": 2}
+#: fused q/k/v whose rows are grouped per head (or per key/value group): see [Note: auto TP discovery]
+HEAD_MAJOR_QKV = {"query_key_value"}
+QUERY_HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head")
+KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads")
 HEAD_ATTRS = (
     "split_size",
-    "num_heads",
-    "num_attention_heads",
-    "num_key_value_heads",
+    *QUERY_HEAD_ATTRS,
+    *KV_HEAD_ATTRS,
     "all_head_size",
-    "n_head",
 )
 
 
@@ -52,13 +86,17 @@ def is_transposed(module: nn.Module) -> bool:
 class TPPlan:
     """What to shard: module names (qualified from the model root) per kind."""
 
-    column: dict[str, int] = field(default_factory=dict)  # name -> number of fused blocks
+    # name -> number of equal fused blocks, or the fused segments (see param_source.Segments)
+    column: dict[str, int | Segments] = field(default_factory=dict)
     row: set[str] = field(default_factory=set)
     transposed: set[str] = field(default_factory=set)
     embeddings: list[str] = field(default_factory=list)
     lm_head: str | None = None
     tied: bool = False
     head_attrs: list[tuple[str, str]] = field(default_factory=list)  # (module name, attribute)
+    full_heads: dict[str, int] = field(default_factory=dict)  # attention module -> its unsharded heads
+    # attention modules that read head counts from their ``config``: they get a local copy
+    local_configs: list[str] = field(default_factory=list)
     layer_classes: tuple[type, ...] = ()
 
 
@@ -130,7 +168,7 @@ def discover_plan(model: nn.Module, tp_size: int, injection_policy: dict | None 
             if rows is not None:
                 row = any(local == r or local.endswith("." + r) for r in rows)
             else:
-                if leaf in REPLICATED_NAMES:
+                if leaf in REPLICATED_NAMES or leaf.endswith("_gate"):
                     continue
                 row = _is_row(local)
             if is_transposed(sub):
@@ -138,23 +176,93 @@ def discover_plan(model: nn.Module, tp_size: int, injection_policy: dict | None 
             if row:
                 plan.row.add(full)
             else:
-                plan.column[full] = FUSED_BLOCKS.get(leaf, 1)
-                sharded_parents.add(local.rpartition(".")[0])
+                owner_local = local.rpartition(".")[0]
+                owner = layer.get_submodule(owner_local) if owner_local else layer
+                plan.column[full] = _fused_spec(leaf, owner, sub, tp_size)
+                sharded_parents.add(owner_local)
         for parent in sharded_parents:
             owner = layer.get_submodule(parent) if parent else layer
             owner_name = ".".join(p for p in (layer_name, parent) if p)
+            kv_whole = _keeps_kv_whole(owner)
+            before = len(plan.head_attrs)
             for attr in HEAD_ATTRS:
                 value = getattr(owner, attr, None)
-                if isinstance(value, int) and not isinstance(value, bool):
-                    if value % tp_size:
-                        raise ValueError(
-                            f"tensor parallelism: {owner_name}.{attr} = {value} is not divisible by "
-                            f"tp_size = {tp_size}; pick a tp_size that divides the number of heads"
-                        )
-                    plan.head_attrs.append((owner_name, attr))
+                if not isinstance(value, int) or isinstance(value, bool):
+                    continue
+                if kv_whole and attr in KV_HEAD_ATTRS:
+                    continue  # multi-query: every rank keeps the one key/value head
+                if value % tp_size:
+                    raise ValueError(
+                        f"tensor parallelism: {owner_name}.{attr} = {value} is not divisible by "
+                        f"tp_size = {tp_size}; pick a tp_size that divides the number of heads"
+                    )
+                plan.head_attrs.append((owner_name, attr))
+                if attr in QUERY_HEAD_ATTRS:
+                    plan.full_heads.setdefault(owner_name, value)
+            has_heads = len(plan.head_attrs) > before  # an attention module, not an MLP
+            if has_heads and _config_int(getattr(owner, "config", None), "num_attention_heads") is not None:
+                plan.local_configs.append(owner_name)
     _check_heads(model, tp_size)
     _find_vocab_modules(model, plan)
     return plan
+
+
+def _keeps_kv_whole(owner: nn.Module) -> bool:
+    """Falcon's multi-query attention: fused [q heads | k | v] with a single key/value head."""
+    multi_query = bool(getattr(owner, "multi_query", False))
+    return multi_query and not getattr(owner, "new_decoder_architecture", False)
+
+
+def _head_counts(owner: nn.Module) -> tuple[int, int, int] | None:
+    """(query heads, key/value heads, head dim) an attention module declares, or None."""
+
+    def first(names: tuple[str, ...]) -> int | None:
+        for name in names:
+            value = getattr(owner, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+        return None
+
+    config = getattr(owner, "config", None)
+    heads = first(QUERY_HEAD_ATTRS) or _config_int(config, "num_attention_heads")
+    head_dim = first(("head_dim", "head_size"))
+    if heads is None or head_dim is None:
+        return None
+    kv = (
+        1
+        if _keeps_kv_whole(owner)
+        else (first(KV_HEAD_ATTRS) or _config_int(config, "num_key_value_heads") or heads)
+    )
+    return heads, kv, head_dim
+
+
+def _config_int(config: object, name: str) -> int | None:
+    value = getattr(config, name, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _fused_spec(leaf: str, owner: nn.Module, linear: nn.Module, tp_size: int) -> int | Segments:
+    """How a column-parallel linear's output rows are cut. See [Note: auto TP discovery]."""
+    weight = linear.weight
+    out = weight.shape[1] if is_transposed(linear) else weight.shape[0]
+    counts = _head_counts(owner)
+    if leaf in HEAD_MAJOR_QKV:
+        if counts is not None and _keeps_kv_whole(owner):
+            heads, _, head_dim = counts
+            if (heads + 2) * head_dim == out:
+                return ((heads * head_dim, True), (head_dim, False), (head_dim, False))
+        return 1
+    blocks = FUSED_BLOCKS.get(leaf, 1)
+    if blocks == 3 and counts is not None:
+        heads, kv, head_dim = counts
+        if kv != heads and (heads + 2 * kv) * head_dim == out:
+            if kv % tp_size:
+                raise ValueError(
+                    f"tensor parallelism: {kv} key/value heads of a fused {leaf} cannot be split over "
+                    f"tp_size = {tp_size}; pick a tp_size that divides the number of key/value heads"
+                )
+            return ((heads * head_dim, True), (kv * head_dim, True), (kv * head_dim, True))
+    return blocks
 
 
 def _check_heads(model: nn.Module, tp_size: int) -> None:
@@ -178,6 +286,21 @@ def _find_vocab_modules(model: nn.Module, plan: TPPlan) -> None:
     if isinstance(head, nn.Linear) and id(head) in names:
         plan.lm_head = names[id(head)]
         plan.tied = emb is not None and head.weight is emb.weight
+
+
+def _localize_config(module: nn.Module, world: int) -> None:
+    """Give an attention module that reads head counts from its config (Phi-3 slices its fused
+    q/k/v with ``config.num_attention_heads``) a copy with this rank's counts; the model's own
+    config, shared by every module, keeps the full ones."""
+    local = copy.copy(module.config)
+    names = (
+        ["num_attention_heads"] if _keeps_kv_whole(module) else ["num_attention_heads", "num_key_value_heads"]
+    )
+    for name in names:
+        value = _config_int(local, name)
+        if value is not None:
+            setattr(local, name, value // world)
+    module.config = local
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None, device: torch.device | None) -> torch.Tensor:
@@ -213,19 +336,17 @@ def apply_plan(
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
 
-    def cat_slices(read, name: str, total: int, blocks: int) -> torch.Tensor:  # noqa: ANN001
-        return torch.cat([read(name, a, b) for a, b in iter_blocks(total, blocks, rank, world)], dim=0)
-
-    for name, blocks in plan.column.items():
+    for name, spec in plan.column.items():
         wname, bname = f"{name}.weight", f"{name}.bias"
         if name in plan.transposed:  # Conv1D: [in, out]; output features are columns
-            shape = src.shape(wname)
-            parts = [src.cols(wname, a, b) for a, b in iter_blocks(shape[1], blocks, rank, world)]
-            weight = torch.cat(parts, dim=1).t()
+            ranges = segment_ranges(column_segments(spec, src.shape(wname)[1]), rank, world)
+            weight = torch.cat([src.cols(wname, a, b) for a, b in ranges], dim=1).t()
         else:
-            weight = cat_slices(src.rows, wname, src.shape(wname)[0], blocks)
-        bias = cat_slices(src.rows, bname, src.shape(bname)[0], blocks) if bname in src.names() else None
-        bias = _cast(bias, dtype, device) if bias is not None else None
+            ranges = segment_ranges(column_segments(spec, src.shape(wname)[0]), rank, world)
+            weight = torch.cat([src.rows(wname, a, b) for a, b in ranges], dim=0)
+        bias = None
+        if bname in src.names():
+            bias = _cast(torch.cat([src.rows(bname, a, b) for a, b in ranges], dim=0), dtype, device)
         set_module(name, ColumnParallelLinear(_cast(weight, dtype, device), bias, group=group))
     for name in plan.row:
         wname, bname = f"{name}.weight", f"{name}.bias"
@@ -240,6 +361,10 @@ def apply_plan(
     for owner, attr in plan.head_attrs:
         module = model.get_submodule(owner)
         setattr(module, attr, getattr(module, attr) // world)
+    for owner in plan.local_configs:
+        _localize_config(model.get_submodule(owner), world)
+    for owner, heads in plan.full_heads.items():
+        install_head_slicing(model.get_submodule(owner), heads, rank, world)
 
     shared: nn.Parameter | None = None
     for name in plan.embeddings:
@@ -248,13 +373,7 @@ def apply_plan(
         per = -(-vocab // world)
         start = rank * per
         rows = _pad_rows(src.rows(f"{name}.weight", start, min(start + per, vocab)), per)
-        new = VocabParallelEmbedding(
-            _cast(rows, dtype, device),
-            start=start,
-            num_embeddings=vocab,
-            padding_idx=old.padding_idx,
-            group=group,
-        )
+        new = shard_embedding(old, _cast(rows, dtype, device), start=start, group=group)
         set_module(name, new)
         shared = new.weight
     if plan.lm_head is not None:

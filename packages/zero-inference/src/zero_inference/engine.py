@@ -33,7 +33,7 @@ from zero_inference.config import (
     check_model_settings,
     load_inference_config,
 )
-from zero_inference.generation import decode, hf_step
+from zero_inference.generation import decode, hf_step, resolve_settings
 from zero_inference.moe_inference import moe_layers, shard_experts
 from zero_inference.quantize import quantize_model_
 
@@ -209,50 +209,99 @@ class InferenceEngine(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         *,
-        max_new_tokens: int = 20,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
+        max_new_tokens: int | None = None,
+        max_length: int | None = None,
+        do_sample: bool | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
         eos_token_id: int | list[int] | None = None,
         pad_token_id: int | None = None,
         generator: torch.Generator | None = None,
+        **generate_kwargs: Any,
     ) -> torch.Tensor:
-        """Generate ``max_new_tokens`` tokens after ``input_ids`` (greedy, or sampling with ``do_sample``).
+        """Generate tokens after ``input_ids`` (greedy, or sampling with ``do_sample``).
 
-        Returns ``[batch, prompt_len + generated]`` like transformers' ``generate``. Stops early
-        when every sequence produced ``eos_token_id`` (finished rows are filled with ``pad_token_id``).
+        Returns ``[batch, prompt_len + generated]`` like transformers' ``generate``; stops early
+        when every sequence produced an eos token (finished rows are filled with ``pad_token_id``).
+        Unset settings come from the model's ``generation_config``, as in DeepSpeed, whose
+        ``generate`` is the model's own (see [Note: generation defaults]). Other transformers
+        arguments (``num_beams``, ``repetition_penalty``, ...) are handed to the sharded model's
+        own ``generate``, which needs the same random state on every rank when it samples.
         """
-        if self.injected is not None and hasattr(self.injected, "step"):
-            step = self.injected.step_fn(
-                batch=input_ids.shape[0], max_len=input_ids.shape[1] + max_new_tokens
-            )
-        else:
-            if (
-                not hasattr(self.module, "get_output_embeddings")
-                or self.module.get_output_embeddings() is None
-            ):
+        if generate_kwargs:
+            if generator is not None:
                 raise TypeError(
-                    f"generate() needs a causal language model with an LM head; {type(self.module).__name__} has none"
+                    f"generate: generator= cannot be combined with {sorted(generate_kwargs)}, which "
+                    "transformers' generate handles (it draws from the global random state)"
                 )
-            step = hf_step(self.module)
-        with torch.no_grad():
-            return decode(
-                step,
+            return self._hf_generate(
                 input_ids,
                 attention_mask,
+                generate_kwargs,
                 max_new_tokens=max_new_tokens,
+                max_length=max_length,
                 do_sample=do_sample,
                 temperature=temperature,
                 top_k=top_k,
                 top_p=top_p,
                 eos_token_id=eos_token_id,
                 pad_token_id=pad_token_id,
+            )
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError(
+                f"generate: input_ids must be a 2-D torch.long tensor [batch, prompt_len], got {input_ids!r}"
+            )
+        given = {
+            "do_sample": do_sample,
+            "temperature": temperature,
+            "top_k": top_k,
+            "top_p": top_p,
+            "eos_token_id": eos_token_id,
+            "pad_token_id": pad_token_id,
+        }
+        settings, new_tokens = resolve_settings(
+            self.module, input_ids.shape[1], given, max_new_tokens, max_length
+        )
+        if self.injected is not None and hasattr(self.injected, "step"):
+            step = self.injected.step_fn(batch=input_ids.shape[0], max_len=input_ids.shape[1] + new_tokens)
+        else:
+            self._check_lm_head()
+            step = hf_step(self.module)
+        with torch.no_grad():
+            return decode(
+                step,
+                input_ids,
+                attention_mask,
+                max_new_tokens=new_tokens,
                 generator=generator,
                 max_out_tokens=self._config.max_out_tokens,
                 min_out_tokens=self._config.min_out_tokens,
                 group=self.tp_group if self.tp_size > 1 else None,
+                **settings,
             )
+
+    def _check_lm_head(self) -> None:
+        if not hasattr(self.module, "get_output_embeddings") or self.module.get_output_embeddings() is None:
+            raise TypeError(
+                f"generate() needs a causal language model with an LM head; {type(self.module).__name__} has none"
+            )
+
+    def _hf_generate(
+        self, input_ids: Any, attention_mask: Any, extra: dict[str, Any], **settings: Any
+    ) -> torch.Tensor:
+        """transformers' ``generate`` of the (sharded) model, for arguments :func:`decode` lacks."""
+        if self.injected is not None:
+            raise TypeError(
+                f"generate: {sorted(extra)} are not supported with replace_with_kernel_inject=True; "
+                "the fused decoder does greedy decoding and sampling (temperature, top_k, top_p) only"
+            )
+        self._check_lm_head()
+        kwargs = {k: v for k, v in settings.items() if v is not None}
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask
+        with torch.no_grad():
+            return self.module.generate(input_ids, **kwargs, **extra)
 
 
 def _empty_params_(model: nn.Module, dtype: torch.dtype, device: torch.device, *, meta: bool) -> None:

@@ -124,6 +124,58 @@ def decode(
     return tokens
 
 
+#: decoding settings :func:`decode` implements; unset ones come from the model's generation_config
+DECODE_SETTINGS = {
+    "do_sample": False,
+    "temperature": 1.0,
+    "top_k": 0,
+    "top_p": 1.0,
+    "eos_token_id": None,
+    "pad_token_id": None,
+}
+
+
+def resolve_settings(
+    model: torch.nn.Module,
+    prompt_len: int,
+    given: dict[str, Any],
+    max_new_tokens: int | None,
+    max_length: int | None,
+) -> tuple[dict[str, Any], int]:
+    """(decoding settings, max_new_tokens) with the unset ones taken as transformers' generate does.
+
+    [Note: generation defaults]
+    DeepSpeed's ``InferenceEngine.generate`` is the model's own ``generate``, so settings the
+    caller leaves out come from the model's ``generation_config``: ``eos_token_id`` (generation
+    stops there and finished rows are padded with ``pad_token_id``, else the first eos),
+    ``do_sample``/``temperature``/``top_k``/``top_p``, and the length (``max_new_tokens``, else
+    ``max_length`` counting the prompt, transformers' default 20). A model without a
+    generation_config gets greedy decoding of 20 new tokens without eos.
+    """
+    config = getattr(model, "generation_config", None)
+    settings = {}
+    for key, fallback in DECODE_SETTINGS.items():
+        value = given.get(key)
+        if value is None and config is not None:
+            value = getattr(config, key, None)
+        settings[key] = fallback if value is None else value
+    if max_new_tokens is None and max_length is None and config is not None:
+        max_new_tokens = getattr(config, "max_new_tokens", None)
+        if max_new_tokens is None:
+            max_length = getattr(config, "max_length", None)
+    if max_new_tokens is None:
+        if max_length is None:
+            return settings, 20
+        _check_int("max_length", max_length, 1)
+        if max_length <= prompt_len:
+            raise ValueError(
+                f"generate: max_length={max_length} leaves no room after a {prompt_len}-token prompt; "
+                "pass max_new_tokens"
+            )
+        return settings, max_length - prompt_len
+    return settings, max_new_tokens
+
+
 def hf_step(model: torch.nn.Module) -> StepFn:
     """Step function running an HF causal LM with its own cache object."""
 

@@ -105,6 +105,41 @@ class SafetensorsSource:
         return tuple(self._slice(name).get_shape())
 
 
+#: A fused projection's output rows as consecutive ``(size, split)`` parts: a split part is cut
+#: into ``world`` equal slices (rank ``r`` keeps slice ``r``), a replicated one is kept whole by
+#: every rank (the single key/value head of multi-query attention). See [Note: auto TP discovery].
+Segments = tuple[tuple[int, bool], ...]
+
+
+def column_segments(spec: int | Segments, total: int) -> Segments:
+    """``spec`` as :data:`Segments`: an int ``k`` means ``k`` equal split blocks of ``total`` rows."""
+    if isinstance(spec, int):
+        if spec < 1 or total % spec:
+            raise ValueError(f"cannot split dimension {total} into {spec} equal block(s)")
+        return ((total // spec, True),) * spec
+    parts = tuple((int(size), bool(split)) for size, split in spec)
+    if sum(size for size, _ in parts) != total:
+        raise ValueError(f"fused segments {parts} do not add up to the dimension {total}")
+    return parts
+
+
+def segment_ranges(segments: Segments, rank: int, world: int) -> list[tuple[int, int]]:
+    """(start, stop) of this rank's rows in each segment: its slice of a split one, all of a replicated one."""
+    out, start = [], 0
+    for size, split in segments:
+        if split:
+            if size % world:
+                raise ValueError(
+                    f"cannot split a fused block of {size} rows over {world} tensor-parallel ranks"
+                )
+            per = size // world
+            out.append((start + rank * per, start + (rank + 1) * per))
+        else:
+            out.append((start, start + size))
+        start += size
+    return out
+
+
 def iter_blocks(total: int, blocks: int, rank: int, world: int) -> Iterator[tuple[int, int]]:
     """(start, stop) of this rank's slice inside each of ``blocks`` equal blocks of a dimension."""
     if total % blocks or (total // blocks) % world:

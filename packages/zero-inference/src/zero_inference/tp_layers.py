@@ -102,6 +102,17 @@ class RowParallelLinear(ShardedLinear):
         return y + self.bias if self.bias is not None else y
 
 
+def _vocab_parallel_lookup(module: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Rows of ``module.weight`` (vocabulary ``[start, start + rows)``) for ``ids``, summed over ranks."""
+    local = ids - module.start
+    outside = (local < 0) | (local >= module.weight.shape[0])
+    out = F.embedding(local.masked_fill(outside, 0), module.weight)
+    out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+    if comm.get_world_size(module.group) > 1:
+        comm.all_reduce(out, group=module.group)
+    return out
+
+
 class VocabParallelEmbedding(nn.Module):
     """An ``nn.Embedding`` whose rows (vocabulary) are split over ranks; see [Note: tensor-parallel layout]."""
 
@@ -123,16 +134,51 @@ class VocabParallelEmbedding(nn.Module):
         self.group = group
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        local = ids - self.start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        if comm.get_world_size(self.group) > 1:
-            comm.all_reduce(out, group=self.group)
-        return out
+        return _vocab_parallel_lookup(self, ids)
 
     def extra_repr(self) -> str:
         return f"rows [{self.start}, {self.start + self.weight.shape[0]}) of {self.num_embeddings}"
+
+
+class _VocabParallelLookup(nn.Embedding):
+    """The sharded lookup in place of ``nn.Embedding.forward``, under an embedding subclass."""
+
+    start: int
+    group: object
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return _vocab_parallel_lookup(self, ids)
+
+
+_PARALLEL_SUBCLASSES: dict[type, type] = {}
+
+
+def shard_embedding(old: nn.Module, rows: torch.Tensor, *, start: int, group: object = None) -> nn.Module:
+    """The vocabulary-parallel form of the embedding ``old`` holding ``rows`` (vocabulary from ``start``).
+
+    A plain ``nn.Embedding`` becomes a :class:`VocabParallelEmbedding`. A subclass with its own
+    ``forward`` (Gemma scales its embeddings by sqrt(hidden)) keeps that forward: ``old`` itself
+    becomes an instance of a subclass of its class whose ``nn.Embedding.forward`` (what its
+    ``super().forward`` reaches) is the sharded lookup, so the extra work still happens.
+    """
+    if type(old) is nn.Embedding or not isinstance(old, nn.Embedding):
+        return VocabParallelEmbedding(
+            rows,
+            start=start,
+            num_embeddings=old.num_embeddings,
+            padding_idx=getattr(old, "padding_idx", None),
+            group=group,
+        )
+    cls = type(old)
+    parallel = _PARALLEL_SUBCLASSES.get(cls)
+    if parallel is None:
+        parallel = type(f"VocabParallel{cls.__name__}", (cls, _VocabParallelLookup), {})
+        _PARALLEL_SUBCLASSES[cls] = parallel
+    old.__class__ = parallel
+    old.weight = nn.Parameter(rows, requires_grad=False)
+    old.start = start
+    old.group = group
+    return old
 
 
 def vocab_shard(weight: torch.Tensor, rank: int, world: int) -> tuple[torch.Tensor, int]:

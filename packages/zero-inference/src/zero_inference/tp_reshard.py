@@ -6,7 +6,10 @@ was cut (``layouts`` in ``zero_inference_tp.json``) and its unsharded shape (``s
 
 * ``column`` (``blocks`` fused blocks; ``transposed`` for HF ``Conv1D``): rank ``r`` holds, in
   ``[out, in]`` orientation, rows ``[b*B + r*p, b*B + (r+1)*p)`` of every block ``b``
-  (``B = out / blocks``, ``p = B / tp_size``); biases the same rows;
+  (``B = out / blocks``, ``p = B / tp_size``); biases the same rows. Fused projections whose
+  parts differ in size or are kept whole (multi-query key/value) record ``segments``
+  ``[[size, split], ...]`` instead: rank ``r`` holds its slice of each split segment and all of
+  each replicated one, one segment after another;
 * ``row``: rank ``r`` holds input columns ``[r*q, (r+1)*q)``, stored ``[out, in/tp_size]``;
   its bias is replicated;
 * ``vocab`` (input embedding, LM head and its bias): rank ``r`` holds rows
@@ -30,6 +33,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from zero_inference.param_source import column_segments
+
 
 def plan_layouts(
     plan: Any, shapes: dict[str, tuple[int, ...]]
@@ -45,10 +50,11 @@ def plan_layouts(
 
     if plan is None:
         return layouts, out_shapes
-    for mod, blocks in plan.column.items():
+    for mod, spec in plan.column.items():
         t = mod in plan.transposed
-        add(f"{mod}.weight", {"kind": "column", "blocks": blocks, "transposed": t})
-        add(f"{mod}.bias", {"kind": "column", "blocks": blocks, "transposed": False})
+        cut = {"blocks": spec} if isinstance(spec, int) else {"segments": [list(seg) for seg in spec]}
+        add(f"{mod}.weight", {"kind": "column", **cut, "transposed": t})
+        add(f"{mod}.bias", {"kind": "column", **cut, "transposed": False})
     for mod in plan.row:
         add(f"{mod}.weight", {"kind": "row", "transposed": mod in plan.transposed})
     for mod in plan.embeddings:
@@ -97,17 +103,19 @@ class TPReshardSource:
         """Rows ``[start, stop)`` of the ``[out, ...]`` orientation of a column-sharded tensor."""
         lay, shape = self.layouts[name], self.shape(name)
         out = shape[-1] if lay["transposed"] else shape[0]
-        blocks, parts = lay["blocks"], []
-        block = out // blocks
-        per = block // self.old_world
-        row = start
-        while row < stop:
-            b, within = divmod(row, block)
-            old_rank, off = divmod(within, per)
-            take = min(stop - row, per - off)
-            local = b * per + off  # the old rank stores its rows of each block one after another
-            parts.append(self._slice(old_rank, name)[local : local + take])
-            row += take
+        segments = column_segments(lay["segments"] if "segments" in lay else lay["blocks"], out)
+        parts, seg_start, local_start = [], 0, 0  # a segment's first row, unsharded and in a shard
+        for size, split in segments:
+            per = size // self.old_world if split else size
+            row, end = max(start, seg_start), min(stop, seg_start + size)
+            while row < end:
+                old_rank, off = divmod(row - seg_start, per) if split else (0, row - seg_start)
+                take = min(end - row, per - off)
+                local = local_start + off  # an old rank stores its part of each segment one after another
+                parts.append(self._slice(old_rank, name)[local : local + take])
+                row += take
+            seg_start += size
+            local_start += per
         return torch.cat(parts, dim=0)
 
     def _row_cols(self, name: str, start: int, stop: int) -> torch.Tensor:

@@ -24,8 +24,9 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from zero_core.checkpoint.format import CheckpointError, dtype_from_name, dtype_name
-from zero_core.checkpoint.integrity import verify_file
-from zero_core.checkpoint.tensor_file import TensorFile
+from zero_core.checkpoint.integrity import check_file_size, verify_file
+from zero_core.checkpoint.single_pass import read_files_once
+from zero_core.checkpoint.tensor_file import TensorFile, byte_view
 
 PARAM = "param"
 FP32 = "fp32"
@@ -157,7 +158,10 @@ class CheckpointReader:
     """Index of every fragment of one checkpoint tag; reads any range of any (name, kind).
 
     Rank tensor files are opened lazily and their checksum verified the first time they are
-    needed, so a rank reads (and verifies) only the files holding ranges it loads.
+    needed, so a rank reads (and verifies) only the files holding ranges it loads. An engine
+    load instead reads each file it touches once, verifying it as it goes (see [Note:
+    single-pass load] in ``single_pass.py``): :meth:`begin_single_pass`, the loads, then
+    :meth:`finish_single_pass`.
     """
 
     def __init__(self, tag_dir: str, rank_tables: list[dict[str, Any]]) -> None:
@@ -168,8 +172,12 @@ class CheckpointReader:
         # names -> global ones (see [Note: expert fragments] in experts.py); applying it is idempotent
         self.aliases: dict[str, str] = {}
         self._files: dict[int, TensorFile] = {}
-        self._verified: set[int] = set()  # rank files already checksummed (see loader._verify_tensor_files)
+        self._verified: set[int] = set()  # rank files already checksummed (whole, or by a single pass)
         self._index: dict[tuple[str, str], _Entry] = {}
+        # single-pass mode: {rank file touched: [(file offset, destination bytes)]}; None when off
+        self._plan: dict[int, list[tuple[int, memoryview]]] | None = None
+        self._group: Any = None
+        self.touched_state = False  # some tensor data was read or a read into place was planned
         for rank, table in enumerate(rank_tables):
             for rec in table["fragments"]:
                 k = (rec["name"], rec["kind"])
@@ -228,13 +236,53 @@ class CheckpointReader:
             table = self._tables[rank]
             path = os.path.join(self.tag_dir, table["file"])
             if rank not in self._verified:
-                verify_file(path, table["file_record"])
+                if self._plan is None:
+                    verify_file(path, table["file_record"])
+                else:  # verified by the pass (its size was checked by begin_single_pass)
+                    self._plan.setdefault(rank, [])
             f = self._files[rank] = TensorFile(path)
+        elif self._plan is not None and rank not in self._verified:
+            self._plan.setdefault(rank, [])  # opened before single-pass mode: the pass verifies it too
         return f
 
-    def mark_verified(self, ranks: Any) -> None:
-        """Trust these rank files without checksumming them again (the caller verified them)."""
-        self._verified.update(int(r) for r in ranks)
+    # -- single-pass loads (see [Note: single-pass load] in single_pass.py) ---------------
+    def begin_single_pass(self, group: Any = None) -> None:
+        """Defer reads into place until :meth:`finish_single_pass`, which reads each touched file once.
+
+        Checks first that every rank tensor file exists with its recorded size, so a missing or
+        truncated file fails the load before anything is read. ``group`` is the process group
+        of the ranks loading together (the failure of a file is all-reduced over it).
+        """
+        for table in self._tables:
+            check_file_size(os.path.join(self.tag_dir, table["file"]), table["file_record"])
+        self._plan = {}
+        self._group = group
+
+    def finish_single_pass(self) -> None:
+        """Read every file touched since :meth:`begin_single_pass` once, filling the deferred reads.
+
+        Collective over the group when single-pass mode is on: every rank raises a
+        :class:`CheckpointError` naming the lowest-numbered file that failed on any rank. The
+        destinations may then hold part of the loaded bytes (the caller must treat the state as
+        invalid). Stays in single-pass mode; :meth:`end_single_pass` leaves it.
+        """
+        if self._plan is None:
+            return
+        if any(r not in self._verified for r in self._plan):
+            self.touched_state = True
+        try:
+            read_files_once(self.tag_dir, self._tables, self._plan, self._verified, self._group)
+        except BaseException:
+            self._plan = {r: [] for r in self._plan}  # nothing more goes into place from this load
+            raise
+
+    def end_single_pass(self) -> None:
+        """Leave single-pass mode: files not verified yet are verified whole when next opened."""
+        if self._plan is not None and any(self._plan.values()):
+            raise CheckpointError(
+                f"checkpoint {self.tag_dir}: reads into place are still pending; call finish_single_pass first"
+            )
+        self._plan = None
 
     def rank_table(self, rank: int) -> dict[str, Any]:
         """Rank ``rank``'s JSON table (fragments, RNG metadata, file record)."""
@@ -245,7 +293,7 @@ class CheckpointReader:
         return len(self._tables)
 
     def tensor_file(self, rank: int) -> TensorFile:
-        """Rank ``rank``'s tensor file, checksum verified."""
+        """Rank ``rank``'s tensor file: checksum verified, or in single-pass mode verified by the pass."""
         return self._file(rank)
 
     def read(self, name: str, kind: str, start: int = 0, end: int | None = None) -> torch.Tensor:
@@ -258,6 +306,7 @@ class CheckpointReader:
         if not 0 <= start <= end <= numel:
             raise CheckpointError(f"range [{start}, {end}) is outside {kind}:{name} of {numel} elements")
         out = None
+        self.touched_state = True
         pos = start
         for lo, hi, rank, key in entry.pieces:
             if pos >= end:
@@ -290,6 +339,9 @@ class CheckpointReader:
         (together ~3x the cost of the read itself on this machine). ``read_into`` reads each
         piece with one ``preadv`` straight into the caller's tensor, when it is a contiguous CPU
         tensor of the stored dtype; otherwise it falls back to ``read`` and a converting copy.
+        Under an engine load such a read is only recorded, and the bytes arrive when
+        ``finish_single_pass`` reads the file (see [Note: single-pass load] in
+        ``single_pass.py``): ``out`` must not be used before that.
         Every strategy's loader uses it for module weights, masters and optimizer states (see
         [Note: loading into the live state] in ``inplace.py`` for where they read to).
         """
@@ -305,6 +357,7 @@ class CheckpointReader:
         if not 0 <= start <= end <= numel:
             raise CheckpointError(f"range [{start}, {end}) is outside {kind}:{name} of {numel} elements")
         flat = out.detach().view(-1)
+        self.touched_state = True
         pos = start
         for lo, hi, rank, key in entry.pieces:
             if pos >= end:
@@ -314,7 +367,14 @@ class CheckpointReader:
             if lo > pos:
                 break
             take = min(hi, end)
-            self._file(rank).read_into(flat[pos - start : take - start], key, pos - lo)
+            f = self._file(rank)
+            dest = flat[pos - start : take - start]
+            if self._plan is not None and rank not in self._verified:
+                offset, nbytes = f.byte_range(dest, key, pos - lo)  # validated now, read by the pass
+                if nbytes:
+                    self._plan[rank].append((offset, byte_view(dest)))
+            else:
+                f.read_into(dest, key, pos - lo)
             pos = take
         if pos < end:
             raise CheckpointError(
@@ -385,6 +445,7 @@ class CheckpointReader:
         return self.read(name, kind, start, end)
 
     def close(self) -> None:
+        self._plan = None if self._plan is None else {}
         for f in self._files.values():
             f.close()
         self._files.clear()

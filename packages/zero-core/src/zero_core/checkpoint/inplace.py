@@ -17,6 +17,10 @@ or a copy into the final tensor adds one more pass each. So loaders:
   shard, parameters missing from a non-strict load) are zeroed (:func:`zero_uncovered`),
   which is what a fresh optimizer holds there.
 
+Under an engine load the reads are deferred to one pass per tensor file that also verifies
+it (see [Note: single-pass load] in ``single_pass.py``): a loader must not use what it read
+into these tensors before ``CheckpointReader.finish_single_pass`` returns.
+
 Consequence, as for module parameters: a reference taken earlier to an optimizer state tensor
 (``optimizer.state_dict()`` shares them) sees the loaded values. States kept by an offload
 store are never reused: they go through the store's own ``load_state``.

@@ -116,25 +116,18 @@ def _stream(path: str, fold: Callable[[memoryview], None]) -> int:
     checksum. Measured on this machine (shared and noisy), two 600 MiB files verified
     concurrently with the page cache dropped: 0.82-0.90 s, the disk's own pace (plain 1 MiB
     reads of the same files took 0.65-1.15 s, ``dd bs=16M`` 0.62-1.74 s in the same runs).
-    Verification is therefore disk-bound on a cold load; what a cold load adds on top is the
-    strategy's copies out of the page cache, which must wait for it (see [Note: shared
-    verification] in ``loader.py``).
+    Verification is therefore disk-bound on a cold load. An engine load no longer verifies
+    before copying: it reads each file once, into place and into its checksum together, with
+    the same readahead (:class:`Readahead`; see [Note: single-pass load] in ``single_pass.py``);
+    this whole-file pass remains for ``verify_file`` (inspection, conversion, inference loads).
     """
     fd = os.open(path, os.O_RDONLY)
     try:
-        size = os.fstat(fd).st_size
-        advise = hasattr(os, "posix_fadvise")
-        if advise:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        ahead = Readahead(fd, os.fstat(fd).st_size)
         view = memoryview(bytearray(_CHUNK))
-        step = max(_WINDOW // 4, 1)  # readahead is queued in quarters of the window
         total = 0
-        queued = 0  # bytes asked for with WILLNEED so far
         while True:
-            if advise and queued < size:
-                while queued < min(size, total + _WINDOW):
-                    os.posix_fadvise(fd, queued, step, os.POSIX_FADV_WILLNEED)
-                    queued += step
+            ahead.advance(total)
             k = os.preadv(fd, [view], total)
             if k <= 0:
                 return total
@@ -161,32 +154,105 @@ def file_sum64(path: str) -> tuple[int, str]:
     return _stream(path, s.update), s.hexdigest()
 
 
-def verify_file(path: str, record: dict[str, int]) -> None:
-    """Raise :class:`CheckpointError` naming ``path`` unless it matches ``record``.
+class Readahead:
+    """Keeps ``_WINDOW`` bytes beyond the read position queued for readahead on ``fd``.
 
-    Uses the record's ``sum64`` when present (fast), its ``crc32`` otherwise.
+    See [Note: verification reads ahead]; call ``advance(pos)`` before each read at ``pos``.
     """
-    if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint file {path} is missing")
-    size = os.path.getsize(path)
+
+    def __init__(self, fd: int, size: int) -> None:
+        self._fd = fd
+        self._size = size
+        self._on = hasattr(os, "posix_fadvise")
+        self._queued = 0  # bytes asked for with WILLNEED so far
+        self._step = max(_WINDOW // 4, 1)  # readahead is queued in quarters of the window
+        if self._on:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+
+    def advance(self, pos: int) -> None:
+        if not self._on:
+            return
+        limit = min(self._size, pos + _WINDOW)
+        while self._queued < limit:
+            os.posix_fadvise(self._fd, self._queued, self._step, os.POSIX_FADV_WILLNEED)
+            self._queued += self._step
+
+
+class FileChecksum:
+    """The checksum a file's integrity record names, computed incrementally over its bytes in file order.
+
+    ``sum64`` (:class:`Sum64`) and CRC32 (``zlib.crc32`` continued from the running value) give
+    the whole-file value for any split into pieces, so a load folds in each piece as it reads
+    it (see [Note: single-pass load] in ``single_pass.py``). ``check`` raises the errors of
+    :func:`verify_file`.
+    """
+
+    def __init__(self, path: str, record: dict[str, int | str]) -> None:
+        if "sum64" not in record and "crc32" not in record:
+            raise CheckpointError(f"the record of checkpoint file {path} has no checksum: {record!r}")
+        self.path = path
+        self.record = record
+        self.nbytes = 0
+        self._sum64 = Sum64() if "sum64" in record else None
+        self._crc = 0
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        """Fold in the next bytes of the file."""
+        if self._sum64 is not None:
+            self._sum64.update(data)
+        else:
+            self._crc = zlib.crc32(data, self._crc)
+        self.nbytes += memoryview(data).nbytes
+
+    def check(self) -> None:
+        """Raise :class:`CheckpointError` naming the file unless the bytes folded in match the record."""
+        _check_size(self.path, self.nbytes, self.record)
+        if self._sum64 is not None:
+            _check_sum64(self.path, self._sum64.hexdigest(), self.record)
+        else:
+            _check_crc32(self.path, self._crc, self.record)
+
+
+def _check_size(path: str, size: int, record: dict[str, int | str]) -> None:
     if size != record.get("bytes"):
         raise CheckpointError(
             f"checkpoint file {path} has {size} bytes, the checkpoint recorded {record.get('bytes')}: "
             "it is truncated or was modified"
         )
+
+
+def _check_sum64(path: str, digest: str, record: dict[str, int | str]) -> None:
+    if digest != record["sum64"]:
+        raise CheckpointError(
+            f"checkpoint file {path} fails its checksum (sum64 {digest}, recorded {record['sum64']}): "
+            "it is corrupted or was modified"
+        )
+
+
+def _check_crc32(path: str, crc: int, record: dict[str, int | str]) -> None:
+    if crc != record["crc32"]:
+        raise CheckpointError(
+            f"checkpoint file {path} fails its checksum (crc32 {crc:#010x}, recorded "
+            f"{int(record['crc32']):#010x}): it is corrupted or was modified"
+        )
+
+
+def check_file_size(path: str, record: dict[str, int | str]) -> None:
+    """Raise :class:`CheckpointError` naming ``path`` if it is missing or its size differs from ``record``."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint file {path} is missing")
+    _check_size(path, os.path.getsize(path), record)
+
+
+def verify_file(path: str, record: dict[str, int]) -> None:
+    """Raise :class:`CheckpointError` naming ``path`` unless it matches ``record``.
+
+    Uses the record's ``sum64`` when present (fast), its ``crc32`` otherwise.
+    """
+    check_file_size(path, record)
     if "sum64" in record:
-        _, digest = file_sum64(path)
-        if digest != record["sum64"]:
-            raise CheckpointError(
-                f"checkpoint file {path} fails its checksum (sum64 {digest}, recorded {record['sum64']}): "
-                "it is corrupted or was modified"
-            )
+        _check_sum64(path, file_sum64(path)[1], record)
         return
     if "crc32" not in record:
         raise CheckpointError(f"the record of checkpoint file {path} has no checksum: {record!r}")
-    _, crc = file_checksum(path)
-    if crc != record["crc32"]:
-        raise CheckpointError(
-            f"checkpoint file {path} fails its checksum (crc32 {crc:#010x}, recorded {record.get('crc32', 0):#010x}): "
-            "it is corrupted or was modified"
-        )
+    _check_crc32(path, file_checksum(path)[1], record)

@@ -155,7 +155,23 @@ def load_checkpoint(
     load_module_only: bool = False,
     custom_load_fn: Callable[..., Any] | None = None,
 ) -> tuple[str | None, dict[str, Any] | None]:
-    """Load a checkpoint into ``engine``; returns ``(load_path, client_state)``, ``(None, None)`` if none."""
+    """Load a checkpoint into ``engine``; returns ``(load_path, client_state)``, ``(None, None)`` if none.
+
+    [Note: shared verification]
+    Before anything is read, ``open_checkpoint`` verifies ``checkpoint.json`` and every rank
+    table (CRC32), and ``CheckpointReader.begin_single_pass`` checks that every rank tensor
+    file exists with its recorded size, so a missing, truncated or padded file fails the
+    load with the live state untouched. The tensor files' checksums are verified in the
+    same pass that copies their bytes into place (see [Note: single-pass load] in
+    ``single_pass.py``): each rank fully reads and checksums every file it touches (ranges
+    it does not need go to a scratch buffer), and one all-reduce in ``finish_single_pass``
+    gives every rank the lowest-numbered bad file, so all of them raise an error naming it;
+    a rank that did not read that file says another rank found it bad. (Formerly the ranks split the
+    files between them and verified them completely before anything was copied: one disk
+    pass, but the copies had to wait for it, so a cold load cost disk time plus copy time.)
+    A file that fails after bytes were copied leaves the engine refusing to train or save
+    until a load succeeds.
+    """
     if not isinstance(load_dir, (str, os.PathLike)):
         raise TypeError(f"load_checkpoint: load_dir must be a path, got {type(load_dir).__name__}")
     if custom_load_fn is not None and not callable(custom_load_fn):
@@ -176,68 +192,36 @@ def load_checkpoint(
         )
     meta, reader = open_checkpoint(load_dir, tag)
     reader.aliases = global_expert_names(engine.module)  # see [Note: expert fragments]
+    load_opt = load_optimizer_states and not load_module_only
     try:
-        _verify_tensor_files(reader, getattr(engine, "dp_group", None))
-    except BaseException:
-        reader.close()
-        raise
-    try:
+        # sizes of every rank file checked here, checksums in the single pass (see [Note: shared verification])
+        reader.begin_single_pass(getattr(engine, "dp_group", None))
         strategy.load_checkpoint_fragments(
             reader,
-            load_optimizer_states=load_optimizer_states and not load_module_only,
+            load_optimizer_states=load_opt,
             load_module_only=load_module_only,
             strict=load_module_strict,
         )
         _load_buffers(reader, engine.module, load_module_strict)
+        reader.finish_single_pass()
+        reader.end_single_pass()
         if custom_load_fn is not None:
             custom_load_fn(src=full_module_state_dict(reader, engine.module), dst=engine.module)
         if not load_module_only:
             _restore_engine(engine, meta, reader, load_optimizer_states, load_lr_scheduler_states)
+    except BaseException as e:
+        if reader.touched_state and hasattr(engine, "invalidate_state"):
+            engine.invalidate_state(
+                f"the last load_checkpoint from {reader.tag_dir} failed after overwriting part of the "
+                f"model/optimizer state: {e}; load a good checkpoint before training",
+                optimizer=load_opt,
+            )
+        raise
     finally:
         reader.close()
+    if hasattr(engine, "state_restored"):
+        engine.state_restored(optimizer=load_opt)
     return reader.tag_dir, meta.get("client_state", {})
-
-
-def _verify_tensor_files(reader: CheckpointReader, group: Any) -> None:
-    """Checksum every rank tensor file once, the files split over the loading ranks.
-
-    [Note: shared verification]
-    A rank loading a resharded or stage-0 layout reads from most rank files, and verifying each
-    file it touches would make every rank checksum (nearly) the whole checkpoint. Instead rank
-    ``i`` of ``M`` verifies files ``i, i + M, ...`` while the others do theirs, and one
-    all-reduce tells every rank the lowest-numbered bad file, so all of them raise an error
-    naming it before any tensor is copied; the reader then trusts the verified files.
-    This pass also brings the files into the page cache: on a cold load it is the one that
-    reads the disk (see [Note: verification reads ahead] in ``integrity.py``), and the
-    strategy's copies, which must wait for it, come from memory. A cold load therefore costs
-    the disk time plus those copies; overlapping them would mean copying bytes of a file not
-    yet known to be good into the live state.
-    """
-    on = comm.is_initialized() and comm.get_world_size(group) > 1
-    rank, world = (comm.get_rank(group), comm.get_world_size(group)) if on else (0, 1)
-    n = reader.world_size
-    bad, error = n, None
-    for r in range(rank, n, world):
-        table = reader.rank_table(r)
-        try:
-            verify_file(os.path.join(reader.tag_dir, table["file"]), table["file_record"])
-        except CheckpointError as e:
-            bad, error = r, e  # this rank's first bad file
-            break
-    mine = bad
-    if on:
-        flag = torch.tensor([bad], dtype=torch.int64)
-        comm.all_reduce(flag, op=comm.ReduceOp.MIN, group=group)
-        bad = int(flag.item())
-    if bad < n:
-        if error is not None and bad == mine:
-            raise error
-        path = os.path.join(reader.tag_dir, reader.rank_table(bad)["file"])
-        raise CheckpointError(
-            f"checkpoint file {path} failed verification (truncated, corrupted or modified; rank "
-            f"{bad % world} checked it and raised the details)"
-        )
-    reader.mark_verified(range(n))
 
 
 def _restore_engine(

@@ -138,6 +138,13 @@ def write_tensor_file(
     return file_record(w.nbytes, w.crc32, w.sum64)
 
 
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of the contiguous CPU tensor ``t`` as a writable memoryview of its own memory."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"byte_view: expected a contiguous CPU tensor, got one on {t.device}")
+    return memoryview(t.detach().view(-1).view(torch.uint8).numpy())
+
+
 class TensorFile:
     """Read tensors, or flat element ranges of them, from a safetensors file (never unpickles)."""
 
@@ -226,11 +233,11 @@ class TensorFile:
         self.read_into(out, name, lo)
         return out
 
-    def read_into(self, out: torch.Tensor, name: str, lo: int = 0) -> None:
-        """Fill ``out`` with elements ``[lo, lo + out.numel())`` of tensor ``name``, straight from the file.
+    def byte_range(self, out: torch.Tensor, name: str, lo: int = 0) -> tuple[int, int]:
+        """``(file offset, byte count)`` of elements ``[lo, lo + out.numel())`` of ``name``, read into ``out``.
 
-        ``out`` must be a contiguous CPU tensor of the stored dtype: the bytes go from the page
-        cache into it with no intermediate buffer (see [Note: reading into place] in fragments.py).
+        ``out`` must be a contiguous CPU tensor of the stored dtype: the bytes go from the file
+        into it with no intermediate buffer (see [Note: reading into place] in fragments.py).
         """
         dtype, _, start, end = self._entry(name)
         if out.dtype != dtype or out.device.type != "cpu" or not out.is_contiguous():
@@ -245,10 +252,17 @@ class TensorFile:
             raise CheckpointError(
                 f"{self.path}: range [{lo}, {hi}) is outside tensor {name!r} of {numel} elements"
             )
-        if not out.numel():
+        return self._data_start + start + lo * item, out.numel() * item
+
+    def read_into(self, out: torch.Tensor, name: str, lo: int = 0) -> None:
+        """Fill ``out`` with elements ``[lo, lo + out.numel())`` of tensor ``name``, straight from the file.
+
+        ``out`` must be a contiguous CPU tensor of the stored dtype (see :meth:`byte_range`).
+        """
+        offset, nbytes = self.byte_range(out, name, lo)
+        if not nbytes:
             return
-        buf = memoryview(out.view(-1).view(torch.uint8).numpy())
-        offset = self._data_start + start + lo * item
+        buf = byte_view(out)
         while len(buf):
             k = os.preadv(self._fd, [buf], offset)
             if k <= 0:

@@ -71,6 +71,17 @@ def _check_size(name: str, value: object) -> int | None:
     return value
 
 
+def auto_batch_hint(names: list[str]) -> str:
+    """The explanation appended to a batch-size error when the sizes ``names`` were ``"auto"``."""
+    if not names:
+        return ""
+    return (
+        f'; {" and ".join(names)} {"is" if len(names) == 1 else "are"} "auto", which the HuggingFace '
+        "Trainer replaces with its own batch size before it hands the config over: without the Trainer, "
+        "write the number"
+    )
+
+
 def resolve_batch_size(
     train_batch_size: int | None = None,
     train_micro_batch_size_per_gpu: int | None = None,
@@ -133,10 +144,16 @@ def resolve_batch_size(
         gas = 1
         train = micro * world_size
     else:
-        raise ConfigError(
-            [
-                "batch size: give train_batch_size or train_micro_batch_size_per_gpu (or both); "
-                f"gradient_accumulation_steps={'not given' if gas is None else gas} alone is not enough"
-            ]
-        )
+        message = "batch size: give train_batch_size or train_micro_batch_size_per_gpu (or both)"
+        if gas is not None:
+            message += f"; gradient_accumulation_steps={gas} alone is not enough"
+        autos = [
+            name
+            for name, value in (
+                ("train_batch_size", train_batch_size),
+                ("train_micro_batch_size_per_gpu", train_micro_batch_size_per_gpu),
+            )
+            if value == "auto"
+        ]
+        raise ConfigError([message + auto_batch_hint(autos)])
     return BatchSizes(train, micro, gas, world_size, world_size_source)

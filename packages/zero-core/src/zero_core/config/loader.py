@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from zero_core.config import sections
+from zero_core.config.batch import auto_batch_hint
 from zero_core.config.errors import ConfigError, format_validation_error
 from zero_core.config.root import ZeroConfig
 from zero_core.config.unknown_keys import strip_unknown_keys, unknown_key_policy
@@ -123,6 +124,7 @@ def load_config(
     Raises :class:`ConfigError` listing every problem, each with its key path.
     """
     source = _pick_source(config, args, config_params)
+    autos: list[str] = []  # batch sizes written "auto": named if they cannot be derived
     if isinstance(source, ZeroConfig):
         cfg, where = source, None
     else:
@@ -141,9 +143,13 @@ def load_config(
             raise ConfigError(problems + format_validation_error(exc), source=where) from None
         if problems:
             raise ConfigError(problems, source=where)
+        autos = [k for k in ("train_batch_size", "train_micro_batch_size_per_gpu") if raw.get(k) == "auto"]
     if resolve_batch:
         try:
             cfg = cfg.with_batch_sizes(world_size, world_size_source)
         except ConfigError as exc:
-            raise ConfigError(exc.problems, source=where) from None
+            found = exc.problems
+            if autos and cfg.train_batch_size is None and cfg.train_micro_batch_size_per_gpu is None:
+                found = [found[0] + auto_batch_hint(autos), *found[1:]]
+            raise ConfigError(found, source=where) from None
     return cfg

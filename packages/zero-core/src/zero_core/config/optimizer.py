@@ -9,6 +9,8 @@ error with a suggestion, and a param without default must be given.
 ``"auto"`` (HuggingFace Trainer) in optimizer params is dropped, so the optimizer's default applies;
 in scheduler params it resolves to the documented default, and is an error for a param that has
 no default (nothing here can derive it: the HF Trainer fills those in before passing the config).
+A warning names the "auto" params that fell back to defaults, since outside the Trainer nothing
+fills them in and the defaults (lr 1e-3, 1000 warmup steps) are rarely what the config meant.
 """
 
 from __future__ import annotations
@@ -44,6 +46,18 @@ DEEPSPEED_OPTIMIZERS = {
 }
 
 _REQUIRED = object()  # marks a scheduler param without default
+
+
+def _warn_auto(section: str, keys: list[str], what: str) -> None:
+    """Say which ``"auto"`` params fall back to defaults: outside the HF Trainer nothing fills them in."""
+    if keys:
+        warnings.warn(
+            f'{section}.params: {", ".join(keys)} {"is" if len(keys) == 1 else "are"} "auto" (a value the '
+            f"HuggingFace Trainer fills in from its own arguments); used as given here, {what} apply",
+            UserWarning,
+            stacklevel=4,
+        )
+
 
 #: scheduler type -> param -> (python type(s), default or _REQUIRED). From the documented signatures.
 SCHEDULER_PARAMS: dict[str, dict[str, tuple[tuple[type, ...], Any]]] = {
@@ -149,6 +163,7 @@ class OptimizerConfig(ConfigModel):
     @field_validator("params")
     @classmethod
     def _check_params(cls, params: dict[str, Any]) -> dict[str, Any]:
+        _warn_auto("optimizer", [k for k, v in params.items() if v == AUTO_VALUE], "the optimizer's defaults")
         params = {k: v for k, v in params.items() if v != AUTO_VALUE}
         problems = []
 
@@ -202,6 +217,10 @@ class SchedulerConfig(ConfigModel):
         spec = SCHEDULER_PARAMS[self.type]
         policy = (info.context or {}).get("unknown_keys", "error")
         problems, params = [], {}
+        autos = [
+            k for k, v in self.params.items() if v == AUTO_VALUE and k in spec and spec[k][1] is not _REQUIRED
+        ]
+        _warn_auto("scheduler", autos, f"the documented defaults of {self.type}")
         for key, value in self.params.items():
             path = join_path("scheduler", "params", key)
             if key not in spec:

@@ -1,8 +1,12 @@
 """The training data loader ``initialize`` builds when given ``training_data``.
 
-Each data-parallel rank reads a disjoint shard through a DistributedSampler with
-``drop_last`` (so every rank runs the same number of steps, which collectives require);
-the sampler is reseeded per epoch (``seed + epoch``) when the loader is iterated again.
+Each data-parallel rank reads its shard through a DistributedSampler, which gives every rank
+the same number of samples (so every rank runs the same number of steps, which collectives
+require): by default, as in DeepSpeed (``dataloader_drop_last: false``), it repeats a few samples
+to fill the last ranks and the last micro-batch of an epoch may be short; with
+``dataloader_drop_last: true`` the remainders are dropped instead, so every micro-batch is full
+(the default of this class, which the pipeline engine relies on). The sampler is reseeded per
+epoch (``seed + epoch``) when the loader is iterated again.
 """
 
 from __future__ import annotations
@@ -59,4 +63,20 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
         return type(batch)(move_to_device(b, device) for b in batch)
     if isinstance(batch, dict):
         return {k: move_to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def cast_floating(batch: Any, dtype: torch.dtype) -> Any:
+    """``batch`` with its floating-point tensors (nested in lists, tuples and dicts) cast to ``dtype``.
+
+    The engine's forward applies it with ``fp16.auto_cast`` (DeepSpeed's switch for feeding fp32
+    inputs to an fp16 model). Integer tensors (token ids, labels, masks) are left alone: DeepSpeed
+    calls ``.half()`` on every tensor, which would turn token ids into floats.
+    """
+    if torch.is_tensor(batch):
+        return batch.to(dtype) if batch.is_floating_point() else batch
+    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
+        return type(batch)(cast_floating(b, dtype) for b in batch)
+    if isinstance(batch, dict):
+        return {k: cast_floating(v, dtype) for k, v in batch.items()}
     return batch

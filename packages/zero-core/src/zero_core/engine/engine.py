@@ -18,13 +18,18 @@ from typing import Any
 import torch
 
 from zero_core import comm
+from zero_core.engine.accessors import DeepSpeedAccessors
 from zero_core.engine.loss_scaler import LossScaler
 from zero_core.engine.strategy import TrainingStrategy
 from zero_core.engine.timers import Timers
 
 
-class ZeroEngine(torch.nn.Module):
-    """Wraps a model for training; use it like the model, plus ``backward`` and ``step``."""
+class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
+    """Wraps a model for training; use it like the model, plus ``backward`` and ``step``.
+
+    DeepSpeed's accessors (``zero_optimization_stage()``, ``bfloat16_enabled()`` ...) come from
+    :class:`DeepSpeedAccessors` (see [Note: DeepSpeed engine accessors]).
+    """
 
     def __init__(
         self,
@@ -72,6 +77,10 @@ class ZeroEngine(torch.nn.Module):
         self._wall_clock = bool(getattr(config, "wall_clock_breakdown", False))
         self._last_boundary_time = time.perf_counter()
         self._samples_per_sec = 0.0
+        # why training must not go on: a load failed after overwriting part of the state
+        # (see [Note: single-pass load] in checkpoint/single_pass.py), and whether it touched the optimizer
+        self._invalid_state: str | None = None
+        self._invalid_state_optimizer = False
 
     # -- configuration accessors (DeepSpeed names) --------------------------------------
     def train_batch_size(self) -> int:
@@ -98,6 +107,8 @@ class ZeroEngine(torch.nn.Module):
         return self._global_grad_norm
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:  # set_gradient_accumulation_boundary
+            return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def memory_breakdown(self) -> dict[str, int]:
@@ -121,6 +132,7 @@ class ZeroEngine(torch.nn.Module):
         Collective under ZeRO stage 3 (every rank must call it). Returns False when nothing was
         saved (stage 3 without ``gather_16bit_weights_on_model_save``).
         """
+        self._require_valid_state("save_16bit_model")
         if not isinstance(save_dir, (str, os.PathLike)):
             raise TypeError(f"save_16bit_model: save_dir must be a path, got {type(save_dir).__name__}")
         if not isinstance(save_filename, str) or not save_filename or os.sep in save_filename:
@@ -150,12 +162,38 @@ class ZeroEngine(torch.nn.Module):
             write_state_dict(state, os.path.join(str(save_dir), save_filename))
         return True
 
+    # -- state left invalid by a failed load (see [Note: single-pass load]) -------------
+    def invalidate_state(self, reason: str, *, optimizer: bool) -> None:
+        """Refuse to train or save until a load succeeds: part of the state was overwritten by a failed load.
+
+        ``optimizer`` says whether the failed load was restoring optimizer states too: then only
+        a load that restores them again makes the engine usable.
+        """
+        self._invalid_state = reason
+        self._invalid_state_optimizer = self._invalid_state_optimizer or optimizer
+
+    def state_restored(self, *, optimizer: bool) -> None:
+        """A load succeeded; it clears an invalid state if it restored everything the failed one touched."""
+        if optimizer or not self._invalid_state_optimizer:
+            self._invalid_state = None
+            self._invalid_state_optimizer = False
+
+    def _require_valid_state(self, what: str) -> None:
+        if self._invalid_state is not None:
+            raise RuntimeError(f"engine.{what}: {self._invalid_state}")
+
     # -- the loop -----------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._require_valid_state("forward")
         if self.profiler is not None and self.micro_steps % self.gradient_accumulation_steps() == 0:
             self.profiler.on_step_begin(self.global_steps)
         if self._wall_clock:
             self.timers.start("forward")
+        fp16 = getattr(self.config, "fp16", None)
+        if fp16 is not None and fp16.enabled and getattr(fp16, "auto_cast", False):
+            from zero_core.engine.data import cast_floating
+
+            args, kwargs = cast_floating(args, torch.float16), cast_floating(kwargs, torch.float16)
         out = self.module(*args, **kwargs)
         if self._wall_clock:
             self.timers.stop("forward")
@@ -165,6 +203,7 @@ class ZeroEngine(torch.nn.Module):
         self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
     ) -> torch.Tensor:
         """Backward of ``loss`` scaled by 1/gradient_accumulation_steps and the loss scale."""
+        self._require_valid_state("backward")
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError("engine.backward expects a scalar loss tensor")
         boundary = self.is_gradient_accumulation_boundary()
@@ -188,6 +227,7 @@ class ZeroEngine(torch.nn.Module):
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """End a micro-step; on an accumulation boundary apply the optimizer."""
+        self._require_valid_state("step")
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         self.global_samples += self.train_micro_batch_size_per_gpu() * self.dp_world_size
@@ -214,6 +254,7 @@ class ZeroEngine(torch.nn.Module):
     def _boundary_step(self, lr_kwargs: dict[str, Any] | None) -> None:
         overflow = self._global_flag(self.strategy.local_overflow()) if self.loss_scaler.dynamic else False
         inv_scale = 1.0 / self.loss_scaler.loss_scale
+        self._step_applied = not overflow
         if overflow:
             self._global_grad_norm = float("inf")
             self.skipped_steps += 1
@@ -259,6 +300,7 @@ class ZeroEngine(torch.nn.Module):
         """Save the full training state under ``save_dir/tag`` (collective: call on every rank)."""
         from zero_core.checkpoint.saver import save_checkpoint
 
+        self._require_valid_state("save_checkpoint")
         return save_checkpoint(
             self,
             save_dir,

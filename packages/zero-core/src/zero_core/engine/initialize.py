@@ -240,6 +240,7 @@ def _build_strategy(module: torch.nn.Module, optimizer: torch.optim.Optimizer, c
             optimizer_offload=_optimizer_offload(module, cfg, group, dtype),
             offload_ratio=float(zc.offload_optimizer.ratio) if zc.offload_optimizer is not None else 1.0,
             param_offload=_param_offload(cfg, group),
+            comm_dtype=comm_dtype,
         )
     raise NotImplementedError(f"zero_optimization.stage {stage} is not available in this build")
 
@@ -320,6 +321,7 @@ def initialize(
             rank=comm.get_rank(group),
             world_size=dp_world,
             collate_fn=collate_fn,
+            drop_last=bool(getattr(cfg, "dataloader_drop_last", False)),
         )
     from zero_core.monitor import MonitorMaster
 

@@ -674,13 +674,16 @@ class PartitionedOptimizerStrategy:
         """Whole module weights, then this rank's master segments and optimizer states, from any layout.
 
         Every range is read in place, into the live masters and optimizer states (see [Note:
-        loading into the live state] in checkpoint/inplace.py).
+        loading into the live state] in checkpoint/inplace.py); under an engine load those reads
+        complete in the reader's single pass (see [Note: single-pass load]), which an offload
+        store, taking the values at once, must wait for.
         """
         from zero_core.checkpoint.fragments import FP32, OPTIM_PREFIX, PARAM
         from zero_core.checkpoint.inplace import state_buffer, zero_uncovered
         from zero_core.checkpoint.replicated import load_module_params
 
         load_module_params(reader, self.module, strict=strict)
+        handoff: list[tuple[torch.Tensor, dict[str, Any]]] = []  # (master, state) for the offload store
         for g, gg in enumerate(self.groups):
             master = self.masters[g].detach()
             owned = [
@@ -715,8 +718,11 @@ class PartitionedOptimizerStrategy:
                 state[key] = buf.view(master.shape)
             if state:
                 if self.offload is not None:
-                    self.offload.load_state(self.optimizer, self.masters[g], state)
+                    handoff.append((self.masters[g], state))
                 else:
                     self.optimizer.state[self.masters[g]] = state
         if self.offload is not None:
+            reader.finish_single_pass()  # the store copies the values: they must be read (collective)
+            for m, state in handoff:
+                self.offload.load_state(self.optimizer, m, state)
             self.offload.refresh_low_precision()

@@ -13,8 +13,10 @@ Layout of one bucket (N ranks, parameters p1..pk with shard sizes s1..sk): a con
 buffer of shape ``(N, s1 + ... + sk)`` whose row r holds chunk r of every parameter's padded
 flat gradient, side by side. ``reduce_scatter_tensor`` hands rank r the sum of row r over the
 ranks, which is exactly its shard of every parameter in the bucket, contiguous. The buffer
-is divided by N before the sum (keeps fp16 in range; exact for power-of-two N), as stages 1
-and 2 do (see [Note: partitioned gradient reduction]); expert parameters are divided by the
+has the gradients' dtype, or ``communication_data_type`` when the config sets one (fp32
+reductions of bf16/fp16 gradients, as in stages 0-2), and is divided by N before the sum (keeps
+fp16 in range; exact for power-of-two N), as stages 1 and 2 do (see
+[Note: partitioned gradient reduction]); expert parameters are divided by the
 whole data-parallel world size instead (their ``grad_divisor``; see
 [Note: stage 3 expert parameters]), and a bucket never mixes parameters of different groups.
 
@@ -69,15 +71,28 @@ class _Bucket:
 class GradBucketReducer:
     """Collects full gradients into buckets and reduce-scatters them; see the Note above."""
 
-    def __init__(self, bucket_numel: int, *, overlap: bool = True, max_in_flight: int = 2) -> None:
+    def __init__(
+        self,
+        bucket_numel: int,
+        *,
+        overlap: bool = True,
+        max_in_flight: int = 2,
+        comm_dtype: torch.dtype | None = None,
+    ) -> None:
         if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel < 1:
             raise ValueError(
                 f"GradBucketReducer: reduce_bucket_size must be an int >= 1, got {bucket_numel!r}"
             )
         if max_in_flight < 1:
             raise ValueError(f"GradBucketReducer: max_in_flight must be >= 1, got {max_in_flight}")
+        if comm_dtype is not None and comm_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"GradBucketReducer: comm_dtype must be a float dtype or None, got {comm_dtype!r}"
+            )
         self.bucket_numel = bucket_numel
         self.overlap = bool(overlap)
+        # ``communication_data_type``: buckets are reduced in this dtype (None: the gradients')
+        self.comm_dtype = comm_dtype
         self.max_in_flight = max_in_flight
         self._grads: list[torch.Tensor] = []  # gradients of the bucket being filled
         self._filling = _Bucket()
@@ -121,8 +136,8 @@ class GradBucketReducer:
         self._filling, self._grads, self._filling_numel = _Bucket(), [], 0
         st0 = b.params[0].zero_state
         world = st0.world
-        dtype, device = grads[0].dtype, grads[0].device
-        buf = torch.empty(world, b.total, dtype=dtype, device=device)
+        dtype, device = self.comm_dtype or grads[0].dtype, grads[0].device
+        buf = torch.empty(world, b.total, dtype=dtype, device=device)  # copies below cast into it
         for p, off, g in zip(b.params, b.offsets, grads):
             sn = p.zero_state.shard_numel
             _copy_rows(buf[:, off : off + sn], g.reshape(-1), sn)

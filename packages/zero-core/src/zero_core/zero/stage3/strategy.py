@@ -13,8 +13,10 @@ See [Note: engine strategies] for the contract with the engine.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -76,6 +78,7 @@ class Stage3Strategy:
         optimizer_offload: Any = None,
         offload_ratio: float = 1.0,
         param_offload: Any = None,
+        comm_dtype: torch.dtype | None = None,
     ) -> None:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"Stage3Strategy: module must be a torch.nn.Module, got {type(module).__name__}")
@@ -119,7 +122,9 @@ class Stage3Strategy:
         )
         for po in self._param_offloads():
             po.follow(self.coordinator)  # read ahead in the recorded module order
-        self.reducer = GradBucketReducer(int(reduce_bucket_size), overlap=bool(overlap_comm))
+        self.reducer = GradBucketReducer(
+            int(reduce_bucket_size), overlap=bool(overlap_comm), comm_dtype=comm_dtype
+        )
         self.hooks = Stage3Hooks(
             module,
             self.coordinator,
@@ -500,7 +505,9 @@ class Stage3Strategy:
         """This rank's shard range of every parameter, master and optimizer state, from any layout (collective).
 
         Ranges are read in place, into the live shards, masters and optimizer states (see [Note:
-        loading into the live state] in checkpoint/inplace.py).
+        loading into the live state] in checkpoint/inplace.py); under an engine load those reads
+        complete in the reader's single pass (see [Note: single-pass load]), so what hands values
+        on (offload stores, the persistent parameters' gather) runs after it.
         """
         from zero_core.checkpoint.format import CheckpointError
         from zero_core.checkpoint.fragments import FP32, OPTIM_PREFIX, PARAM
@@ -509,6 +516,7 @@ class Stage3Strategy:
 
         check_names(reader, self.module, strict=strict)
         self.empty_partition_cache()
+        after: list[Callable[[], None]] = []  # uses of loaded values, once the single pass has read them
         for name, p in self.module.named_parameters():
             st = p.zero_state
             if not (reader.has(name, PARAM) or reader.has(name, FP32)):
@@ -524,7 +532,7 @@ class Stage3Strategy:
             if offloaded:
                 value = self._master_value(m).reshape(-1)  # a new tensor: the store keeps the master
                 reader.read_fp32_into(value[: hi - lo], name, lo)
-                self._set_master_value(m, value)
+                after.append(functools.partial(self._set_master_value, m, value))
             elif m is not None:
                 reader.read_fp32_into(m.detach().view(-1)[: hi - lo], name, lo)
             if m is None or not shares_shard(m, st):
@@ -534,7 +542,7 @@ class Stage3Strategy:
                     value = torch.empty(st.shard_numel, dtype=st.shard.dtype)
                     reader.read_module_value_into(value[: hi - lo], name, lo)
                     zero_uncovered(value, [(0, hi - lo)])
-                    write_shard(p, value)
+                    after.append(functools.partial(write_shard, p, value))
             if m is None or not load_optimizer_states or load_module_only:
                 continue
             live = {} if offloaded else self.optimizer.state.get(m, {})
@@ -550,7 +558,10 @@ class Stage3Strategy:
                 state[key] = buf.view(m.shape)
             if state:
                 if offloaded:
-                    self.offload.load_state(self.optimizer, m, state)
+                    after.append(functools.partial(self.offload.load_state, self.optimizer, m, state))
                 else:
                     self.optimizer.state[m] = state
+        reader.finish_single_pass()  # collective, as this whole load
+        for use in after:
+            use()
         self.refresh_persistent()
