@@ -14,7 +14,12 @@ runs in that thread): on a 2-core machine shared with other jobs (load average a
 time mostly measures how long the thread waited for a core. Timing is also paired: every rep runs
 plain, tool, plain, tool, ... (ABAB) and each tool's time is divided by the plain forward just
 before it, so slower drifts (cache pressure from other jobs) cancel; the table reports the median
-of those paired ratios and their interquartile range.
+of those paired ratios and their interquartile range. Reps go round-robin over the tools (rep 1
+of every tool, then rep 2 ...), so no tool is measured in a quieter stretch than another.
+
+"Floors" rows: the steady overhead of an empty TorchDispatchMode and an empty TorchFunctionMode
+(each just runs the function), measured the same way: what any profiler built on that mechanism
+pays before counting anything.
 
 Run (in a /tmp bench venv holding torch, deepspeed, fvcore, ptflops and zero-profiler):
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python tools/bench/bench_profiler.py --out tools/bench/results/bench_profiler.md
@@ -34,6 +39,8 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 clock = time.thread_time  # see the module docstring
 
@@ -84,6 +91,37 @@ def analytic(b, t, c, h, layers, vocab):
     softmax = layers * b * h * t * t
     elementwise = bt * c + layers * (5 * bt * c * 2 + bt * c * 2 + bt * 4 * c) + 5 * bt * c
     return mm + attn_mm, mm + attn_mm + softmax + elementwise
+
+
+class EmptyDispatchMode(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls):
+        return False  # no torch._disable_dynamo wrapper: the cheapest dispatch mode
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class EmptyFunctionMode(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def floor_starts():
+    """name -> start() returning stop(), for the empty modes (steady rows only)."""
+
+    def entering(mode_cls):
+        def start():
+            mode = mode_cls()
+            mode.__enter__()
+            return lambda: mode.__exit__(None, None, None)
+
+        return start
+
+    return {
+        "empty TorchDispatchMode (floor)": entering(EmptyDispatchMode),
+        "empty TorchFunctionMode (floor)": entering(EmptyFunctionMode),
+    }
 
 
 def make_tools(model, ids, plain, quiet):
@@ -204,12 +242,15 @@ def bench_config(name, reps, quiet):
             session[tool][0].append(t2 - t1)
             session[tool][1].append((t2 - t1) / (t1 - t0))
     # Steady state: the tool is running; alternate a forward outside it with one inside it.
-    steady = {}
-    for tool, (_, start) in tools.items():
-        if start is None:
-            continue
-        times, ratios = [], []
-        for _ in range(reps):
+    starts = {tool: start for tool, (_, start) in tools.items() if start is not None}
+    starts.update(floor_starts())
+    for start in starts.values():  # warm up
+        stop = start()
+        plain()
+        stop()
+    steady = {tool: ([], []) for tool in starts}
+    for _ in range(reps):
+        for tool, start in starts.items():
             t0 = clock()
             plain()
             t1 = clock()
@@ -218,9 +259,8 @@ def bench_config(name, reps, quiet):
             plain()
             t3 = clock()
             stop()
-            times.append(t3 - t2)
-            ratios.append((t3 - t2) / (t1 - t0))
-        steady[tool] = (times, ratios)
+            steady[tool][0].append(t3 - t2)
+            steady[tool][1].append((t3 - t2) / (t1 - t0))
     return dict(
         shape=(b, t, c, h, layers, vocab),
         truth=analytic(b, t, c, h, layers, vocab),
@@ -253,6 +293,11 @@ def table(res):
         cnt = res["counts"][tool]
         err = f"{100 * (cnt - full_truth) / full_truth:+.2f}% / {100 * (cnt - mm_truth) / mm_truth:+.2f}%"
         rows.append(f"| {tool} | {s_cell} | {st_cell} | {cnt / 1e9:.6f} G | {err} |")
+    for tool, (st, sr) in res["steady"].items():
+        if tool not in res["session"]:  # the floors: steady rows only
+            p1, p3 = quartiles(sr)
+            st_cell = f"{statistics.median(st) * 1e3:.2f} | {statistics.median(sr):.3f} ({p1:.3f}-{p3:.3f})"
+            rows.append(f"| {tool} | n/a | n/a | {st_cell} | n/a | n/a |")
     return "\n".join(rows)
 
 
@@ -264,6 +309,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     quiet = contextlib.redirect_stdout(io.StringIO())
+    load_start = " ".join(f"{x:.1f}" for x in os.getloadavg())
     t_start = time.perf_counter()
     results = {
         "small": bench_config("small", args.reps_small, quiet),
@@ -292,10 +338,7 @@ def main():
         except md.PackageNotFoundError:
             return "not installed"
 
-    try:
-        load = "load average at end: " + " ".join(f"{x:.1f}" for x in os.getloadavg())
-    except OSError:
-        load = "load average unknown"
+    load = f"load average at start: {load_start}, at end: " + " ".join(f"{x:.1f}" for x in os.getloadavg())
     parts = [
         f"""# bench_profiler: profiling overhead and FLOP accuracy, GPT forward
 
@@ -309,7 +352,9 @@ setup), as get_model_profile does. "steady": one forward while the tool is alrea
 Times are CPU time of the benchmark thread (time.thread_time; wall time on this shared machine
 mostly measures waiting for a core). Ratios are paired (each timed run divided by the plain
 forward run just before it, ABAB...): median and interquartile range of the ratios. ms columns are
-medians of the raw CPU times.
+medians of the raw CPU times. Reps go round-robin over the tools. "Floor" rows: the steady
+overhead of an empty TorchDispatchMode / TorchFunctionMode (each only runs the function), what a
+profiler built on that mechanism pays before counting anything.
 """
     ]
     for name, res in results.items():

@@ -35,6 +35,7 @@ def test_lifecycle_reset_and_strings():
     with pytest.raises(RuntimeError, match="start_profile"):
         prof.get_total_flops()
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert all("forward" not in m.__dict__ for m in model.modules())  # wrappers removed
 
 
 def test_print_model_profile_layout(capsys, tmp_path):
@@ -104,6 +105,7 @@ def test_profiler_validates():
 
 @pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace")
 def test_compiled_module_is_counted():
+    from zero_profiler.function_mode import FunctionCountingMode
     from zero_profiler.tracking import _DynamoSafeCountingMode
 
     expected = 2 * 2 * 8 * 16 + 2 * 16 + 2 * 2 * 16 * 4
@@ -114,13 +116,20 @@ def test_compiled_module_is_counted():
     prof = FlopsProfiler(model)
     prof.start_profile()
     compiled(x)
-    prof.stop_profile()
-    assert prof.get_total_flops() == expected
-    prof.end_profile()
-    # compiled before profiling: the profiler keeps Dynamo out of its mode
-    prof.start_profile()
-    assert isinstance(prof._tracker._mode, _DynamoSafeCountingMode)
     compiled(x)
     prof.stop_profile()
-    assert prof.get_total_flops() == expected
+    assert prof.get_total_flops() == 2 * expected
     prof.end_profile()
+    # compiled before profiling: Dynamo skips the profiler's frames, recompiles under its mode
+    for fast_path in (True, False):
+        prof = FlopsProfiler(model, fast_path=fast_path)
+        prof.start_profile()
+        mode = prof._tracker._mode
+        aten_mode = mode._aten_mode if fast_path else mode
+        assert isinstance(mode, FunctionCountingMode) == fast_path
+        assert isinstance(aten_mode, _DynamoSafeCountingMode)
+        compiled(x)
+        compiled(x)
+        prof.stop_profile()
+        assert prof.get_total_flops() == 2 * expected
+        prof.end_profile()

@@ -74,11 +74,25 @@ class FlopsProfiler:
             ``train_micro_batch_size_per_gpu()`` are used when present.
         recompute_fwd_factor: fraction of the forward recomputed in backward by activation
             checkpointing, used for the fwd+bwd estimate when no recomputation was observed.
+        fast_path: count known torch functions at function level and the rest at ATen level
+            (default; the same counts at a fraction of the cost). ``False`` counts every ATen
+            operator with a dispatch mode, which also sees operators run by C++ extensions
+            outside torch functions. See [Note: function-level fast path] in
+            :mod:`zero_profiler.function_mode`.
     """
 
-    def __init__(self, model: torch.nn.Module, ds_engine: Any = None, recompute_fwd_factor: float = 0.0):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        ds_engine: Any = None,
+        recompute_fwd_factor: float = 0.0,
+        *,
+        fast_path: bool = True,
+    ):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"FlopsProfiler: model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(fast_path, bool):
+            raise TypeError(f"FlopsProfiler: fast_path must be True or False, got {fast_path!r}")
         if isinstance(recompute_fwd_factor, bool) or not isinstance(recompute_fwd_factor, (int, float)):
             raise TypeError(
                 f"FlopsProfiler: recompute_fwd_factor must be a number, got {recompute_fwd_factor!r}"
@@ -91,6 +105,7 @@ class FlopsProfiler:
         self.ds_engine = ds_engine
         self.recompute_fwd_factor = float(recompute_fwd_factor)
         self.track_backward = ds_engine is not None
+        self.fast_path = fast_path
         self.step_latency: float | None = None  # set by callers that time the optimizer step
         self._tracker: ModuleTracker | None = None
         self.started = False
@@ -98,7 +113,7 @@ class FlopsProfiler:
     # -- lifecycle --------------------------------------------------------------------------------
 
     def start_profile(self, ignore_list: Sequence[type] | None = None) -> None:
-        """Start profiling: hook every module and start counting executed operators.
+        """Start profiling: bracket every module call and start counting executed operators.
 
         ``ignore_list``: module classes whose work is not counted at all: neither their forward
         nor (when backward is tracked) their backward, in their own profile, their parents' or
@@ -107,8 +122,10 @@ class FlopsProfiler:
         ignore = _ignore_types(ignore_list, "start_profile: ignore_list")
         if self.started:
             raise RuntimeError("start_profile: profiling already started; call end_profile() first")
-        self._tracker = ModuleTracker(self.model, ignore, track_backward=self.track_backward)
-        self._tracker.attach_hooks()
+        self._tracker = ModuleTracker(
+            self.model, ignore, track_backward=self.track_backward, fast_path=self.fast_path
+        )
+        self._tracker.attach()
         self._tracker.start_counting()
         self.started = True
 
@@ -116,15 +133,15 @@ class FlopsProfiler:
         """Stop counting and timing; the measured profile stays readable until ``end_profile``."""
         if self._tracker is not None:
             self._tracker.stop_counting()
-            self._tracker.detach_hooks()
+            self._tracker.detach()
 
     def reset_profile(self) -> None:
-        """Zero every counter (hooks stay as they are)."""
+        """Zero every counter (profiling goes on)."""
         if self._tracker is not None:
             self._tracker.reset()
 
     def end_profile(self) -> None:
-        """End profiling: stop, remove every hook and drop the measured profile."""
+        """End profiling: stop, restore every module's forward and drop the measured profile."""
         self.stop_profile()
         self._tracker = None
         self.started = False

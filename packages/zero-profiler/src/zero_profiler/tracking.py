@@ -1,19 +1,26 @@
 """Counting executed operators and attributing them to the modules that ran them.
 
 [Note: attribution by executed operator]
-FLOPs are counted by a ``TorchDispatchMode`` that sees every ATen operator after autograd and
+FLOPs are counted at the level of the ATen operators that execute, after autograd and
 Python-level decomposition, so ``F.linear``, ``x @ w``, ``torch.einsum`` and SDPA inside a module's
 ``forward`` are counted no matter how they were spelled, and nothing that did not execute is
-counted (unlike patching ``torch.nn.functional``, which misses ``@`` and tensor methods).
+counted (unlike patching ``torch.nn.functional``, which misses ``@`` and tensor methods). A
+``TorchDispatchMode`` (``_CountingMode``) sees every operator; by default most calls are counted
+one level up, by a ``TorchFunctionMode`` whose rules give the same count as the operators the
+function runs, and only calls without such a rule go through the dispatch mode: see [Note:
+function-level fast path] in :mod:`zero_profiler.function_mode`.
 
-Attribution is inclusive: while a module's ``forward`` runs it sits on ``fwd_stack``, and every
-counted operator is added to every module on the stack, so a parent's count is its children's
-plus its own functional calls. Totals are kept separately from per-module counts, so a module
-called twice is counted twice (the work ran twice) while a shared parameter is counted once.
+Attribution is inclusive: while a module's ``forward`` runs it has a frame of counters on the
+tracker's call stack (``_frames``); a counted operator is added to the innermost frame, and when
+a call ends its frame is added to its module's counters and to the caller's frame, so a parent's
+count is its children's plus its own functional calls (the same as adding every operator to
+every module on the stack, at a constant cost per operator). Totals are kept separately from per-module counts,
+so a module called twice is counted twice (the work ran twice) while a shared parameter is
+counted once.
 
 Each operator falls in one phase:
 
-* forward: a module is on ``fwd_stack`` and autograd is not executing a node;
+* forward: a module call is open (``_frames`` is not empty) and autograd is not executing a node;
 * recompute: autograd is executing a node *and* a module forward runs (activation
   checkpointing replays the forward inside backward);
 * backward: autograd is executing a node that a module's forward created (modules whose
@@ -34,9 +41,9 @@ after running, and only counted operators touch the tracker.
 TorchDispatchMode wraps ``__torch_dispatch__`` in ``torch._disable_dynamo`` so that Dynamo never
 traces into a mode; the wrapper costs about 2.5 us per operator here. When nothing has been
 compiled in the process (``torch._dynamo`` counts no compiled frame) when profiling starts, the
-profiler uses the unwrapped mode; otherwise ``_DynamoSafeCountingMode``, the wrapped one. A
-model first compiled while profiling is still counted exactly: Dynamo breaks the graph at the
-mode and runs it eagerly (test_compiled_module_is_counted covers both cases).
+profiler uses the unwrapped mode; otherwise ``_DynamoSafeCountingMode``, the wrapped one (also
+as the ATen-level half of the fast path). A model compiled before or while profiling is still
+counted exactly: see [Note: profiling compiled models] in :mod:`zero_profiler.dynamo_guard`.
 Measured by ``tools/bench/bench_profiler.py`` ("tiny" rows: per-operator cost dominates).
 """
 
@@ -45,19 +52,24 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
+from time import perf_counter
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zero_profiler.autograd_attribution import IGNORED, GraphClaims
+from zero_profiler.dynamo_guard import keep_dynamo_out
 from zero_profiler.flop_formulas import FORMULAS
+from zero_profiler.function_mode import FunctionCountingMode
+from zero_profiler.module_calls import unwrap_forwards, wrap_forwards
+from zero_profiler.module_formulas import AT_ATEN_LEVEL
 
 _current_autograd_node = torch._C._current_autograd_node
 _WARMED_UP: list[bool] = []  # non-empty once a counting mode has dispatched an operator
 
 
-@dataclass
+@dataclass(slots=True)  # slots: these counters are updated on every module call
 class ModuleStats:
     """Counters of one module, accumulated over every call while profiling."""
 
@@ -71,7 +83,7 @@ class ModuleStats:
     calls: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class Totals:
     """Whole-model counters; ``outside_*`` is work seen while profiling but not in the model."""
 
@@ -85,8 +97,14 @@ class Totals:
     outside_macs: int = 0
     bwd_first_op: float | None = None
     bwd_last_op: float | None = None
-    # FLOPs per ATen overload packet, over every phase (outside included, ignored modules not).
-    by_op: dict[Any, int] = field(default_factory=dict)
+    # FLOPs per ATen overload packet, over every phase (outside included, ignored modules not),
+    # kept as id(packet) -> [packet, flops]: OpOverloadPacket hashes in Python, too slow per op.
+    op_flops: dict[int, list] = field(default_factory=dict)
+
+    @property
+    def by_op(self) -> dict[Any, int]:
+        """FLOPs per ATen overload packet (``torch.ops.aten.mm`` ...)."""
+        return {packet: flops for packet, flops in self.op_flops.values()}
 
 
 class _CountingMode(TorchDispatchMode):
@@ -140,6 +158,17 @@ class _DynamoSafeCountingMode(_CountingMode):
     __torch_dispatch__ = _CountingMode.__torch_dispatch__  # wrapped by __init_subclass__
 
 
+class _WarmUpMode(TorchDispatchMode):
+    """An empty dispatch mode, to pay the process's one-time Python-mode setup cost up front."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
 def _dynamo_has_compiled() -> bool:
     """Whether torch.compile has compiled any frame in this process (without importing dynamo)."""
     if "torch._dynamo" not in sys.modules:
@@ -149,20 +178,26 @@ def _dynamo_has_compiled() -> bool:
 
 
 class ModuleTracker:
-    """Hooks on every module of ``model`` plus the dispatch mode that counts operators."""
+    """Brackets every module call of ``model`` and runs the mode that counts operators."""
 
-    def __init__(self, model: torch.nn.Module, ignore_types: tuple[type, ...] = (), track_backward=False):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        ignore_types: tuple[type, ...] = (),
+        track_backward: bool = False,
+        fast_path: bool = True,
+    ):
         self.model = model
         self.ignore_types = ignore_types
         self.track_backward = track_backward
+        self.fast_path = fast_path  # See [Note: function-level fast path]
         self.stats: dict[torch.nn.Module, ModuleStats] = {}
         self.totals = Totals()
-        self.fwd_stack: list[torch.nn.Module] = []
         self.claims = GraphClaims()
-        self._starts: list[tuple[float, bool]] = []
+        self._frames: list[list] = []  # one per open module call, innermost last (see begin_call)
         self._suppress = 0
-        self._handles: list[Any] = []
-        self._mode: _CountingMode | None = None
+        self._installed: list[Any] = []  # see module_calls.wrap_forwards
+        self._mode: _CountingMode | FunctionCountingMode | None = None
         self.reset()
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -171,24 +206,17 @@ class ModuleTracker:
         self.stats = {m: ModuleStats() for m in self.model.modules()}
         self.totals = Totals()
         self.claims.clear()
+        for frame in self._frames:  # calls still running count only what follows the reset
+            frame[0] = frame[1] = frame[2] = frame[3] = 0
 
-    def attach_hooks(self) -> None:
-        if self._handles:
-            return
-        for module in self.model.modules():
-            if self.ignore_types and isinstance(module, self.ignore_types):
-                pre, post = self._ignored_pre, self._ignored_post
-            else:
-                pre, post = self._pre, self._post
-            self._handles.append(module.register_forward_pre_hook(pre))
-            # always_call: a forward that raises (non-reentrant checkpointing stops its replay
-            # early by raising) must still leave the stack.
-            self._handles.append(module.register_forward_hook(post, always_call=True))
+    def attach(self) -> None:
+        """Bracket every module call: see [Note: module calls by forward wrappers]."""
+        if not self._installed:
+            self._installed = wrap_forwards(self.model, self, self.ignore_types)
 
-    def detach_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+    def detach(self) -> None:
+        unwrap_forwards(self._installed)
+        self._installed = []
 
     def start_counting(self) -> None:
         if self._mode is None:
@@ -197,14 +225,16 @@ class ModuleTracker:
                     "FlopsProfiler: start_profile was called inside torch.compile; profile the model "
                     "outside the compiled region"
                 )
-            mode_cls = _DynamoSafeCountingMode if _dynamo_has_compiled() else _CountingMode
-            self._mode = mode_cls(self)
-            self._mode.__enter__()
             if not _WARMED_UP:
                 # The first operator dispatched to a Python mode in a process pays a one-time
                 # setup cost (~1 s); pay it here, outside any module, so it is not billed as latency.
-                torch.zeros(1).add_(1)
+                with _WarmUpMode():
+                    torch.zeros(1).add_(1)
                 _WARMED_UP.append(True)
+            keep_dynamo_out()  # See [Note: profiling compiled models]
+            aten_mode = _DynamoSafeCountingMode(self) if _dynamo_has_compiled() else _CountingMode(self)
+            self._mode = FunctionCountingMode(self, aten_mode) if self.fast_path else aten_mode
+            self._mode.__enter__()
 
     def stop_counting(self) -> None:
         if self._mode is not None:
@@ -225,28 +255,26 @@ class ModuleTracker:
         totals.bwd_last_op = now
 
     def record(self, flops: int, macs: int, packet: Any = None) -> None:
-        """Credit one operator's cost to the current phase and modules."""
+        """Credit one operator's cost to the current phase and module call (its innermost frame)."""
         if self._suppress:
             return
         totals = self.totals
         if _current_autograd_node() is None:
-            if self.fwd_stack:
+            if self._frames:
+                frame = self._frames[-1]
+                frame[0] += flops
+                frame[1] += macs
                 totals.fwd_flops += flops
                 totals.fwd_macs += macs
-                for module in self.fwd_stack:
-                    s = self.stats[module]
-                    s.fwd_flops += flops
-                    s.fwd_macs += macs
             else:
                 totals.outside_flops += flops
                 totals.outside_macs += macs
-        elif self.fwd_stack:  # a forward replayed inside backward
+        elif self._frames:  # a forward replayed inside backward
+            frame = self._frames[-1]
+            frame[2] += flops
+            frame[3] += macs
             totals.recompute_flops += flops
             totals.recompute_macs += macs
-            for module in self.fwd_stack:
-                s = self.stats[module]
-                s.recompute_flops += flops
-                s.recompute_macs += macs
         else:
             stack = self.claims.stack_of_current_node()
             if stack is None:
@@ -261,44 +289,109 @@ class ModuleTracker:
                     s = self.stats[module]
                     s.bwd_flops += flops
                     s.bwd_macs += macs
-        totals.by_op[packet] = totals.by_op.get(packet, 0) + flops
+        entry = totals.op_flops.get(id(packet))
+        if entry is None:
+            totals.op_flops[id(packet)] = [packet, flops]
+        else:
+            entry[1] += flops
 
-    # -- forward hooks ----------------------------------------------------------------------------
+    # -- module calls (run by module_calls.TrackedForward) -----------------------------------------
 
-    def _ignored_pre(self, module, args):
+    # A frame: [fwd_flops, fwd_macs, recompute_flops, recompute_macs, module, replayed in backward,
+    # start time, callable to run, leaf cost (mode stepped aside) or None, forward finished].
+    # See [Note: module calls by forward wrappers] for why a call is begin + run + end.
+
+    def begin_ignored(
+        self, module: torch.nn.Module, leaf: Any, forward: Any, args: tuple, kwargs: dict
+    ) -> list:
+        """Start an ignored module's call: nothing in it is counted, forward or backward."""
         self._suppress += 1
         if self.track_backward:
             self.claims.enter()
+        return [0, 0, 0, 0, module, False, 0.0, forward, None, False]
 
-    def _ignored_post(self, module, args, output):
+    def end_ignored(self, frame: list) -> None:
         if self.track_backward:
             self.claims.exit(IGNORED)
         self._suppress -= 1
 
-    def _pre(self, module, args):
-        if module not in self.stats:  # a module added to the model after profiling started
-            self.stats[module] = ModuleStats()
-        self.fwd_stack.append(module)
-        self._starts.append((time.perf_counter(), _current_autograd_node() is not None))
+    @property
+    def fwd_stack(self) -> list[torch.nn.Module]:
+        """The modules whose forward is running, outermost first."""
+        return [frame[4] for frame in self._frames]
+
+    def begin_call(self, module: torch.nn.Module, leaf: Any, forward: Any, args: tuple, kwargs: dict) -> list:
+        """Open a module call's frame; returns it, with what to run in slot 7.
+
+        ``leaf``: the module's rule from :mod:`zero_profiler.module_formulas` (or None); when it
+        applies, the function mode is stepped aside and the cost waits in slot 8 for
+        :meth:`end_call` (see [Note: leaf modules]).
+        """
         if self.track_backward:
             self.claims.enter()
+        frame = [0, 0, 0, 0, module, _current_autograd_node() is not None, 0.0, forward, None, False]
+        self._frames.append(frame)
+        if leaf is not None:
+            mode = self._mode
+            if mode.__class__ is FunctionCountingMode:
+                if leaf is AT_ATEN_LEVEL:
+                    frame[7] = lambda *a, **kw: mode.run_at_aten_level(forward, a, kw)
+                elif len(args) == 1 and not kwargs:
+                    frame[8] = self._leaf_cost(mode, leaf, module, args[0])
+        frame[6] = perf_counter()
+        return frame
 
-    def _post(self, module, args, output):
-        start, replay = self._starts.pop()
+    def end_call(self, frame: list) -> None:
+        """Close the innermost call (also when its forward raised: non-reentrant checkpointing
+        stops its replay early by raising) and credit its frame."""
+        end = perf_counter()
+        cost = frame[8]
+        if cost is not None:
+            self._mode.step_back()
+            if frame[9] and (cost[0] or cost[1]):
+                self.record(*cost)  # into this frame, still innermost
+        fwd_flops, fwd_macs, rec_flops, rec_macs, module, replay, start, _, _, _ = frame
         if self.track_backward:
-            self.claims.exit(self._claim_stack(replay))
-        self.fwd_stack.pop()
-        if replay:
-            return
-        stats = self.stats[module]
-        stats.fwd_duration += time.perf_counter() - start
-        stats.calls += 1
+            self.claims.exit(self._claim_stack(replay))  # the stack still holds this call
+        frames = self._frames
+        frames.pop()
+        stats = self.stats.get(module)
+        if stats is None:  # a module added to the model after profiling started
+            stats = self.stats[module] = ModuleStats()
+        if fwd_flops or fwd_macs or rec_flops or rec_macs:
+            stats.fwd_flops += fwd_flops
+            stats.fwd_macs += fwd_macs
+            stats.recompute_flops += rec_flops
+            stats.recompute_macs += rec_macs
+            if frames:  # the caller's count includes this call's
+                parent = frames[-1]
+                parent[0] += fwd_flops
+                parent[1] += fwd_macs
+                parent[2] += rec_flops
+                parent[3] += rec_macs
+        if not replay:
+            stats.fwd_duration += end - start
+            stats.calls += 1
+
+    def _leaf_cost(self, mode: FunctionCountingMode, leaf: Any, module: torch.nn.Module, x: Any) -> Any:
+        """The leaf rule's cost, leaving the function mode stepped aside; None (and the mode in
+        place) when either declines. The rule runs with the mode aside: its own tensor queries
+        must not go through the mode."""
+        if torch._C._are_functorch_transforms_active() or not mode.step_aside():
+            return None  # under vmap & co. the rules would see per-example shapes
+        try:
+            cost = leaf(module, x)
+        except Exception:  # not an input the rule understands: the forward raises its own error
+            cost = None
+        if cost is None:
+            mode.step_back()
+        return cost
 
     def _claim_stack(self, replay: bool) -> tuple:
         """The modules a call's backward is credited to: the forward stack, this module included."""
         if self._suppress:
             return IGNORED  # inside an ignored module
-        stack = tuple(self.fwd_stack)
+        stack = tuple(frame[4] for frame in self._frames)
         if replay:
             # A forward replayed in backward (reentrant checkpointing backpropagates through the
             # replay): its ancestors are those of the node being run, not the (empty) stack.
