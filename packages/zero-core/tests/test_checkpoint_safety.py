@@ -183,8 +183,9 @@ def _load_error(tmp: str) -> str:
 
 
 def test_engine_load_names_a_corrupted_file_on_every_rank(saved, tmp_path):
-    # every rank checksums each file it reads from (see [Note: shared verification]): at
-    # stage 2 both ranks load the whole module, so both read rank_00001 and find the flip
+    # each file is checksummed by exactly one rank, its verifier (see [Note: shared verification]):
+    # rank 1 verifies rank_00001 and finds the flip; rank 0, which reads only its module-weight
+    # ranges of that file at stage 2, learns it through the all-reduce and names the file too
     d = _copy(saved, str(tmp_path / "flip"))
     path = os.path.join(d, "t", "rank_00001.safetensors")
     with open(path, "r+b") as f:
@@ -194,8 +195,8 @@ def test_engine_load_names_a_corrupted_file_on_every_rank(saved, tmp_path):
         f.write(bytes([b[0] ^ 0x01]))
     e0, e1 = run_multirank(_load_error, 2, args=(d,))
     assert "rank_00001.safetensors fails its checksum" in e1, e1
-    assert "rank_00001.safetensors fails its checksum" in e0, e0
-    (e,) = run_multirank(_load_error, 1, args=(d,))
+    assert "rank_00001.safetensors failed verification on another rank" in e0, e0
+    (e,) = run_multirank(_load_error, 1, args=(d,))  # one process verifies every file
     assert "rank_00001.safetensors fails its checksum" in e, e
 
 

@@ -159,9 +159,9 @@ class CheckpointReader:
 
     Rank tensor files are opened lazily and their checksum verified the first time they are
     needed, so a rank reads (and verifies) only the files holding ranges it loads. An engine
-    load instead reads each file it touches once, verifying it as it goes (see [Note:
-    single-pass load] in ``single_pass.py``): :meth:`begin_single_pass`, the loads, then
-    :meth:`finish_single_pass`.
+    load instead reads each file once: whole and checksummed as it goes on the one rank that
+    verifies it, only the needed ranges elsewhere (see [Note: single-pass load] in
+    ``single_pass.py``): :meth:`begin_single_pass`, the loads, then :meth:`finish_single_pass`.
     """
 
     def __init__(self, tag_dir: str, rank_tables: list[dict[str, Any]]) -> None:
@@ -259,7 +259,7 @@ class CheckpointReader:
         self._group = group
 
     def finish_single_pass(self) -> None:
-        """Read every file touched since :meth:`begin_single_pass` once, filling the deferred reads.
+        """Fill the reads deferred since :meth:`begin_single_pass`, verifying this rank's share of the files.
 
         Collective over the group when single-pass mode is on: every rank raises a
         :class:`CheckpointError` naming the lowest-numbered file that failed on any rank. The

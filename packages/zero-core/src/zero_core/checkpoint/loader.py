@@ -163,12 +163,13 @@ def load_checkpoint(
     file exists with its recorded size, so a missing, truncated or padded file fails the
     load with the live state untouched. The tensor files' checksums are verified in the
     same pass that copies their bytes into place (see [Note: single-pass load] in
-    ``single_pass.py``): each rank fully reads and checksums every file it touches (ranges
-    it does not need go to a scratch buffer), and one all-reduce in ``finish_single_pass``
-    gives every rank the lowest-numbered bad file, so all of them raise an error naming it;
-    a rank that did not read that file says another rank found it bad. (Formerly the ranks split the
-    files between them and verified them completely before anything was copied: one disk
-    pass, but the copies had to wait for it, so a cold load cost disk time plus copy time.)
+    ``single_pass.py``): each file is read whole and checksummed by exactly one loading rank
+    (saved rank f's by rank ``f % M``), the other ranks read only their ranges of it, and one
+    all-reduce in ``finish_single_pass`` gives every rank the lowest-numbered bad file, so all
+    of them raise an error naming it; a rank that did not verify that file says another rank
+    found it bad. (Before the single pass the ranks also split the files between them, but
+    verified them completely before anything was copied: one disk pass, but the copies had to
+    wait for it, so a cold load cost disk time plus copy time.)
     A file that fails after bytes were copied leaves the engine refusing to train or save
     until a load succeeds.
     """
