@@ -3,15 +3,19 @@
 One launch per pipeline depth p runs every schedule on the same model (``LAYERS`` blocks of
 Linear(DIM, DIM) + tanh, split evenly over the p stages, or over 2p chunks for interleaving),
 interleaving the repetitions of all schedules so that load from other jobs on the machine hits
-them alike. Each rank is pinned to one core (``rank % ncpu``): with p=2 every stage owns a core,
-with p=4 two stages share one (oversubscribed: wall-clock idle there is not a pipeline bubble,
-a stage that waits hands its core to its neighbour).
+them alike. zero_pipe runs textbook 1F1B, 1F1B with ``pipeline.lookahead = 1`` (see [Note: 1F1B
+lookahead] in ``zero_pipe/schedule.py``) and the interleaved schedule. Each rank is pinned to one
+core (see ``_core_of``): with p=2 every stage owns a core, with p=4 two stages share one
+(oversubscribed: wall-clock idle there is not a pipeline bubble, a stage that waits hands its
+core to its neighbour).
 
 Per batch and stage: busy = wall time inside forward/backward compute (perf_counter around the
 compute of each instruction; for torch.distributed.pipelining, around its stage's
 ``forward_maybe_with_nosync``/``backward_maybe_with_nosync``), span = first compute start to last
 compute end over all stages, idle = 1 - busy / span, averaged over stages. Thread CPU time over
-the same compute spans gives the share of compute wall time stolen by other processes.
+the same compute spans gives the share of compute wall time stolen by other processes (steal),
+and the idle by CPU time (a stage is busy only while it runs on a core), whose floor with p ranks
+on n < p cores is 1 - n/p: the time-sharing table says what the machine allows.
 
 Three references for the idle fraction:
 - formula: (p-1)/(c*m+p-1) (equal-cost slots, c chunks per stage);
@@ -30,6 +34,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 
 import torch
@@ -68,6 +73,16 @@ def _gpipe_schedule_cls():
 
 
 # -- ranks ---------------------------------------------------------------------------------
+def _core_of(rank: int, p: int, cores: list[int]) -> int:
+    """The core rank ``rank`` of ``p`` runs on: its own while p <= cores; otherwise stage s shares
+    with stage p-1-s, whose busy periods complement its own (the first stages compute most in the
+    warm-up, the last ones in the drain). Time-shared replays of 1F1B (F=1, B=2, p=4 on 2 cores)
+    give spans of 28 (m=4) and 52 (m=8) units with this pairing against 32 and 56 with r % 2."""
+    if p <= len(cores):
+        return cores[rank]
+    return cores[min(rank, p - 1 - rank) % len(cores)]
+
+
 def _spanned(fn, kind, chunk, sink):
     def wrapper(*args, **kwargs):
         start, cpu = time.perf_counter(), time.thread_time()
@@ -83,14 +98,13 @@ def _bench_rank(p, ms, reps, warmup, dim, mb, layers):
     from zero_pipe import LayerSpec, PipelineEngine, PipelineModule
 
     rank = torch.distributed.get_rank()
-    ncpu = len(os.sched_getaffinity(0))
-    cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cores[rank % ncpu]})
+    core = _core_of(rank, p, sorted(os.sched_getaffinity(0)))
+    os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)
     torch.manual_seed(0)
 
     runners = []  # (name, m, run(batch_data) -> spans)
-    for chunks in (1, 2):
+    for chunks, lookahead in ((1, 0), (1, 1), (2, 0)):
         model = PipelineModule(
             [LayerSpec(Block, dim) for _ in range(layers)],
             num_stages=p,
@@ -101,9 +115,14 @@ def _bench_rank(p, ms, reps, warmup, dim, mb, layers):
         engine = PipelineEngine(
             model,
             torch.optim.SGD(model.parameters(), lr=1e-4),
-            {"train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": ms[0]},
+            {
+                "train_micro_batch_size_per_gpu": mb,
+                "gradient_accumulation_steps": ms[0],
+                "pipeline": {"lookahead": lookahead},
+            },
         )
-        name = "zero_pipe 1F1B" if chunks == 1 else "zero_pipe interleaved (2 chunks)"
+        name = "zero_pipe interleaved (2 chunks)" if chunks > 1 else "zero_pipe 1F1B"
+        name += f" (lookahead {lookahead})" if lookahead else ""
         for m in ms:
 
             def run(data, engine=engine, m=m):
@@ -154,7 +173,7 @@ def _bench_rank(p, ms, reps, warmup, dim, mb, layers):
             t1, c1 = time.perf_counter(), time.process_time()
             if rep >= warmup:
                 results[(name, m)].append({"t0": t0, "t1": t1, "cpu": c1 - c0, "spans": spans})
-    return results, loads, cores[rank % ncpu]
+    return results, loads, core
 
 
 # -- analysis ------------------------------------------------------------------------------
@@ -165,6 +184,8 @@ def _sim_cls(name):
         return _gpipe_schedule_cls(), {}
     if "nterleaved" in name:
         return InterleavedTrainSchedule, {"chunks": 2}
+    if "lookahead" in name:
+        return TrainSchedule, {"lookahead": int(name.split("lookahead ")[1].rstrip(")"))}
     return TrainSchedule, {}
 
 
@@ -180,13 +201,16 @@ def _stream_kinds(cls, kw, m, p, s):
     ]
 
 
-def _analyse(name, m, p, batches):
+def _analyse(name, m, p, batches, ncores, pinning):
     from zero_pipe.simulator import simulate
+    from zero_pipe.timeshare import replay_timeshared
 
     cls, kw = _sim_cls(name)
+    timeline = cls(m, p, 0, **kw).timeline
     chunks = kw.get("chunks", 1)
     kinds = [_stream_kinds(cls, kw, m, p, s) for s in range(p)]
     idles, replays, walls, steal_num, steal_den, waits = [], [], [], 0.0, 0.0, []
+    cpu_idles, cpu_replays, core_use, others, shared = [], [], [], [], []
     f_times = [[] for _ in range(p)]
     b_times = [[] for _ in range(p)]
     replay_ok = True
@@ -196,9 +220,20 @@ def _analyse(name, m, p, batches):
         t1 = max(s[3] for c in compute for s in c)
         busy = [sum(s[3] - s[2] for s in c) for c in compute]
         idles.append(statistics.fmean(1 - x / (t1 - t0) for x in busy))
-        walls.append(max(r["t1"] for r in b) - min(r["t0"] for r in b))
-        waits.append(
-            statistics.fmean(sum(s[3] - s[2] for s in r["spans"] if s[0] == "W") for r in b) / (t1 - t0)
+        cpu_idles.append(statistics.fmean(1 - sum(s[4] for s in c) / (t1 - t0) for c in compute))
+        wall = max(r["t1"] for r in b) - min(r["t0"] for r in b)
+        walls.append(wall)
+        core_use.append(sum(r["cpu"] for r in b) / (min(p, ncores) * wall))
+        # Receive waits, and time neither computing nor waiting, inside each stage's own window
+        # (its first compute start to its last compute end: the drain after it is bubble, not overhead).
+        windows = [(c[0][2], c[-1][3]) for c in compute]
+        wait = [
+            sum(max(0.0, min(s[3], hi) - max(s[2], lo)) for s in r["spans"] if s[0] == "W")
+            for r, (lo, hi) in zip(b, windows)
+        ]
+        waits.append(statistics.fmean(wait) / (t1 - t0))
+        others.append(
+            statistics.fmean((hi - lo - x - w) / (t1 - t0) for (lo, hi), x, w in zip(windows, busy, wait))
         )
         for st, c in enumerate(compute):
             for s in c:
@@ -206,10 +241,13 @@ def _analyse(name, m, p, batches):
                 steal_num += (s[3] - s[2]) - s[4]
                 steal_den += s[3] - s[2]
         if [[(s[0], s[1]) for s in c] for c in compute] == kinds:
-            res = simulate(
-                cls, m, p, eager_sends=True, op_costs=[[s[3] - s[2] for s in c] for c in compute], **kw
+            wall_costs = [[s[3] - s[2] for s in c] for c in compute]
+            cpu_costs = [[s[4] for s in c] for c in compute]
+            replays.append(simulate(cls, m, p, eager_sends=True, op_costs=wall_costs, **kw).bubble_fraction)
+            cpu_replays.append(
+                simulate(cls, m, p, eager_sends=True, op_costs=cpu_costs, **kw).bubble_fraction
             )
-            replays.append(res.bubble_fraction)
+            shared.append(replay_timeshared(timeline, cpu_costs, pinning).idle_wall)
         else:
             replay_ok = False
     # Cost-aware: per-stage median forward/backward time (chunks of a stage are equal in size).
@@ -222,9 +260,15 @@ def _analyse(name, m, p, batches):
         "formula": (p - 1) / (chunks * m + p - 1),
         "cost_aware": cost_aware,
         "replay": replays if replay_ok else None,
+        "cpu_replay": cpu_replays if replay_ok else None,
+        "shared": shared if replay_ok else None,
         "wall": walls,
         "steal": steal_num / steal_den,
         "wait": statistics.median(waits),
+        "other": statistics.median(others),
+        "cpu_idle": cpu_idles,
+        "floor": 1 - min(p, ncores) / p,
+        "core_use": core_use,
         "f_ms": [1e3 * x for x in med_f],
         "b_ms": [1e3 * x for x in med_b],
         "messages": 2 * m * (chunks * p - 1),
@@ -242,7 +286,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "bench_pipe.md"))
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8])
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=10, help="measured batches per row (shared machine: medians)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--dim", type=int, default=1024)
     ap.add_argument("--mb", type=int, default=128, help="micro-batch size (samples)")
@@ -251,6 +295,7 @@ def main() -> None:
     for p in args.stages:
         if args.layers % (2 * p):
             raise SystemExit(f"--layers must be a multiple of 2 * stages ({2 * p}) for interleaving")
+    ncores = len(os.sched_getaffinity(0))
     started = time.perf_counter()
     load_before = os.getloadavg()
     rows, loads = [], []
@@ -265,9 +310,10 @@ def main() -> None:
         pinning = [r[2] for r in res]
         for name, m in res[0][0]:
             batches = list(zip(*[r[0][(name, m)] for r in res]))
-            a = _analyse(name, m, p, batches)
+            a = _analyse(name, m, p, batches, ncores, pinning)
             rows.append((p, m, name, a, pinning))
-            print(p, m, name, {k: v for k, v in a.items() if k not in ("idle", "wall", "replay")}, flush=True)
+            lists = ("idle", "wall", "replay", "cpu_replay", "shared", "cpu_idle", "core_use")
+            print(p, m, name, {k: v for k, v in a.items() if k not in lists}, flush=True)
     elapsed = time.perf_counter() - started
     _write(args, rows, loads, load_before, os.getloadavg(), elapsed)
 
@@ -287,7 +333,10 @@ def _write(args, rows, loads, load_before, load_after, elapsed):
     cpu = next(
         (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?"
     )
-    cmd = "OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_pipe.py"
+    argv = " ".join(sys.argv[1:])
+    pins = ", ".join(f"{pin} (p={p})" for p, pin in {r[0]: r[4] for r in rows}.items())
+    cmd = f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')} .venv/bin/python tools/bench/bench_pipe.py"
+    cmd += f" {argv}" if argv else ""
     lines = [
         "# bench_pipe: pipeline bubble and throughput",
         "",
@@ -298,32 +347,68 @@ def _write(args, rows, loads, load_before, load_after, elapsed):
         f"- load average (1 min) before {load_before[0]:.1f}, after {load_after[0]:.1f}; sampled before every "
         f"batch: median {statistics.median(loads):.1f} [{min(loads):.1f}, {max(loads):.1f}] on {os.cpu_count()} cores",
         f"- model: {args.layers} x (Linear({args.dim},{args.dim}) + tanh) split over the stages (or 2 chunks per "
-        f"stage), micro batch {args.mb}, fp32, gloo, one thread per rank, rank r pinned to core r % nproc; "
+        f"stage), micro batch {args.mb}, fp32, gloo, one thread per rank, ranks 0..p-1 pinned to "
+        f"cores {pins}; "
         f"{args.reps} measured batches per row after {args.warmup} warm-up, repetitions interleaved across rows; "
         "medians [min, max] over batches",
         "- idle = mean over stages of 1 - busy / span (busy: wall time inside forward/backward compute; span: first "
         "compute start to last compute end over all stages). formula = (p-1)/(c m + p-1); cost-aware = simulated "
         "schedule with the per-stage median F/B times; replay = simulated schedule with every measured F/B duration "
         "of the batch (n/a: the library's compute order differs from the simulated one); steal = share of compute "
-        "wall time the thread was off-CPU; wait = mean share of the span a stage spent blocked on a receive",
+        "wall time the thread was off-CPU; wait = mean share of the span a stage spent blocked on a receive "
+        "between its own first and last computation; other = mean share of the span a stage spent in that "
+        "window neither computing nor waiting (sends, Python, loading micro-batches); "
+        "target = |measured - formula| <= 5 points",
         "",
         "| p | m | schedule | s/batch | samples/s | idle measured | formula | cost-aware | replay | measured - "
-        "formula (pts) | measured - replay (pts) | steal | wait |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "formula (pts) | target | measured - replay (pts) | steal | wait | other |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    ours = ("zero_pipe",)
     for p, m, name, a, _pin in rows:
         wall = statistics.median(a["wall"])
         idle = statistics.median(a["idle"])
         replay = a["replay"]
+        gap = (idle - a["formula"]) * 100
         lines.append(
             f"| {p} | {m} | {name} | {_fmt_spread(a['wall'])} | {args.mb * m / wall:.0f} | {_fmt_spread(a['idle'])} | "
             f"{a['formula']:.3f} | {a['cost_aware']:.3f} | "
             + (f"{statistics.median(replay):.3f}" if replay else "n/a")
-            + f" | {(idle - a['formula']) * 100:+.1f} | "
+            + f" | {gap:+.1f} | {'met' if abs(gap) <= 5 else 'not met'} | "
             + (f"{(idle - statistics.median(replay)) * 100:+.1f}" if replay else "n/a")
             + f" | {a['steal'] * 100:.0f}% | "
-            + (f"{a['wait'] * 100:.0f}%" if name.startswith("zero_pipe") else "n/a")
+            + (f"{a['wait'] * 100:.0f}% | {a['other'] * 100:.1f}%" if name.startswith(ours) else "n/a | n/a")
             + " |"
+        )
+    lines += [
+        "",
+        "Time-sharing view (what the cores allow). idle by CPU time = mean over stages of 1 - (thread CPU time inside "
+        "forward/backward) / span: a stage counts as busy only while it runs on a core. With p ranks on "
+        "n = min(p, cores) cores at most n stages compute at once, so this idle cannot go below the floor "
+        "1 - n/p (0 for p <= cores). replay (CPU costs) = the schedule simulated with every computation's CPU "
+        "time: the idle p dedicated cores would give for the same compute. time-shared replay = the same "
+        "computations replayed on this run's cores (the pinning above), each core split among the stages "
+        "computing on it (zero_pipe.timeshare, [Note: time-shared replay]), idle measured by wall time like the "
+        "measurement: what this machine allows with no runtime overhead. core use = CPU time of all rank processes "
+        "(every thread, gloo's included) / (n x wall time of the batch).",
+        "",
+        "| p | m | schedule | idle measured (wall) | time-shared replay (wall) | measured - time-shared (pts) | "
+        "idle by CPU time | floor 1 - n/p | replay (CPU costs) | core use |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p, m, name, a, _pin in rows:
+        cpu_replay, ts = a["cpu_replay"], a["shared"]
+        idle = statistics.median(a["idle"])
+        lines.append(
+            f"| {p} | {m} | {name} | {idle:.3f} | "
+            + (
+                f"{statistics.median(ts):.3f} | {(idle - statistics.median(ts)) * 100:+.1f}"
+                if ts
+                else "n/a | n/a"
+            )
+            + f" | {_fmt_spread(a['cpu_idle'])} | {a['floor']:.3f} | "
+            + (f"{statistics.median(cpu_replay):.3f}" if cpu_replay else "n/a")
+            + f" | {statistics.median(a['core_use']) * 100:.0f}% |"
         )
     lines += [
         "",

@@ -151,3 +151,21 @@ def test_inspect_and_clone_helpers(trained):
     assert type(out) is collections.OrderedDict and out["c"] == "x" and out["b"][1][1] == 3
     assert torch.equal(out["a"], base[2:4]) and out["a"].untyped_storage().nbytes() == 8
     assert out["a"].data_ptr() != base[2:4].data_ptr()
+
+
+def test_script_next_to_latest_runs_like_deepspeeds(trained, tmp_path):
+    # DeepSpeed users run `python zero_to_fp32.py . pytorch_model.bin` from the save directory.
+    ckpt, expected = trained
+    assert os.path.isfile(os.path.join(ckpt, "zero_to_fp32.py"))
+    out = tmp_path / "model.safetensors"
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", _STANDALONE, "zero_to_fp32.py", ".", str(out), "-q"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ckpt,
+    )
+    assert done.returncode == 0, done.stderr
+    merged = load_file(str(out))
+    assert set(merged) == set(expected)
+    assert all(torch.equal(merged[k], v) for k, v in expected.items())

@@ -51,7 +51,7 @@ def my_micro_batches(data, micro_batches, dp, dp_rank, batch):
     return chunk[dp_rank * micro_batches : (dp_rank + 1) * micro_batches]
 
 
-def _train_rank(num_stages, micro_batches, batches):
+def _train_rank(num_stages, micro_batches, batches, lookahead):
     world = torch.distributed.get_world_size()
     dp = world // num_stages
     model = PipelineModule(
@@ -59,8 +59,15 @@ def _train_rank(num_stages, micro_batches, batches):
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     engine = PipelineEngine(
-        model, opt, {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": micro_batches}
+        model,
+        opt,
+        {
+            "train_micro_batch_size_per_gpu": MB,
+            "gradient_accumulation_steps": micro_batches,
+            "pipeline": {"lookahead": lookahead},
+        },
     )
+    assert engine.lookahead == lookahead
     data = make_data(batches, micro_batches, dp)
     dp_rank = model.grid().data_parallel_id
     losses = []
@@ -105,13 +112,24 @@ def _close(a, b, rtol=1e-5, atol=1e-6):
 
 
 @pytest.mark.parametrize(
-    "world,num_stages,micro_batches",
-    [(2, 2, 1), (2, 2, 4), (4, 4, 3), (4, 4, 6), (4, 2, 2), (4, 2, 5)],
+    "world,num_stages,micro_batches,lookahead",
+    [
+        (2, 2, 1, 0),
+        (2, 2, 4, 0),
+        (4, 4, 3, 0),
+        (4, 4, 6, 0),
+        (4, 2, 2, 0),
+        (4, 2, 5, 0),
+        (2, 2, 4, 1),
+        (4, 4, 6, 2),
+    ],
 )
-def test_pipeline_matches_single_process(world, num_stages, micro_batches):
+def test_pipeline_matches_single_process(world, num_stages, micro_batches, lookahead):
     batches = 10
     dp = world // num_stages
-    results = run_multirank(_train_rank, world, args=(num_stages, micro_batches, batches), timeout=120.0)
+    results = run_multirank(
+        _train_rank, world, args=(num_stages, micro_batches, batches, lookahead), timeout=120.0
+    )
     ref_model, ref_losses, ref_eval, ref_outs = _reference_run(num_stages, micro_batches, batches, dp)
     ref_params = dict(ref_model.named_parameters())
     seen = set()

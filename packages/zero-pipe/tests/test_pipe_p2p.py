@@ -33,14 +33,38 @@ def _tags_rank():
     return got_a, got_b, first.wait()[0], second.wait()[0]
 
 
+def _handshake_rank():
+    """Rank 0 starts the first send of a channel (handshake included), then waits for rank 1,
+    which sends on another tag before it receives: a blocking handshake (gloo's send waits for
+    the matching receive) would deadlock here."""
+    from zero_pipe.p2p import P2PChannel, Payload, TensorMeta, post_recv, post_send
+
+    rank = torch.distributed.get_rank()
+    channel = P2PChannel(1 - rank, tag=10)
+    if rank == 0:
+        pending = channel.isend((torch.full((3, 2), 7.0), torch.tensor([True, False, True])))
+        other = post_recv(Payload((TensorMeta((4,), torch.float32),), False), 1, tag=11).wait()
+        pending.wait()
+        return other
+    post_send([torch.arange(4.0)], 0, tag=11).wait()
+    return channel.recv()
+
+
 def _all_rank():
-    return _tags_rank(), [_trace_rank(chunks, M) for chunks in (1, 2)]
+    return _tags_rank(), [_trace_rank(chunks, M) for chunks in (1, 2)], _handshake_rank()
 
 
 @pytest.fixture(scope="module")
 def ranks():
     """One launch of 2 ranks for every test of this file (process start-up dominates)."""
-    return run_multirank(_all_rank, 2)
+    return run_multirank(_all_rank, 2, timeout=60)
+
+
+def test_the_first_send_of_a_channel_does_not_block(ranks):
+    assert torch.equal(ranks[0][2], torch.arange(4.0))
+    values, mask = ranks[1][2]
+    assert torch.equal(values, torch.full((3, 2), 7.0))
+    assert mask.dtype == torch.bool and mask.tolist() == [True, False, True]
 
 
 def test_tags_keep_streams_apart_whatever_the_posting_order(ranks):
@@ -72,13 +96,13 @@ def _trace_rank(chunks, m):
     engine.train_batch(iter(data))
     engine.trace = []
     engine.train_batch(iter(data))
-    return list(engine.trace), len(engine._sends), len(engine._posted)
+    return list(engine.trace), engine.executor.in_flight()
 
 
 def test_trace_has_every_compute_and_wait_and_no_transfer_outlives_the_batch(ranks):
     m = M
     for chunks, k in ((1, 0), (2, 1)):
-        for stage, (trace, sends, posted) in enumerate(r[1][k] for r in ranks):
+        for stage, (trace, in_flight) in enumerate(r[1][k] for r in ranks):
             kinds = [s.kind for s in trace]
             assert kinds.count("F") == kinds.count("B") == m * chunks
             # Receives per stage: activations into every virtual stage but the first, gradients
@@ -89,4 +113,4 @@ def test_trace_has_every_compute_and_wait_and_no_transfer_outlives_the_batch(ran
             for span, nxt in zip(trace, trace[1:]):
                 assert span.start <= span.end <= nxt.start  # sequential, in execution order
             assert all(0.0 <= s.cpu <= (s.end - s.start) + 1e-3 for s in trace)
-            assert sends == 0 and posted == 0
+            assert in_flight == (0, 0)

@@ -30,7 +30,10 @@ class PipelineSectionConfig(ConfigModel):
     * ``seed_layers``: informational, as above;
     * ``activation_checkpoint_interval``: applied when the module was built with 0;
     * ``pipe_partitioned`` / ``grad_partitioned``: DeepSpeed splits activations/gradients over
-      tensor-parallel ranks; accepted, and a no-op without a model-parallel axis.
+      tensor-parallel ranks; accepted, and a no-op without a model-parallel axis;
+    * ``lookahead`` (zero-specific): extra warm-up forwards of every stage but the last in the 1F1B
+      schedule, to hide message latency at the cost of that many more micro-batches of
+      activations (see [Note: 1F1B lookahead] in ``schedule.py``); 0, the default, is DeepSpeed's order.
     """
 
     config_path: ClassVar[str] = "pipeline"
@@ -41,3 +44,4 @@ class PipelineSectionConfig(ConfigModel):
     activation_checkpoint_interval: NonNegInt = 0
     pipe_partitioned: bool = True
     grad_partitioned: bool = True
+    lookahead: NonNegInt = 0

@@ -1,4 +1,4 @@
-"""``PipelineEngine``: executes pipeline schedules on a :class:`PipelineModule`.
+"""``PipelineEngine``: the batch/step API of pipeline training on a :class:`PipelineModule`.
 
 One ``train_batch`` runs ``gradient_accumulation_steps`` micro-batches through the 1F1B
 schedule (the interleaved one when the module holds several chunks, see [Note: model chunks]),
@@ -6,58 +6,24 @@ averages the loss over them (each backward uses ``loss / micro_batches``), then 
 clips and applies the gradients (see [Note: pipeline gradient reduction]). The result matches
 one process training the whole ``nn.Sequential`` on the whole batch with a mean loss.
 
-Activations move between *virtual* stages ``v -> v + 1`` (``v = chunk * stages + stage``); each
-boundary has its own :class:`P2PChannel` (and tags), so every boundary keeps its own cached shapes.
-
-[Note: receive prefetch]
-Sends are asynchronous and receives are posted ahead of the instruction that consumes them (see
-[Note: asynchronous p2p] in ``p2p.py``): when a batch starts, the first receive of every stream
-(activations of a chunk, gradients of a chunk) whose shapes are known is posted, and whenever a
-receive completes the next one of the same stream is posted. The data of micro-batch ``i + 1``
-thus flows while micro-batch ``i`` computes. This keeps the deadlock-freedom of the compiled
-order (see [Note: deadlock-free pipeline communication]): a posted receive or a send never
-blocks, and every blocking wait is for a message its peer sends no later than in the
-rendezvous order, so the waits-for graph stays a subgraph of an acyclic one. All sends of a
-batch are waited on before ``train_batch``/``eval_batch`` return.
+This module builds the stage (config, ZeRO strategy, optimizer) and owns the public API; what
+happens inside a batch (instructions, transfers, trace) is :class:`StageExecutor`'s, in
+``executor.py`` (see [Note: receive prefetch] there).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from zero_core.config import ZeroConfig, load_config
 from zero_core.engine.loss_scaler import LossScaler, build_loss_scaler
 
 from zero_pipe import _dist
-from zero_pipe.instructions import (
-    BackwardPass,
-    ForwardPass,
-    LoadMicroBatch,
-    OptimizerStep,
-    RecvActivation,
-    RecvGrad,
-    ReduceGrads,
-    ReduceTiedGrads,
-    SendActivation,
-    SendGrad,
-)
+from zero_pipe.executor import ComputeSpan, StageExecutor
 from zero_pipe.module import PipelineModule
 from zero_pipe.optimizer_step import PipelineConfigError, StageOptimizer, build_strategy, check_zero_stage
-from zero_pipe.p2p import (
-    P2PChannel,
-    Payload,
-    PendingRecv,
-    PendingSend,
-    TensorMeta,
-    activation_tag,
-    as_tensors,
-    grad_tag,
-    post_recv,
-    post_send,
-)
 from zero_pipe.schedule import (
     InferenceSchedule,
     InterleavedInferenceSchedule,
@@ -67,23 +33,6 @@ from zero_pipe.schedule import (
 )
 
 __all__ = ["ComputeSpan", "PipelineConfigError", "PipelineEngine"]
-
-
-class ComputeSpan(NamedTuple):
-    """One traced interval of a stage: ``kind`` is ``"F"``/``"B"`` (forward/backward compute of
-    ``chunk``) or ``"W"`` (blocked waiting for a received activation or gradient). ``start`` and
-    ``end`` are ``time.perf_counter()`` values (CLOCK_MONOTONIC, comparable across processes on
-    one host); ``cpu`` is the calling thread's CPU time over the span, so ``end - start - cpu``
-    of a compute span is time taken from it by other processes."""
-
-    kind: str
-    chunk: int
-    start: float
-    end: float
-    cpu: float
-
-
-_Compiled = tuple[list[Any], dict[int, int], list[int]]
 
 
 def _dtype_of(cfg: ZeroConfig) -> torch.dtype:
@@ -97,7 +46,8 @@ class PipelineEngine:
 
     ``config`` is a DeepSpeed-format mapping or a parsed ``ZeroConfig``: the batch triple
     (``gradient_accumulation_steps`` is the number of micro-batches per batch),
-    ``zero_optimization.stage`` (0 or 1), ``fp16``/``bf16``, ``gradient_clipping``. Each
+    ``zero_optimization.stage`` (0 or 1), ``fp16``/``bf16``, ``gradient_clipping``,
+    ``pipeline.lookahead`` (see [Note: 1F1B lookahead]). Each
     ``data_iter`` item is one micro-batch ``(inputs, labels)``; the first stage uses the inputs,
     the last stage the labels, so both should be given the same data. ``has_bool_tensors`` is
     accepted for DeepSpeed compatibility: bool activations are always supported.
@@ -140,6 +90,9 @@ class PipelineEngine:
         self.micro_batches = int(self.config.gradient_accumulation_steps)
         self._train_batch_size = self.micro_batch_size * self.micro_batches * self.dp_size
         self.compute_dtype = _dtype_of(self.config)
+        section = getattr(self.config, "pipeline", None)
+        #: extra 1F1B warm-up forwards: See [Note: 1F1B lookahead]
+        self.lookahead = int(getattr(section, "lookahead", 0) or 0)
         self.strategy = build_strategy(
             module,
             optimizer,
@@ -161,14 +114,8 @@ class PipelineEngine:
         self.batch_fn: Callable[[Any], Any] | None = None
         self.global_steps = 0
         self.global_samples = 0
-        self._at_boundary = False
-        self._channels: dict[int, P2PChannel] = {}
-        self._compiled: dict[tuple, _Compiled] = {}
-        self._posted: dict[int, PendingRecv] = {}
-        self._sends: list[PendingSend] = []
-        #: when a list, ``train_batch``/``eval_batch`` append one :class:`ComputeSpan` per forward,
-        #: backward and receive wait
-        self.trace: list[ComputeSpan] | None = None
+        #: runs the instructions of each batch: See [Note: receive prefetch]
+        self.executor = StageExecutor(module, self.stage_optimizer, self.loss_scaler, self.compute_dtype)
 
     def _load_config(self, config: Mapping[str, Any] | ZeroConfig) -> ZeroConfig:
         source = f"pipeline data-parallel size (world / {self.num_stages} stages)"
@@ -211,7 +158,19 @@ class PipelineEngine:
         return self.stage_id == self.num_stages - 1
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        return self._at_boundary
+        return self.executor.at_boundary
+
+    @property
+    def trace(self) -> list[ComputeSpan] | None:
+        """When a list, ``train_batch``/``eval_batch`` append one :class:`ComputeSpan` per
+        forward, backward and receive wait of this stage."""
+        return self.executor.trace
+
+    @trace.setter
+    def trace(self, value: list[ComputeSpan] | None) -> None:
+        if value is not None and not isinstance(value, list):
+            raise TypeError(f"PipelineEngine.trace must be a list or None, got {type(value)}")
+        self.executor.trace = value
 
     def get_global_grad_norm(self) -> float | None:
         """The global gradient norm (all stages) of the last step, before clipping."""
@@ -251,8 +210,7 @@ class PipelineEngine:
 
     def reset_activation_shape(self) -> None:
         """Forget cached activation shapes (call on every rank when they change)."""
-        for ch in self._channels.values():
-            ch.reset()
+        self.executor.reset_activation_shape()
 
     def forward(self, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError(
@@ -274,17 +232,18 @@ class PipelineEngine:
         if self.data_iterator is None and (self.is_first_stage() or self.is_last_stage()):
             raise ValueError("train_batch: no data iterator; pass data_iter or call set_dataiterator()")
         self.module.train()
-        self._losses: list[torch.Tensor] = []
         if self.num_chunks > 1:
             schedule: PipeSchedule = InterleavedTrainSchedule(
                 self.micro_batches, self.num_stages, self.stage_id, chunks=self.num_chunks
             )
         else:
-            schedule = TrainSchedule(self.micro_batches, self.num_stages, self.stage_id)
-        self._run(schedule, training=True)
+            schedule = TrainSchedule(
+                self.micro_batches, self.num_stages, self.stage_id, lookahead=self.lookahead
+            )
+        result = self.executor.run(schedule, self._next_batch, training=True)
         self.global_steps += 1
         self.global_samples += self._train_batch_size
-        return self._aggregate_loss(self._losses, reduce_output="avg", bcast=True)
+        return self._aggregate_loss(result.losses, reduce_output="avg", bcast=True)
 
     def eval_batch(
         self,
@@ -307,7 +266,6 @@ class PipelineEngine:
         saved = self.data_iterator
         self.data_iterator = data_iter
         self.module.eval()
-        self._losses, self._outputs, self._compute_loss = [], [], compute_loss
         if self.num_chunks > 1:
             schedule: PipeSchedule = InterleavedInferenceSchedule(
                 mbs, self.num_stages, self.stage_id, chunks=self.num_chunks
@@ -316,16 +274,13 @@ class PipelineEngine:
             schedule = InferenceSchedule(mbs, self.num_stages, self.stage_id)
         try:
             with torch.no_grad():
-                self._run(schedule, training=False)
+                ran = self.executor.run(schedule, self._next_batch, training=False, compute_loss=compute_loss)
         finally:
             self.data_iterator = saved
-        result: Any
-        if compute_loss:
-            result = self._aggregate_loss(self._losses, reduce_output, bcast_loss)
-        else:
-            result = self._outputs if self.is_last_stage() else None
+        outputs = ran.outputs if self.is_last_stage() else None
+        result: Any = self._aggregate_loss(ran.losses, reduce_output, bcast_loss) if compute_loss else outputs
         if return_logits:
-            return result, (self._outputs if self.is_last_stage() else None)
+            return result, outputs
         return result
 
     def save_checkpoint(
@@ -359,236 +314,11 @@ class PipelineEngine:
             load_module_only,
         )
 
-    # -- execution -----------------------------------------------------------------------
-    def _virtual(self, chunk_id: int) -> int:
-        return chunk_id * self.num_stages + self.stage_id
-
-    def _is_first_virtual(self, chunk_id: int) -> bool:
-        return self._virtual(chunk_id) == 0
-
-    def _is_last_virtual(self, chunk_id: int) -> bool:
-        return self._virtual(chunk_id) == self.num_stages * self.num_chunks - 1
-
-    def _stage_rank(self, virtual: int) -> int:
-        return self.grid.stage_to_global(virtual % self.num_stages)
-
-    def _channel(self, boundary: int) -> P2PChannel:
-        """The channel carrying activations from virtual stage ``boundary`` to ``boundary + 1``."""
-        ch = self._channels.get(boundary)
-        if ch is None:
-            v_here = [self._virtual(c) for c in range(self.num_chunks)]
-            peer = boundary + 1 if boundary in v_here else boundary
-            ch = self._channels[boundary] = P2PChannel(self._stage_rank(peer), activation_tag(boundary))
-        return ch
-
-    def _compile(self, schedule: PipeSchedule) -> _Compiled:
-        """The flat instruction stream of ``schedule``, and for prefetching: the index of the next
-        receive of the same stream after each receive, and the first receive of every stream.
-        Cached: a schedule depends only on its class, sizes and stage."""
-        key = (type(schedule), schedule.micro_batches, schedule.stages, schedule.stage_id, schedule.chunks)
-        hit = self._compiled.get(key)
-        if hit is not None:
-            return hit
-        stream = [ins for step in schedule.steps() for ins in step]
-        next_same: dict[int, int] = {}
-        last: dict[tuple[type, int], int] = {}
-        first: list[int] = []
-        for i, ins in enumerate(stream):
-            if isinstance(ins, (RecvActivation, RecvGrad)):
-                k = (type(ins), ins.chunk_id)
-                if k in last:
-                    next_same[last[k]] = i
-                else:
-                    first.append(i)
-                last[k] = i
-        self._compiled[key] = (stream, next_same, first)
-        return self._compiled[key]
-
-    def _run(self, schedule: PipeSchedule, training: bool) -> None:
-        self._training = training
-        self._inputs: dict[int, Any] = {}
-        self._labels: dict[int, Any] = {}
-        self._outputs_buf: dict[int, Any] = {}
-        self._grads: dict[int, list[torch.Tensor]] = {}
-        self._at_boundary = False
-        stream, self._next_same, first = self._compile(schedule)
-        self._stream = stream
-        self._posted = {}
-        self._sends = []
-        for i in first:  # See [Note: receive prefetch]
-            self._prefetch(i)
-        for i, ins in enumerate(stream):
-            self._pc = i
-            self._INSTRUCTIONS[type(ins)](self, ins)
-        for pending in self._sends:
-            pending.wait()
-        self._sends = []
-
-    def _recv_source(self, ins: Any) -> tuple[Payload | None, int, int]:
-        """(payload if known, peer rank, tag) of a RecvActivation/RecvGrad instruction."""
-        v = self._virtual(ins.chunk_id)
-        if isinstance(ins, RecvActivation):
-            ch = self._channel(v - 1)
-            return ch.payload, ch.peer, ch.tag
-        sent = self._channel(v).payload  # gradients have the shapes of the activations we sent
-        payload = None if sent is None else Payload(sent.floating(), True)
-        return payload, self._stage_rank(v + 1), grad_tag(v)
-
-    def _prefetch(self, index: int | None) -> None:
-        """Post the receive of instruction ``index`` now, if its shapes are known."""
-        if index is None or index in self._posted:
-            return
-        payload, peer, tag = self._recv_source(self._stream[index])
-        if payload is not None:
-            self._posted[index] = post_recv(payload, peer, tag)
-
-    def _received(self, post: Callable[[], PendingRecv]) -> Any:
-        """Wait for the receive of the current instruction (posted ahead or by ``post``), then
-        post the next receive of the same stream."""
-        pending = self._posted.pop(self._pc, None)
-        if pending is None:
-            pending = post()
-        if self.trace is None:
-            value = pending.wait()
-        else:
-            start, cpu = time.perf_counter(), time.thread_time()
-            value = pending.wait()
-            self.trace.append(
-                ComputeSpan(
-                    "W", self._stream[self._pc].chunk_id, start, time.perf_counter(), time.thread_time() - cpu
-                )
-            )
-        self._prefetch(self._next_same.get(self._pc))
-        return value
-
-    def _sent(self, pending: PendingSend) -> None:
-        """Keep an in-flight send alive; retire the oldest ones that are done."""
-        self._sends.append(pending)
-        while self._sends and self._sends[0].is_completed():
-            self._sends.pop(0).wait()
-
     def _next_batch(self) -> Any:
+        if self.data_iterator is None:
+            raise ValueError("PipelineEngine: no data iterator; pass data_iter or call set_dataiterator()")
         batch = next(self.data_iterator)
         return self.batch_fn(batch) if self.batch_fn is not None else batch
-
-    def _cast_input(self, value: Any) -> Any:
-        """Floating inputs of the first stage take the training dtype (fp16/bf16 runs)."""
-        if self.compute_dtype == torch.float32:
-            return value
-        if isinstance(value, torch.Tensor):
-            return value.to(self.compute_dtype) if value.is_floating_point() else value
-        if isinstance(value, (tuple, list)):
-            return type(value)(self._cast_input(v) for v in value)
-        return value
-
-    def _exec_load(self, ins: LoadMicroBatch) -> None:
-        batch = self._next_batch()
-        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-            raise TypeError(f"LoadMicroBatch: each micro-batch must be (inputs, labels), got {type(batch)}")
-        inputs, labels = batch
-        if self._is_first_virtual(ins.chunk_id):
-            self._inputs[ins.buffer_id] = self._cast_input(inputs)
-        if self._is_last_virtual(ins.chunk_id):
-            self._labels[ins.buffer_id] = labels
-
-    def _timed(self, kind: str, chunk: int, fn: Callable[[], None]) -> None:
-        if self.trace is None:
-            fn()
-            return
-        start, cpu = time.perf_counter(), time.thread_time()
-        fn()
-        self.trace.append(ComputeSpan(kind, chunk, start, time.perf_counter(), time.thread_time() - cpu))
-
-    def _exec_forward(self, ins: ForwardPass) -> None:
-        self._timed("F", ins.chunk_id, lambda: self._forward(ins.buffer_id, ins.chunk_id))
-
-    def _forward(self, b: int, chunk: int) -> None:
-        outputs = self.module(self._inputs[b], chunk_id=chunk)
-        if not self._is_last_virtual(chunk):
-            self._outputs_buf[b] = outputs
-            return
-        if self._training or self._compute_loss:
-            loss = self.module.loss_fn(outputs, self._labels[b])
-            self._losses.append(loss.detach())
-            self._outputs_buf[b] = loss
-        if not self._training:
-            self._outputs.append(outputs)
-            self._inputs.pop(b, None)
-            self._labels.pop(b, None)
-
-    def _exec_backward(self, ins: BackwardPass) -> None:
-        self._timed("B", ins.chunk_id, lambda: self._backward(ins.buffer_id, ins.chunk_id))
-
-    def _backward(self, b: int, chunk: int) -> None:
-        self.stage_optimizer.before_backward()
-        if self._is_last_virtual(chunk):
-            loss = self._outputs_buf.pop(b).float() / self.micro_batches
-            self.loss_scaler.scale_loss(loss).backward()
-        else:
-            outs, _ = as_tensors(self._outputs_buf.pop(b), "BackwardPass")
-            grads = self._grads.pop(b)
-            floating = [o for o in outs if o.is_floating_point()]
-            pairs = [(o, g) for o, g in zip(floating, grads) if o.requires_grad]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], grad_tensors=[g for _, g in pairs])
-        if self._is_first_virtual(chunk):
-            self._inputs.pop(b, None)
-        self._labels.pop(b, None)
-
-    def _exec_send_act(self, ins: SendActivation) -> None:
-        self._sent(self._channel(self._virtual(ins.chunk_id)).isend(self._outputs_buf[ins.buffer_id]))
-        if not self._training:
-            self._outputs_buf.pop(ins.buffer_id)
-
-    def _exec_recv_act(self, ins: RecvActivation) -> None:
-        value = self._received(lambda: self._channel(self._virtual(ins.chunk_id) - 1).irecv())
-        if self._training:
-            tensors, _ = as_tensors(value, "RecvActivation")
-            for t in tensors:
-                if t.is_floating_point():
-                    t.requires_grad_(True)
-        self._inputs[ins.buffer_id] = value
-
-    def _exec_send_grad(self, ins: SendGrad) -> None:
-        tensors, _ = as_tensors(self._inputs.pop(ins.buffer_id), "SendGrad")
-        grads = [
-            t.grad if t.grad is not None else torch.zeros_like(t) for t in tensors if t.is_floating_point()
-        ]
-        boundary = self._virtual(ins.chunk_id) - 1
-        self._sent(post_send(grads, self._stage_rank(boundary), grad_tag(boundary)))
-
-    def _exec_recv_grad(self, ins: RecvGrad) -> None:
-        def post() -> PendingRecv:
-            outs, _ = as_tensors(self._outputs_buf[ins.buffer_id], "RecvGrad")
-            metas = tuple(TensorMeta(tuple(o.shape), o.dtype) for o in outs if o.is_floating_point())
-            v = self._virtual(ins.chunk_id)
-            return post_recv(Payload(metas, True), self._stage_rank(v + 1), grad_tag(v))
-
-        self._grads[ins.buffer_id] = list(self._received(post))
-
-    def _exec_reduce_tied(self, ins: ReduceTiedGrads) -> None:
-        self._at_boundary = True
-        self.stage_optimizer.reduce_tied()
-
-    def _exec_reduce_grads(self, ins: ReduceGrads) -> None:
-        self.stage_optimizer.reduce_data_parallel()
-
-    def _exec_optimizer_step(self, ins: OptimizerStep) -> None:
-        self.stage_optimizer.step()
-        self._at_boundary = False
-
-    _INSTRUCTIONS = {
-        LoadMicroBatch: _exec_load,
-        ForwardPass: _exec_forward,
-        BackwardPass: _exec_backward,
-        SendActivation: _exec_send_act,
-        RecvActivation: _exec_recv_act,
-        SendGrad: _exec_send_grad,
-        RecvGrad: _exec_recv_grad,
-        ReduceTiedGrads: _exec_reduce_tied,
-        ReduceGrads: _exec_reduce_grads,
-        OptimizerStep: _exec_optimizer_step,
-    }
 
     def _aggregate_loss(self, losses: list[torch.Tensor], reduce_output: str | None, bcast: bool) -> Any:
         """Mean over micro-batches and data-parallel replicas on the last stage, then

@@ -15,8 +15,13 @@ needed (:class:`PendingRecv`), so the bytes land while the receiver computes, an
 the instruction costs nothing when they already arrived. Messages between two ranks are matched
 in posting order per tag, and a rank pair may carry several streams at once (interleaved
 schedules send activations of one chunk and gradients of another over the same pair), so every
-stream has its own tag: see ``activation_tag``/``grad_tag``. Only the first-use handshake is
-blocking; it runs before any payload of its channel is posted, on the channel's own tag.
+stream has its own tag: see ``activation_tag``/``grad_tag``. The first-use handshake goes out
+with ``isend`` too (its two small tensors travel ahead of the payload on the channel's own tag,
+and the :class:`PendingSend` keeps them alive), so no send of a channel ever blocks: the engine
+may issue a send wherever its data is ready (see [Note: sends right after their compute] in
+``stream.py``). Only the receiving end of the handshake blocks, like any wait for data, before
+any payload receive of its channel is posted. Gloo moves a message only once both ends posted
+it, so a send's work completes only after the peer posted the matching receive.
 """
 
 from __future__ import annotations
@@ -143,9 +148,15 @@ class PendingRecv:
         return tuple(out) if self.payload.is_tuple else out[0]
 
 
-def post_send(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor], peer: int, tag: int) -> PendingSend:
-    """Start sending ``tensors`` (in order) to global rank ``peer`` on ``tag``."""
-    wires = [_wire(t) for t in tensors]
+def post_send(
+    tensors: tuple[torch.Tensor, ...] | list[torch.Tensor],
+    peer: int,
+    tag: int,
+    *,
+    preamble: tuple[torch.Tensor, ...] = (),
+) -> PendingSend:
+    """Start sending ``preamble`` (as is) then ``tensors`` (in order) to global rank ``peer`` on ``tag``."""
+    wires = [*preamble, *(_wire(t) for t in tensors)]
     return PendingSend([_dist.isend(w, peer, tag=tag) for w in wires], wires)
 
 
@@ -171,12 +182,12 @@ class P2PChannel:
         self.payload = None
 
     def isend(self, value: object) -> PendingSend:
-        """Start sending ``value``; shakes hands (blocking) on first use."""
+        """Start sending ``value``, preceded on first use by the handshake; never blocks."""
         tensors, is_tuple = as_tensors(value, "SendActivation")
+        preamble: tuple[torch.Tensor, ...] = ()
         if self.payload is None:
             desc = _encode(tensors, is_tuple)
-            _dist.send(torch.tensor([desc.numel()], dtype=torch.int64), self.peer, tag=self.tag)
-            _dist.send(desc, self.peer, tag=self.tag)
+            preamble = (torch.tensor([desc.numel()], dtype=torch.int64), desc)
             self.payload = _decode(desc.tolist())
         elif len(tensors) != len(self.payload.metas) or any(
             t.dtype != m.dtype or tuple(t.shape) != m.shape for t, m in zip(tensors, self.payload.metas)
@@ -186,7 +197,7 @@ class P2PChannel:
                 f"p2p: activation shapes/dtypes changed from {self.payload.metas} to {now}; "
                 "call reset_activation_shape() on every rank when they change"
             )
-        return post_send(tensors, self.peer, self.tag)
+        return post_send(tensors, self.peer, self.tag, preamble=preamble)
 
     def send(self, value: object) -> None:
         """Send ``value`` and wait until the transport is done with it."""

@@ -7,11 +7,13 @@ holds, and reports deadlocks, unmatched messages, buffer clobbering, and missing
 computations. With per-op costs it also gives the makespan and the bubble (idle) fraction.
 
 ``eager_sends=True`` models the engine's asynchronous transport instead (see [Note: asynchronous
-p2p] in ``p2p.py``): a send completes at once, and a receive waits until its message was sent
-(plus ``comm_cost``). ``op_costs`` replaces the uniform forward/backward costs by the measured
-duration of every computation (per stage, in execution order), so a measured run can be
-*replayed*: the idle time the schedule's dependencies alone imply given the compute the stages
-really did, which separates the bubble from transport and runtime overheads.
+p2p] in ``p2p.py``): every stage runs the engine's execution stream, with each send right after
+the computation producing it (see [Note: sends right after their compute] in ``stream.py``), a
+send completes at once, and a receive waits until its message was sent (plus ``comm_cost``).
+``op_costs`` replaces the uniform forward/backward costs by the measured duration of every
+computation (per stage, in execution order), so a measured run can be *replayed*: the idle time
+the schedule's dependencies alone imply given the compute the stages really did, which separates
+the bubble from transport and runtime overheads.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from zero_pipe.instructions import (
     SendGrad,
 )
 from zero_pipe.schedule import PipeSchedule
+from zero_pipe.stream import sends_after_compute
 
 
 class ScheduleError(AssertionError):
@@ -87,6 +90,8 @@ def simulate(
     chunks = scheds[0].chunks
     num_virtual = stages * chunks
     streams = [[ins for step in sch.steps() for ins in step] for sch in scheds]
+    if eager_sends:  # the engine's order: See [Note: sends right after their compute]
+        streams = [sends_after_compute(st) for st in streams]
     if op_costs is not None:
         _check_op_costs(op_costs, streams)
     computed = [0] * stages

@@ -2,8 +2,9 @@
 
 [Note: deadlock-free pipeline communication]
 The order is derived for *blocking* (rendezvous) point-to-point ops, the strictest model; the
-engine's asynchronous sends and posted receives only relax it (see [Note: receive prefetch] in
-``engine.py``). A schedule is described by
+engine's asynchronous transport runs a relaxed form of it, each send moved up to right after its
+computation (see [Note: sends right after their compute] in ``stream.py``) and receives posted
+ahead (see [Note: receive prefetch] in ``executor.py``). A schedule is described by
 the order in which each stage runs its forward (F) and backward (B) computations. We place
 every computation on a global clock of ticks "as soon as possible" (one computation per stage
 per tick, after its dependencies finished in an earlier tick) and transmit each message in the
@@ -68,12 +69,15 @@ class Timeline:
             )
         self.stages, self.chunks, self.micro_batches = stages, chunks, micro_batches
         self.num_virtual = stages * chunks
+        #: the compute order of every stage, as given
+        self.orders = [list(o) for o in orders]
         self.ticks = self._assign_ticks(orders)
         self.num_ticks = 1 + max((t for t in self.ticks.values()), default=-1)
         self.steps, self.num_buffers = self._emit()
 
     # -- placement on the tick grid -------------------------------------------------------
-    def _deps(self, stage: int, op: Compute) -> list[tuple[int, Compute]]:
+    def dependencies(self, stage: int, op: Compute) -> list[tuple[int, Compute]]:
+        """The ``(stage, computation)`` pairs whose results ``op`` of ``stage`` needs."""
         v = op.chunk * self.stages + stage
         deps = []
         if op.kind == "F":
@@ -96,7 +100,7 @@ class Timeline:
                 if cursor[s] == len(orders[s]):
                     continue
                 op = orders[s][cursor[s]]
-                if all(ticks.get(d, tick) < tick for d in self._deps(s, op)):
+                if all(ticks.get(d, tick) < tick for d in self.dependencies(s, op)):
                     ticks[(s, op)] = tick
                     cursor[s] += 1
                     remaining -= 1

@@ -5,6 +5,7 @@ A checkpoint is a directory per tag under ``save_dir``::
 
     save_dir/
       latest                    text file: the newest complete tag (written last, by rank 0)
+      zero_to_fp32.py           the consolidation script (also inside each tag, below)
       <tag>/
         checkpoint.json         the commit record (written by rank 0 after every rank finished):
                                 format version, world size, stage, dtypes, engine counters, loss

@@ -182,7 +182,8 @@ def _commit(
     }
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zero_to_fp32.py")
     with open(script, "rb") as f:
-        atomic_write_bytes(os.path.join(stage_dir, SCRIPT_FILE), f.read(), sync_dir=False)
+        script_bytes = f.read()
+    atomic_write_bytes(os.path.join(stage_dir, SCRIPT_FILE), script_bytes, sync_dir=False)
     atomic_write_bytes(os.path.join(stage_dir, COMMIT_FILE), dumps(meta), sync_dir=False)
     fsync_dir(stage_dir)
     # See [Note: replacing a tag].
@@ -199,6 +200,8 @@ def _commit(
     shutil.rmtree(old, ignore_errors=True)
     if save_latest:
         atomic_write_bytes(os.path.join(save_dir, LATEST_FILE), tag.encode())
+    # Also next to ``latest``, where DeepSpeed users look for it (``python zero_to_fp32.py . out``).
+    atomic_write_bytes(os.path.join(save_dir, SCRIPT_FILE), script_bytes)
 
 
 def save_checkpoint(
