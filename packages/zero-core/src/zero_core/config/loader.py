@@ -21,6 +21,7 @@ from zero_core.config import sections
 from zero_core.config.batch import auto_batch_hint
 from zero_core.config.errors import ConfigError, format_validation_error
 from zero_core.config.root import ZeroConfig
+from zero_core.config.unimplemented import check_unimplemented
 from zero_core.config.unknown_keys import strip_unknown_keys, unknown_key_policy
 
 #: argparse attributes holding a config, in the order they are looked at.
@@ -134,6 +135,7 @@ def load_config(
         except ConfigError as exc:
             raise ConfigError(exc.problems, source=where) from None
         problems: list[str] = []
+        raw = check_unimplemented(raw, policy, problems)  # See [Note: unimplemented features].
         cleaned = strip_unknown_keys(
             raw, ZeroConfig, "", policy, problems, sections=sections.config_sections()
         )

@@ -1,0 +1,99 @@
+"""DeepSpeed config features that zero parses but does not implement.
+
+[Note: unimplemented features]
+A DeepSpeed user's config file must load unchanged, so every documented section is accepted,
+including those of features zero does not have (progressive layer drop, curriculum learning,
+compression, the hybrid engine, ...). Accepting a section must not mean silently ignoring it:
+training without the layer drop or the curriculum the user asked for is a different run. So a
+section that is *switched on* is an error naming the section and what to do; one that is present
+but off (``"enabled": false``, as generated configs often carry) loads silently. Features that
+do not change what a run computes in DeepSpeed either (``autotuning`` is read by DeepSpeed's
+launcher, not by the engine) only warn. The unknown-keys switch (``"zero_allow_unknown_keys":
+true`` or ``ZERO_CONFIG_UNKNOWN_KEYS=warn``, see [Note: unknown config keys]) downgrades the
+errors to warnings, for users who accept the difference.
+
+A few keys of newer DeepSpeed releases (``torch_autocast``, ``comet``, ``tensor_parallel``, ...)
+are not in the seeds' key set; they are taken out of the raw config here, checked the same way,
+and never reach the validated model.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from zero_core.config.base import show
+
+
+def _enabled(value: Any) -> bool:
+    return isinstance(value, dict) and bool(value.get("enabled", False))
+
+
+def _flag(key: str) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, dict) and bool(value.get(key, False))
+
+
+def _truthy(value: Any) -> bool:
+    return bool(value)
+
+
+def _tp_size(value: Any) -> bool:
+    if not isinstance(value, dict):
+        return bool(value)
+    size = value.get("autotp_size", value.get("tp_size", 1))
+    return isinstance(size, int) and not isinstance(size, bool) and size > 1
+
+
+#: name -> (is the feature switched on?, what it is, error (True) or warning (False) when on).
+UNIMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str, bool]] = {
+    "progressive_layer_drop": (_enabled, "progressive layer drop", True),
+    "curriculum_learning": (_enabled, "curriculum learning", True),
+    "data_efficiency": (_enabled, "the data-efficiency library (curriculum, random-LTD)", True),
+    "compression_training": (_enabled, "compression training", True),
+    "eigenvalue": (_enabled, "eigenvalue computation", True),
+    "hybrid_engine": (_enabled, "the RLHF hybrid engine", True),
+    "elasticity": (_enabled, "elastic training (batch sizes over a range of GPU counts)", True),
+    "nebula": (_enabled, "the Nebula checkpoint service", True),
+    "compile": (_flag("deepcompile"), "DeepCompile", True),
+    "autotuning": (_enabled, "the autotuner (run by DeepSpeed's launcher; zero has none)", False),
+    # Newer DeepSpeed keys, outside the seeds' key set (removed from the config before validation).
+    "torch_autocast": (_enabled, "torch.autocast mixed precision (use the bf16 or fp16 sections)", True),
+    "comet": (_enabled, "the Comet monitor (use tensorboard, wandb or csv_monitor)", True),
+    "weight_quantization": (_truthy, "weight quantization (see zero.init_inference's int8 dtype)", True),
+    "quantize_training": (_enabled, "quantization-aware training", True),
+    "tensor_parallel": (
+        _tp_size,
+        "tensor-parallel training (zero.init_inference has tensor parallelism)",
+        True,
+    ),
+    "use_data_before_expert_parallelism": (_truthy, "data-before-expert-parallel MoE ordering", True),
+}
+
+#: the keys of UNIMPLEMENTED that the validated model does not know (taken out of the raw config).
+NEWER_KEYS = (
+    "torch_autocast",
+    "comet",
+    "weight_quantization",
+    "quantize_training",
+    "tensor_parallel",
+    "use_data_before_expert_parallelism",
+)
+
+
+def check_unimplemented(raw: dict[str, Any], policy: str, problems: list[str]) -> dict[str, Any]:
+    """``raw`` without the newer keys; every switched-on unimplemented feature becomes a problem
+    (or, with ``policy="warn"`` or for warning-only features, a warning). See [Note: unimplemented
+    features]."""
+    for name, (is_on, what, fatal) in UNIMPLEMENTED.items():
+        if name not in raw or not is_on(raw[name]):
+            continue
+        message = (
+            f"{name}: {show(raw[name])} switches on {what}, which zero does not implement; "
+            f"remove the section or switch it off"
+        )
+        if fatal and policy != "warn":
+            problems.append(message)
+        else:
+            warnings.warn(message + " (ignored)", UserWarning, stacklevel=3)
+    return {k: v for k, v in raw.items() if k not in NEWER_KEYS}

@@ -1,0 +1,82 @@
+"""DeepSpeed features zero does not implement: present-but-off loads, switched-on is a clear error."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from zero_core.config.errors import ConfigError
+from zero_core.config.loader import load_config
+from zero_core.config.unimplemented import NEWER_KEYS, UNIMPLEMENTED
+
+BASE = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 8}
+
+ON = {
+    "progressive_layer_drop": {"enabled": True, "theta": 0.5, "gamma": 0.001},
+    "curriculum_learning": {"enabled": True, "curriculum_type": "seqlen"},
+    "data_efficiency": {"enabled": True},
+    "compression_training": {"enabled": True},
+    "eigenvalue": {"enabled": True},
+    "hybrid_engine": {"enabled": True},
+    "elasticity": {"enabled": True, "max_train_batch_size": 64, "micro_batch_sizes": [8]},
+    "nebula": {"enabled": True},
+    "compile": {"deepcompile": True},
+    "torch_autocast": {"enabled": True, "dtype": "bfloat16"},
+    "comet": {"enabled": True},
+    "weight_quantization": {"post_init_quant": {}},
+    "quantize_training": {"enabled": True},
+    "tensor_parallel": {"autotp_size": 2},
+    "use_data_before_expert_parallelism": True,
+}
+OFF = {
+    "progressive_layer_drop": {"enabled": False},
+    "hybrid_engine": {"enabled": False},
+    "compile": {"deepcompile": False},
+    "torch_autocast": {"enabled": False},
+    "comet": {"enabled": False},
+    "tensor_parallel": {"autotp_size": 1},
+    "use_data_before_expert_parallelism": False,
+    "autotuning": {"enabled": False},
+}
+
+
+def test_every_fatal_feature_has_a_switched_on_case() -> None:
+    assert {k for k, (_, _, fatal) in UNIMPLEMENTED.items() if fatal} == set(ON)
+
+
+@pytest.mark.parametrize("name", sorted(ON))
+def test_switched_on_is_an_error_naming_the_section(name: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config({**BASE, name: ON[name]}, world_size=1)
+    text = str(info.value)
+    assert f"{name}:" in text and "zero does not implement" in text and "switch it off" in text
+
+
+@pytest.mark.parametrize("name", sorted(OFF))
+def test_present_but_off_loads_silently(name: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = load_config({**BASE, name: OFF[name]}, world_size=1)
+    assert cfg.train_batch_size == 8
+    if name in NEWER_KEYS:
+        assert name not in cfg.to_dict()
+
+
+def test_autotuning_only_warns() -> None:
+    with pytest.warns(UserWarning, match="autotuning: .*zero does not implement"):
+        load_config({**BASE, "autotuning": {"enabled": True}}, world_size=1)
+
+
+def test_the_unknown_keys_switch_downgrades_to_a_warning() -> None:
+    with pytest.warns(UserWarning, match="progressive_layer_drop: .* \\(ignored\\)"):
+        load_config(
+            {**BASE, "zero_allow_unknown_keys": True, "progressive_layer_drop": {"enabled": True}},
+            world_size=1,
+        )
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config({**BASE, "comet": {"enabled": True}, "gradient_clipp1ng": 1.0}, world_size=1)
+    text = str(info.value)
+    assert "comet:" in text and "did you mean gradient_clipping" in text
