@@ -137,16 +137,19 @@ def _bench_rank(p, ms, reps, warmup, dim, mb, layers):
         per = layers // (p * chunks)
         for m in ms:
             sink: list = []
-            stages = []
+            stages, params = [], []
             for c in range(chunks):
                 mod = nn.Sequential(*[Block(dim) for _ in range(per)])
+                params += list(mod.parameters())
                 st = pp.PipelineStage(mod, c * p + rank, p * chunks, torch.device("cpu"))
                 st.forward_maybe_with_nosync = _spanned(st.forward_maybe_with_nosync, "F", c, sink)
                 st.backward_maybe_with_nosync = _spanned(st.backward_maybe_with_nosync, "B", c, sink)
                 stages.append(st)
             sched = getattr(pp, sname)(stages if chunks > 1 else stages[0], n_microbatches=m, loss_fn=_loss)
+            # The same optimizer step as zero_pipe's batch, so that s/batch compares like with like.
+            opt = torch.optim.SGD(params, lr=1e-4)
 
-            def run(data, sched=sched, sink=sink):
+            def run(data, sched=sched, sink=sink, opt=opt):
                 sink.clear()
                 x = torch.cat([d[0] for d in data])
                 y = torch.cat([d[1] for d in data])
@@ -156,6 +159,8 @@ def _bench_rank(p, ms, reps, warmup, dim, mb, layers):
                     sched.step(target=y, losses=[])
                 else:
                     sched.step()
+                opt.step()
+                opt.zero_grad()
                 return list(sink)
 
             runners.append((f"torch.distributed.pipelining {sname}", m, run))
@@ -351,6 +356,9 @@ def _write(args, rows, loads, load_before, load_after, elapsed):
         f"cores {pins}; "
         f"{args.reps} measured batches per row after {args.warmup} warm-up, repetitions interleaved across rows; "
         "medians [min, max] over batches",
+        "- s/batch = first rank's start to last rank's end of one batch, SGD step included for both libraries "
+        "(zero_pipe's batch also all-reduces the global gradient norm over the stages and broadcasts the loss, "
+        "as DeepSpeed's does); samples/s = micro batch x m / median s/batch",
         "- idle = mean over stages of 1 - busy / span (busy: wall time inside forward/backward compute; span: first "
         "compute start to last compute end over all stages). formula = (p-1)/(c m + p-1); cost-aware = simulated "
         "schedule with the per-stage median F/B times; replay = simulated schedule with every measured F/B duration "

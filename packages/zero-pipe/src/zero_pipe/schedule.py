@@ -17,9 +17,11 @@ whole forward and backward of slack, so a latency below about F + B is hidden; t
 no latency is unchanged ((p-1)/(m+p-1)) and the price is one more micro-batch of activations on
 every stage but the last. Simulated (F = 1, B = 2, latency 0.1 per message, p = 2, m = 8): idle
 0.137 with lookahead 0, 0.118 with lookahead 1, formula 0.111 (``tests/test_pipe_schedule.py``).
-On this project's CPU/gloo machine a message costs about 0.5 ms against 8-20 ms of compute,
-which is where it shows; with fast interconnects it rarely matters, hence the default 0 (the
-memory of DeepSpeed's and Megatron's 1F1B).
+It pays where latency, not the CPU time of moving a message, is what a stage loses: on the
+project's 2-core CPU machine (``tools/bench/results/bench_pipe.md``) it made no measurable
+difference with 2 stages, where a gloo message costs its stage's thread a few hundred
+microseconds of CPU, and lowered the idle fraction with 4 stages time-sharing 2 cores, where
+every wake-up waits for a core. Hence the default 0 (the memory of DeepSpeed's and Megatron's 1F1B).
 """
 
 from __future__ import annotations
