@@ -53,6 +53,8 @@ from zero_core import comm
 from zero_core.engine.param_groups import reduction_groups
 from zero_core.zero.flat_partition import FlatPartition
 from zero_core.zero.grad_reduce import GroupGrads, PartitionedGradReducer
+from zero_core.zero.stage_1_and_2_access import PartitionedStateAccess
+from zero_core.zero.stage_1_and_2_checkpoint import PartitionedCheckpointing
 
 logger = logging.getLogger(__name__)
 _round_robin_logged = False
@@ -168,7 +170,7 @@ def gather_shards(
         w.wait()
 
 
-class PartitionedOptimizerStrategy:
+class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedCheckpointing):
     """The :class:`~zero_core.engine.strategy.TrainingStrategy` of ZeRO stages 1 and 2.
 
     See [Note: optimizer on a shard] and [Note: partitioned gradient reduction].
@@ -480,140 +482,6 @@ class PartitionedOptimizerStrategy:
                 m.copy_(saved)
         self._publish_params()
 
-    # -- safe_get / safe_set owner protocol (see zero_core/zero/debug_access.py) ------
-    def _own_segments(self, g: int, i: int) -> list[tuple[int, int, int]]:
-        """(shard offset, param flat offset, length) of param ``i``'s elements this rank owns."""
-        layout = self.groups[g].layout
-        out = []
-        for chunk, s in layout.chunks_of_param(i):
-            a, b = chunk.piece_range(self._ranks[g])
-            lo = max(a, chunk.start + s.chunk_lo)
-            hi = min(b, chunk.start + s.chunk_lo + s.numel)
-            if hi > lo:
-                out.append(
-                    (
-                        layout.shard_offsets[chunk.index] + lo - a,
-                        s.param_lo + lo - (chunk.start + s.chunk_lo),
-                        hi - lo,
-                    )
-                )
-        return out
-
-    def _gather_param(self, p: torch.nn.Parameter, shard: torch.Tensor) -> torch.Tensor:
-        g, i = p._zero_location
-        layout = self.groups[g].layout
-        out = torch.empty(p.numel(), dtype=torch.float32, device=p.device)
-        for chunk, s in layout.chunks_of_param(i):
-            so = layout.shard_offsets[chunk.index]
-            full = torch.empty(chunk.padded, dtype=torch.float32, device=p.device)
-            comm.all_gather_into_tensor(
-                full, shard[so : so + chunk.piece].float().contiguous(), group=self.groups[g].group
-            )
-            out[s.param_lo : s.param_hi].copy_(full[s.chunk_lo : s.chunk_lo + s.numel])
-        return out.view(p.shape)
-
-    def _state_shard(self, p: torch.nn.Parameter, key: str) -> torch.Tensor:
-        g, _ = p._zero_location
-        st = self._optimizer_state(g)
-        if key not in st:
-            raise KeyError(
-                f"optimizer state '{key}' does not exist for this parameter (known: {sorted(st)}); "
-                "states exist after the first optimizer step"
-            )
-        return st[key]
-
-    def full_fp32_param(self, p: torch.nn.Parameter) -> torch.Tensor:
-        return self._gather_param(p, self.masters[p._zero_location[0]].detach())
-
-    def full_grad(self, p: torch.nn.Parameter) -> torch.Tensor:
-        """The reduced gradient, divided by the current loss scale (fp16; 1 otherwise)."""
-        full = self._gather_param(p, self.reducer.shard_grad(p._zero_location[0]))
-        scale = self._loss_scale()
-        return full.div_(scale) if scale != 1.0 else full
-
-    def full_optimizer_state(self, p: torch.nn.Parameter, key: str) -> torch.Tensor:
-        st = self._state_shard(p, key)
-        if st.shape != self.masters[p._zero_location[0]].shape:
-            return st.clone()  # a scalar state such as Adam's "step"
-        return self._gather_param(p, st)
-
-    # Local views: the elements of a parameter this rank owns, in the parameter's flat order (a
-    # 1-D tensor, possibly empty; with several chunks the owned elements need not be adjacent).
-    # No communication.
-    def _local(self, p: torch.nn.Parameter, shard: torch.Tensor) -> torch.Tensor:
-        g, i = p._zero_location
-        segs = self._own_segments(g, i)
-        return torch.cat([shard[so : so + n] for so, _, n in segs]) if segs else shard[:0].clone()
-
-    def _set_local(self, p: torch.nn.Parameter, shard: torch.Tensor, value: torch.Tensor, where: str) -> None:
-        g, i = p._zero_location
-        segs = self._own_segments(g, i)
-        want = sum(n for _, _, n in segs)
-        flat = value.detach().reshape(-1)
-        if flat.numel() != want:
-            raise ValueError(
-                f"{where}: this rank owns {want} elements of the parameter (see safe_get_local_*), "
-                f"the value has {flat.numel()}"
-            )
-        k = 0
-        for so, _, n in segs:
-            shard[so : so + n].copy_(flat[k : k + n])
-            k += n
-
-    def local_fp32_param(self, p: torch.nn.Parameter) -> torch.Tensor:
-        return self._local(p, self.masters[p._zero_location[0]].detach())
-
-    def local_grad(self, p: torch.nn.Parameter) -> torch.Tensor:
-        scale = self._loss_scale()
-        local = self._local(p, self.reducer.shard_grad(p._zero_location[0])).float()
-        return local / scale if scale != 1.0 else local
-
-    def local_optimizer_state(self, p: torch.nn.Parameter, key: str) -> torch.Tensor:
-        st = self._state_shard(p, key)
-        if st.shape != self.masters[p._zero_location[0]].shape:
-            return st.clone()
-        return self._local(p, st)
-
-    @torch.no_grad()
-    def set_local_fp32_param(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
-        """Write this rank's owned elements into the master and this rank's module copy of them.
-
-        Other ranks' module copies see the new values after the next step's all-gather.
-        """
-        g, i = p._zero_location
-        self._set_local(p, self.masters[g], value.to(torch.float32), "safe_set_local_fp32_param")
-        # the module's own (possibly 16-bit) copy of those elements follows the master at once
-        out = p.data.view(-1)
-        for so, po, n in self._own_segments(g, i):
-            out[po : po + n].copy_(self.masters[g][so : so + n])
-
-    @torch.no_grad()
-    def set_local_optimizer_state(self, p: torch.nn.Parameter, value: torch.Tensor, key: str) -> None:
-        st = self._state_shard(p, key)
-        if st.shape != self.masters[p._zero_location[0]].shape:
-            st.copy_(value)
-            return
-        self._set_local(p, st, value.to(st.dtype), "safe_set_local_optimizer_state")
-
-    @torch.no_grad()
-    def set_full_fp32_param(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
-        g, i = p._zero_location
-        flat = value.detach().reshape(-1).to(torch.float32)
-        for so, po, n in self._own_segments(g, i):
-            self.masters[g][so : so + n].copy_(flat[po : po + n])
-        p.data.copy_(value.detach().to(p.dtype).view_as(p))  # every rank holds the full value: no comm
-
-    @torch.no_grad()
-    def set_full_optimizer_state(self, p: torch.nn.Parameter, value: torch.Tensor, key: str) -> None:
-        st = self._state_shard(p, key)
-        g, i = p._zero_location
-        if st.shape != self.masters[g].shape:
-            st.copy_(value)
-            return
-        flat = value.detach().reshape(-1).to(st.dtype)
-        for so, po, n in self._own_segments(g, i):
-            st[so : so + n].copy_(flat[po : po + n])
-
     # -- optimizer offload (zero-offload; see [Note: optimizer offload hook] there) ----------
     def _optimizer_state(self, g: int) -> dict[str, Any]:
         """Group ``g``'s optimizer state in torch's format, read from its offload store if any."""
@@ -626,103 +494,3 @@ class PartitionedOptimizerStrategy:
         """Release offload resources (swap files); the engine's ``destroy()`` calls it."""
         if self.offload is not None:
             self.offload.close()
-
-    # -- checkpointing (zero_core.checkpoint; see [Note: checkpoint format] in checkpoint/format.py) --
-    def checkpoint_fragments(self, exclude_frozen_parameters: bool = False) -> list[Any]:
-        """The fp32 master and optimizer-state segments this rank's shard holds, named per parameter.
-
-        Rank 0 adds the whole module weights that the masters do not already give exactly (16-bit
-        weights, frozen parameters) and the per-group scalar states (Adam's ``step``).
-        """
-        from zero_core.checkpoint.fragments import FP32, Fragment, optimizer_state_fragments
-        from zero_core.checkpoint.replicated import module_fragments
-
-        out = []
-        if self.rank == 0:
-            partitioned = {n for gg in self.groups for n in gg.names}
-            out = [
-                f
-                for f in module_fragments(self.module, exclude_frozen_parameters=exclude_frozen_parameters)
-                if self.dtype != torch.float32 or f.name not in partitioned
-            ]
-        for g, gg in enumerate(self.groups):
-            master = self.masters[g].detach()
-            state = self._optimizer_state(g)
-            for i, (p, name) in enumerate(zip(gg.params, gg.names)):
-                segments = self._own_segments(g, i)
-                for so, po, n in segments:
-                    out.append(Fragment(name, FP32, tuple(p.shape), po, po + n, master[so : so + n]))
-                out += optimizer_state_fragments(
-                    name,
-                    tuple(p.shape),
-                    state,
-                    segments,
-                    elementwise_numel=master.numel(),
-                    emit_scalars=self._ranks[g] == 0,  # once per (expert) group
-                )
-        return out
-
-    @torch.no_grad()
-    def load_checkpoint_fragments(
-        self,
-        reader: Any,
-        *,
-        load_optimizer_states: bool = True,
-        load_module_only: bool = False,
-        strict: bool = True,
-    ) -> None:
-        """Whole module weights, then this rank's master segments and optimizer states, from any layout.
-
-        Every range is read in place, into the live masters and optimizer states (see [Note:
-        loading into the live state] in checkpoint/inplace.py); under an engine load those reads
-        complete in the reader's single pass (see [Note: single-pass load]), which an offload
-        store, taking the values at once, must wait for.
-        """
-        from zero_core.checkpoint.fragments import FP32, OPTIM_PREFIX, PARAM
-        from zero_core.checkpoint.inplace import state_buffer, zero_uncovered
-        from zero_core.checkpoint.replicated import load_module_params
-
-        load_module_params(reader, self.module, strict=strict)
-        handoff: list[tuple[torch.Tensor, dict[str, Any]]] = []  # (master, state) for the offload store
-        for g, gg in enumerate(self.groups):
-            master = self.masters[g].detach()
-            owned = [
-                (name, self._own_segments(g, i))
-                for i, name in enumerate(gg.names)
-                if reader.has(name, FP32) or reader.has(name, PARAM)
-            ]
-            for name, segments in owned:
-                # See [Note: fp32 master aliasing]: the module weights loaded above are the master
-                if self.master_aliases_params and reader.fp32_module_value_is_master(name):
-                    continue
-                for so, po, n in segments:
-                    reader.read_fp32_into(master[so : so + n], name, po)
-            if not load_optimizer_states or load_module_only or not owned:
-                continue
-            first = owned[0][0]
-            live = self.optimizer.state.get(self.masters[g], {}) if self.offload is None else {}
-            state: dict[str, Any] = {}
-            for key in reader.optimizer_keys(first):
-                kind = OPTIM_PREFIX + key
-                if not reader.is_elementwise(first, kind):
-                    # per group: the same for all its params
-                    state[key] = reader.read_optimizer_state(first, key)
-                    continue
-                buf = state_buffer(live.get(key), master.numel(), reader.dtype(first, kind), master.device)
-                covered = []
-                for name, segments in owned:
-                    for so, po, n in segments:
-                        reader.read_into(buf[so : so + n], name, kind, po)
-                        covered.append((so, so + n))
-                zero_uncovered(buf, covered)  # padding and parameters absent from the checkpoint
-                state[key] = buf.view(master.shape)
-            if state:
-                if self.offload is not None:
-                    handoff.append((self.masters[g], state))
-                else:
-                    self.optimizer.state[self.masters[g]] = state
-        if self.offload is not None:
-            reader.finish_single_pass()  # the store copies the values: they must be read (collective)
-            for m, state in handoff:
-                self.offload.load_state(self.optimizer, m, state)
-            self.offload.refresh_low_precision()

@@ -1,0 +1,150 @@
+"""ZeRO stages 1 and 2: the safe_get / safe_set owner protocol (full and local values of a parameter's
+fp32 master, gradient and optimizer states), for :class:`~zero_core.zero.stage_1_and_2.PartitionedOptimizerStrategy`.
+
+A mixin: it reads the strategy's groups, masters and ranks; see ``zero_core/zero/debug_access.py`` for
+the public functions that dispatch here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zero_core import comm
+
+
+class PartitionedStateAccess:
+    """Per-parameter views of a partitioned optimizer's state (mixed into the stage 1/2 strategy)."""
+
+    # -- safe_get / safe_set owner protocol (see zero_core/zero/debug_access.py) ------
+    def _own_segments(self, g: int, i: int) -> list[tuple[int, int, int]]:
+        """(shard offset, param flat offset, length) of param ``i``'s elements this rank owns."""
+        layout = self.groups[g].layout
+        out = []
+        for chunk, s in layout.chunks_of_param(i):
+            a, b = chunk.piece_range(self._ranks[g])
+            lo = max(a, chunk.start + s.chunk_lo)
+            hi = min(b, chunk.start + s.chunk_lo + s.numel)
+            if hi > lo:
+                out.append(
+                    (
+                        layout.shard_offsets[chunk.index] + lo - a,
+                        s.param_lo + lo - (chunk.start + s.chunk_lo),
+                        hi - lo,
+                    )
+                )
+        return out
+
+    def _gather_param(self, p: torch.nn.Parameter, shard: torch.Tensor) -> torch.Tensor:
+        g, i = p._zero_location
+        layout = self.groups[g].layout
+        out = torch.empty(p.numel(), dtype=torch.float32, device=p.device)
+        for chunk, s in layout.chunks_of_param(i):
+            so = layout.shard_offsets[chunk.index]
+            full = torch.empty(chunk.padded, dtype=torch.float32, device=p.device)
+            comm.all_gather_into_tensor(
+                full, shard[so : so + chunk.piece].float().contiguous(), group=self.groups[g].group
+            )
+            out[s.param_lo : s.param_hi].copy_(full[s.chunk_lo : s.chunk_lo + s.numel])
+        return out.view(p.shape)
+
+    def _state_shard(self, p: torch.nn.Parameter, key: str) -> torch.Tensor:
+        g, _ = p._zero_location
+        st = self._optimizer_state(g)
+        if key not in st:
+            raise KeyError(
+                f"optimizer state '{key}' does not exist for this parameter (known: {sorted(st)}); "
+                "states exist after the first optimizer step"
+            )
+        return st[key]
+
+    def full_fp32_param(self, p: torch.nn.Parameter) -> torch.Tensor:
+        return self._gather_param(p, self.masters[p._zero_location[0]].detach())
+
+    def full_grad(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """The reduced gradient, divided by the current loss scale (fp16; 1 otherwise)."""
+        full = self._gather_param(p, self.reducer.shard_grad(p._zero_location[0]))
+        scale = self._loss_scale()
+        return full.div_(scale) if scale != 1.0 else full
+
+    def full_optimizer_state(self, p: torch.nn.Parameter, key: str) -> torch.Tensor:
+        st = self._state_shard(p, key)
+        if st.shape != self.masters[p._zero_location[0]].shape:
+            return st.clone()  # a scalar state such as Adam's "step"
+        return self._gather_param(p, st)
+
+    # Local views: the elements of a parameter this rank owns, in the parameter's flat order (a
+    # 1-D tensor, possibly empty; with several chunks the owned elements need not be adjacent).
+    # No communication.
+    def _local(self, p: torch.nn.Parameter, shard: torch.Tensor) -> torch.Tensor:
+        g, i = p._zero_location
+        segs = self._own_segments(g, i)
+        return torch.cat([shard[so : so + n] for so, _, n in segs]) if segs else shard[:0].clone()
+
+    def _set_local(self, p: torch.nn.Parameter, shard: torch.Tensor, value: torch.Tensor, where: str) -> None:
+        g, i = p._zero_location
+        segs = self._own_segments(g, i)
+        want = sum(n for _, _, n in segs)
+        flat = value.detach().reshape(-1)
+        if flat.numel() != want:
+            raise ValueError(
+                f"{where}: this rank owns {want} elements of the parameter (see safe_get_local_*), "
+                f"the value has {flat.numel()}"
+            )
+        k = 0
+        for so, _, n in segs:
+            shard[so : so + n].copy_(flat[k : k + n])
+            k += n
+
+    def local_fp32_param(self, p: torch.nn.Parameter) -> torch.Tensor:
+        return self._local(p, self.masters[p._zero_location[0]].detach())
+
+    def local_grad(self, p: torch.nn.Parameter) -> torch.Tensor:
+        scale = self._loss_scale()
+        local = self._local(p, self.reducer.shard_grad(p._zero_location[0])).float()
+        return local / scale if scale != 1.0 else local
+
+    def local_optimizer_state(self, p: torch.nn.Parameter, key: str) -> torch.Tensor:
+        st = self._state_shard(p, key)
+        if st.shape != self.masters[p._zero_location[0]].shape:
+            return st.clone()
+        return self._local(p, st)
+
+    @torch.no_grad()
+    def set_local_fp32_param(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
+        """Write this rank's owned elements into the master and this rank's module copy of them.
+
+        Other ranks' module copies see the new values after the next step's all-gather.
+        """
+        g, i = p._zero_location
+        self._set_local(p, self.masters[g], value.to(torch.float32), "safe_set_local_fp32_param")
+        # the module's own (possibly 16-bit) copy of those elements follows the master at once
+        out = p.data.view(-1)
+        for so, po, n in self._own_segments(g, i):
+            out[po : po + n].copy_(self.masters[g][so : so + n])
+
+    @torch.no_grad()
+    def set_local_optimizer_state(self, p: torch.nn.Parameter, value: torch.Tensor, key: str) -> None:
+        st = self._state_shard(p, key)
+        if st.shape != self.masters[p._zero_location[0]].shape:
+            st.copy_(value)
+            return
+        self._set_local(p, st, value.to(st.dtype), "safe_set_local_optimizer_state")
+
+    @torch.no_grad()
+    def set_full_fp32_param(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
+        g, i = p._zero_location
+        flat = value.detach().reshape(-1).to(torch.float32)
+        for so, po, n in self._own_segments(g, i):
+            self.masters[g][so : so + n].copy_(flat[po : po + n])
+        p.data.copy_(value.detach().to(p.dtype).view_as(p))  # every rank holds the full value: no comm
+
+    @torch.no_grad()
+    def set_full_optimizer_state(self, p: torch.nn.Parameter, value: torch.Tensor, key: str) -> None:
+        st = self._state_shard(p, key)
+        g, i = p._zero_location
+        if st.shape != self.masters[g].shape:
+            st.copy_(value)
+            return
+        flat = value.detach().reshape(-1).to(st.dtype)
+        for so, po, n in self._own_segments(g, i):
+            st[so : so + n].copy_(flat[po : po + n])

@@ -1,0 +1,116 @@
+"""ZeRO stages 1 and 2: checkpoint fragments out and in, for
+:class:`~zero_core.zero.stage_1_and_2.PartitionedOptimizerStrategy`.
+
+A mixin: it reads the strategy's groups, masters, optimizer and offload store; the format and the
+reader are ``zero_core.checkpoint``'s (see [Note: checkpoint format] in checkpoint/format.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class PartitionedCheckpointing:
+    """Saving and loading a partitioned optimizer's shards (mixed into the stage 1/2 strategy)."""
+
+    # -- checkpointing (zero_core.checkpoint; see [Note: checkpoint format] in checkpoint/format.py) --
+    def checkpoint_fragments(self, exclude_frozen_parameters: bool = False) -> list[Any]:
+        """The fp32 master and optimizer-state segments this rank's shard holds, named per parameter.
+
+        Rank 0 adds the whole module weights that the masters do not already give exactly (16-bit
+        weights, frozen parameters) and the per-group scalar states (Adam's ``step``).
+        """
+        from zero_core.checkpoint.fragments import FP32, Fragment, optimizer_state_fragments
+        from zero_core.checkpoint.replicated import module_fragments
+
+        out = []
+        if self.rank == 0:
+            partitioned = {n for gg in self.groups for n in gg.names}
+            out = [
+                f
+                for f in module_fragments(self.module, exclude_frozen_parameters=exclude_frozen_parameters)
+                if self.dtype != torch.float32 or f.name not in partitioned
+            ]
+        for g, gg in enumerate(self.groups):
+            master = self.masters[g].detach()
+            state = self._optimizer_state(g)
+            for i, (p, name) in enumerate(zip(gg.params, gg.names)):
+                segments = self._own_segments(g, i)
+                for so, po, n in segments:
+                    out.append(Fragment(name, FP32, tuple(p.shape), po, po + n, master[so : so + n]))
+                out += optimizer_state_fragments(
+                    name,
+                    tuple(p.shape),
+                    state,
+                    segments,
+                    elementwise_numel=master.numel(),
+                    emit_scalars=self._ranks[g] == 0,  # once per (expert) group
+                )
+        return out
+
+    @torch.no_grad()
+    def load_checkpoint_fragments(
+        self,
+        reader: Any,
+        *,
+        load_optimizer_states: bool = True,
+        load_module_only: bool = False,
+        strict: bool = True,
+    ) -> None:
+        """Whole module weights, then this rank's master segments and optimizer states, from any layout.
+
+        Every range is read in place, into the live masters and optimizer states (see [Note:
+        loading into the live state] in checkpoint/inplace.py); under an engine load those reads
+        complete in the reader's single pass (see [Note: single-pass load]), which an offload
+        store, taking the values at once, must wait for.
+        """
+        from zero_core.checkpoint.fragments import FP32, OPTIM_PREFIX, PARAM
+        from zero_core.checkpoint.inplace import state_buffer, zero_uncovered
+        from zero_core.checkpoint.replicated import load_module_params
+
+        load_module_params(reader, self.module, strict=strict)
+        handoff: list[tuple[torch.Tensor, dict[str, Any]]] = []  # (master, state) for the offload store
+        for g, gg in enumerate(self.groups):
+            master = self.masters[g].detach()
+            owned = [
+                (name, self._own_segments(g, i))
+                for i, name in enumerate(gg.names)
+                if reader.has(name, FP32) or reader.has(name, PARAM)
+            ]
+            for name, segments in owned:
+                # See [Note: fp32 master aliasing]: the module weights loaded above are the master
+                if self.master_aliases_params and reader.fp32_module_value_is_master(name):
+                    continue
+                for so, po, n in segments:
+                    reader.read_fp32_into(master[so : so + n], name, po)
+            if not load_optimizer_states or load_module_only or not owned:
+                continue
+            first = owned[0][0]
+            live = self.optimizer.state.get(self.masters[g], {}) if self.offload is None else {}
+            state: dict[str, Any] = {}
+            for key in reader.optimizer_keys(first):
+                kind = OPTIM_PREFIX + key
+                if not reader.is_elementwise(first, kind):
+                    # per group: the same for all its params
+                    state[key] = reader.read_optimizer_state(first, key)
+                    continue
+                buf = state_buffer(live.get(key), master.numel(), reader.dtype(first, kind), master.device)
+                covered = []
+                for name, segments in owned:
+                    for so, po, n in segments:
+                        reader.read_into(buf[so : so + n], name, kind, po)
+                        covered.append((so, so + n))
+                zero_uncovered(buf, covered)  # padding and parameters absent from the checkpoint
+                state[key] = buf.view(master.shape)
+            if state:
+                if self.offload is not None:
+                    handoff.append((self.masters[g], state))
+                else:
+                    self.optimizer.state[self.masters[g]] = state
+        if self.offload is not None:
+            reader.finish_single_pass()  # the store copies the values: they must be read (collective)
+            for m, state in handoff:
+                self.offload.load_state(self.optimizer, m, state)
+            self.offload.refresh_low_precision()
