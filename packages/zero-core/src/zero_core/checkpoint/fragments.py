@@ -307,6 +307,19 @@ class CheckpointReader:
             raise CheckpointError(f"range [{start}, {end}) is outside {kind}:{name} of {numel} elements")
         out = None
         self.touched_state = True
+        for pos, take, lo, rank, key in self._covering_pieces(entry, name, kind, start, end):
+            piece = self._file(rank).read(key, pos - lo, take - lo)
+            if out is None and pos == start and take == end:
+                return piece
+            if out is None:
+                out = torch.empty(end - start, dtype=entry.dtype)
+            out[pos - start : take - start].copy_(piece)
+        return out if out is not None else torch.empty(0, dtype=entry.dtype)
+
+    def _covering_pieces(self, entry: _Entry, name: str, kind: str, start: int, end: int) -> Any:
+        """``(pos, take, lo, rank, key)`` for each stored piece covering elements ``[start, end)`` in
+        order: elements ``[pos, take)`` come from the piece starting at ``lo`` in ``rank``'s file.
+        Raises if the pieces leave a gap."""
         pos = start
         for lo, hi, rank, key in entry.pieces:
             if pos >= end:
@@ -316,19 +329,13 @@ class CheckpointReader:
             if lo > pos:
                 break
             take = min(hi, end)
-            piece = self._file(rank).read(key, pos - lo, take - lo)
-            if out is None and pos == start and take == end:
-                return piece
-            if out is None:
-                out = torch.empty(end - start, dtype=entry.dtype)
-            out[pos - start : take - start].copy_(piece)
+            yield pos, take, lo, rank, key
             pos = take
         if pos < end:
             raise CheckpointError(
                 f"checkpoint {self.tag_dir} does not hold elements [{pos}, {end}) of {kind}:{name} "
                 "(a rank file is missing from the fragment tables?)"
             )
-        return out if out is not None else torch.empty(0, dtype=entry.dtype)
 
     def read_into(self, out: torch.Tensor, name: str, kind: str, start: int = 0) -> None:
         """Fill ``out`` with elements ``[start, start + out.numel())`` of the flattened value.
@@ -358,15 +365,7 @@ class CheckpointReader:
             raise CheckpointError(f"range [{start}, {end}) is outside {kind}:{name} of {numel} elements")
         flat = out.detach().view(-1)
         self.touched_state = True
-        pos = start
-        for lo, hi, rank, key in entry.pieces:
-            if pos >= end:
-                break
-            if hi <= pos:
-                continue
-            if lo > pos:
-                break
-            take = min(hi, end)
+        for pos, take, lo, rank, key in self._covering_pieces(entry, name, kind, start, end):
             f = self._file(rank)
             dest = flat[pos - start : take - start]
             if self._plan is not None and rank not in self._verified:
@@ -375,12 +374,6 @@ class CheckpointReader:
                     self._plan[rank].append((offset, byte_view(dest)))
             else:
                 f.read_into(dest, key, pos - lo)
-            pos = take
-        if pos < end:
-            raise CheckpointError(
-                f"checkpoint {self.tag_dir} does not hold elements [{pos}, {end}) of {kind}:{name} "
-                "(a rank file is missing from the fragment tables?)"
-            )
 
     @staticmethod
     def _numel(entry: _Entry) -> int:
