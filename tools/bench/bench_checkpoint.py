@@ -145,6 +145,28 @@ def _dd(workdir: str) -> tuple[float, float]:
     return rate(w.stderr), rate(r.stderr)
 
 
+def _dd_read(path: str) -> float:
+    """GB/s of one O_DIRECT sequential read of ``path``.
+
+    [Note: bracketing dd reads]
+    The disk behind this machine is shared and its read bandwidth drifts by 2-3x within a run
+    (runs of 2026-11-22: dd's O_DIRECT read 0.95-2.97 GB/s in one run, 1.2 GB/s medians during the
+    stage-2 reps and 2.8 GB/s during the stage-3 reps of the same run), so a cold load compared with
+    the run's median dd read says as much about when it ran as about the load. Every cold load is
+    therefore also bracketed: rank 0 reads a 1 GiB reference file with dd (O_DIRECT, so the page
+    cache plays no part) right before and right after the load, and the load's rate is divided
+    by the mean of the two. The table reports the median of these per-rep ratios next to the
+    ratio to the run's median.
+    """
+    r = subprocess.run(
+        ["dd", f"if={path}", "of=/dev/null", "bs=16M", "iflag=direct"], capture_output=True, text=True
+    )
+    m = re.search(r"(\d+) bytes.*copied, ([\d.]+) s", r.stderr)
+    if m is None:
+        raise RuntimeError(f"dd read of {path} failed: {r.stderr}")
+    return int(m.group(1)) / float(m.group(2)) / 1e9
+
+
 def _wait_turn(ctl: str, name: str, limit: float = 900.0) -> None:
     """Block until the conductor creates ``ctl/name`` (the file handshake that interleaves workers)."""
     deadline = time.monotonic() + limit
@@ -158,7 +180,7 @@ def _signal(ctl: str, name: str) -> None:
     open(os.path.join(ctl, name), "w").close()
 
 
-def _zero_rank(workdir: str, stage: int, reps: int, ctl: str) -> dict:
+def _zero_rank(workdir: str, stage: int, reps: int, ctl: str, dd_ref: str) -> dict:
     """One zero rank, alive for all reps of a stage; rep i runs when the conductor says so."""
     import torch.distributed as dist
     import zero_core
@@ -167,7 +189,7 @@ def _zero_rank(workdir: str, stage: int, reps: int, ctl: str) -> dict:
     engine.backward(engine(_input()).pow(2).mean())
     engine.step()
     rank = dist.get_rank()
-    saves, loads, cold, evicted = [], [], [], []
+    saves, loads, cold, evicted, bracket = [], [], [], [], []
     for i in range(reps):
         _wait_turn(ctl, f"go_zero_{i}")
         d = os.path.join(workdir, f"zero_s{stage}_{i}")  # a fresh directory: a first save, not a replace
@@ -183,16 +205,18 @@ def _zero_rank(workdir: str, stage: int, reps: int, ctl: str) -> dict:
         loads.append(time.perf_counter() - t0)
         if rank == 0:
             evicted.append(_evict(d))  # See [Note: cold-cache loads]
+            before = _dd_read(dd_ref)  # See [Note: bracketing dd reads]
         dist.barrier()
         t0 = time.perf_counter()
         engine.load_checkpoint(d, tag="t")
         dist.barrier()
         cold.append(time.perf_counter() - t0)
         if rank == 0:
+            bracket.append((before, _dd_read(dd_ref)))
             if i:  # keep the last rep's checkpoint for the conversion runs
                 shutil.rmtree(os.path.join(workdir, f"zero_s{stage}_{i - 1}"))
             _signal(ctl, f"done_zero_{i}")
-    return {"save": saves, "load": loads, "cold": cold, "evicted": evicted}
+    return {"save": saves, "load": loads, "cold": cold, "evicted": evicted, "bracket": bracket}
 
 
 _RSS_WRAPPER = (
@@ -289,7 +313,13 @@ _DS_WORKER = textwrap.dedent(
     import json, os, shutil, sys, time, torch, deepspeed
     import torch.distributed as dist
     stage, out, width, depth = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    reps, ctl = int(sys.argv[5]), sys.argv[6]
+    reps, ctl, dd_ref = int(sys.argv[5]), sys.argv[6], sys.argv[7]
+    import re, subprocess
+    def dd_read():  # the bench's _dd_read
+        r = subprocess.run(["dd", f"if={dd_ref}", "of=/dev/null", "bs=16M", "iflag=direct"],
+                           capture_output=True, text=True)
+        m = re.search(r"(\\d+) bytes.*copied, ([\\d.]+) s", r.stderr)
+        return int(m.group(1)) / float(m.group(2)) / 1e9
     def wait(name):
         deadline = time.monotonic() + 900
         while not os.path.exists(os.path.join(ctl, name)):
@@ -312,7 +342,7 @@ _DS_WORKER = textwrap.dedent(
                 fd = os.open(os.path.join(d, f), os.O_RDONLY)
                 os.fsync(fd); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED); os.close(fd)
         return before - cached()
-    saves, loads, cold, evicted = [], [], [], []
+    saves, loads, cold, evicted, bracket = [], [], [], [], []
     for i in range(reps):
         wait(f"go_ds_{i}")
         dist.barrier(); t0 = time.perf_counter()
@@ -323,25 +353,30 @@ _DS_WORKER = textwrap.dedent(
         dist.barrier(); loads.append(time.perf_counter() - t0)
         if dist.get_rank() == 0:
             evicted.append(evict(os.path.join(out, f"t{i}")))
+            before = dd_read()
         dist.barrier(); t0 = time.perf_counter()
         engine.load_checkpoint(out, tag=f"t{i}")
         dist.barrier(); cold.append(time.perf_counter() - t0)
         if dist.get_rank() == 0:
+            bracket.append((before, dd_read()))
             if i:
                 shutil.rmtree(os.path.join(out, f"t{i - 1}"))
             open(os.path.join(ctl, f"done_ds_{i}"), "w").close()
     if dist.get_rank() == 0:
-        print("DS_RESULT", json.dumps({"save": saves, "load": loads, "cold": cold, "evicted": evicted}))
+        print("DS_RESULT", json.dumps({"save": saves, "load": loads, "cold": cold, "evicted": evicted,
+                                       "bracket": bracket}))
     """
 )
 
 
-def _start_deepspeed(ds_python: str, workdir: str, stage: int, reps: int, ctl: str) -> subprocess.Popen:
+def _start_deepspeed(
+    ds_python: str, workdir: str, stage: int, reps: int, ctl: str, dd_ref: str
+) -> subprocess.Popen:
     script = os.path.join(workdir, "ds_worker.py")
     with open(script, "w") as f:
         f.write(_DS_WORKER)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    args = [str(stage), os.path.join(workdir, f"ds_s{stage}"), str(WIDTH), str(DEPTH), str(reps), ctl]
+    args = [str(stage), os.path.join(workdir, f"ds_s{stage}"), str(WIDTH), str(DEPTH), str(reps), ctl, dd_ref]
     return subprocess.Popen(
         [ds_python, "-m", "torch.distributed.run", "--nproc_per_node", "2", script, *args],
         stdout=subprocess.PIPE,
@@ -386,19 +421,23 @@ def _spread(xs: list[float]) -> str:
     return f"{statistics.median(xs):.2f} [{min(xs):.2f}-{max(xs):.2f}]"
 
 
-def _run_stage(stage, args, workdir, ref, have_ds, dd_w, dd_r, loadavg) -> dict:
+def _run_stage(stage, args, workdir, ref, have_ds, dd_w, dd_r, loadavg, dd_ref) -> dict:
     """Every rep of one stage, both implementations alive throughout (see [Note: interleaving])."""
     from zero_core.testing import run_multirank
 
-    keys = ["save", "load", "cold", "evicted", "conv"]
+    keys = ["save", "load", "cold", "evicted", "bracket", "conv"]
     s = {k: [] for k in keys + [f"ds_{k}" for k in keys]}
     ctl = tempfile.mkdtemp(prefix="ctl_", dir=workdir)
-    ds_proc = _start_deepspeed(args.ds_python, workdir, stage, args.reps, ctl) if have_ds else None
+    ds_proc = _start_deepspeed(args.ds_python, workdir, stage, args.reps, ctl, dd_ref) if have_ds else None
     zero_out: list = []
 
     def zero_workers() -> None:
         zero_out.append(
-            _catch(lambda: run_multirank(_zero_rank, 2, args=(workdir, stage, args.reps, ctl), timeout=1800))
+            _catch(
+                lambda: run_multirank(
+                    _zero_rank, 2, args=(workdir, stage, args.reps, ctl, dd_ref), timeout=1800
+                )
+            )
         )
 
     zero_thread = threading.Thread(target=zero_workers)
@@ -423,12 +462,12 @@ def _run_stage(stage, args, workdir, ref, have_ds, dd_w, dd_r, loadavg) -> dict:
     res = zero_out[0]
     if isinstance(res, BaseException):
         raise res
-    for k in ("save", "load", "cold", "evicted"):
+    for k in ("save", "load", "cold", "evicted", "bracket"):
         s[k] = res[0][k]
     if ds_proc is not None:
         ds = _finish_deepspeed(ds_proc, args.ds_python, workdir, stage, ref)
         s["ds_save"], s["ds_load"], s["ds_conv"] = ds["save"], ds["load"], [ds["convert"]]
-        s["ds_cold"], s["ds_evicted"] = ds["cold"], ds["evicted"]
+        s["ds_cold"], s["ds_evicted"], s["ds_bracket"] = ds["cold"], ds["evicted"], ds["bracket"]
         s["ds_bytes"], s["ds_out_bytes"], s["ds_max_diff"] = ds["bytes"], ds["out_bytes"], ds["max_diff"]
     d = os.path.join(workdir, f"zero_s{stage}_{args.reps - 1}")
     s["bytes"] = _du(os.path.join(d, "t"))
@@ -451,6 +490,7 @@ def main() -> None:
     ap.add_argument(
         "--workdir", default=None, help="scratch directory on the disk to measure (default: a tmp dir)"
     )
+    ap.add_argument("--raw", default=None, help="also write every rep's raw timings to this JSON file")
     args = ap.parse_args()
 
     ref = _reference()
@@ -463,8 +503,14 @@ def main() -> None:
         # each, so the slow DeepSpeed start-up is paid once) and take turns through a file
         # handshake: zero rep i, DeepSpeed rep i, dd, zero rep i + 1, ... so drift in the shared
         # machine's load hits every column alike.
+        dd_ref = os.path.join(workdir, "dd_ref.bin")  # See [Note: bracketing dd reads]
+        subprocess.run(
+            ["dd", "if=/dev/zero", f"of={dd_ref}", "bs=16M", "count=64", "conv=fdatasync"],
+            check=True,
+            capture_output=True,
+        )
         for stage in (2, 3):
-            stats[stage] = _run_stage(stage, args, workdir, ref, have_ds, dd_w, dd_r, loadavg)
+            stats[stage] = _run_stage(stage, args, workdir, ref, have_ds, dd_w, dd_r, loadavg, dd_ref)
         syn = os.path.join(workdir, "syn")
         n = _synthetic(syn, args.synthetic_params, tensors=12)
         for shard in ("400MB",):
@@ -487,6 +533,9 @@ def main() -> None:
             shutil.rmtree(os.path.join(workdir, "sy"))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    if args.raw:
+        with open(args.raw, "w") as f:
+            json.dump({"stats": stats, "dd_write": dd_w, "dd_read": dd_r, "loadavg": loadavg}, f, indent=1)
     _report(stats, conv_rows, dd_w, dd_r, loadavg, args, have_ds)
 
 
@@ -522,7 +571,8 @@ def _report(stats, conv_rows, dd_w, dd_r, loadavg, args, have_ds) -> None:
         "file handshake (zero rep i, DeepSpeed rep i, dd, zero rep i+1, ...); each rep saves into a fresh "
         "directory, loads it back right away (warm: from the page cache), then fsyncs every checkpoint file, "
         "drops it from the page cache (posix_fadvise DONTNEED) and loads it again (cold: from the disk, as "
-        "dd's O_DIRECT read); median [min-max]",
+        "dd's O_DIRECT read), rank 0 reading a 1 GiB reference file with dd right before and right after each "
+        "cold load (see [Note: bracketing dd reads]); median [min-max]",
         f"- 1-minute load average at each rep: median {statistics.median(loadavg):.1f} "
         f"[{min(loadavg):.1f}-{max(loadavg):.1f}] (other engineers' jobs share the 2 cores and the disk)",
         f"- disk sequential bandwidth, same run ({len(dd_w)} samples): write {_spread(dd_w)} GB/s "
@@ -540,18 +590,31 @@ def _report(stats, conv_rows, dd_w, dd_r, loadavg, args, have_ds) -> None:
         "- eviction check: /proc/meminfo Cached fell per eviction (median) by " + ", ".join(evict),
         "",
         "| stage | impl | save s | save GB/s | vs dd write | warm load s | GB/s | vs dd read "
-        "| cold load s | GB/s | vs dd read | bytes on disk |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| cold load s | GB/s | vs dd read | vs bracketing dd reads | bytes on disk |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for stage, s in stats.items():
-        impls = [("zero", s["save"], s["load"], s["cold"], s["bytes"])]
+        impls = [("zero", s["save"], s["load"], s["cold"], s["bytes"], s["bracket"])]
         if have_ds:
-            impls.append((f"DeepSpeed {ds_version}", s["ds_save"], s["ds_load"], s["ds_cold"], s["ds_bytes"]))
-        for name, sv, ld, cl, nb in impls:
+            impls.append(
+                (
+                    f"DeepSpeed {ds_version}",
+                    s["ds_save"],
+                    s["ds_load"],
+                    s["ds_cold"],
+                    s["ds_bytes"],
+                    s["ds_bracket"],
+                )
+            )
+        for name, sv, ld, cl, nb, br in impls:
+            # per rep: the load's rate over the mean of the dd reads around it (see [Note: bracketing dd reads])
+            paired = [nb / t / 1e9 / ((a + b) / 2) for t, (a, b) in zip(cl, br)]
+            refs = [(a + b) / 2 for a, b in br]
             gs, gl, gc = nb / med(sv) / 1e9, nb / med(ld) / 1e9, nb / med(cl) / 1e9
             lines.append(
                 f"| {stage} | {name} | {_spread(sv)} | {gs:.2f} | {gs / w:.0%} | {_spread(ld)} | {gl:.2f} | "
-                f"{gl / r:.0%} | {_spread(cl)} | {gc:.2f} | {gc / r:.0%} | {nb / 1e6:.0f} MB |"
+                f"{gl / r:.0%} | {_spread(cl)} | {gc:.2f} | {gc / r:.0%} | {med(paired):.0%} "
+                f"[{min(paired):.0%}-{max(paired):.0%}] (dd {_spread(refs)} GB/s) | {nb / 1e6:.0f} MB |"
             )
     lines += [
         "",
