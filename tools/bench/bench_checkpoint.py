@@ -189,6 +189,9 @@ def _zero_rank(workdir: str, stage: int, reps: int, ctl: str, dd_ref: str) -> di
     engine.backward(engine(_input()).pow(2).mean())
     engine.step()
     rank = dist.get_rank()
+    dist.barrier()
+    if rank == 0:
+        _signal(ctl, "ready_zero")  # See [Note: interleaving]
     saves, loads, cold, evicted, bracket = [], [], [], [], []
     for i in range(reps):
         _wait_turn(ctl, f"go_zero_{i}")
@@ -333,6 +336,9 @@ _DS_WORKER = textwrap.dedent(
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     x = torch.randn(1, width, generator=torch.Generator().manual_seed(1))
     engine.backward(engine(x).pow(2).mean()); engine.step()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        open(os.path.join(ctl, "ready_ds"), "w").close()
     def cached():
         return next(int(l.split()[1]) * 1024 for l in open("/proc/meminfo") if l.startswith("Cached:"))
     def evict(path):  # the bench's _evict (see [Note: cold-cache loads] there)
@@ -450,6 +456,15 @@ def _run_stage(stage, args, workdir, ref, have_ds, dd_w, dd_r, loadavg, dd_ref) 
                 raise RuntimeError(f"benchmark worker for {name} exited early: {zero_out or ''}")
             time.sleep(0.05)
 
+    # No rep starts before both implementations finished starting up (imports, model, first step):
+    # DeepSpeed's start-up used to overlap zero's first rep (see [Note: interleaving]).
+    for name, alive in [("zero", zero_thread.is_alive)] + (
+        [("ds", lambda: ds_proc.poll() is None)] if ds_proc is not None else []
+    ):
+        while not os.path.exists(os.path.join(ctl, f"ready_{name}")):
+            if not alive():
+                raise RuntimeError(f"benchmark worker {name} exited during start-up: {zero_out or ''}")
+            time.sleep(0.05)
     for i in range(args.reps):
         loadavg.append(os.getloadavg()[0])
         turn(f"zero_{i}", zero_thread.is_alive)
@@ -502,7 +517,8 @@ def main() -> None:
         # [Note: interleaving] Both implementations stay alive for all reps of a stage (one launch
         # each, so the slow DeepSpeed start-up is paid once) and take turns through a file
         # handshake: zero rep i, DeepSpeed rep i, dd, zero rep i + 1, ... so drift in the shared
-        # machine's load hits every column alike.
+        # machine's load hits every column alike. Rep 0 starts only after both launches have
+        # finished starting up (each signals ready_<name>), so neither's start-up competes with a rep.
         dd_ref = os.path.join(workdir, "dd_ref.bin")  # See [Note: bracketing dd reads]
         subprocess.run(
             ["dd", "if=/dev/zero", f"of={dd_ref}", "bs=16M", "count=64", "conv=fdatasync"],
