@@ -13,10 +13,7 @@ See [Note: engine strategies] for the contract with the engine.
 
 from __future__ import annotations
 
-import functools
-import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,7 +21,7 @@ import torch
 from zero_core import comm
 from zero_core.engine.param_groups import is_expert_param
 from zero_core.zero.stage3.expert_partition import partition_group
-from zero_core.zero.stage3.gathered_parameters import SHARD_CHANGED, GatheredParameters
+from zero_core.zero.stage3.gathered_parameters import SHARD_CHANGED
 from zero_core.zero.stage3.hooks import Stage3Hooks
 from zero_core.zero.stage3.param_coordinator import ParamCoordinator
 from zero_core.zero.stage3.partitioned_param import (
@@ -41,6 +38,7 @@ from zero_core.zero.stage3.partitioned_param import (
 )
 from zero_core.zero.stage3.reduce_buckets import GradBucketReducer
 from zero_core.zero.stage3.state_access import Stage3StateAccess
+from zero_core.zero.stage3.strategy_checkpoint import Stage3Checkpointing
 
 
 def _bytes(tensors: Any) -> int:
@@ -57,8 +55,12 @@ def _unique_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     return out
 
 
-class Stage3Strategy:
-    """Partitioned parameters, gradients and optimizer states."""
+class Stage3Strategy(Stage3Checkpointing):
+    """Partitioned parameters, gradients and optimizer states.
+
+    ``state_dict``/``load_state_dict``, ``save_16bit_model`` and the checkpoint fragments come from
+    :class:`~zero_core.zero.stage3.strategy_checkpoint.Stage3Checkpointing`.
+    """
 
     def __init__(
         self,
@@ -346,31 +348,6 @@ class Stage3Strategy:
         else:
             m.copy_(values.reshape(m.shape))
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "optimizer": self.optimizer.state_dict()
-            if self.offload is None
-            else self.offload.state_dict_with_states(self.optimizer),
-            "master": [
-                self._master_value(self.master[p.zero_state.id])
-                for p in self.params
-                if p.zero_state.id in self.master
-            ],
-            "shards": [read_shard(p).detach() for p in self.params],
-        }
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.offload is not None:
-            self.offload.sync_from_optimizer(self.optimizer)
-        for p, saved in zip(self.params, state.get("shards", [])):
-            write_shard(p, saved)
-        masters = [self.master[p.zero_state.id] for p in self.params if p.zero_state.id in self.master]
-        for m, saved in zip(masters, state.get("master", [])):
-            self._set_master_value(m, saved)
-        self.refresh_persistent()
-
     # -- optimizer offload (zero-offload; see [Note: optimizer offload hook] there) ----------
     def _offload_masters(self, ratio: float) -> None:
         """Hand the first ``ratio`` of the master elements (in parameter order) to the offload object.
@@ -419,149 +396,3 @@ class Stage3Strategy:
         self.coordinator.release_all(force=True)
         for p in self.params:
             release_param(p, force=True)
-
-    def save_16bit_model(
-        self,
-        save_dir: str,
-        save_filename: str = "pytorch_model.safetensors",
-        exclude_frozen_parameters: bool = False,
-    ) -> bool:
-        """Gather the 16-bit weights and write them on rank 0 (collective: every rank calls it)."""
-        if not self.gather_16bit_weights_on_model_save:
-            if comm.get_rank() == 0:
-                print(
-                    "[zero] save_16bit_model: not saving, zero_optimization.gather_16bit_weights_on_model_save "
-                    "is false (the weights are partitioned)",
-                    flush=True,
-                )
-            return False
-        from zero_core.zero.stage3.model_save import write_state_dict
-
-        # See [Note: stage 3 expert parameters]: rank 0 gathers only the experts of its own
-        # expert-parallel rank, under local names; refuse rather than write an incomplete file.
-        for name, layer in self.module.named_modules():
-            ep = getattr(layer, "ep_size", 1)
-            if isinstance(ep, int) and ep > 1 and isinstance(getattr(layer, "num_local_experts", None), int):
-                raise ValueError(
-                    f"save_16bit_model: MoE layer {name!r} has ep_size={ep}: rank 0 holds only its own experts, "
-                    "so a single 16-bit file would miss the others. Use save_checkpoint (experts are stored "
-                    "per global expert) and zero_to_fp32 to get every expert's weights."
-                )
-        state: dict[str, torch.Tensor] = {}
-        for key, value in self.module.state_dict(keep_vars=True).items():
-            if is_partitioned(value):
-                if exclude_frozen_parameters and not value.requires_grad:
-                    continue
-                with GatheredParameters([value]):
-                    state[key] = value.detach().clone()
-            elif value is not None:
-                state[key] = value.detach().clone()
-        if comm.get_rank() == 0:
-            write_state_dict(state, os.path.join(save_dir, save_filename))
-        return True
-
-    # -- checkpointing (zero_core.checkpoint; see [Note: checkpoint format] in checkpoint/format.py) --
-    def _owned_range(self, p: torch.nn.Parameter) -> tuple[int, int]:
-        st = p.zero_state
-        lo = min(st.rank * st.shard_numel, st.numel)
-        return lo, min(lo + st.shard_numel, st.numel)
-
-    def checkpoint_fragments(self, exclude_frozen_parameters: bool = False) -> list[Any]:
-        """Each parameter's shard range: fp32 master, optimizer states, and the 16-bit (or frozen) weight."""
-        from zero_core.checkpoint.fragments import FP32, PARAM, Fragment, optimizer_state_fragments
-
-        out = []
-        for name, p in self.module.named_parameters():
-            st = p.zero_state
-            if exclude_frozen_parameters and not p.requires_grad:
-                continue
-            lo, hi = self._owned_range(p)
-            shape = tuple(st.shape)
-            m = self.master.get(st.id)
-            if m is None or not shares_shard(m, st):  # 16-bit or frozen: the weight is not the master
-                out.append(Fragment(name, PARAM, shape, lo, hi, read_shard(p).detach()[: hi - lo]))
-            if m is None:
-                continue
-            out.append(Fragment(name, FP32, shape, lo, hi, self._master_value(m).reshape(-1)[: hi - lo]))
-            out += optimizer_state_fragments(
-                name,
-                shape,
-                self._optimizer_state(m),
-                [(0, lo, hi - lo)],
-                elementwise_numel=st.shard_numel,
-                emit_scalars=st.rank == 0,
-            )
-        return out
-
-    @torch.no_grad()
-    def load_checkpoint_fragments(
-        self,
-        reader: Any,
-        *,
-        load_optimizer_states: bool = True,
-        load_module_only: bool = False,
-        strict: bool = True,
-    ) -> None:
-        """This rank's shard range of every parameter, master and optimizer state, from any layout (collective).
-
-        Ranges are read in place, into the live shards, masters and optimizer states (see [Note:
-        loading into the live state] in checkpoint/inplace.py); under an engine load those reads
-        complete in the reader's single pass (see [Note: single-pass load]), so what hands values
-        on (offload stores, the persistent parameters' gather) runs after it.
-        """
-        from zero_core.checkpoint.format import CheckpointError
-        from zero_core.checkpoint.fragments import FP32, OPTIM_PREFIX, PARAM
-        from zero_core.checkpoint.inplace import state_buffer, zero_uncovered
-        from zero_core.checkpoint.replicated import check_names
-
-        check_names(reader, self.module, strict=strict)
-        self.empty_partition_cache()
-        after: list[Callable[[], None]] = []  # uses of loaded values, once the single pass has read them
-        for name, p in self.module.named_parameters():
-            st = p.zero_state
-            if not (reader.has(name, PARAM) or reader.has(name, FP32)):
-                continue
-            saved = reader.shape(name, FP32 if reader.has(name, FP32) else PARAM)
-            if saved != tuple(st.shape):
-                raise CheckpointError(
-                    f"parameter {name!r}: checkpoint shape {saved} != model shape {tuple(st.shape)}"
-                )
-            lo, hi = self._owned_range(p)
-            m = self.master.get(st.id)
-            offloaded = m is not None and self.offload is not None and self.offload.owns(m)
-            if offloaded:
-                value = self._master_value(m).reshape(-1)  # a new tensor: the store keeps the master
-                reader.read_fp32_into(value[: hi - lo], name, lo)
-                after.append(functools.partial(self._set_master_value, m, value))
-            elif m is not None:
-                reader.read_fp32_into(m.detach().view(-1)[: hi - lo], name, lo)
-            if m is None or not shares_shard(m, st):
-                if st.offload is None:
-                    reader.read_module_value_into(st.shard[: hi - lo], name, lo)
-                else:
-                    value = torch.empty(st.shard_numel, dtype=st.shard.dtype)
-                    reader.read_module_value_into(value[: hi - lo], name, lo)
-                    zero_uncovered(value, [(0, hi - lo)])
-                    after.append(functools.partial(write_shard, p, value))
-            if m is None or not load_optimizer_states or load_module_only:
-                continue
-            live = {} if offloaded else self.optimizer.state.get(m, {})
-            state: dict[str, Any] = {}
-            for key in reader.optimizer_keys(name):
-                kind = OPTIM_PREFIX + key
-                if not reader.is_elementwise(name, kind):
-                    state[key] = reader.read_optimizer_state(name, key)
-                    continue
-                buf = state_buffer(live.get(key), m.numel(), reader.dtype(name, kind), m.device)
-                reader.read_into(buf[: hi - lo], name, kind, lo)
-                zero_uncovered(buf, [(0, hi - lo)])  # the shard's padding
-                state[key] = buf.view(m.shape)
-            if state:
-                if offloaded:
-                    after.append(functools.partial(self.offload.load_state, self.optimizer, m, state))
-                else:
-                    self.optimizer.state[m] = state
-        reader.finish_single_pass()  # collective, as this whole load
-        for use in after:
-            use()
-        self.refresh_persistent()
