@@ -39,6 +39,7 @@ import subprocess
 import time
 
 import torch
+from bench_env import cpu_model, git_commit
 from zero_ops import _native, op_report
 from zero_ops.aio import AsyncIOHandle
 
@@ -262,26 +263,8 @@ def main() -> None:
         if os.path.exists(path):
             os.unlink(path)
     load_end = os.getloadavg()
-    try:
-        commit = (
-            subprocess.run(
-                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=os.path.dirname(__file__)
-            ).stdout.strip()
-            or "uncommitted"
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "packages/zero-ops", "tools/bench"],
-            capture_output=True,
-            text=True,
-            cwd=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."),
-        ).stdout.strip()
-        if dirty and commit != "uncommitted":
-            commit += " + uncommitted changes to packages/zero-ops / tools/bench"
-    except OSError:
-        commit = "uncommitted"
-    cpu = next(
-        (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?"
-    )
+    commit = git_commit("packages/zero-ops", "tools/bench")
+    cpu = cpu_model()
     fs = (
         subprocess.run(["df", "-T", args.dir], capture_output=True, text=True)
         .stdout.splitlines()[-1]

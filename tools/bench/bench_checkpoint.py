@@ -28,6 +28,7 @@ import threading
 import time
 
 import torch
+from bench_env import cpu_model, git_commit
 
 WIDTH, DEPTH = 2048, 24  # 24 x (2048*2048 + 2048) = 100.7M parameters
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -556,15 +557,8 @@ def main() -> None:
 
 
 def _report(stats, conv_rows, dd_w, dd_r, loadavg, args, have_ds) -> None:
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip()
-    except OSError:
-        commit = ""
-    cpu = next(
-        (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?"
-    )
+    commit = git_commit("packages/zero-core", "tools/bench/bench_checkpoint.py")
+    cpu = cpu_model()
     med = statistics.median
     ds_version = "not run"
     if have_ds:

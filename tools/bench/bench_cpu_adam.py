@@ -14,11 +14,11 @@ import argparse
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
+from bench_env import cpu_model, git_commit
 from zero_ops import op_report
 from zero_ops.adam import cpu_adam_step
 
@@ -148,26 +148,8 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "bench_cpu_adam.md"))
     args = ap.parse_args()
-    try:
-        commit = (
-            subprocess.run(
-                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=os.path.dirname(__file__)
-            ).stdout.strip()
-            or "uncommitted"
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "packages/zero-ops", "tools/bench"],
-            capture_output=True,
-            text=True,
-            cwd=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."),
-        ).stdout.strip()
-        if dirty and commit != "uncommitted":
-            commit += " + uncommitted changes to packages/zero-ops / tools/bench"
-    except OSError:
-        commit = "uncommitted"
-    cpu = next(
-        (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?"
-    )
+    commit = git_commit("packages/zero-ops", "tools/bench")
+    cpu = cpu_model()
     lines = [
         "# CPU Adam update throughput",
         "",

@@ -8,13 +8,13 @@ from __future__ import annotations
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 import transformers
 import zero_inference as zi
+from bench_env import cpu_model, git_commit
 from transformers import LlamaConfig, LlamaForCausalLM
 
 BATCH, PROMPT, NEW, REPEATS = 1, 32, 64, 7
@@ -109,16 +109,8 @@ def main() -> None:
             f"| {label} | {med:.3f} | {min(ts):.3f}-{max(ts):.3f} | {BATCH * NEW / med:.1f} | "
             f"{1000 * med / NEW:.2f} | {base / med:.2f}x |"
         )
-    try:
-        commit = (
-            subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-            + " (plus uncommitted edits)"
-        )
-    except Exception:  # noqa: BLE001
-        commit = "uncommitted"
-    cpu = next(
-        (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?"
-    )
+    commit = git_commit("packages/zero-inference", "packages/zero-core", "tools/bench/bench_inference.py")
+    cpu = cpu_model()
     text = "\n".join(
         [
             "# bench_inference: generate() on a small Llama (CPU)",

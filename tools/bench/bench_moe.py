@@ -17,13 +17,13 @@ from __future__ import annotations
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from bench_env import cpu_model, git_commit
 from torch import nn
 
 M, H, E, S = 256, 1024, 8, 2048
@@ -130,21 +130,8 @@ def main() -> None:
     results = run_multirank(_worker, 2, timeout=400)
     wall = time.perf_counter() - t_start
     root = Path(__file__).resolve().parents[2]
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "packages/zero-moe"], cwd=root, capture_output=True, text=True
-        ).stdout.strip()
-        if dirty:
-            commit += " (zero-moe has uncommitted changes)"
-    except Exception:
-        commit = "uncommitted"
-    cpu = next(
-        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-        platform.processor(),
-    )
+    commit = git_commit("packages/zero-moe", "tools/bench/bench_moe.py")
+    cpu = cpu_model()
     lines = [
         "# bench_moe: MoE layer throughput and all-to-all volume, 8 experts, 2 ranks",
         "",

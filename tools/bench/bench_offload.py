@@ -33,6 +33,8 @@ import sys
 import tempfile
 import time
 
+from bench_env import cpu_model, git_commit
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 BUFFER_COUNT = 4
 PIPELINE = False
@@ -234,10 +236,8 @@ def main() -> None:
     mib = max(64, 12 * n // 2**20)
     dd_w, dd_r = _dd(args.nvme, mib)
     dd_mix = 2 / (1 / dd_w + 1 / dd_r)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    cpu = next(
-        (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?"
-    )
+    commit = git_commit("packages/zero-offload", "packages/zero-core", "tools/bench/bench_offload.py")
+    cpu = cpu_model()
     tile = tile_of(args.width)
     allowed = BUFFER_COUNT * tile * 3 * 4
     rows = []

@@ -33,11 +33,11 @@ import argparse
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
+from bench_env import cpu_model, git_commit
 from torch import nn
 
 TORCH_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B")
@@ -324,20 +324,8 @@ def main() -> None:
 
 
 def _write(args, rows, loads, load_before, load_after, elapsed):
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        mine = ["--", "packages/zero-pipe", "tools/bench/bench_pipe.py"]
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", *mine], capture_output=True, text=True
-        ).stdout.strip()
-        commit += " (with uncommitted changes)" if dirty else ""
-    except Exception:
-        commit = "uncommitted"
-    cpu = next(
-        (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?"
-    )
+    commit = git_commit("packages/zero-pipe", "tools/bench/bench_pipe.py")
+    cpu = cpu_model()
     argv = " ".join(sys.argv[1:])
     pins = ", ".join(f"{pin} (p={p})" for p, pin in {r[0]: r[4] for r in rows}.items())
     cmd = f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')} .venv/bin/python tools/bench/bench_pipe.py"

@@ -33,12 +33,12 @@ import io
 import os
 import platform
 import statistics
-import subprocess
 import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from bench_env import cpu_model, git_commit
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -316,20 +316,8 @@ def main():
         "tiny": bench_config("tiny", args.reps_tiny, quiet),
     }
     elapsed = time.perf_counter() - t_start
-    try:
-        commit = subprocess.check_output(
-            ["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL
-        ).strip()
-        dirty = subprocess.check_output(
-            ["git", "status", "--porcelain", "--", "packages/zero-profiler", "tools/bench/bench_profiler.py"],
-            text=True,
-        )
-        commit += " (zero-profiler/bench uncommitted changes)" if dirty.strip() else ""
-    except Exception:
-        commit = "uncommitted"
-    cpu = next(
-        (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?"
-    )
+    commit = git_commit("packages/zero-profiler", "tools/bench/bench_profiler.py")
+    cpu = cpu_model()
     import importlib.metadata as md
 
     def ver(d):

@@ -27,12 +27,12 @@ import importlib.util
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+from bench_env import cpu_model, git_commit
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("bench_stage0_gpt", ROOT / "examples" / "gpt.py")
@@ -141,30 +141,6 @@ def _peak_rss(name: str, precision: str, steps: int) -> int:
     return _vm_hwm_kib() * 1024
 
 
-def _cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor()
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "packages/zero-core/src"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-        return out.stdout.strip() + (" (with uncommitted changes in zero-core)" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "uncommitted"
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=4, help="timed rounds (each: 2 steps of every engine)")
@@ -218,11 +194,11 @@ def main(argv: list[str] | None = None) -> None:
     lines = [
         "# bench_stage0: ZeRO stage 0 vs torch DDP, 2 ranks (gloo, CPU)",
         "",
-        f"- machine: {os.cpu_count()} CPUs ({_cpu_model()}), {platform.system()} {platform.release()}; shared with "
+        f"- machine: {os.cpu_count()} CPUs ({cpu_model()}), {platform.system()} {platform.release()}; shared with "
         "other jobs: compare the ratios of one run, not absolute times across runs; 1-minute load average "
         f"{load_before:.1f} at start, {load_after:.1f} at end",
         f"- versions: python {platform.python_version()}, torch {torch.__version__}",
-        f"- git commit: {_commit()}",
+        f"- git commit: {git_commit('packages/zero-core/src', 'tools/bench/bench_stage0.py')}",
         f"- command: `OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')} .venv/bin/python "
         f"tools/bench/bench_stage0.py --rounds {args.rounds} --warmup {args.warmup} --rss_steps {args.rss_steps}`",
         f"- model: examples/gpt.py GPT d_model 512, 6 layers, 8 heads, seq 128, {n_params / 1e6:.1f}M parameters; "

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_env import cpu_model, git_commit
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("bench_gpt", ROOT / "examples" / "gpt.py")
@@ -253,28 +254,6 @@ def _mem_sweep() -> dict:
     return out
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def _commit() -> str:
-    try:
-        return (
-            subprocess.run(
-                ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-            ).stdout.strip()
-            + " (plus uncommitted changes)"
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return "uncommitted"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=5)
@@ -309,9 +288,9 @@ def main() -> None:
     lines = [
         "# bench_zero12: ZeRO stages 0/1/2 vs torch DDP (CPU, gloo)",
         "",
-        f"- machine: {os.cpu_count()} CPUs ({_cpu_model()}), {platform.platform()}",
+        f"- machine: {os.cpu_count()} CPUs ({cpu_model()}), {platform.platform()}",
         f"- versions: python {platform.python_version()}, torch {torch.__version__}",
-        f"- git commit: {_commit()}",
+        f"- git commit: {git_commit('packages/zero-core', 'tools/bench/bench_zero12.py')}",
         f"- command: `OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_zero12.py --steps {args.steps}`",
         f"- model: examples/gpt.py GPT d_model 256, 4 layers, seq 128, Ψ = {psi:,} parameters; micro-batch {MICRO} "
         f"per rank; Adam; buckets {BUCKET:,} elements; overlap_comm on; fp32",

@@ -30,12 +30,12 @@ import platform
 import resource
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+from bench_env import cpu_model, git_commit
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("bench_gpt", ROOT / "examples" / "gpt.py")
@@ -227,23 +227,6 @@ def _launch(args: tuple, world: int = 2) -> list[dict]:
     return [out[r] for r in range(world)]
 
 
-def _cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
-
-
-def _commit() -> str:
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        )
-        return head.stdout.strip() + " (plus uncommitted changes)"
-    except (OSError, subprocess.CalledProcessError):
-        return "uncommitted"
-
-
 def _run(names: list[str], steps: int, passes: int) -> tuple[dict, list[float]]:
     """Every (variant, precision) once per pass, interleaved; also the 1-min load average before each launch."""
     rows: dict = {}
@@ -314,11 +297,11 @@ def main() -> None:
         + (" and DeepSpeed stage 3" if a.deepspeed else "")
         + " (CPU, gloo, 2 ranks)",
         "",
-        f"- machine: {os.cpu_count()} CPUs ({_cpu_model()}), {platform.platform()}; shared with other jobs",
+        f"- machine: {os.cpu_count()} CPUs ({cpu_model()}), {platform.platform()}; shared with other jobs",
         f"- load average (1 min) before each launch: min {min(loads):.1f}, median {statistics.median(loads):.1f}, "
         f"max {max(loads):.1f} ({len(loads)} samples over {wall:.0f} s)",
         f"- versions: {versions}",
-        f"- git commit: {_commit()}",
+        f"- git commit: {git_commit('packages/zero-core', 'tools/bench/bench_zero3.py')}",
         f"- command: `OMP_NUM_THREADS=1 {prefix} tools/bench/bench_zero3.py{flag} --steps {a.steps} "
         f"--passes {a.passes}`",
         f"- model: examples/gpt.py GPT d_model 512, 6 layers, 8 heads, seq 128, Ψ = {psi:,}; micro-batch {MICRO} "
