@@ -130,3 +130,70 @@ def _eval_saved_rank(root):
     engine.load_checkpoint(root, tag="t3")
     _, logits = engine.eval_batch(iter(data(MBS, seed=3)), return_logits=True)
     return logits
+
+
+def _sgd_engine(stages, method="uniform", seed_layers=True):
+    """Plain SGD (no optimizer state) with a WarmupLR from the config: a run resumed in another
+    layout continues exactly when the scheduler state and counters come back."""
+    import zero_core
+
+    model = PipelineModule(
+        specs(),
+        num_stages=stages,
+        loss_fn=nn.functional.cross_entropy,
+        seed_layers=seed_layers,
+        base_seed=1234 if seed_layers else 5,
+        partition_method=method,
+    )
+    cfg = {
+        "train_micro_batch_size_per_gpu": MB,
+        "gradient_accumulation_steps": MBS,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.01, "warmup_max_lr": 0.1, "warmup_num_steps": 8},
+        },
+    }
+    engine, *_ = zero_core.initialize(model=model, config=cfg)
+    return engine
+
+
+def _save_sched_rank(root):
+    engine = _sgd_engine(2)
+    _train(engine, 3, seed=1)
+    engine.save_checkpoint(root, tag="s3", client_state={"epoch": 2})
+    return _train(engine, 2, seed=2), engine.get_lr()
+
+
+def _load_other_layout_rank(root):
+    engine = _sgd_engine(torch.distributed.get_world_size(), seed_layers=False)
+    _, client = engine.load_checkpoint(root, tag="s3", load_optimizer_states=False)
+    state = (engine.global_steps, engine.global_samples, engine.get_lr(), client)
+    return _train(engine, 2, seed=2), engine.get_lr(), state
+
+
+def _load_other_partition_rank(root):
+    engine = _sgd_engine(2, method="type:Embed", seed_layers=False)
+    try:
+        engine.load_checkpoint(root, tag="s3")
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_other_layout_resumes_scheduler_counters_and_client_state(tmp_path):
+    """Loading at another number of stages without optimizer states still restores the LR
+    scheduler, the step/sample counters and the client state (as DeepSpeed does), so the run
+    continues with the same losses; a different partition with optimizer states is a clear error."""
+    root = str(tmp_path / "ckpt")
+    cont, lr = run_multirank(_save_sched_rank, 2, args=(root,))[-1]
+    for world in (4, 1):
+        for resumed, lr_end, (steps, samples, lr0, client) in run_multirank(
+            _load_other_layout_rank, world, args=(root,)
+        ):
+            assert steps == 3 and samples == 3 * MB * MBS and client == {"epoch": 2}
+            assert lr0 != [0.01]  # the warmup goes on; a fresh scheduler would restart at warmup_min_lr
+            torch.testing.assert_close(torch.tensor(resumed), torch.tensor(cont), rtol=1e-5, atol=1e-6)
+            assert lr_end == lr
+    for msg in run_multirank(_load_other_partition_rank, 2, args=(root,)):
+        assert msg is not None and "stage boundaries" in msg and "load_optimizer_states=False" in msg

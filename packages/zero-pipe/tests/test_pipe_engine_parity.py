@@ -260,3 +260,28 @@ def test_engine_errors_are_clear():
         assert "stage=2 is not compatible" in msgs[0]
         assert "divisible" in msgs[1]
         assert all("train_batch()" in m for m in msgs[2:]) and len(msgs) == 5
+
+
+def _eval_no_bcast_rank():
+    model = PipelineModule(specs(), num_stages=3, loss_fn=nn.functional.cross_entropy, seed_layers=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = PipelineEngine(
+        model, opt, {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": 2}
+    )
+    eval_data = make_data(1, 2, 1, seed=5)
+    kept = engine.eval_batch(iter(eval_data), bcast_loss=False)
+    shared = engine.eval_batch(iter(eval_data))
+    return engine.is_last_stage(), kept, shared
+
+
+def test_eval_without_bcast_leaves_other_stages_none():
+    """bcast_loss=False: only the last stage has the loss; the others get None (as in DeepSpeed),
+    not a zero that reads like a loss."""
+    results = run_multirank(_eval_no_bcast_rank, 3)
+    last_loss = results[-1][2]
+    for is_last, kept, shared in results:
+        torch.testing.assert_close(shared, last_loss)
+        if is_last:
+            torch.testing.assert_close(kept, last_loss)
+        else:
+            assert kept is None

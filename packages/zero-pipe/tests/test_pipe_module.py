@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from zero_pipe import LayerSpec, PipelineModule, RepeatingLoader
+from zero_pipe import LayerSpec, PipelineModule, ProcessTopology, RepeatingLoader
 from zero_pipe.partition import partition_balanced, partition_uniform
 
 
@@ -85,5 +85,13 @@ def test_validation_and_repeating_loader():
         PipelineModule([nn.ReLU()])
     with pytest.raises(ValueError, match="cannot fill"):
         PipelineModule([nn.ReLU()], num_stages=2, stage_id=0)
+    for bad in (0, -1, 1.5, "2", True):
+        with pytest.raises(ValueError, match="num_stages must be an int >= 1"):
+            PipelineModule([nn.ReLU()], num_stages=bad, stage_id=0)
+    with pytest.raises(TypeError, match="layers must be a list"):
+        PipelineModule(nn.Linear(2, 2), num_stages=1, stage_id=0)
+    assert PipelineModule(nn.ModuleList([nn.ReLU()]), num_stages=1, stage_id=0).parts == [0, 1]
+    with pytest.raises(ValueError, match="'pipe' axis"):
+        PipelineModule([nn.ReLU()], topology=ProcessTopology(["data"], [1]), stage_id=0)
     loader = RepeatingLoader([1, 2])
     assert [next(loader) for _ in range(5)] == [1, 2, 1, 2, 1]

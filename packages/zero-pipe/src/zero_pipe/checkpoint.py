@@ -16,7 +16,9 @@ A checkpoint directory (``<save_dir>/<tag>``) holds:
 
 Layer files depend only on global layer indices, so a checkpoint saved with ``p`` stages loads
 with any number of stages (or chunks): each stage reads the files of its own layers. Optimizer
-state is partitioned by stage and data-parallel rank and only loads into the same layout.
+state is partitioned by stage and data-parallel rank and only loads into the same layout (same
+stage boundaries too); the scheduler state, counters and client state, alike on every rank, load
+into any layout (from stage 0, replica 0's file), as DeepSpeed restores them without the optimizer.
 """
 
 from __future__ import annotations
@@ -169,6 +171,7 @@ def save_engine_checkpoint(
             "data_parallel_size": engine.dp_size,
             "zero_stage": int(engine.config.zero_optimization.stage),
             "global_steps": engine.global_steps,
+            "parts": list(engine.module.parts),
         }
         atomic_write_json(meta, os.path.join(ckpt_dir, ENGINE_INDEX))
         if save_latest:
@@ -194,7 +197,8 @@ def load_engine_checkpoint(
     """Load what :func:`save_engine_checkpoint` wrote; returns ``(checkpoint dir, client_state)``.
 
     Module layers load with any number of stages; optimizer states need the same stages,
-    chunks, data-parallel size and ZeRO stage (pass ``load_optimizer_states=False`` otherwise).
+    chunks, stage boundaries, data-parallel size and ZeRO stage (pass ``load_optimizer_states=False``
+    otherwise). The scheduler state, counters and client state load in either case.
     """
     if tag is None:
         latest = os.path.join(str(load_dir), "latest")
@@ -212,11 +216,6 @@ def load_engine_checkpoint(
     with open(os.path.join(ckpt_dir, ENGINE_INDEX)) as fh:
         meta = json.load(fh)
     grid = engine.grid
-    state = (
-        load_state(_rank_stem(ckpt_dir, grid.stage_id, grid.data_parallel_id))
-        if load_optimizer_states
-        else None
-    )
     if load_optimizer_states:
         mine = (
             engine.num_stages,
@@ -230,14 +229,23 @@ def load_engine_checkpoint(
                 f"load_checkpoint: optimizer states were saved with (stages, chunks, dp, zero stage) = {saved}, "
                 f"this engine has {mine}; load with load_optimizer_states=False to take only the model"
             )
+        if "parts" in meta and list(meta["parts"]) != list(engine.module.parts):
+            raise ValueError(
+                f"load_checkpoint: optimizer states were saved with stage boundaries {meta['parts']}, this "
+                f"module has {list(engine.module.parts)} (another partition_method?); load with "
+                "load_optimizer_states=False to take only the model"
+            )
+        state = load_state(_rank_stem(ckpt_dir, grid.stage_id, grid.data_parallel_id))
         engine.strategy.load_state_dict(state["strategy"])
         engine.loss_scaler.load_state_dict(state["loss_scaler"])
-        engine.global_steps = int(state["global_steps"])
-        engine.global_samples = int(state["global_samples"])
-        engine.stage_optimizer.skipped_steps = int(state["skipped_steps"])
-        if load_lr_scheduler_states and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
-            engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        return ckpt_dir, state["client_state"]
-    engine.stage_optimizer.refresh_masters_from_module()
-    engine.global_steps = int(meta["global_steps"])
-    return ckpt_dir, {}
+    else:
+        # Scheduler, counters and client state are the same on every rank (as in DeepSpeed, they
+        # load without the optimizer states): take rank (stage 0, replica 0)'s, whatever the layout.
+        state = load_state(_rank_stem(ckpt_dir, 0, 0), skip=("strategy", "loss_scaler"))
+        engine.stage_optimizer.refresh_masters_from_module()
+    engine.global_steps = int(state["global_steps"])
+    engine.global_samples = int(state["global_samples"])
+    engine.stage_optimizer.skipped_steps = int(state["skipped_steps"])
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    return ckpt_dir, state["client_state"]

@@ -322,7 +322,8 @@ class PipelineEngine:
 
     def _aggregate_loss(self, losses: list[torch.Tensor], reduce_output: str | None, bcast: bool) -> Any:
         """Mean over micro-batches and data-parallel replicas on the last stage, then
-        broadcast to every stage of the pipeline (when ``bcast``)."""
+        broadcast to every stage of the pipeline (when ``bcast``; otherwise the other stages
+        get None, as in DeepSpeed, rather than a made-up loss)."""
         if reduce_output is None:
             return losses if self.is_last_stage() else None
         loss = torch.zeros((), dtype=torch.float32)
@@ -331,6 +332,8 @@ class PipelineEngine:
             if self.dp_size > 1:
                 _dist.all_reduce(loss, group=self.grid.dp_group)
                 loss /= self.dp_size
+        if not bcast and not self.is_last_stage():
+            return None
         if bcast and self.num_stages > 1:
             _dist.broadcast(loss, self.grid.stage_to_global(self.num_stages - 1), group=self.grid.pp_group)
         return loss

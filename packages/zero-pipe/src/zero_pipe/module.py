@@ -120,6 +120,11 @@ class PipelineModule(nn.Module):
         super().__init__()
         if isinstance(layers, nn.Sequential):
             layers = list(layers.children())
+        elif not isinstance(layers, Iterable):
+            raise TypeError(
+                f"PipelineModule: layers must be a list (or nn.Sequential) of LayerSpecs, modules or "
+                f"callables, got {type(layers).__name__}"
+            )
         layers = list(layers)
         if not layers:
             raise ValueError("PipelineModule: layers must contain at least one layer")
@@ -130,8 +135,16 @@ class PipelineModule(nn.Module):
                 )
         if num_stages is None and topology is None:
             raise ValueError("PipelineModule: give num_stages or topology")
+        if num_stages is not None and (
+            not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1
+        ):
+            raise ValueError(f"PipelineModule: num_stages must be an int >= 1, got {num_stages!r}")
         if topology is not None and not isinstance(topology, ProcessTopology):
             raise TypeError(f"PipelineModule: topology must be a ProcessTopology, got {type(topology)}")
+        if topology is not None and "pipe" not in topology.get_axis_names():
+            raise ValueError(
+                f"PipelineModule: the topology needs a 'pipe' axis, it has {topology.get_axis_names()}"
+            )
         if topology is not None and num_stages is not None and topology.get_dim("pipe") != num_stages:
             raise ValueError(
                 f"PipelineModule: num_stages={num_stages} disagrees with the topology's pipe dim {topology.get_dim('pipe')}"

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 _SCALARS = (bool, int, float, str, type(None))
@@ -76,7 +78,18 @@ def _encode(obj: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
     )
 
 
-def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+class _LazyTensors:
+    """Reads a safetensors file's tensors one key at a time (only those looked up)."""
+
+    def __init__(self, path: str, device: str) -> None:
+        self.path, self.device = path, device
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        with safe_open(self.path, framework="pt", device=self.device) as fh:
+            return fh.get_tensor(key)
+
+
+def _decode(obj: Any, tensors: Mapping[str, torch.Tensor] | _LazyTensors) -> Any:
     if isinstance(obj, list):
         return [_decode(v, tensors) for v in obj]
     if isinstance(obj, dict):
@@ -99,8 +112,12 @@ def save_state(state: Any, stem: str | os.PathLike) -> None:
     atomic_write_json({"format_version": 1, "tree": tree}, stem + ".json")
 
 
-def load_state(stem: str | os.PathLike, device: str | torch.device = "cpu") -> Any:
-    """Read what :func:`save_state` wrote."""
+def load_state(
+    stem: str | os.PathLike, device: str | torch.device = "cpu", skip: tuple[str, ...] = ()
+) -> Any:
+    """Read what :func:`save_state` wrote. ``skip`` names top-level keys of a dict state to leave
+    out (their tensors are not read), e.g. another rank's optimizer state when only its
+    scheduler and counters are wanted."""
     stem = str(stem)
     for suffix in (".json", ".safetensors"):
         if not os.path.isfile(stem + suffix):
@@ -109,4 +126,10 @@ def load_state(stem: str | os.PathLike, device: str | torch.device = "cpu") -> A
         doc = json.load(fh)
     if doc.get("format_version") != 1:
         raise ValueError(f"load_state: {stem}.json has unknown format_version {doc.get('format_version')!r}")
-    return _decode(doc["tree"], load_file(stem + ".safetensors", device=str(device)))
+    tree = doc["tree"]
+    if not skip:
+        return _decode(tree, load_file(stem + ".safetensors", device=str(device)))
+    if not (isinstance(tree, dict) and "__dict__" in tree):
+        raise ValueError(f"load_state: skip={skip!r} needs a dict state, {stem}.json holds another")
+    kept = {"__dict__": [kv for kv in tree["__dict__"] if kv[0] not in skip]}
+    return _decode(kept, _LazyTensors(stem + ".safetensors", str(device)))
