@@ -170,3 +170,27 @@ def test_load_options(tmp_path, stage):
         "l2.bias",
     }
     assert len(get_fp32_state_dict_from_zero_checkpoint(str(d), tag="full")) == 6
+
+
+def test_client_state_that_looks_like_a_float_tag_round_trips(tmp_path):
+    """A saved dict keyed ``__float__`` came back as a float, or made the checkpoint unreadable (and
+    with it zero_to_fp32 and inspect_checkpoint); such keys are escaped (see [Note: JSON float tags])."""
+    import math
+
+    from zero_core.checkpoint import zero_to_fp32 as z
+    from zero_core.checkpoint.format import dumps, loads
+
+    client = {
+        "x": {"__float__": "nan"},
+        "y": [{"__float__": "hello"}, {"__float__": 1, "b": 2}],
+        "__zero_key__k": {"__zero_key____float__": 3},
+        "inf": float("-inf"),
+        "plain": {"a": [1, 2.5, None, True, "s"]},
+    }
+    data = dumps(client)
+    path = tmp_path / "c.json"
+    path.write_bytes(data)
+    # the engine's reader and the standalone script's reader agree
+    for got in (loads(data, "c.json"), z._read_json(str(path))):
+        assert got.pop("inf") == float("-inf") and got == {k: v for k, v in client.items() if k != "inf"}
+    assert math.isnan(loads(dumps({"n": float("nan")}), "n")["n"])

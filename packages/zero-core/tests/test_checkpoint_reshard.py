@@ -115,3 +115,79 @@ def test_reshard_matrix(tmp_path):
         for k, v in ref_w.items():
             assert torch.allclose(w[k], v, rtol=1e-6, atol=1e-7), (world, stage, k, (w[k] - v).abs().max())
     assert len(results) == 5 and not torch.equal(saved_rng, torch.get_rng_state())
+
+
+def test_scalar_state_of_a_one_element_shard_is_per_parameter():
+    """A 0-dim state (Adam's ``step``) is not a range even where the shard holds one element."""
+    from zero_core.checkpoint.fragments import optimizer_state_fragments
+
+    state = {"step": torch.tensor(5.0), "exp_avg": torch.tensor([0.5])}
+    frags = {f.kind: f for f in optimizer_state_fragments("b", (3,), state, [(0, 2, 1)], elementwise_numel=1)}
+    assert not frags["optim.step"].elementwise and frags["optim.step"].shape == ()
+    assert frags["optim.exp_avg"].elementwise and (
+        frags["optim.exp_avg"].start,
+        frags["optim.exp_avg"].end,
+    ) == (2, 3)
+
+
+class Tiny(nn.Module):
+    """Parameters of 3 elements or fewer: one-element (or empty) stage-3 shards at 3 ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(6, 3)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.l1(x) * self.scale, y % 3)
+
+
+def _tiny_engine(world: int):
+    import zero_core
+
+    torch.manual_seed(0)
+    cfg = {
+        "train_batch_size": 12,
+        "train_micro_batch_size_per_gpu": 12 // world,
+        "steps_per_print": 10**6,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+    engine, *_ = zero_core.initialize(model=Tiny(), config=cfg)
+    return engine
+
+
+def _tiny_train(engine, first: int, last: int) -> list[float]:
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    micro, losses = 12 // world, []
+    for step in range(first, last):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(12, 6, generator=g), torch.randint(0, 3, (12,), generator=g)
+        loss = engine(x[rank * micro : (rank + 1) * micro], y[rank * micro : (rank + 1) * micro])
+        engine.backward(loss)
+        engine.step()
+        t = torch.tensor([loss.item() / world])
+        dist.all_reduce(t)
+        losses.append(t.item())
+    return losses
+
+
+def _tiny_save(tmp: str) -> list[float]:
+    engine = _tiny_engine(3)
+    _tiny_train(engine, 0, 3)
+    engine.save_checkpoint(tmp)
+    return _tiny_train(engine, 3, 6)
+
+
+def _tiny_continue(tmp: str) -> list[float]:
+    engine = _tiny_engine(2)
+    engine.load_checkpoint(tmp)
+    return _tiny_train(engine, 3, 6)
+
+
+def test_one_element_shards_reshard(tmp_path):
+    """Stage 3 at 3 ranks shards the bias into one element a rank: Adam's step came back as 2 elements at 2."""
+    ref = run_multirank(_tiny_save, 3, args=(str(tmp_path),))[0]
+    assert run_multirank(_tiny_continue, 2, args=(str(tmp_path),))[0] == pytest.approx(ref, rel=1e-6)

@@ -169,3 +169,108 @@ def test_script_next_to_latest_runs_like_deepspeeds(trained, tmp_path):
     merged = load_file(str(out))
     assert set(merged) == set(expected)
     assert all(torch.equal(merged[k], v) for k, v in expected.items())
+
+
+class Tied(nn.Module):
+    """An embedding tied to the output projection, as GPT-2's ``lm_head.weight``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.mid = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(
+            self.head(torch.tanh(self.mid(self.emb(ids)))).flatten(0, 1), ids.flatten()
+        )
+
+
+def _train_tied(tmp: str) -> dict:
+    import torch.distributed as dist
+    import zero_core
+    from zero_core.zero.debug_access import safe_get_full_fp32_param
+
+    torch.manual_seed(0)
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "steps_per_print": 10**6,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+    engine, *_ = zero_core.initialize(model=Tied(), config=cfg)
+    for step in range(2):
+        engine.backward(engine(torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(step))))
+        engine.step()
+    engine.save_checkpoint(tmp)
+    masters = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
+    return masters if dist.get_rank() == 0 else {}
+
+
+def test_tied_weights_load_strictly(tmp_path):
+    """The second name of a tied weight is in the state dict (and .bin), so a fresh model loads it strictly."""
+    from zero_core.checkpoint import zero_to_fp32 as z
+
+    ckpt = str(tmp_path / "ckpt")
+    masters = run_multirank(_train_tied, 2, args=(ckpt,))[0]
+    sd = z.get_fp32_state_dict_from_zero_checkpoint(ckpt)
+    assert set(sd) == set(Tied().state_dict()) and sd["head.weight"] is sd["emb.weight"]
+    assert all(torch.equal(sd[k], v) for k, v in masters.items())
+    model = Tied()
+    model.load_state_dict(sd, strict=True)
+    assert model.head.weight is model.emb.weight and torch.equal(model.head.weight, masters["emb.weight"])
+    # .bin, sharded: the alias sits in the owner's shard; safetensors leaves it out (from_pretrained re-ties)
+    z.convert_zero_checkpoint_to_fp32_state_dict(
+        ckpt, tmp_path / "b" / "m.bin", safe_serialization=False, max_shard_size=300, progress=False
+    )
+    index = json.load(open(tmp_path / "b" / "m.bin.index.json"))
+    assert index["weight_map"]["head.weight"] == index["weight_map"]["emb.weight"]
+    merged = {}
+    for f in sorted(set(index["weight_map"].values())):
+        merged.update(torch.load(tmp_path / "b" / f, weights_only=True))
+    Tied().load_state_dict(merged, strict=True)
+    assert index["metadata"]["total_size"] == sum(
+        v.numel() * 4 for k, v in merged.items() if k != "head.weight"
+    )
+    z.convert_zero_checkpoint_to_fp32_state_dict(ckpt, tmp_path / "m.safetensors", progress=False)
+    assert set(load_file(str(tmp_path / "m.safetensors"))) == set(sd) - {"head.weight"}
+
+
+def test_output_directory_suffixes_and_deepspeed_flags(trained, tmp_path):
+    """A directory output (DeepSpeed's usage) got a raw IsADirectoryError; safetensors bytes went into a
+    file named .bin; DeepSpeed's underscore flags were refused."""
+    from zero_core.checkpoint import zero_to_fp32 as z
+
+    ckpt, expected = trained
+    out = tmp_path / "hf"
+    out.mkdir()
+    assert z.main([ckpt, str(out), "-q"]) == 0
+    assert all(torch.equal(load_file(str(out / "model.safetensors"))[k], v) for k, v in expected.items())
+    assert z.main([ckpt, str(tmp_path / "new") + os.sep, "--bin", "--max_shard_size", "1000", "-q"]) == 0
+    index = json.load(open(tmp_path / "new" / "pytorch_model.bin.index.json"))
+    assert set(index["weight_map"].values()) == {
+        f"pytorch_model-{i:05d}-of-{len(set(index['weight_map'].values())):05d}.bin"
+        for i in range(1, len(set(index["weight_map"].values())) + 1)
+    }
+    with pytest.raises(ValueError, match=r"names a torch pickle file but the format is safetensors"):
+        z.convert_zero_checkpoint_to_fp32_state_dict(ckpt, tmp_path / "pytorch_model.bin", progress=False)
+    with pytest.raises(ValueError, match=r"names a safetensors file but safe_serialization=False"):
+        z.convert_zero_checkpoint_to_fp32_state_dict(
+            ckpt, tmp_path / "m.safetensors", safe_serialization=False, progress=False
+        )
+    assert z.main([ckpt, str(tmp_path / "pytorch_model.bin"), "-q"]) == 1
+    assert not any(p.name.endswith(".bin") or ".tmp." in p.name for p in tmp_path.iterdir())
+    single = tmp_path / "s.safetensors"
+    assert z.main([ckpt, str(single), "--safe_serialization", "--exclude_frozen_parameters", "-q"]) == 0
+    assert set(load_file(str(single))) == {"l1.weight", "l1.bias", "l2.weight", "l2.bias"}
+
+
+def test_inspect_a_tag_directory_and_an_empty_one(trained, tmp_path):
+    """A tag directory (as zero_to_fp32 takes) was reported as holding no tags, with exit status 0."""
+    from zero_core.checkpoint.inspect import describe, main
+
+    ckpt, _ = trained
+    text = describe(os.path.join(ckpt, "global_step3"))
+    assert "tags: ['global_step3']" in text and "rank_00001.safetensors" in text and "OK" in text
+    assert main([str(tmp_path)]) == 1

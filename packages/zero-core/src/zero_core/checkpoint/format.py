@@ -140,20 +140,35 @@ def check_json_compatible(value: Any, where: str) -> None:
     )
 
 
+# [Note: JSON float tags]
+# JSON has no inf/nan: they are spelled as the tagged object {"__float__": "inf"}. So that a
+# saved dict (client_state) can never look like a tag, a key equal to "__float__" or starting with
+# KEY_ESCAPE is written with KEY_ESCAPE in front, and the reader takes one KEY_ESCAPE off. Without
+# it {"__float__": "x"} came back as a float, or made the whole checkpoint unreadable.
+FLOAT_TAG = "__float__"
+KEY_ESCAPE = "__zero_key__"
+
+
+def _escape_key(key: str) -> str:
+    return KEY_ESCAPE + key if key == FLOAT_TAG or key.startswith(KEY_ESCAPE) else key
+
+
 def _encode_floats(value: Any) -> Any:
     # JSON has no inf/nan: spell them as tagged objects so they round-trip exactly.
     if isinstance(value, float) and not math.isfinite(value):
-        return {"__float__": repr(value)}
+        return {FLOAT_TAG: repr(value)}
     if isinstance(value, dict):
-        return {k: _encode_floats(v) for k, v in value.items()}
+        return {_escape_key(k): _encode_floats(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_encode_floats(v) for v in value]
     return value
 
 
 def _decode_hook(obj: dict[str, Any]) -> Any:
-    if len(obj) == 1 and "__float__" in obj:
-        return float(obj["__float__"])
+    if len(obj) == 1 and FLOAT_TAG in obj:
+        return float(obj[FLOAT_TAG])
+    if any(k.startswith(KEY_ESCAPE) for k in obj):
+        return {k[len(KEY_ESCAPE) :] if k.startswith(KEY_ESCAPE) else k: v for k, v in obj.items()}
     return obj
 
 

@@ -93,7 +93,9 @@ def optimizer_state_fragments(
     ``segments`` (state offset, parameter flat offset, length) maps a flat state tensor of
     ``elementwise_numel`` elements onto the parameter; None means the state tensors have the
     parameter's own shape. Tensors of another size (and Python numbers) are per-parameter
-    values, stored whole when ``emit_scalars``.
+    values, stored whole when ``emit_scalars``. A flat state is 1-D, so a 0-dim tensor (Adam's
+    ``step``) is per-parameter even where the shard holds a single element: taken for a range,
+    it would be read back as a shard-sized tensor at another world size.
     """
     numel = 1
     for d in shape:
@@ -105,7 +107,7 @@ def optimizer_state_fragments(
         if (
             torch.is_tensor(value)
             and value.numel() == per_elem
-            and (segments is not None or value.shape == shape)
+            and (value.dim() == 1 if segments is not None else value.shape == shape)
         ):
             flat = value.detach().reshape(-1)
             for so, po, n in segments if segments is not None else [(0, 0, numel)]:

@@ -12,15 +12,30 @@ from zero_core.checkpoint.loader import open_checkpoint
 
 
 def describe(checkpoint_dir: str) -> str:
-    """A report of every complete tag under ``checkpoint_dir``; raises CheckpointError on a bad file."""
+    """A report of every complete tag under ``checkpoint_dir``; raises CheckpointError on a bad file.
+
+    ``checkpoint_dir`` may also be one tag directory (as ``zero_to_fp32`` takes it); a directory
+    holding no tag is an error rather than an empty report.
+    """
     if not os.path.isdir(checkpoint_dir):
         raise CheckpointError(f"{checkpoint_dir} is not a directory")
+    if os.path.isfile(os.path.join(checkpoint_dir, COMMIT_FILE)):  # one tag directory
+        checkpoint_dir, only = os.path.split(os.path.abspath(checkpoint_dir))
+        tags = [only]
+    else:
+        tags = sorted(
+            t
+            for t in os.listdir(checkpoint_dir)
+            if os.path.isfile(os.path.join(checkpoint_dir, t, COMMIT_FILE))
+        )
+    if not tags:
+        raise CheckpointError(
+            f"{checkpoint_dir} holds no checkpoint: no <tag>/{COMMIT_FILE} in it (pass the save_dir given to "
+            "save_checkpoint, or one of its tag directories)"
+        )
     latest = None
     if os.path.isfile(os.path.join(checkpoint_dir, LATEST_FILE)):
         latest = open(os.path.join(checkpoint_dir, LATEST_FILE)).read().strip()
-    tags = sorted(
-        t for t in os.listdir(checkpoint_dir) if os.path.isfile(os.path.join(checkpoint_dir, t, COMMIT_FILE))
-    )
     lines = [f"checkpoint dir: {checkpoint_dir}", f"latest: {latest}", f"tags: {tags}"]
     for tag in tags:
         meta, reader = open_checkpoint(checkpoint_dir, tag)
@@ -55,7 +70,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Describe a zero checkpoint and verify its checksums.")
-    parser.add_argument("checkpoint_dir")
+    parser.add_argument("checkpoint_dir", help="the save_dir given to save_checkpoint, or one tag directory")
     args = parser.parse_args(argv)
     try:
         print(describe(args.checkpoint_dir))

@@ -78,6 +78,22 @@ def buffer_fragments(module: torch.nn.Module) -> list[Fragment]:
     return out
 
 
+def shared_parameters(module: torch.nn.Module, names: dict[str, str]) -> list[list[str]]:
+    """``[alias, owner]`` for every second name of a tied parameter (GPT-2's ``lm_head.weight``).
+
+    Fragments are stored once, under the first name ``named_parameters`` gives; the aliases let
+    ``zero_to_fp32`` return a state dict that a fresh model loads strictly, as DeepSpeed's does.
+    """
+    first: dict[int, str] = {}
+    out = []
+    for n, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out.append([names.get(n, n), first[id(p)]])
+        else:
+            first[id(p)] = names.get(n, n)
+    return out
+
+
 def _check_tags_agree(tag: str, mode: str, group: Any) -> None:
     if mode.lower() == "ignore" or not comm.is_initialized() or comm.get_world_size(group) == 1:
         return
@@ -145,6 +161,7 @@ def _engine_meta(
         "parameters": [
             [names[n], bool(p.requires_grad), list(p.shape)] for n, p in engine.module.named_parameters()
         ],
+        "shared_parameters": shared_parameters(engine.module, names),
         "config": cfg.to_dict() if hasattr(cfg, "to_dict") else None,
         "client_state": client_state,
     }

@@ -49,7 +49,7 @@ import re
 import struct
 import sys
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -118,17 +118,23 @@ def parse_size(size: int | str) -> int:
 
 
 # -- reading -------------------------------------------------------------------------------
+def _decode_hook(obj: dict[str, Any]) -> Any:
+    """inf/nan are stored as {"__float__": "inf"}, dict keys that look like it escaped (format.py's
+    [Note: JSON float tags]; repeated here so that this file runs without zero_core)."""
+    if len(obj) == 1 and "__float__" in obj:
+        return float(obj["__float__"])
+    if any(k.startswith("__zero_key__") for k in obj):
+        return {k[len("__zero_key__") :] if k.startswith("__zero_key__") else k: v for k, v in obj.items()}
+    return obj
+
+
 def _read_json(path: str) -> Any:
     if not os.path.isfile(path):
         raise CheckpointError(f"{path} does not exist")
     with open(path, "rb") as f:
         data = f.read()
     try:
-        # inf/nan are stored as {"__float__": "inf"} (see format.py)
-        return json.loads(
-            data.decode("utf-8"),
-            object_hook=lambda o: float(o["__float__"]) if len(o) == 1 and "__float__" in o else o,
-        )
+        return json.loads(data.decode("utf-8"), object_hook=_decode_hook)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path} is not valid JSON ({e}); the file is corrupted") from None
 
@@ -426,6 +432,12 @@ def _plan(ckpt: _Checkpoint, exclude_frozen: bool) -> list[tuple[str, str]]:
     return out + [(n, "buffer") for n in ckpt.names("buffer")]
 
 
+def _aliases(ckpt: _Checkpoint, kept: Iterable[str]) -> list[tuple[str, str]]:
+    """``(alias, owner)`` of the tied parameters whose owner is in ``kept`` (older checkpoints: none)."""
+    kept = set(kept)
+    return [(a, o) for a, o in ckpt.meta.get("shared_parameters", []) if o in kept and a not in kept]
+
+
 def _out_dtype(ckpt: _Checkpoint, name: str, kind: str) -> str:
     """Buffers keep their dtype; weights come out fp32 (the master, or the weight upcast where none was saved)."""
     return ckpt.shape_dtype(name, kind)[1] if kind == "buffer" else "float32"
@@ -442,7 +454,10 @@ def get_fp32_state_dict_from_zero_checkpoint(
     """The consolidated fp32 weights (and buffers) of a checkpoint, as an in-memory state dict on CPU."""
     ckpt = _Checkpoint(checkpoint_dir, tag)
     try:
-        return {n: _value(ckpt, n, k) for n, k in _plan(ckpt, exclude_frozen_parameters)}
+        out = {n: _value(ckpt, n, k) for n, k in _plan(ckpt, exclude_frozen_parameters)}
+        for alias, owner in _aliases(ckpt, out):  # tied weights: the same tensor under both names
+            out[alias] = out[owner]
+        return out
     finally:
         ckpt.close()
 
@@ -577,14 +592,19 @@ def _write_safetensors(path: str, shard: list[_Out], progress: _Progress) -> Non
     _atomic_fd(path, fill)
 
 
-def _write_bin(path: str, shard: list[_Out], progress: _Progress) -> None:
+def _write_bin(path: str, shard: list[_Out], progress: _Progress, aliases: list[tuple[str, str]]) -> None:
     torch = _torch()
     tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save({e.name: e.value() for e in shard}, tmp)
+    state = {e.name: e.value() for e in shard}
+    state.update({a: state[o] for a, o in aliases if o in state})  # tied: torch.save stores it once
+    torch.save(state, tmp)
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     progress.update(sum(e.nbytes for e in shard))
+
+
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(
@@ -598,12 +618,34 @@ def convert_zero_checkpoint_to_fp32_state_dict(
 ) -> list[str]:
     """Write the consolidated fp32 state dict to ``output_file`` (sharded past ``max_shard_size``).
 
+    An ``output_file`` that is a directory (or ends with a separator) gets ``model.safetensors``
+    (``pytorch_model.bin`` without safe serialization) in it.
+
     Streams tensor by tensor (see [Note: streaming conversion]). Returns the files written.
+    A tied parameter's second name (``lm_head.weight``) is written to ``.bin`` files only:
+    safetensors cannot share storage, and ``from_pretrained`` re-ties it, as for Hugging Face's own files.
     """
     if not isinstance(output_file, (str, os.PathLike)):
         raise TypeError(f"output_file must be a path, got {type(output_file).__name__}")
     output_file = os.fspath(output_file)
+    if output_file.endswith(("/", os.sep)) or os.path.isdir(output_file):
+        # a directory, as DeepSpeed's script takes: Hugging Face's file names inside it
+        output_file = os.path.join(
+            output_file, "model.safetensors" if safe_serialization else "pytorch_model.bin"
+        )
     limit = parse_size(max_shard_size)
+    # a pickle named .safetensors, or safetensors named pytorch_model.bin, fails whoever loads it by name
+    suffix = os.path.splitext(output_file)[1].lower()
+    if safe_serialization and suffix in _PICKLE_SUFFIXES:
+        raise ValueError(
+            f"output {output_file} names a torch pickle file but the format is safetensors: name it "
+            ".safetensors, or pass safe_serialization=False (--bin) for a torch .bin"
+        )
+    if not safe_serialization and suffix == ".safetensors":
+        raise ValueError(
+            f"output {output_file} names a safetensors file but safe_serialization=False (--bin) writes a "
+            "torch pickle: name it .bin, or drop --bin"
+        )
     ckpt = _Checkpoint(checkpoint_dir, tag)
     try:
         entries = [_Out(ckpt, name, kind) for name, kind in _plan(ckpt, exclude_frozen_parameters)]
@@ -618,12 +660,17 @@ def convert_zero_checkpoint_to_fp32_state_dict(
             else [f"{stem}-{i + 1:05d}-of-{len(shards):05d}{ext}" for i in range(len(shards))]
         )
         bar = _Progress(sum(e.nbytes for e in entries), progress)
+        aliases = [] if safe_serialization else _aliases(ckpt, [e.name for e in entries])
         written, weight_map = [], {}
         for fname, shard in zip(names, shards):
             path = os.path.join(out_dir, fname)
-            (_write_safetensors if safe_serialization else _write_bin)(path, shard, bar)
+            if safe_serialization:
+                _write_safetensors(path, shard, bar)
+            else:
+                _write_bin(path, shard, bar, aliases)
             written.append(path)
             weight_map.update({e.name: fname for e in shard})
+            weight_map.update({a: fname for a, o in aliases if weight_map.get(o) == fname})
         bar.close()
         if len(shards) > 1:
             index = {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": weight_map}
@@ -639,13 +686,21 @@ def convert_zero_checkpoint_to_fp32_state_dict(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Consolidate a zero checkpoint into an fp32 state dict.")
     parser.add_argument("checkpoint_dir", help="directory with 'latest' and tag folders (or one tag folder)")
-    parser.add_argument("output", help="output file (.safetensors, or .bin with --bin)")
-    parser.add_argument("-t", "--tag", default=None, help="tag to convert (default: the one 'latest' names)")
     parser.add_argument(
-        "--max-shard-size", default="5GB", help="shard the output past this size (default 5GB)"
+        "output",
+        help="output file (.safetensors, or .bin with --bin), or a directory to write model.safetensors in",
     )
-    parser.add_argument("--exclude-frozen-parameters", action="store_true")
+    parser.add_argument("-t", "--tag", default=None, help="tag to convert (default: the one 'latest' names)")
+    # the underscore spellings are DeepSpeed's (its --safe_serialization is the default here)
+    parser.add_argument(
+        "--max-shard-size",
+        "--max_shard_size",
+        default="5GB",
+        help="shard the output past this size (default 5GB)",
+    )
+    parser.add_argument("--exclude-frozen-parameters", "--exclude_frozen_parameters", action="store_true")
     parser.add_argument("--bin", action="store_true", help="write torch .bin (pickle) instead of safetensors")
+    parser.add_argument("--safe_serialization", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     try:
