@@ -43,15 +43,16 @@ def _engine(stage: int, world: int, seed: int):
     return engine
 
 
-def _train(engine, first: int, last: int) -> list[float]:
+def _train(engine, first: int, last: int, batch: int = GLOBAL_BATCH, classes: int = 4) -> list[float]:
+    """Steps ``first..last-1`` on seeded global batches split over the ranks; the mean loss per step."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    micro = GLOBAL_BATCH // world
+    micro = batch // world
     losses = []
     for step in range(first, last):
         g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(GLOBAL_BATCH, 6, generator=g), torch.randint(0, 4, (GLOBAL_BATCH,), generator=g)
+        x, y = torch.randn(batch, 6, generator=g), torch.randint(0, classes, (batch,), generator=g)
         loss = engine(x[rank * micro : (rank + 1) * micro], y[rank * micro : (rank + 1) * micro])
         engine.backward(loss)
         engine.step()
@@ -158,20 +159,7 @@ def _tiny_engine(world: int):
 
 
 def _tiny_train(engine, first: int, last: int) -> list[float]:
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    micro, losses = 12 // world, []
-    for step in range(first, last):
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(12, 6, generator=g), torch.randint(0, 3, (12,), generator=g)
-        loss = engine(x[rank * micro : (rank + 1) * micro], y[rank * micro : (rank + 1) * micro])
-        engine.backward(loss)
-        engine.step()
-        t = torch.tensor([loss.item() / world])
-        dist.all_reduce(t)
-        losses.append(t.item())
-    return losses
+    return _train(engine, first, last, batch=12, classes=3)
 
 
 def _tiny_save(tmp: str) -> list[float]:
