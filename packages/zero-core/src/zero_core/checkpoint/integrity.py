@@ -123,7 +123,7 @@ def _stream(path: str, fold: Callable[[memoryview], None]) -> int:
     """
     fd = os.open(path, os.O_RDONLY)
     try:
-        ahead = Readahead(fd, os.fstat(fd).st_size)
+        ahead = Readahead.whole_file(fd, os.fstat(fd).st_size)
         view = memoryview(bytearray(_CHUNK))
         total = 0
         while True:
@@ -155,27 +155,42 @@ def file_sum64(path: str) -> tuple[int, str]:
 
 
 class Readahead:
-    """Keeps ``_WINDOW`` bytes beyond the read position queued for readahead on ``fd``.
+    """Keeps the byte spans of ``fd`` that will be read queued for readahead, ``_WINDOW`` bytes ahead.
 
     See [Note: verification reads ahead]; call ``advance(pos)`` before each read at ``pos``.
+    ``spans`` are sorted, disjoint ``[lo, hi)`` ranges: only bytes that will be read are asked
+    for, so the skipped parts of a file cost no I/O (``read_ranges`` in ``single_pass.py``);
+    :meth:`whole_file` covers a file read front to back.
     """
 
-    def __init__(self, fd: int, size: int) -> None:
+    def __init__(self, fd: int, spans: list[tuple[int, int]]) -> None:
         self._fd = fd
-        self._size = size
+        self._spans = spans
+        self._i = 0  # the first span not completely queued
+        self._queued = 0  # file offset up to which the spans are queued (WILLNEED)
         self._on = hasattr(os, "posix_fadvise")
-        self._queued = 0  # bytes asked for with WILLNEED so far
-        self._step = max(_WINDOW // 4, 1)  # readahead is queued in quarters of the window
-        if self._on:
+
+    @classmethod
+    def whole_file(cls, fd: int, size: int) -> Readahead:
+        """Readahead over all ``size`` bytes of ``fd``, which is also marked sequential."""
+        if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        return cls(fd, [(0, size)] if size else [])
 
     def advance(self, pos: int) -> None:
         if not self._on:
             return
-        limit = min(self._size, pos + _WINDOW)
-        while self._queued < limit:
-            os.posix_fadvise(self._fd, self._queued, self._step, os.POSIX_FADV_WILLNEED)
-            self._queued += self._step
+        limit = pos + _WINDOW
+        while self._i < len(self._spans):
+            lo, hi = self._spans[self._i]
+            start = max(self._queued, lo)
+            if start >= limit:
+                return
+            stop = min(hi, start + _WINDOW // 4)  # queued in quarters of the window
+            os.posix_fadvise(self._fd, start, stop - start, os.POSIX_FADV_WILLNEED)
+            self._queued = stop
+            if stop >= hi:
+                self._i += 1
 
 
 class FileChecksum:

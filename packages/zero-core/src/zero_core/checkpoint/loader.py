@@ -7,6 +7,7 @@ scheduler, optimizer hyper-parameters, buffers, RNG) is restored here.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Callable
@@ -105,10 +106,7 @@ def _load_buffers(reader: CheckpointReader, module: torch.nn.Module, strict: boo
         )
     for name, t in mine.items():
         if name in saved:
-            numel = 1
-            for d in reader.shape(name, BUFFER):
-                numel *= d
-            if numel != t.numel():
+            if math.prod(reader.shape(name, BUFFER)) != t.numel():
                 raise CheckpointError(
                     f"checkpoint {reader.tag_dir}: buffer {name!r} has shape {reader.shape(name, BUFFER)}, the "
                     f"model's {tuple(t.shape)}"

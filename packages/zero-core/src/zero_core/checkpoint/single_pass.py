@@ -69,7 +69,6 @@ from zero_core.checkpoint.integrity import FileChecksum, Readahead
 _PIECE = 2**18
 # Ranges read without checksum (read_ranges) go straight into place: no cache reason to keep pieces small.
 _RANGE_PIECE = 4 * 2**20
-_WINDOW = 32 * 2**20  # bytes of requested spans queued for readahead (as integrity.Readahead's window)
 
 
 def _pread_full(fd: int, dest: memoryview, offset: int, path: str) -> None:
@@ -101,7 +100,7 @@ def read_file_once(
         if size != record.get("bytes"):
             checksum.nbytes = size
             checksum.check()  # raises the size error
-        ahead = Readahead(fd, size)
+        ahead = Readahead.whole_file(fd, size)
         scratch = memoryview(bytearray(_PIECE))
         pos = 0
 
@@ -161,36 +160,6 @@ def files_verified_by(rank: int, n_files: int, world: int) -> list[int]:
     return list(range(rank, n_files, world))
 
 
-class _SpanReadahead:
-    """Keeps the requested spans of ``fd`` within ``_WINDOW`` bytes beyond the read position queued for readahead.
-
-    The ranged counterpart of ``integrity.Readahead`` (see [Note: verification reads ahead]):
-    only bytes that will be read are asked for, so the skipped parts of the file cost no I/O.
-    """
-
-    def __init__(self, fd: int, spans: list[tuple[int, int]]) -> None:
-        self._fd = fd
-        self._spans = spans  # sorted, disjoint [lo, hi)
-        self._i = 0
-        self._queued = 0  # file offset up to which the spans are queued
-        self._on = hasattr(os, "posix_fadvise")
-
-    def advance(self, pos: int) -> None:
-        if not self._on:
-            return
-        limit = pos + _WINDOW
-        while self._i < len(self._spans):
-            lo, hi = self._spans[self._i]
-            start = max(self._queued, lo)
-            if start >= limit:
-                return
-            stop = min(hi, start + _WINDOW // 4)
-            os.posix_fadvise(self._fd, start, stop - start, os.POSIX_FADV_WILLNEED)
-            self._queued = stop
-            if stop >= hi:
-                self._i += 1
-
-
 def read_ranges(path: str, record: dict[str, int | str], requests: Iterable[tuple[int, memoryview]]) -> None:
     """Fill each ``(offset, destination)`` request straight from the file at ``path``, reading nothing else.
 
@@ -215,7 +184,7 @@ def read_ranges(path: str, record: dict[str, int | str], requests: Iterable[tupl
                 f"checkpoint file {path} has {size} bytes, the checkpoint recorded {record.get('bytes')}: "
                 "it is truncated or was modified"
             )
-        ahead = _SpanReadahead(fd, spans)
+        ahead = Readahead(fd, spans)
         for off, dest in reqs:
             if off < 0 or off + len(dest) > size:
                 raise CheckpointError(
