@@ -252,6 +252,15 @@ def _train(engine, first: int, last: int) -> list[float]:
     return losses
 
 
+def _load_error(engine, tmp: str, tag: str) -> str:
+    """The CheckpointError message of loading ``tag``, or "loaded" when the load succeeds."""
+    try:
+        engine.load_checkpoint(tmp, tag=tag)
+    except CheckpointError as e:
+        return str(e)
+    return "loaded"
+
+
 def _refusals(engine, tmp: str) -> list[str]:
     """The error of each training or saving call (every one must refuse)."""
     out = []
@@ -302,11 +311,7 @@ def _fail_then_recover(tmp: str, stage: int) -> dict:
     dist.barrier()
     digest = hashlib.sha256(open(bad_file, "rb").read()).hexdigest()
     engine = _engine(stage, seed=1)
-    try:
-        engine.load_checkpoint(tmp, tag="bad")
-        error = "loaded"
-    except CheckpointError as e:
-        error = str(e)
+    error = _load_error(engine, tmp, "bad")
     refusals = _refusals(engine, tmp)
     unchanged = hashlib.sha256(open(bad_file, "rb").read()).hexdigest() == digest
     engine.load_checkpoint(tmp, tag="good")
@@ -451,11 +456,7 @@ def _corruption_only_a_non_verifier_copies(tmp: str, stage: int, file_rank: int)
         digest = hashlib.sha256(open(path, "rb").read()).hexdigest()
         calls.clear()
         engine = _engine(stage, seed=1)
-        try:
-            engine.load_checkpoint(tmp, tag="bad")
-            error = "loaded"
-        except CheckpointError as e:
-            error = str(e)
+        error = _load_error(engine, tmp, "bad")
         bad_load = list(calls)
     finally:
         for fn, f in real.items():

@@ -64,6 +64,8 @@ def hf_causal_lm(kind: str, seed: int = 0, vocab: int = 61) -> torch.nn.Module:
     torch.manual_seed(seed)
     common = {"vocab_size": vocab, "attn_implementation": "eager"}
     falcon = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "bias": False}
+    decoder = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4}
+    gqa = {**decoder, "num_key_value_heads": 2}
     if kind == "falcon_mqa":
         return t.FalconForCausalLM(t.FalconConfig(**common, **falcon, multi_query=True, alibi=False)).eval()
     if kind == "falcon_gqa":
@@ -75,49 +77,25 @@ def hf_causal_lm(kind: str, seed: int = 0, vocab: int = 61) -> torch.nn.Module:
     if kind == "bloom":
         return t.BloomForCausalLM(t.BloomConfig(**common, hidden_size=32, n_layer=2, n_head=4)).eval()
     if kind == "phi":
-        cfg = t.PhiConfig(
-            **common, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4
-        )
+        cfg = t.PhiConfig(**common, **decoder)
         return t.PhiForCausalLM(cfg).eval()
     if kind == "gptj":
         cfg = t.GPTJConfig(**common, n_positions=64, n_embd=32, n_layer=2, n_head=4, rotary_dim=4)
         return t.GPTJForCausalLM(cfg).eval()
     if kind == "gemma":
-        cfg = t.GemmaConfig(
-            **common,
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-        )
+        cfg = t.GemmaConfig(**common, **gqa, head_dim=8)
         return t.GemmaForCausalLM(cfg).eval()
     if kind == "phi3":
-        cfg = t.Phi3Config(
-            **common,
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            pad_token_id=0,
-            bos_token_id=1,
-            eos_token_id=2,
-        )
+        cfg = t.Phi3Config(**common, **gqa, pad_token_id=0, bos_token_id=1, eos_token_id=2)
         return t.Phi3ForCausalLM(cfg).eval()
     if kind == "qwen2_moe":
         cfg = t.Qwen2MoeConfig(
             **common,
-            hidden_size=32,
-            intermediate_size=48,
+            **gqa,
             moe_intermediate_size=16,
             shared_expert_intermediate_size=24,
             num_experts=4,
             num_experts_per_tok=2,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
         )
         return t.Qwen2MoeForCausalLM(cfg).eval()
     raise ValueError(f"unknown model kind {kind!r}")

@@ -13,17 +13,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from profiler_models import Fn
 from zero_profiler import FlopsProfiler
 from zero_profiler.function_formulas import FUNCTION_RULES, PASS, Pointwise
-
-
-class Fn(nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
 
 
 def profile(model, args, fast_path, train=False):

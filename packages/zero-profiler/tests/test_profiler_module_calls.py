@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from profiler_models import Block
 from torch.overrides import TorchFunctionMode
 from zero_profiler import FlopsProfiler
 from zero_profiler.function_mode import FunctionCountingMode
@@ -151,23 +152,6 @@ def test_torchscript_module_is_counted_at_aten_level():
 
 
 # --- attribution --------------------------------------------------------------------------------
-
-
-class Block(nn.Module):
-    def __init__(self, c=16, h=2):
-        super().__init__()
-        self.h = h
-        self.ln1, self.ln2 = nn.LayerNorm(c), nn.LayerNorm(c)
-        self.qkv, self.proj = nn.Linear(c, 3 * c), nn.Linear(c, c)
-        self.fc, self.fc2 = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
-
-    def forward(self, x):
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=-1)
-        q, k, v = (z.view(b, t, self.h, c // self.h).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
-        return x + self.fc2(F.gelu(self.fc(self.ln2(x))))
 
 
 class TiedLM(nn.Module):
