@@ -127,23 +127,27 @@ def _evict(path: str) -> int:
     return before - _cached_bytes()
 
 
+def _dd_rate(cmd: list[str]) -> float:
+    """Run ``dd`` and return its GB/s ("1073741824 bytes (1.1 GB, 1.0 GiB) copied, 0.9 s, 1.2 GB/s")."""
+    r = subprocess.run(["dd", *cmd], capture_output=True, text=True)
+    m = re.search(r"(\d+) bytes.*copied, ([\d.]+) s", r.stderr)
+    if m is None:
+        raise RuntimeError(f"dd {' '.join(cmd)} failed: {r.stderr}")
+    return int(m.group(1)) / float(m.group(2)) / 1e9
+
+
+def _dd_write(path: str) -> float:
+    """GB/s of writing 1 GiB to ``path`` with dd, fdatasync included."""
+    return _dd_rate(["if=/dev/zero", f"of={path}", "bs=16M", "count=64", "conv=fdatasync"])
+
+
 def _dd(workdir: str) -> tuple[float, float]:
+    """The disk's sequential write and O_DIRECT read bandwidth (GB/s) on a fresh 1 GiB file."""
     path = os.path.join(workdir, "dd.bin")
-    w = subprocess.run(
-        ["dd", "if=/dev/zero", f"of={path}", "bs=16M", "count=64", "conv=fdatasync"],
-        capture_output=True,
-        text=True,
-    )
-    r = subprocess.run(
-        ["dd", f"if={path}", "of=/dev/null", "bs=16M", "iflag=direct"], capture_output=True, text=True
-    )
-    os.unlink(path)
-
-    def rate(out: str) -> float:  # "1073741824 bytes (1.1 GB, 1.0 GiB) copied, 0.9 s, 1.2 GB/s"
-        m = re.search(r"(\d+) bytes.*copied, ([\d.]+) s", out)
-        return int(m.group(1)) / float(m.group(2)) / 1e9
-
-    return rate(w.stderr), rate(r.stderr)
+    try:
+        return _dd_write(path), _dd_read(path)
+    finally:
+        os.unlink(path)
 
 
 def _dd_read(path: str) -> float:
@@ -159,13 +163,7 @@ def _dd_read(path: str) -> float:
     by the mean of the two. The table reports the median of these per-rep ratios next to the
     ratio to the run's median.
     """
-    r = subprocess.run(
-        ["dd", f"if={path}", "of=/dev/null", "bs=16M", "iflag=direct"], capture_output=True, text=True
-    )
-    m = re.search(r"(\d+) bytes.*copied, ([\d.]+) s", r.stderr)
-    if m is None:
-        raise RuntimeError(f"dd read of {path} failed: {r.stderr}")
-    return int(m.group(1)) / float(m.group(2)) / 1e9
+    return _dd_rate([f"if={path}", "of=/dev/null", "bs=16M", "iflag=direct"])
 
 
 def _wait_turn(ctl: str, name: str, limit: float = 900.0) -> None:
@@ -521,11 +519,7 @@ def main() -> None:
         # machine's load hits every column alike. Rep 0 starts only after both launches have
         # finished starting up (each signals ready_<name>), so neither's start-up competes with a rep.
         dd_ref = os.path.join(workdir, "dd_ref.bin")  # See [Note: bracketing dd reads]
-        subprocess.run(
-            ["dd", "if=/dev/zero", f"of={dd_ref}", "bs=16M", "count=64", "conv=fdatasync"],
-            check=True,
-            capture_output=True,
-        )
+        _dd_write(dd_ref)
         for stage in (2, 3):
             stats[stage] = _run_stage(stage, args, workdir, ref, have_ds, dd_w, dd_r, loadavg, dd_ref)
         syn = os.path.join(workdir, "syn")
