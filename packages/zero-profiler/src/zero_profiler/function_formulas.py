@@ -21,12 +21,17 @@ Table values:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+# The arithmetic is the ATen-level counter's: the rules here only decide which ATen operator a call
+# becomes (see [Note: FLOP conventions]).
+from zero_profiler.flop_formulas import _bmm as aten_bmm_cost
+from zero_profiler.flop_formulas import _conv_macs, _norm_factor, _sdpa_fwd
+from zero_profiler.flop_formulas import _mm as aten_mm_cost
 
 aten = torch.ops.aten
 Tensor = torch.Tensor
@@ -174,8 +179,7 @@ def _norm(packet: Any, weight_index: int, on_cpu_only: bool = False) -> Rule:
         x = _arg(args, kwargs, 0, "input")
         if not _dense(x) or (on_cpu_only and not x.is_cpu):
             return None
-        weight = _arg(args, kwargs, weight_index, "weight")
-        return x.numel() * (5 if isinstance(weight, Tensor) else 4), 0, packet
+        return x.numel() * _norm_factor(_arg(args, kwargs, weight_index, "weight")), 0, packet
 
     return Rule(count)
 
@@ -185,9 +189,9 @@ _add([F.layer_norm, torch.layer_norm], _norm(aten.native_layer_norm, 2))
 
 def layer_norm_cost(x: Tensor, weight: Any) -> Cost | None:
     """``F.layer_norm(x, shape, weight, ...)``'s cost (None when not mirrored)."""
-    if x.layout is not _strided or x.is_nested:
+    if not _dense(x):
         return None
-    return x.numel() * (5 if weight is not None else 4), 0, _NATIVE_LAYER_NORM
+    return x.numel() * _norm_factor(weight), 0, _NATIVE_LAYER_NORM
 
 
 _add([F.group_norm, torch.group_norm], _norm(aten.native_group_norm, 2))
@@ -211,19 +215,15 @@ _add([F.dropout], Rule(dropout_cost))
 
 
 def _mm(args, kwargs):
-    a, b = args[0], args[1]
-    if not (_dense(a) and _dense(b)):
+    if not (_dense(args[0]) and _dense(args[1])):
         return None
-    macs = a.shape[0] * a.shape[1] * b.shape[1]
-    return 2 * macs, macs, aten.mm
+    return (*aten_mm_cost(args, kwargs, None), aten.mm)
 
 
 def _bmm(args, kwargs):
-    a, b = args[0], args[1]
-    if not (_dense(a) and _dense(b)):
+    if not (_dense(args[0]) and _dense(args[1])):
         return None
-    macs = a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
-    return 2 * macs, macs, aten.bmm
+    return (*aten_bmm_cost(args, kwargs, None), aten.bmm)
 
 
 def _shifted(count: Callable, packet: Any) -> Rule:
@@ -334,15 +334,13 @@ def _conv(transposed: bool) -> Rule:
         x, w = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight")
         if not (_dense(x) and _dense(w)):
             return None
-        per_element = w.shape[1] * math.prod(w.shape[2:])
         if transposed:
-            # every input element scatters into C_out/groups * kernel outputs (an unbatched
-            # input has the same numel once ATen batches it)
-            macs = x.numel() * per_element
+            # counted over the input elements (an unbatched input has the same numel once ATen batches it)
+            macs = _conv_macs(x.shape, w.shape, None, True)
             return 2 * macs, macs, aten.convolution
 
         def cost(out: Tensor) -> Cost:
-            macs = out.numel() * per_element  # every output element: C_in/groups * kernel MACs
+            macs = _conv_macs(x.shape, w.shape, out.shape, False)
             return 2 * macs, macs, aten.convolution
 
         return cost
@@ -380,11 +378,7 @@ def _sdpa(args, kwargs):
         choice = torch._fused_sdp_choice(q, k, v, mask, dropout_p, is_causal, scale=scale, enable_gqa=gqa)
     if choice != _SDPA_FLASH:
         return None
-    qs, ks, vs = q.shape, k.shape, v.shape
-    batch_heads = qs[0] * qs[1] if len(qs) == 4 else math.prod(qs[:-2])
-    scores = batch_heads * qs[-2] * ks[-2]
-    macs = scores * (qs[-1] + vs[-1])  # Q K^T and P V; see _sdpa_fwd in flop_formulas
-    return 2 * macs + scores, macs, _FLASH_CPU
+    return (*_sdpa_fwd(q, k, v), _FLASH_CPU)
 
 
 _add([F.scaled_dot_product_attention], Rule(_sdpa))
