@@ -50,7 +50,6 @@ Measured by ``tools/bench/bench_profiler.py`` ("tiny" rows: per-operator cost do
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
@@ -248,7 +247,7 @@ class ModuleTracker:
     # -- recording --------------------------------------------------------------------------------
 
     def mark_backward_op(self) -> None:
-        now = time.perf_counter()
+        now = perf_counter()
         totals = self.totals
         if totals.bwd_first_op is None:
             totals.bwd_first_op = now
