@@ -80,3 +80,22 @@ def test_every_problem_is_reported_at_once() -> None:
         load_config({**BASE, "comet": {"enabled": True}, "gradient_clipp1ng": 1.0}, world_size=1)
     text = str(info.value)
     assert "comet:" in text and "did you mean gradient_clipping" in text
+
+
+def test_compression_switched_on_per_technique_as_deepspeed_writes_it():
+    # DeepSpeed's compression section has no top-level "enabled": each technique has its own.
+    on = {
+        "weight_quantization": {"shared_parameters": {"enabled": False}},
+        "sparse_pruning": {"shared_parameters": {"enabled": True, "method": "l1"}, "different_groups": {}},
+    }
+    with pytest.raises(ConfigError, match="compression_training"):
+        load_config({**BASE, "compression_training": on})
+    with pytest.raises(ConfigError, match="compression_training"):
+        load_config(
+            {**BASE, "compression_training": {"layer_reduction": {"enabled": True, "keep_number_layer": 2}}}
+        )
+    off = {
+        "weight_quantization": {"shared_parameters": {"enabled": False}},
+        "layer_reduction": {"enabled": False},
+    }
+    load_config({**BASE, "compression_training": off})

@@ -26,12 +26,22 @@ from typing import Any
 from zero_core.config.base import show
 
 
-def _enabled(value: Any) -> bool:
-    return isinstance(value, dict) and bool(value.get("enabled", False))
-
-
 def _flag(key: str) -> Callable[[Any], bool]:
     return lambda value: isinstance(value, dict) and bool(value.get(key, False))
+
+
+_enabled = _flag("enabled")
+
+
+def _compression_on(value: Any) -> bool:
+    """DeepSpeed switches compression on per technique: ``{"sparse_pruning": {"shared_parameters":
+    {"enabled": true, ...}}, "layer_reduction": {"enabled": true}, ...}``, not with a top-level flag."""
+    if not isinstance(value, dict):
+        return False
+    return _enabled(value) or any(
+        _enabled(tech) or (isinstance(tech, dict) and _enabled(tech.get("shared_parameters")))
+        for tech in value.values()
+    )
 
 
 def _truthy(value: Any) -> bool:
@@ -50,7 +60,7 @@ UNIMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str, bool]] = {
     "progressive_layer_drop": (_enabled, "progressive layer drop", True),
     "curriculum_learning": (_enabled, "curriculum learning", True),
     "data_efficiency": (_enabled, "the data-efficiency library (curriculum, random-LTD)", True),
-    "compression_training": (_enabled, "compression training", True),
+    "compression_training": (_compression_on, "compression training", True),
     "eigenvalue": (_enabled, "eigenvalue computation", True),
     "hybrid_engine": (_enabled, "the RLHF hybrid engine", True),
     "elasticity": (_enabled, "elastic training (batch sizes over a range of GPU counts)", True),
