@@ -37,7 +37,7 @@ from zero_inference.param_source import (
     ParamSource,
     Segments,
     column_segments,
-    iter_blocks,
+    rank_slice,
     segment_ranges,
 )
 from zero_inference.tp_heads import install_head_slicing
@@ -217,11 +217,7 @@ def _head_counts(owner: nn.Module) -> tuple[int, int, int] | None:
     """(query heads, key/value heads, head dim) an attention module declares, or None."""
 
     def first(names: tuple[str, ...]) -> int | None:
-        for name in names:
-            value = getattr(owner, name, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-        return None
+        return next((v for v in (_config_int(owner, n) for n in names) if v is not None), None)
 
     config = getattr(owner, "config", None)
     heads = first(QUERY_HEAD_ATTRS) or _config_int(config, "num_attention_heads")
@@ -351,10 +347,10 @@ def apply_plan(
     for name in plan.row:
         wname, bname = f"{name}.weight", f"{name}.bias"
         if name in plan.transposed:
-            ((start, stop),) = iter_blocks(src.shape(wname)[0], 1, rank, world)
+            start, stop = rank_slice(src.shape(wname)[0], rank, world)
             weight = src.rows(wname, start, stop).t()
         else:
-            ((start, stop),) = iter_blocks(src.shape(wname)[1], 1, rank, world)
+            start, stop = rank_slice(src.shape(wname)[1], rank, world)
             weight = src.cols(wname, start, stop)
         bias = _cast(src.full(bname), dtype, device) if bname in src.names() else None
         set_module(name, RowParallelLinear(_cast(weight, dtype, device), bias, group=group))

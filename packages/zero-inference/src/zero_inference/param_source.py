@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from typing import Protocol
 
 import torch
@@ -140,14 +139,9 @@ def segment_ranges(segments: Segments, rank: int, world: int) -> list[tuple[int,
     return out
 
 
-def iter_blocks(total: int, blocks: int, rank: int, world: int) -> Iterator[tuple[int, int]]:
-    """(start, stop) of this rank's slice inside each of ``blocks`` equal blocks of a dimension."""
-    if total % blocks or (total // blocks) % world:
-        raise ValueError(
-            f"cannot split dimension {total} into {blocks} block(s) over {world} tensor-parallel ranks"
-        )
-    block = total // blocks
-    per = block // world
-    for b in range(blocks):
-        start = b * block + rank * per
-        yield start, start + per
+def rank_slice(total: int, rank: int, world: int) -> tuple[int, int]:
+    """(start, stop) of this rank's equal slice of a dimension of ``total`` (row-parallel inputs)."""
+    if total % world:
+        raise ValueError(f"cannot split dimension {total} into 1 block(s) over {world} tensor-parallel ranks")
+    per = total // world
+    return rank * per, (rank + 1) * per
