@@ -89,10 +89,12 @@ def resolve_batch_size(
     *,
     world_size: int | None = None,
     world_size_source: str | None = None,
+    auto_names: tuple[str, ...] = (),
 ) -> BatchSizes:
     """Complete the batch-size triple for a data-parallel world of ``world_size`` ranks.
 
-    ``None`` (or ``"auto"``) marks a size to derive. ``world_size`` is the *data-parallel* size
+    ``None`` (or ``"auto"``) marks a size to derive; ``auto_names`` names sizes that were
+    ``"auto"`` before they reached here as None (a validated config), for the error message. ``world_size`` is the *data-parallel* size
     (world / (pipeline * tensor parallel degree)); when omitted it is detected with
     :func:`detect_world_size`. ``world_size_source`` says where the caller got it
     (``"explicit"`` when omitted with an explicit ``world_size``). Raises :class:`ConfigError`.
@@ -153,7 +155,7 @@ def resolve_batch_size(
                 ("train_batch_size", train_batch_size),
                 ("train_micro_batch_size_per_gpu", train_micro_batch_size_per_gpu),
             )
-            if value == "auto"
+            if value == "auto" or name in auto_names
         ]
         raise ConfigError([message + auto_batch_hint(autos)])
     return BatchSizes(train, micro, gas, world_size, world_size_source)

@@ -18,7 +18,6 @@ from typing import Any
 from pydantic import ValidationError
 
 from zero_core.config import sections
-from zero_core.config.batch import auto_batch_hint
 from zero_core.config.errors import ConfigError, format_validation_error
 from zero_core.config.root import ZeroConfig
 from zero_core.config.unimplemented import check_unimplemented
@@ -125,7 +124,6 @@ def load_config(
     Raises :class:`ConfigError` listing every problem, each with its key path.
     """
     source = _pick_source(config, args, config_params)
-    autos: list[str] = []  # batch sizes written "auto": named if they cannot be derived
     if isinstance(source, ZeroConfig):
         cfg, where = source, None
     else:
@@ -145,13 +143,9 @@ def load_config(
             raise ConfigError(problems + format_validation_error(exc), source=where) from None
         if problems:
             raise ConfigError(problems, source=where)
-        autos = [k for k in ("train_batch_size", "train_micro_batch_size_per_gpu") if raw.get(k) == "auto"]
     if resolve_batch:
         try:
             cfg = cfg.with_batch_sizes(world_size, world_size_source)
         except ConfigError as exc:
-            found = exc.problems
-            if autos and cfg.train_batch_size is None and cfg.train_micro_batch_size_per_gpu is None:
-                found = [found[0] + auto_batch_hint(autos), *found[1:]]
-            raise ConfigError(found, source=where) from None
+            raise ConfigError(exc.problems, source=where) from None
     return cfg

@@ -123,6 +123,8 @@ class ZeroConfig(ConfigModel):
     extra_sections: dict[str, Section] = Field(default_factory=dict)
 
     _batch: BatchSizes | None = PrivateAttr(default=None)
+    #: batch sizes the user wrote as "auto" (validated to None): named when they cannot be derived
+    _auto_batch: tuple[str, ...] = PrivateAttr(default=())
 
     plugin_section_names: ClassVar[tuple[str, ...]] = tuple(BUILTIN_SECTIONS)
 
@@ -137,6 +139,16 @@ class ZeroConfig(ConfigModel):
             data = {k: v for k, v in data.items() if k not in moved}
             data["extra_sections"] = {**data.get("extra_sections", {}), **moved}
         return data
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _remember_auto_batch(cls, data: Any, handler: Any) -> ZeroConfig:
+        cfg = handler(data)
+        if isinstance(data, dict):
+            cfg._auto_batch = tuple(
+                k for k in ("train_batch_size", "train_micro_batch_size_per_gpu") if data.get(k) == "auto"
+            )
+        return cfg
 
     @field_validator("zero_optimization", mode="before")
     @classmethod
@@ -220,6 +232,7 @@ class ZeroConfig(ConfigModel):
             self.gradient_accumulation_steps,
             world_size=world_size,
             world_size_source=world_size_source,
+            auto_names=self._auto_batch,
         )
         out = self.model_copy(
             update={
