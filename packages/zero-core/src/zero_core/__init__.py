@@ -35,7 +35,7 @@ def _lazy_exports(
         return value
 
     def __dir__() -> list[str]:
-        return sorted([*namespace, *table])
+        return sorted({*namespace, *table})
 
     return __getattr__, __dir__
 

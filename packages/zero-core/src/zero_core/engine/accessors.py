@@ -18,7 +18,8 @@ import torch
 
 from zero_core import comm
 
-_COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# ``communication_data_type`` names -> dtypes (also read by ``initialize`` to build the strategy)
+COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class DeepSpeedAccessors:
@@ -26,8 +27,30 @@ class DeepSpeedAccessors:
 
     config: Any
     compute_dtype: torch.dtype
+    _global_grad_norm: float | None
+    _wall_clock: bool
     _boundary_override: bool | None = None
     _step_applied: bool = False
+
+    # -- batch sizes and the step ------------------------------------------------------------
+    def train_batch_size(self) -> int:
+        return int(self.config.train_batch_size)
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return int(self.config.train_micro_batch_size_per_gpu)
+
+    def gradient_accumulation_steps(self) -> int:
+        return int(self.config.gradient_accumulation_steps)
+
+    def gradient_clipping(self) -> float:
+        return float(getattr(self.config, "gradient_clipping", 0.0) or 0.0)
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]  # type: ignore[attr-defined]
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm of the last step (before clipping), or None before any step."""
+        return self._global_grad_norm
 
     # -- ZeRO -------------------------------------------------------------------------------
     def zero_optimization_stage(self) -> int:
@@ -68,7 +91,7 @@ class DeepSpeedAccessors:
     def communication_data_type(self) -> torch.dtype:
         """The dtype gradients are reduced in: ``communication_data_type``, else the compute dtype."""
         name = self.config.communication_data_type
-        return _COMM_DTYPES[name] if name is not None else self.compute_dtype
+        return COMM_DTYPES[name] if name is not None else self.compute_dtype
 
     def gradient_predivide_factor(self) -> float:
         return float(self.config.gradient_predivide_factor)
@@ -78,7 +101,7 @@ class DeepSpeedAccessors:
         return self.config.steps_per_print
 
     def wall_clock_breakdown(self) -> bool:
-        return bool(self.config.wall_clock_breakdown)
+        return self._wall_clock
 
     def get_mom(self) -> list[Any]:
         """Each parameter group's ``betas`` (Adam family) or ``momentum`` (SGD), as DeepSpeed reports."""

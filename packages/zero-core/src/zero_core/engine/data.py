@@ -56,27 +56,41 @@ class ZeroDataLoader:
         return iter(self.loader)
 
 
+def map_tensors(item: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``item`` with every tensor nested in its dicts, lists and tuples replaced by ``fn(tensor)``.
+
+    Containers are rebuilt, keeping their type: a tuple keeps its type (namedtuples included),
+    a dict subclass keeps its type when it can be rebuilt from a dict (OrderedDict; a defaultdict
+    becomes a dict), a list becomes a list. Other values are returned as they are.
+    """
+    if torch.is_tensor(item):
+        return fn(item)
+    if isinstance(item, dict):
+        mapped = {k: map_tensors(v, fn) for k, v in item.items()}
+        if type(item) is dict:
+            return mapped
+        try:
+            return type(item)(mapped)
+        except TypeError:
+            return mapped
+    if isinstance(item, list):
+        return [map_tensors(v, fn) for v in item]
+    if isinstance(item, tuple):
+        values = [map_tensors(v, fn) for v in item]
+        return type(item)(*values) if hasattr(item, "_fields") else type(item)(values)
+    return item
+
+
 def move_to_device(batch: Any, device: torch.device) -> Any:
-    if torch.is_tensor(batch):
-        return batch.to(device)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(move_to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: move_to_device(v, device) for k, v in batch.items()}
-    return batch
+    """``batch`` with its tensors (nested as :func:`map_tensors` walks) moved to ``device``."""
+    return map_tensors(batch, lambda t: t.to(device))
 
 
 def cast_floating(batch: Any, dtype: torch.dtype) -> Any:
-    """``batch`` with its floating-point tensors (nested in lists, tuples and dicts) cast to ``dtype``.
+    """``batch`` with its floating-point tensors (nested as :func:`map_tensors` walks) cast to ``dtype``.
 
     The engine's forward applies it with ``fp16.auto_cast`` (DeepSpeed's switch for feeding fp32
     inputs to an fp16 model). Integer tensors (token ids, labels, masks) are left alone: DeepSpeed
     calls ``.half()`` on every tensor, which would turn token ids into floats.
     """
-    if torch.is_tensor(batch):
-        return batch.to(dtype) if batch.is_floating_point() else batch
-    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
-        return type(batch)(cast_floating(b, dtype) for b in batch)
-    if isinstance(batch, dict):
-        return {k: cast_floating(v, dtype) for k, v in batch.items()}
-    return batch
+    return map_tensors(batch, lambda t: t.to(dtype) if t.is_floating_point() else t)

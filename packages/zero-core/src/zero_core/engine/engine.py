@@ -19,6 +19,7 @@ import torch
 
 from zero_core import comm
 from zero_core.engine.accessors import DeepSpeedAccessors
+from zero_core.engine.data import cast_floating
 from zero_core.engine.loss_scaler import LossScaler
 from zero_core.engine.strategy import TrainingStrategy
 from zero_core.engine.timers import Timers
@@ -75,6 +76,9 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
         self.profiler = profiler
         self.timers = Timers()
         self._wall_clock = bool(getattr(config, "wall_clock_breakdown", False))
+        # fp16.auto_cast: forward casts floating-point inputs to fp16
+        fp16 = getattr(config, "fp16", None)
+        self._auto_cast_fp16 = bool(fp16 is not None and fp16.enabled and getattr(fp16, "auto_cast", False))
         self._last_boundary_time = time.perf_counter()
         self._samples_per_sec = 0.0
         # why training must not go on: a load failed after overwriting part of the state
@@ -82,29 +86,10 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
         self._invalid_state: str | None = None
         self._invalid_state_optimizer = False
 
-    # -- configuration accessors (DeepSpeed names) --------------------------------------
-    def train_batch_size(self) -> int:
-        return int(self.config.train_batch_size)
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return int(self.config.train_micro_batch_size_per_gpu)
-
-    def gradient_accumulation_steps(self) -> int:
-        return int(self.config.gradient_accumulation_steps)
-
-    def gradient_clipping(self) -> float:
-        return float(getattr(self.config, "gradient_clipping", 0.0) or 0.0)
-
+    # -- the strategy's parts -----------------------------------------------------------
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         return self.strategy.optimizer
-
-    def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
-
-    def get_global_grad_norm(self) -> float | None:
-        """The global gradient norm of the last step (before clipping), or None before any step."""
-        return self._global_grad_norm
 
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:  # set_gradient_accumulation_boundary
@@ -189,10 +174,7 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
             self.profiler.on_step_begin(self.global_steps)
         if self._wall_clock:
             self.timers.start("forward")
-        fp16 = getattr(self.config, "fp16", None)
-        if fp16 is not None and fp16.enabled and getattr(fp16, "auto_cast", False):
-            from zero_core.engine.data import cast_floating
-
+        if self._auto_cast_fp16:
             args, kwargs = cast_floating(args, torch.float16), cast_floating(kwargs, torch.float16)
         out = self.module(*args, **kwargs)
         if self._wall_clock:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from zero_core import comm
+from zero_core.engine.accessors import COMM_DTYPES
 from zero_core.engine.data import ZeroDataLoader
 from zero_core.engine.engine import ZeroEngine
 from zero_core.engine.loss_scaler import build_loss_scaler
@@ -180,9 +181,7 @@ def _build_strategy(module: torch.nn.Module, optimizer: torch.optim.Optimizer, c
     zc = cfg.zero_optimization
     stage = int(zc.stage)
     dtype = compute_dtype(cfg)
-    comm_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}.get(
-        str(getattr(cfg, "communication_data_type", None) or "").lower()
-    )
+    comm_dtype = COMM_DTYPES.get(str(getattr(cfg, "communication_data_type", None) or "").lower())
     if stage == 0:
         from zero_core.engine.data_parallel import DataParallelStrategy
         from zero_core.engine.grad_buckets import STAGE0_DEFAULT_BUCKET_NUMEL

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from zero_core.testing.models import _check_sizes
+
 Batch = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -88,9 +90,7 @@ def train_engine(
     """
     from zero_core import comm
 
-    for name, value in (("micro", micro), ("gas", gas)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"train_engine: {name} must be an int >= 1, got {value!r}")
+    _check_sizes("train_engine", micro=micro, gas=gas)
     rank, world = comm.get_rank(), comm.get_world_size()
     losses = []
     for step in _step_range("train_engine", steps):
