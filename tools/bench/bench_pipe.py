@@ -39,8 +39,8 @@ import time
 import torch
 from bench_env import cpu_model, git_commit
 from torch import nn
-
-TORCH_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B")
+from zero_pipe.schedule import InterleavedTrainSchedule, TrainSchedule
+from zero_pipe.timeline import Compute
 
 
 class Block(nn.Module):
@@ -56,20 +56,21 @@ def _loss(out, y):
     return ((out - y) ** 2).mean()
 
 
-def _gpipe_schedule_cls():
+class GPipeOrder(TrainSchedule):
     """All forwards, then all backwards (GPipe), compiled by zero_pipe's planner for simulation."""
-    from zero_pipe.schedule import TrainSchedule
-    from zero_pipe.timeline import Compute
 
-    class GPipeOrder(TrainSchedule):
-        def _compute_order(self, stage):
-            m = self.micro_batches
-            return [Compute("F", 0, i) for i in range(m)] + [Compute("B", 0, i) for i in range(m)]
+    def _compute_order(self, stage):
+        m = self.micro_batches
+        return [Compute("F", 0, i) for i in range(m)] + [Compute("B", 0, i) for i in range(m)]
 
-        def num_pipe_buffers(self):
-            return self.allocated_buffers()
 
-    return GPipeOrder
+#: torch.distributed.pipelining schedules benchmarked -> the zero_pipe schedule (class, kwargs)
+#: with the same compute order, which the analysis simulates
+TORCH_SCHEDULES = {
+    "ScheduleGPipe": (GPipeOrder, {}),
+    "Schedule1F1B": (TrainSchedule, {}),
+    "ScheduleInterleaved1F1B": (InterleavedTrainSchedule, {"chunks": 2}),
+}
 
 
 # -- ranks ---------------------------------------------------------------------------------
@@ -104,6 +105,7 @@ def _bench_rank(p, ms, reps, warmup, dim, mb, layers):
     torch.manual_seed(0)
 
     runners = []  # (name, m, run(batch_data) -> spans)
+    sims = {}  # name -> (schedule class, kwargs) simulated for the row
     for chunks, lookahead in ((1, 0), (1, 1), (2, 0)):
         model = PipelineModule(
             [LayerSpec(Block, dim) for _ in range(layers)],
@@ -123,6 +125,10 @@ def _bench_rank(p, ms, reps, warmup, dim, mb, layers):
         )
         name = "zero_pipe interleaved (2 chunks)" if chunks > 1 else "zero_pipe 1F1B"
         name += f" (lookahead {lookahead})" if lookahead else ""
+        if chunks > 1:
+            sims[name] = (InterleavedTrainSchedule, {"chunks": chunks})
+        else:
+            sims[name] = (TrainSchedule, {"lookahead": lookahead})
         for m in ms:
 
             def run(data, engine=engine, m=m):
@@ -132,8 +138,9 @@ def _bench_rank(p, ms, reps, warmup, dim, mb, layers):
                 return [tuple(s) for s in engine.trace]
 
             runners.append((name, m, run))
-    for sname in TORCH_SCHEDULES:
-        chunks = 2 if sname == "ScheduleInterleaved1F1B" else 1
+    for sname, sim in TORCH_SCHEDULES.items():
+        chunks = sim[1].get("chunks", 1)
+        sims[f"torch.distributed.pipelining {sname}"] = sim
         per = layers // (p * chunks)
         for m in ms:
             sink: list = []
@@ -178,42 +185,18 @@ def _bench_rank(p, ms, reps, warmup, dim, mb, layers):
             t1, c1 = time.perf_counter(), time.process_time()
             if rep >= warmup:
                 results[(name, m)].append({"t0": t0, "t1": t1, "cpu": c1 - c0, "spans": spans})
-    return results, loads, core
+    return results, loads, core, sims
 
 
 # -- analysis ------------------------------------------------------------------------------
-def _sim_cls(name):
-    from zero_pipe.schedule import InterleavedTrainSchedule, TrainSchedule
-
-    if "GPipe" in name:
-        return _gpipe_schedule_cls(), {}
-    if "nterleaved" in name:
-        return InterleavedTrainSchedule, {"chunks": 2}
-    if "lookahead" in name:
-        return TrainSchedule, {"lookahead": int(name.split("lookahead ")[1].rstrip(")"))}
-    return TrainSchedule, {}
-
-
-def _stream_kinds(cls, kw, m, p, s):
-    from zero_pipe.instructions import BackwardPass, ForwardPass
-
-    sch = cls(m, p, s, **kw)
-    return [
-        ("F" if isinstance(i, ForwardPass) else "B", i.chunk_id)
-        for step in sch.steps()
-        for i in step
-        if isinstance(i, (ForwardPass, BackwardPass))
-    ]
-
-
-def _analyse(name, m, p, batches, ncores, pinning):
+def _analyse(cls, kw, m, p, batches, ncores, pinning):
+    """The measures of one row, whose schedule ``cls(m, p, stage, **kw)`` is what is simulated."""
     from zero_pipe.simulator import simulate
     from zero_pipe.timeshare import replay_timeshared
 
-    cls, kw = _sim_cls(name)
     timeline = cls(m, p, 0, **kw).timeline
     chunks = kw.get("chunks", 1)
-    kinds = [_stream_kinds(cls, kw, m, p, s) for s in range(p)]
+    kinds = [[(c.kind, c.chunk) for c in order] for order in timeline.orders]
     idles, replays, walls, steal_num, steal_den, waits = [], [], [], 0.0, 0.0, []
     cpu_idles, cpu_replays, core_use, others, shared = [], [], [], [], []
     f_times = [[] for _ in range(p)]
@@ -313,9 +296,10 @@ def main() -> None:
         )
         loads.extend(res[0][1])
         pinning = [r[2] for r in res]
+        sims = res[0][3]
         for name, m in res[0][0]:
             batches = list(zip(*[r[0][(name, m)] for r in res]))
-            a = _analyse(name, m, p, batches, ncores, pinning)
+            a = _analyse(*sims[name], m, p, batches, ncores, pinning)
             rows.append((p, m, name, a, pinning))
             lists = ("idle", "wall", "replay", "cpu_replay", "shared", "cpu_idle", "core_use")
             print(p, m, name, {k: v for k, v in a.items() if k not in lists}, flush=True)

@@ -114,6 +114,8 @@ class PipelineEngine:
         self.batch_fn: Callable[[Any], Any] | None = None
         self.global_steps = 0
         self.global_samples = 0
+        #: schedules by what they depend on; building one plans the whole pipeline
+        self._schedules: dict[tuple, PipeSchedule] = {}
         #: runs the instructions of each batch: See [Note: receive prefetch]
         self.executor = StageExecutor(module, self.stage_optimizer, self.loss_scaler, self.compute_dtype)
 
@@ -232,15 +234,7 @@ class PipelineEngine:
         if self.data_iterator is None and (self.is_first_stage() or self.is_last_stage()):
             raise ValueError("train_batch: no data iterator; pass data_iter or call set_dataiterator()")
         self.module.train()
-        if self.num_chunks > 1:
-            schedule: PipeSchedule = InterleavedTrainSchedule(
-                self.micro_batches, self.num_stages, self.stage_id, chunks=self.num_chunks
-            )
-        else:
-            schedule = TrainSchedule(
-                self.micro_batches, self.num_stages, self.stage_id, lookahead=self.lookahead
-            )
-        result = self.executor.run(schedule, self._next_batch, training=True)
+        result = self.executor.run(self._schedule(True, self.micro_batches), self._next_batch, training=True)
         self.global_steps += 1
         self.global_samples += self._train_batch_size
         return self._aggregate_loss(result.losses, reduce_output="avg", bcast=True)
@@ -266,12 +260,7 @@ class PipelineEngine:
         saved = self.data_iterator
         self.data_iterator = data_iter
         self.module.eval()
-        if self.num_chunks > 1:
-            schedule: PipeSchedule = InterleavedInferenceSchedule(
-                mbs, self.num_stages, self.stage_id, chunks=self.num_chunks
-            )
-        else:
-            schedule = InferenceSchedule(mbs, self.num_stages, self.stage_id)
+        schedule = self._schedule(False, mbs)
         try:
             with torch.no_grad():
                 ran = self.executor.run(schedule, self._next_batch, training=False, compute_loss=compute_loss)
@@ -314,6 +303,29 @@ class PipelineEngine:
             load_module_only,
         )
 
+    def _schedule(self, training: bool, micro_batches: int) -> PipeSchedule:
+        """The schedule of this stage for a training or an eval batch of ``micro_batches``, built
+        once per distinct key (the executor caches its compiled stream by ``cache_key()``)."""
+        key = (training, micro_batches, self.num_stages, self.stage_id, self.num_chunks, self.lookahead)
+        schedule = self._schedules.get(key)
+        if schedule is None:
+            if training and self.num_chunks > 1:
+                schedule = InterleavedTrainSchedule(
+                    micro_batches, self.num_stages, self.stage_id, chunks=self.num_chunks
+                )
+            elif training:
+                schedule = TrainSchedule(
+                    micro_batches, self.num_stages, self.stage_id, lookahead=self.lookahead
+                )
+            elif self.num_chunks > 1:
+                schedule = InterleavedInferenceSchedule(
+                    micro_batches, self.num_stages, self.stage_id, chunks=self.num_chunks
+                )
+            else:
+                schedule = InferenceSchedule(micro_batches, self.num_stages, self.stage_id)
+            self._schedules[key] = schedule
+        return schedule
+
     def _next_batch(self) -> Any:
         if self.data_iterator is None:
             raise ValueError("PipelineEngine: no data iterator; pass data_iter or call set_dataiterator()")
@@ -326,14 +338,14 @@ class PipelineEngine:
         get None, as in DeepSpeed, rather than a made-up loss)."""
         if reduce_output is None:
             return losses if self.is_last_stage() else None
+        if not bcast and not self.is_last_stage():
+            return None
         loss = torch.zeros((), dtype=torch.float32)
         if self.is_last_stage():
             loss = torch.stack([x.float() for x in losses]).mean()
             if self.dp_size > 1:
                 _dist.all_reduce(loss, group=self.grid.dp_group)
                 loss /= self.dp_size
-        if not bcast and not self.is_last_stage():
-            return None
         if bcast and self.num_stages > 1:
             _dist.broadcast(loss, self.grid.stage_to_global(self.num_stages - 1), group=self.grid.pp_group)
         return loss

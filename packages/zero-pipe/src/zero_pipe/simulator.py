@@ -34,7 +34,7 @@ from zero_pipe.instructions import (
     SendGrad,
 )
 from zero_pipe.schedule import PipeSchedule
-from zero_pipe.stream import sends_after_compute
+from zero_pipe.stream import compile_stream
 
 
 class ScheduleError(AssertionError):
@@ -89,9 +89,10 @@ def simulate(
     scheds = [schedule_cls(micro_batches, stages, s, **schedule_kwargs) for s in range(stages)]
     chunks = scheds[0].chunks
     num_virtual = stages * chunks
-    streams = [[ins for step in sch.steps() for ins in step] for sch in scheds]
     if eager_sends:  # the engine's order: See [Note: sends right after their compute]
-        streams = [sends_after_compute(st) for st in streams]
+        streams = [list(compile_stream(sch).instructions) for sch in scheds]
+    else:
+        streams = [[ins for step in sch.steps() for ins in step] for sch in scheds]
     if op_costs is not None:
         _check_op_costs(op_costs, streams)
     computed = [0] * stages

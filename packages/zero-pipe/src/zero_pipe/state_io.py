@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 _SCALARS = (bool, int, float, str, type(None))
 
@@ -78,18 +77,17 @@ def _encode(obj: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
     )
 
 
-class _LazyTensors:
-    """Reads a safetensors file's tensors one key at a time (only those looked up)."""
+class _OpenTensors:
+    """The tensors of an open safetensors file, read one key at a time (only those looked up)."""
 
-    def __init__(self, path: str, device: str) -> None:
-        self.path, self.device = path, device
+    def __init__(self, fh: Any) -> None:
+        self.fh = fh
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        with safe_open(self.path, framework="pt", device=self.device) as fh:
-            return fh.get_tensor(key)
+        return self.fh.get_tensor(key)
 
 
-def _decode(obj: Any, tensors: Mapping[str, torch.Tensor] | _LazyTensors) -> Any:
+def _decode(obj: Any, tensors: _OpenTensors) -> Any:
     if isinstance(obj, list):
         return [_decode(v, tensors) for v in obj]
     if isinstance(obj, dict):
@@ -127,9 +125,9 @@ def load_state(
     if doc.get("format_version") != 1:
         raise ValueError(f"load_state: {stem}.json has unknown format_version {doc.get('format_version')!r}")
     tree = doc["tree"]
-    if not skip:
-        return _decode(tree, load_file(stem + ".safetensors", device=str(device)))
-    if not (isinstance(tree, dict) and "__dict__" in tree):
-        raise ValueError(f"load_state: skip={skip!r} needs a dict state, {stem}.json holds another")
-    kept = {"__dict__": [kv for kv in tree["__dict__"] if kv[0] not in skip]}
-    return _decode(kept, _LazyTensors(stem + ".safetensors", str(device)))
+    if skip:
+        if not (isinstance(tree, dict) and "__dict__" in tree):
+            raise ValueError(f"load_state: skip={skip!r} needs a dict state, {stem}.json holds another")
+        tree = {"__dict__": [kv for kv in tree["__dict__"] if kv[0] not in skip]}
+    with safe_open(stem + ".safetensors", framework="pt", device=str(device)) as fh:
+        return _decode(tree, _OpenTensors(fh))
