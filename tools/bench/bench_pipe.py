@@ -1,8 +1,7 @@
 """Pipeline bubble and throughput: zero_pipe 1F1B / interleaved vs theory and torch.distributed.pipelining.
 
-One launch per pipeline depth p runs every schedule on the same model (``LAYERS`` blocks of
-Linear(DIM, DIM) + tanh, split evenly over the p stages, or over 2p chunks for interleaving),
-interleaving the repetitions of all schedules so that load from other jobs on the machine hits
+One launch per pipeline depth p runs every schedule on the same model (``--layers`` blocks split
+evenly over the p stages, or over 2p chunks for interleaving), interleaving the repetitions of all schedules so that load from other jobs on the machine hits
 them alike. zero_pipe runs textbook 1F1B, 1F1B with ``pipeline.lookahead = 1`` (see [Note: 1F1B
 lookahead] in ``zero_pipe/schedule.py``) and the interleaved schedule. Each rank is pinned to one
 core (see ``_core_of``): with p=2 every stage owns a core, with p=4 two stages share one
@@ -17,6 +16,14 @@ the same compute spans gives the share of compute wall time stolen by other proc
 and the idle by CPU time (a stage is busy only while it runs on a core), whose floor with p ranks
 on n < p cores is 1 - n/p: the time-sharing table says what the machine allows.
 
+Two models. The default, GPT-style transformer layers (d=256, sequence 128, micro batch 8), has
+the compute per activation byte of the models pipelines are used for: 4 layers compute ~6.7
+kFLOP per byte they send; a GPT-2-sized stage more (6 d FLOPs per message byte per layer: 4.6 k at d=768). The
+other, ``--block linear`` (Linear(1024,1024) + tanh, micro batch 128), computes ~2 kFLOP per byte
+and is kept as a stress case: on this machine gloo's loopback TCP costs a stage ~0.4 ms of CPU per
+512 KiB message, a visible share of its ~9 ms forward, on top of the model's own imbalance (the
+first stage never computes an input gradient).
+
 Three references for the idle fraction:
 - formula: (p-1)/(c*m+p-1) (equal-cost slots, c chunks per stage);
 - cost-aware: the schedule simulated (asynchronous sends, no transport cost) with each stage's
@@ -25,6 +32,7 @@ Three references for the idle fraction:
   batch: the idle the dependencies alone imply; measured minus replay is transport/runtime overhead.
 
     OMP_NUM_THREADS=1 python tools/bench/bench_pipe.py [--out tools/bench/results/bench_pipe.md]
+    OMP_NUM_THREADS=1 python tools/bench/bench_pipe.py --block linear --out tools/bench/results/bench_pipe_linear.md
 """
 
 from __future__ import annotations
@@ -44,12 +52,35 @@ from zero_pipe.timeline import Compute
 
 
 class Block(nn.Module):
+    """Linear + tanh: 2 d^2 FLOPs per sample per forward against a d-float message, communication-heavy."""
+
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.lin = nn.Linear(dim, dim)
 
     def forward(self, x):
         return torch.tanh(self.lin(x))
+
+
+class TransformerBlock(nn.TransformerEncoderLayer):
+    """A pre-norm GPT-style layer (attention + 4d GELU MLP, no dropout): the compute per activation byte of
+    the models pipelines are used for."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__(
+            dim,
+            heads,
+            dim_feedforward=4 * dim,
+            dropout=0.0,
+            activation="gelu",
+            batch_first=True,
+            norm_first=True,
+        )
+
+
+def _block_spec(block: str, dim: int, heads: int) -> tuple[type[nn.Module], tuple]:
+    """The block class and its constructor arguments for ``--block``."""
+    return (TransformerBlock, (dim, heads)) if block == "transformer" else (Block, (dim,))
 
 
 def _loss(out, y):
@@ -94,10 +125,12 @@ def _spanned(fn, kind, chunk, sink):
     return wrapper
 
 
-def _bench_rank(p, ms, reps, warmup, dim, mb, layers):
+def _bench_rank(p, ms, reps, warmup, model_args, mb, layers):
     from torch.distributed import pipelining as pp
     from zero_pipe import LayerSpec, PipelineEngine, PipelineModule
 
+    block, dim, seq, heads = model_args
+    block_cls, block_args = _block_spec(block, dim, heads)
     rank = torch.distributed.get_rank()
     core = _core_of(rank, p, sorted(os.sched_getaffinity(0)))
     os.sched_setaffinity(0, {core})
@@ -108,7 +141,7 @@ def _bench_rank(p, ms, reps, warmup, dim, mb, layers):
     sims = {}  # name -> (schedule class, kwargs) simulated for the row
     for chunks, lookahead in ((1, 0), (1, 1), (2, 0)):
         model = PipelineModule(
-            [LayerSpec(Block, dim) for _ in range(layers)],
+            [LayerSpec(block_cls, *block_args) for _ in range(layers)],
             num_stages=p,
             loss_fn=_loss,
             partition_method="uniform",
@@ -146,7 +179,7 @@ def _bench_rank(p, ms, reps, warmup, dim, mb, layers):
             sink: list = []
             stages, params = [], []
             for c in range(chunks):
-                mod = nn.Sequential(*[Block(dim) for _ in range(per)])
+                mod = nn.Sequential(*[block_cls(*block_args) for _ in range(per)])
                 params += list(mod.parameters())
                 st = pp.PipelineStage(mod, c * p + rank, p * chunks, torch.device("cpu"))
                 st.forward_maybe_with_nosync = _spanned(st.forward_maybe_with_nosync, "F", c, sink)
@@ -172,7 +205,8 @@ def _bench_rank(p, ms, reps, warmup, dim, mb, layers):
 
             runners.append((f"torch.distributed.pipelining {sname}", m, run))
 
-    datas = {m: [(torch.randn(mb, dim), torch.randn(mb, dim)) for _ in range(m)] for m in ms}
+    shape = (mb, seq, dim) if block == "transformer" else (mb, dim)
+    datas = {m: [(torch.randn(shape), torch.randn(shape)) for _ in range(m)] for m in ms}
     results = {(name, m): [] for name, m, _ in runners}
     loads = []
     for rep in range(warmup + reps):
@@ -276,10 +310,27 @@ def main() -> None:
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--reps", type=int, default=10, help="measured batches per row (shared machine: medians)")
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--dim", type=int, default=1024)
-    ap.add_argument("--mb", type=int, default=128, help="micro-batch size (samples)")
-    ap.add_argument("--layers", type=int, default=8, help="Linear+tanh blocks of the whole model")
+    ap.add_argument(
+        "--block",
+        choices=["transformer", "linear"],
+        default="transformer",
+        help="transformer: GPT-style layers (default); linear: Linear+tanh, a communication-heavy stress case",
+    )
+    ap.add_argument(
+        "--dim", type=int, default=None, help="model width (default 256 transformer, 1024 linear)"
+    )
+    ap.add_argument("--seq", type=int, default=128, help="sequence length (--block transformer)")
+    ap.add_argument("--heads", type=int, default=4, help="attention heads (--block transformer)")
+    ap.add_argument(
+        "--mb", type=int, default=None, help="micro-batch size (default 8 transformer, 128 linear)"
+    )
+    ap.add_argument("--layers", type=int, default=8, help="blocks of the whole model")
     args = ap.parse_args()
+    transformer = args.block == "transformer"
+    args.dim = args.dim or (256 if transformer else 1024)
+    args.mb = args.mb or (8 if transformer else 128)
+    if transformer and args.dim % args.heads:
+        raise SystemExit(f"--dim ({args.dim}) must be a multiple of --heads ({args.heads})")
     for p in args.stages:
         if args.layers % (2 * p):
             raise SystemExit(f"--layers must be a multiple of 2 * stages ({2 * p}) for interleaving")
@@ -291,7 +342,15 @@ def main() -> None:
         res = run_multirank(
             _bench_rank,
             p,
-            args=(p, args.micro_batches, args.reps, args.warmup, args.dim, args.mb, args.layers),
+            args=(
+                p,
+                args.micro_batches,
+                args.reps,
+                args.warmup,
+                (args.block, args.dim, args.seq, args.heads),
+                args.mb,
+                args.layers,
+            ),
             timeout=600,
         )
         loads.extend(res[0][1])
@@ -305,6 +364,20 @@ def main() -> None:
             print(p, m, name, {k: v for k, v in a.items() if k not in lists}, flush=True)
     elapsed = time.perf_counter() - started
     _write(args, rows, loads, load_before, os.getloadavg(), elapsed)
+
+
+def _model_text(args) -> str:
+    if args.block == "transformer":
+        return (
+            f"{args.layers} x pre-norm transformer layer (d={args.dim}, {args.heads} heads, MLP {4 * args.dim}, "
+            f"GELU, no dropout; sequence {args.seq})"
+        )
+    return f"{args.layers} x (Linear({args.dim},{args.dim}) + tanh)"
+
+
+def _message_kib(args) -> float:
+    """Bytes of one activation (or gradient) message between stages, in KiB."""
+    return args.mb * (args.seq if args.block == "transformer" else 1) * args.dim * 4 / 1024
 
 
 def _write(args, rows, loads, load_before, load_after, elapsed):
@@ -323,8 +396,8 @@ def _write(args, rows, loads, load_before, load_after, elapsed):
         f"- command: `{cmd}` (run time {elapsed:.0f} s)",
         f"- load average (1 min) before {load_before[0]:.1f}, after {load_after[0]:.1f}; sampled before every "
         f"batch: median {statistics.median(loads):.1f} [{min(loads):.1f}, {max(loads):.1f}] on {os.cpu_count()} cores",
-        f"- model: {args.layers} x (Linear({args.dim},{args.dim}) + tanh) split over the stages (or 2 chunks per "
-        f"stage), micro batch {args.mb}, fp32, gloo, one thread per rank, ranks 0..p-1 pinned to "
+        f"- model: {_model_text(args)} split over the stages (or 2 chunks per "
+        f"stage), micro batch {args.mb}, message {_message_kib(args):.0f} KiB, fp32, gloo, one thread per rank, ranks 0..p-1 pinned to "
         f"cores {pins}; "
         f"{args.reps} measured batches per row after {args.warmup} warm-up, repetitions interleaved across rows; "
         "medians [min, max] over batches",
