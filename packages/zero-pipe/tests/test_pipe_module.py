@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from zero_pipe import LayerSpec, PipelineModule, ProcessTopology, RepeatingLoader
+from zero_pipe import LayerSpec, PipelineModule, ProcessTopology, RepeatingLoader, TiedLayerSpec
 from zero_pipe.partition import partition_balanced, partition_uniform
 
 
@@ -95,3 +95,22 @@ def test_validation_and_repeating_loader():
         PipelineModule([nn.ReLU()], topology=ProcessTopology(["data"], [1]), stage_id=0)
     loader = RepeatingLoader([1, 2])
     assert [next(loader) for _ in range(5)] == [1, 2, 1, 2, 1]
+
+
+class _Embedding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(7, 4)
+
+
+def test_tied_weight_attr_dotted_path_and_errors():
+    # DeepSpeed resolves tied_weight_attr as a dotted path ("wte.weight" inside an embedding wrapper).
+    spec = TiedLayerSpec("embed", _Embedding, tied_weight_attr="wte.weight")
+    model = PipelineModule([spec, LayerSpec(nn.ReLU)], num_stages=1, stage_id=0)
+    assert model.tied_weight("embed", "wte.weight") is model.tied_modules["embed"].wte.weight
+    with pytest.raises(AttributeError, match=r"'wte\.wieght' does not resolve on _Embedding .*'wieght'"):
+        PipelineModule(
+            [TiedLayerSpec("embed", _Embedding, tied_weight_attr="wte.wieght")], num_stages=1, stage_id=0
+        )
+    with pytest.raises(TypeError, match="'wte' resolves to Embedding, not a tensor"):
+        PipelineModule([TiedLayerSpec("embed", _Embedding, tied_weight_attr="wte")], num_stages=1, stage_id=0)

@@ -249,6 +249,8 @@ class PipelineModule(nn.Module):
                 self._seed(idx)
                 self.tied_modules[spec.key] = spec.build()
                 self.tied_weight_attrs[spec.key] = spec.tied_weight_attr
+                for attr in spec.tied_weight_attr:
+                    self.tied_weight(spec.key, attr)  # fail at build time on a wrong attribute path
             module = self.tied_modules[spec.key]
             fwd = spec.forward_fn
             funcs.append((lambda x, m=module, f=fwd: f(m, x)) if fwd else module)
@@ -262,6 +264,22 @@ class PipelineModule(nn.Module):
             funcs.append(spec)
         else:
             funcs.append(spec)
+
+    def tied_weight(self, key: str, attr: str) -> torch.Tensor:
+        """The tensor ``attr`` (a dotted path, e.g. ``"wte.weight"``, as DeepSpeed allows) of tied module ``key``."""
+        obj: Any = self.tied_modules[key]
+        for part in attr.split("."):
+            if not hasattr(obj, part):
+                raise AttributeError(
+                    f"TiedLayerSpec {key!r}: tied_weight_attr {attr!r} does not resolve on "
+                    f"{type(self.tied_modules[key]).__name__} (no attribute {part!r} on {type(obj).__name__})"
+                )
+            obj = getattr(obj, part)
+        if not isinstance(obj, torch.Tensor):
+            raise TypeError(
+                f"TiedLayerSpec {key!r}: tied_weight_attr {attr!r} resolves to {type(obj).__name__}, not a tensor"
+            )
+        return obj
 
     def _tie_owners(self) -> dict[str, list[int]]:
         """Stages holding each tied key (known on every rank from the specs alone)."""
@@ -297,7 +315,7 @@ class PipelineModule(nn.Module):
         """Copy tied weights from the first owning stage so all copies start identical."""
         for key, (group, members) in self._tie_groups.items():
             for attr in self.tied_weight_attrs[key]:
-                _dist.broadcast(getattr(self.tied_modules[key], attr).data, members[0], group=group)
+                _dist.broadcast(self.tied_weight(key, attr).data, members[0], group=group)
 
     # -- running ---------------------------------------------------------------------------
     def forward(self, forward_input: Any, chunk_id: int = 0) -> Any:
@@ -343,7 +361,7 @@ class PipelineModule(nn.Module):
         """All-reduce (sum) the gradients of the tied weights among the stages sharing them."""
         for key, (group, _members) in self._tie_groups.items():
             for attr in self.tied_weight_attrs[key]:
-                weight = getattr(self.tied_modules[key], attr)
+                weight = self.tied_weight(key, attr)
                 if weight.grad is None:
                     weight.grad = torch.zeros_like(weight)
                 _dist.all_reduce(weight.grad, group=group)

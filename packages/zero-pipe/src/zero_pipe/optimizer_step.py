@@ -128,7 +128,7 @@ class StageOptimizer:
             if len(stages) < 2 or self.grid.stage_id == stages[0] or key not in self.module.tied_modules:
                 continue
             for attr in self.module.tied_weight_attrs[key]:
-                grad = getattr(self.module.tied_modules[key], attr).grad
+                grad = self.module.tied_weight(key, attr).grad
                 g = grad.detach().float().clone()
                 if self.grid.data_parallel_size > 1:
                     _dist.all_reduce(g, group=self.grid.dp_group)
