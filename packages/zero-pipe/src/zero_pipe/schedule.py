@@ -18,10 +18,11 @@ no latency is unchanged ((p-1)/(m+p-1)) and the price is one more micro-batch of
 every stage but the last. Simulated (F = 1, B = 2, latency 0.1 per message, p = 2, m = 8): idle
 0.137 with lookahead 0, 0.118 with lookahead 1, formula 0.111 (``tests/test_pipe_schedule.py``).
 It pays where latency, not the CPU time of moving a message, is what a stage loses: on the
-project's 2-core CPU machine (``tools/bench/results/bench_pipe.md``) it made no measurable
-difference with 2 stages, where a gloo message costs its stage's thread a few hundred
-microseconds of CPU, and lowered the idle fraction with 4 stages time-sharing 2 cores, where
-every wake-up waits for a core. Hence the default 0 (the memory of DeepSpeed's and Megatron's 1F1B).
+project's 2-core CPU machine (``tools/bench/results/bench_pipe.md``, ``bench_pipe_linear.md``)
+it lowered the idle fraction with 4 stages time-sharing 2 cores, where every wake-up waits for a
+core, and made at most a point of difference with 2 stages, where a gloo message costs its
+stage's thread a few hundred microseconds of CPU. Hence the default 0 (the memory of DeepSpeed's
+and Megatron's 1F1B).
 """
 
 from __future__ import annotations
