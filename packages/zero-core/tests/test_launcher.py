@@ -25,16 +25,22 @@ from zero_core.launcher.run import (
 BIN = Path(sys.executable).parent
 JOB = textwrap.dedent(
     """
-    import json, os, sys
+    import argparse, json, os, sys
     import torch, torch.distributed as dist
     from zero_core.distributed import init_distributed, world_info
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--lr", type=float)
+    parser.add_argument("--local_rank", type=int, default=-1)  # a DeepSpeed script's habit
+    cli = parser.parse_args()
     init_distributed(verbose=False)
     info = world_info()
     t = torch.tensor([float(info.rank + 1)])
     dist.all_reduce(t)
     out = {"rank": info.rank, "world": info.world_size, "source": info.source, "sum": t.item(),
-           "omp": os.environ.get("OMP_NUM_THREADS"), "args": sys.argv[2:]}
-    with open(os.path.join(sys.argv[1], f"rank{info.rank}.json"), "w") as f:
+           "omp": os.environ.get("OMP_NUM_THREADS"), "args": sys.argv[1:], "local_rank": cli.local_rank,
+           "script": os.path.basename(sys.argv[0])}
+    with open(os.path.join(cli.out, f"rank{info.rank}.json"), "w") as f:
         json.dump(out, f)
     dist.barrier()
     dist.destroy_process_group()
@@ -57,24 +63,35 @@ def _run_zero(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize(
-    "launch, source",
-    [(["run", "--nproc", "2"], "torchrun env"), (["run", "--launcher", "mpi", "-n", "2"], "MPI")],
-    ids=["torchrun", "mpiexec"],
+    "launch, source, local_rank_arg, module",
+    [
+        (["run", "--nproc", "2"], "torchrun env", True, False),
+        (["run", "--launcher", "mpi", "-n", "2"], "MPI", True, False),
+        (["run", "--nproc", "2", "--no_local_rank"], "torchrun env", False, False),
+        (["run", "--nproc", "2", "-m"], "torchrun env", True, True),
+        (["run", "--launcher", "mpi", "-n", "2", "--no-local-rank", "-m"], "MPI", False, True),
+    ],
+    ids=["torchrun", "mpiexec", "torchrun-no-local-rank", "torchrun-module", "mpiexec-module-no-local-rank"],
 )
-def test_zero_run_two_ranks(tmp_path, launch, source):
+def test_zero_run_two_ranks(tmp_path, launch, source, local_rank_arg, module):
     script = tmp_path / "job.py"
     script.write_text(JOB)
-    proc = _run_zero([*launch, str(script), str(tmp_path), "--lr", "0.5"], tmp_path)
+    target = "job" if module else str(script)
+    proc = _run_zero([*launch, target, str(tmp_path), "--lr", "0.5"], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for r in range(2):
         out = json.loads((tmp_path / f"rank{r}.json").read_text())
+        # As DeepSpeed's launcher: --local_rank=N before the script's own arguments.
+        args = [f"--local_rank={r}"] if local_rank_arg else []
         assert out == {
             "rank": r,
             "world": 2,
             "source": source,
             "sum": 3.0,
             "omp": "1",
-            "args": ["--lr", "0.5"],
+            "args": [*args, str(tmp_path), "--lr", "0.5"],
+            "local_rank": r if local_rank_arg else -1,
+            "script": "job.py",
         }
 
 
@@ -96,7 +113,14 @@ def test_torchrun_argv_single_node_is_standalone(tmp_path):
     script = tmp_path / "t.py"
     script.write_text("")
     argv = torchrun_argv(_parse(["--nproc", "3", str(script), "--x", "1"]))
+    shim = ["--module", "zero_core.launcher.local_rank_arg"]
+    assert argv == ["--nproc-per-node", "3", "--standalone", *shim, str(script), "--x", "1"]
+    argv = torchrun_argv(_parse(["--nproc", "3", "--no_local_rank", str(script), "--x", "1"]))
     assert argv == ["--nproc-per-node", "3", "--standalone", str(script), "--x", "1"]
+    argv = torchrun_argv(_parse(["--nproc", "3", "-m", "pkg.train", "--x", "1"]))
+    assert argv == ["--nproc-per-node", "3", "--standalone", *shim, "--module", "pkg.train", "--x", "1"]
+    argv = torchrun_argv(_parse(["--no-local-rank", "-m", "pkg.train"]))
+    assert argv == ["--nproc-per-node", "1", "--standalone", "--module", "pkg.train"]
 
 
 def test_torchrun_argv_multi_node_flags(tmp_path):
@@ -111,7 +135,7 @@ def test_torchrun_argv_multi_node_flags(tmp_path):
         "--nproc-per-node 8 --nnodes 2 --node-rank 1 --master-addr node0 --master-port 29600 "
         "--rdzv-backend c10d --rdzv-endpoint node0:29400 --rdzv-id job7 --max-restarts 2"
     )
-    argv = torchrun_argv(_parse([*ours.split(), str(script)]))
+    argv = torchrun_argv(_parse([*ours.split(), "--no_local_rank", str(script)]))
     assert argv == [*theirs.split(), str(script)]
 
 
@@ -122,7 +146,9 @@ def test_mpiexec_command(tmp_path):
     cmd = mpiexec_command(_parse(["--launcher", "mpi", "-n", "4", "--mpi-args=-v", str(script), "a"]), env)
     assert cmd[:3] == [str(BIN / "mpiexec"), "-n", "4"]
     assert cmd[3:6] == ["-genv", "OMP_NUM_THREADS", "1"]  # the venv's mpiexec is MPICH's hydra
-    assert cmd[6:] == ["-v", sys.executable, str(script), "a"]
+    assert cmd[6:] == ["-v", sys.executable, "-m", "zero_core.launcher.local_rank_arg", str(script), "a"]
+    cmd = mpiexec_command(_parse(["--launcher", "mpi", "--no_local_rank", "-m", "pkg.train", "a"]), env)
+    assert cmd[-4:] == [sys.executable, "-m", "pkg.train", "a"]
     assert env["OMP_NUM_THREADS"] == "1"
     env = {"OMP_NUM_THREADS": "2"}
     mpiexec_command(_parse(["--launcher", "mpi", str(script)]), env)
@@ -217,3 +243,33 @@ def test_help(capsys):
     ):
         assert flag in out
     assert cli.main([]) == 2  # no command: help and a usage error code
+
+
+def test_local_rank_shim_usage_and_argv(tmp_path, monkeypatch):
+    from zero_core.launcher import local_rank_arg
+
+    with pytest.raises(SystemExit, match="usage: python -m zero_core.launcher.local_rank_arg"):
+        local_rank_arg.main([])
+    with pytest.raises(SystemExit, match="usage"):
+        local_rank_arg.main(["--module"])
+    assert local_rank_arg.script_argv("t.py", ["--x", "1"], 3) == ["t.py", "--local_rank=3", "--x", "1"]
+    # In-process: the script sees DeepSpeed's argv and its own directory first on sys.path.
+    script = tmp_path / "probe.py"
+    script.write_text("")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    seen = {}
+    monkeypatch.setattr(
+        local_rank_arg.runpy,
+        "run_path",
+        lambda path, run_name: seen.update(argv=list(sys.argv), path0=sys.path[0]),
+    )
+    local_rank_arg.main([str(script), "--lr", "1"])
+    assert seen == {"argv": [str(script), "--local_rank=1", "--lr", "1"], "path0": str(tmp_path)}

@@ -86,6 +86,14 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         help="extra arguments for mpiexec, one string; use the = form: --mpi-args='-f hosts'",
     )
+    parser.add_argument(
+        "--no_local_rank",
+        "--no-local-rank",
+        dest="no_local_rank",
+        action="store_true",
+        help="do not pass --local_rank=N to the script (passed by default, as DeepSpeed's launcher does; "
+        "the local rank is also in the environment, LOCAL_RANK with torchrun)",
+    )
     parser.add_argument("-m", "--module", action="store_true", help="run the script as a module (python -m)")
     parser.add_argument("script", help="training script (or module with -m)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -114,9 +122,26 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
         # rendezvous on 127.0.0.1:29500, which collides with any other job on the machine;
         # --standalone picks a free port instead.
         argv.append("--standalone")
-    if args.module:
-        argv.append("--module")
-    return [*argv, args.script, *args.script_args]
+    return [*argv, *_program(args, for_torchrun=True)]
+
+
+#: the module that inserts --local_rank=N into the script's arguments (see its docstring)
+LOCAL_RANK_SHIM = "zero_core.launcher.local_rank_arg"
+
+
+def _program(args: argparse.Namespace, for_torchrun: bool) -> list[str]:
+    """What each rank runs: the script (or module) and its arguments, through the --local_rank shim
+    unless --no_local_rank. torchrun takes ``--module NAME`` for ``python -m NAME``."""
+    module_flag = "--module" if for_torchrun else "-m"
+    if args.no_local_rank:
+        return [*([module_flag] if args.module else []), args.script, *args.script_args]
+    return [
+        module_flag,
+        LOCAL_RANK_SHIM,
+        *(["--module"] if args.module else []),
+        args.script,
+        *args.script_args,
+    ]
 
 
 def find_mpiexec() -> str:
@@ -170,7 +195,7 @@ def mpiexec_command(args: argparse.Namespace, env: dict[str, str]) -> list[str]:
     elif flavour == "openmpi":
         cmd += ["-x", f"OMP_NUM_THREADS={threads}"]
     cmd += shlex.split(args.mpi_args)
-    cmd += [sys.executable, *(["-m"] if args.module else []), args.script, *args.script_args]
+    cmd += [sys.executable, *_program(args, for_torchrun=False)]
     return cmd
 
 
