@@ -6,6 +6,7 @@ import os
 import tempfile
 
 import inference_models as M
+import pytest
 import torch
 import zero_inference as zi
 from zero_core.testing import run_multirank
@@ -133,7 +134,18 @@ def test_tp4_equals_single_process() -> None:
     _check(4)
 
 
-HF_KINDS = ["falcon_mqa", "falcon_gqa", "falcon_alibi", "bloom", "phi", "gptj", "gemma", "phi3", "qwen2_moe"]
+HF_KINDS = [
+    "falcon_mqa",
+    "falcon_gqa",
+    "falcon_alibi",
+    "bloom",
+    "phi",
+    "gptj",
+    "gemma",
+    "phi3",
+    "qwen2_moe",
+    "codegen",
+]
 
 
 def _hf_architectures(ckpt_dir: str) -> dict[str, float | bool]:
@@ -155,19 +167,19 @@ def _hf_architectures(ckpt_dir: str) -> dict[str, float | bool]:
         out[f"{kind}_generate"] = bool(
             torch.equal(engine.generate(x, attention_mask=mask, max_new_tokens=5), want_gen)
         )
-    # Falcon's replicated key/value rows survive a save at tp_size=2 and a reload at tp_size=1.
-    zi.init_inference(
-        M.hf_causal_lm("falcon_mqa"),
-        tensor_parallel={"tp_size": 2},
-        dtype="fp32",
-        save_mp_checkpoint_path=ckpt_dir,
-    )
-    torch.distributed.barrier()
-    with zi.empty_model():
-        empty = M.hf_causal_lm("falcon_mqa", seed=5)
-    whole = zi.init_inference(empty, dtype="fp32", checkpoint=ckpt_dir)
-    with torch.no_grad():
-        out["falcon_mqa_reshard_to_1"] = _close(whole(x).logits, M.hf_causal_lm("falcon_mqa")(x).logits)
+    # Falcon's replicated key/value rows and CodeGen's grouped q/v/k (with its blocked out_proj)
+    # survive a save at tp_size=2 and a reload at tp_size=1.
+    for kind in ("falcon_mqa", "codegen"):
+        path = f"{ckpt_dir}_{kind}"
+        zi.init_inference(
+            M.hf_causal_lm(kind), tensor_parallel={"tp_size": 2}, dtype="fp32", save_mp_checkpoint_path=path
+        )
+        torch.distributed.barrier()
+        with zi.empty_model():
+            empty = M.hf_causal_lm(kind, seed=5)
+        whole = zi.init_inference(empty, dtype="fp32", checkpoint=path)
+        with torch.no_grad():
+            out[f"{kind}_reshard_to_1"] = _close(whole(x).logits, M.hf_causal_lm(kind)(x).logits)
     return out
 
 
@@ -181,3 +193,18 @@ def test_auto_tp_hf_architectures() -> None:
                 assert value, (rank, key)
             else:
                 assert value < TOL, (rank, key, value)
+
+
+def test_codegen_grouped_qkv_plan_and_error() -> None:
+    import transformers as t
+    from zero_inference.auto_tp import discover_plan
+
+    plan = discover_plan(M.hf_causal_lm("codegen"), tp_size=2)
+    assert plan.column["transformer.h.0.attn.qkv_proj"] == 12  # 4 groups x [q | v | k]
+    assert plan.row_blocks == {f"transformer.h.{i}.attn.out_proj": 4 for i in range(2)}
+    # 4 heads make groups of one head: no tp_size > 1 keeps whole heads in every group.
+    cfg = t.CodeGenConfig(
+        vocab_size=61, n_positions=64, n_ctx=64, n_embd=32, n_layer=1, n_head=4, rotary_dim=2
+    )
+    with pytest.raises(ValueError, match="CodeGenAttention keeps its 4 heads in 4 groups of 1; tp_size = 2"):
+        discover_plan(t.CodeGenForCausalLM(cfg), tp_size=2)

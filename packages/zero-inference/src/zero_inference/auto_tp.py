@@ -37,7 +37,6 @@ from zero_inference.param_source import (
     ParamSource,
     Segments,
     column_segments,
-    rank_slice,
     segment_ranges,
 )
 from zero_inference.tp_heads import install_head_slicing
@@ -62,6 +61,9 @@ REPLICATED_NAMES = {
     "q_attn",
 }  # and any leaf ending in "_gate" (Qwen2-MoE's shared_expert_gate)
 FUSED_BLOCKS = {"c_attn": 3, "qkv_proj": 3, "Wqkv": 3, "gate_up_proj": 2}
+#: attention classes whose fused q/k/v is cut into head groups of [q | v | k] (CodeGen's forward
+#: reshapes it to 4 groups, ``mp_num = 4``): class name -> groups. See [Note: grouped fused q/k/v]
+GROUPED_QKV = {"CodeGenAttention": 4}
 #: fused q/k/v whose rows are grouped per head (or per key/value group): see [Note: auto TP discovery]
 HEAD_MAJOR_QKV = {"query_key_value"}
 QUERY_HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head")
@@ -89,6 +91,8 @@ class TPPlan:
     # name -> number of equal fused blocks, or the fused segments (see param_source.Segments)
     column: dict[str, int | Segments] = field(default_factory=dict)
     row: set[str] = field(default_factory=set)
+    # row-parallel name -> equal blocks of its input features, each split over the ranks (default 1)
+    row_blocks: dict[str, int] = field(default_factory=dict)
     transposed: set[str] = field(default_factory=set)
     embeddings: list[str] = field(default_factory=list)
     lm_head: str | None = None
@@ -173,12 +177,15 @@ def discover_plan(model: nn.Module, tp_size: int, injection_policy: dict | None 
                 row = _is_row(local)
             if is_transposed(sub):
                 plan.transposed.add(full)
+            owner_local = local.rpartition(".")[0]
+            owner = layer.get_submodule(owner_local) if owner_local else layer
+            groups = _qkv_groups(owner, tp_size)
             if row:
                 plan.row.add(full)
+                if groups > 1:
+                    plan.row_blocks[full] = groups
             else:
-                owner_local = local.rpartition(".")[0]
-                owner = layer.get_submodule(owner_local) if owner_local else layer
-                plan.column[full] = _fused_spec(leaf, owner, sub, tp_size)
+                plan.column[full] = groups * 3 if groups > 1 else _fused_spec(leaf, owner, sub, tp_size)
                 sharded_parents.add(owner_local)
         for parent in sharded_parents:
             owner = layer.get_submodule(parent) if parent else layer
@@ -205,6 +212,27 @@ def discover_plan(model: nn.Module, tp_size: int, injection_policy: dict | None 
     _check_heads(model, tp_size)
     _find_vocab_modules(model, plan)
     return plan
+
+
+def _qkv_groups(owner: nn.Module, tp_size: int) -> int:
+    """Head groups of a grouped fused q/k/v attention (1 for every other module).
+
+    [Note: grouped fused q/k/v]
+    CodeGen's ``qkv_proj`` rows are 4 groups, each [q | v | k] of ``H/4`` heads, and its forward
+    reshapes the output to those 4 groups (DeepSpeed's AutoTP special-cases it the same way).
+    Cutting every one of the 12 equal blocks over the ranks leaves each rank 4 groups of
+    [q | v | k] with ``H/(4 tp)`` heads, so the unchanged forward still finds its groups; those
+    heads are ``g H/4 + r H/(4 tp) + j``, not a contiguous range, so ``out_proj`` takes, from each
+    of 4 equal blocks of its input features, the rank's part (``TPPlan.row_blocks``).
+    """
+    groups = GROUPED_QKV.get(type(owner).__name__, 1)
+    heads = _config_int(owner, "num_attention_heads")
+    if groups > 1 and heads is not None and (heads % groups or (heads // groups) % tp_size):
+        raise ValueError(
+            f"tensor parallelism: {type(owner).__name__} keeps its {heads} heads in {groups} groups of "
+            f"{heads // groups}; tp_size = {tp_size} must divide the heads of a group"
+        )
+    return groups
 
 
 def _keeps_kv_whole(owner: nn.Module) -> bool:
@@ -346,12 +374,13 @@ def apply_plan(
         set_module(name, ColumnParallelLinear(_cast(weight, dtype, device), bias, group=group))
     for name in plan.row:
         wname, bname = f"{name}.weight", f"{name}.bias"
+        blocks = plan.row_blocks.get(name, 1)  # See [Note: grouped fused q/k/v]
         if name in plan.transposed:
-            start, stop = rank_slice(src.shape(wname)[0], rank, world)
-            weight = src.rows(wname, start, stop).t()
+            ranges = segment_ranges(column_segments(blocks, src.shape(wname)[0]), rank, world)
+            weight = torch.cat([src.rows(wname, a, b) for a, b in ranges], dim=0).t()
         else:
-            start, stop = rank_slice(src.shape(wname)[1], rank, world)
-            weight = src.cols(wname, start, stop)
+            ranges = segment_ranges(column_segments(blocks, src.shape(wname)[1]), rank, world)
+            weight = torch.cat([src.cols(wname, a, b) for a, b in ranges], dim=1)
         bias = _cast(src.full(bname), dtype, device) if bname in src.names() else None
         set_module(name, RowParallelLinear(_cast(weight, dtype, device), bias, group=group))
     for owner, attr in plan.head_attrs:

@@ -129,7 +129,7 @@ def segment_ranges(segments: Segments, rank: int, world: int) -> list[tuple[int,
         if split:
             if size % world:
                 raise ValueError(
-                    f"cannot split a fused block of {size} rows over {world} tensor-parallel ranks"
+                    f"cannot split a block of {size} features over {world} tensor-parallel ranks"
                 )
             per = size // world
             out.append((start + rank * per, start + (rank + 1) * per))
@@ -137,11 +137,3 @@ def segment_ranges(segments: Segments, rank: int, world: int) -> list[tuple[int,
             out.append((start, start + size))
         start += size
     return out
-
-
-def rank_slice(total: int, rank: int, world: int) -> tuple[int, int]:
-    """(start, stop) of this rank's equal slice of a dimension of ``total`` (row-parallel inputs)."""
-    if total % world:
-        raise ValueError(f"cannot split dimension {total} into 1 block(s) over {world} tensor-parallel ranks")
-    per = total // world
-    return rank * per, (rank + 1) * per

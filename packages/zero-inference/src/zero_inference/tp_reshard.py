@@ -11,7 +11,8 @@ was cut (``layouts`` in ``zero_inference_tp.json``) and its unsharded shape (``s
   ``[[size, split], ...]`` instead: rank ``r`` holds its slice of each split segment and all of
   each replicated one, one segment after another;
 * ``row``: rank ``r`` holds input columns ``[r*q, (r+1)*q)``, stored ``[out, in/tp_size]``;
-  its bias is replicated;
+  its bias is replicated; with ``blocks`` (CodeGen's ``out_proj``, see [Note: grouped fused
+  q/k/v] in auto_tp.py) its part of each of ``blocks`` equal column blocks, one after another;
 * ``vocab`` (input embedding, LM head and its bias): rank ``r`` holds rows
   ``[r*per, (r+1)*per)`` of the vocabulary padded with zero rows to ``per = ceil(V / tp_size)``;
 * anything else is replicated (read from rank 0's file).
@@ -56,7 +57,15 @@ def plan_layouts(
         add(f"{mod}.weight", {"kind": "column", **cut, "transposed": t})
         add(f"{mod}.bias", {"kind": "column", **cut, "transposed": False})
     for mod in plan.row:
-        add(f"{mod}.weight", {"kind": "row", "transposed": mod in plan.transposed})
+        blocks = plan.row_blocks.get(mod, 1)
+        add(
+            f"{mod}.weight",
+            {
+                "kind": "row",
+                "transposed": mod in plan.transposed,
+                **({"blocks": blocks} if blocks > 1 else {}),
+            },
+        )
     for mod in plan.embeddings:
         add(f"{mod}.weight", {"kind": "vocab"})
     if plan.lm_head is not None:
@@ -99,36 +108,36 @@ class TPReshardSource:
         return tuple(self._slice(0, name).get_shape())
 
     # -- the unsharded index space ------------------------------------------------------
+    def _segmented(self, name: str, start: int, stop: int, segments: Any, cols: bool) -> torch.Tensor:
+        """Indices ``[start, stop)`` of the unsharded dimension cut into ``segments`` (rows of a
+        column-sharded tensor, or input columns of a row-sharded one, in ``[out, in]`` orientation)."""
+        parts, seg_start, local_start = [], 0, 0  # a segment's first index, unsharded and in a shard
+        for size, split in segments:
+            per = size // self.old_world if split else size
+            idx, end = max(start, seg_start), min(stop, seg_start + size)
+            while idx < end:
+                old_rank, off = divmod(idx - seg_start, per) if split else (0, idx - seg_start)
+                take = min(end - idx, per - off)
+                local = local_start + off  # an old rank stores its part of each segment one after another
+                shard = self._slice(old_rank, name)
+                parts.append(shard[:, local : local + take] if cols else shard[local : local + take])
+                idx += take
+            seg_start += size
+            local_start += per
+        return torch.cat(parts, dim=1 if cols else 0)
+
     def _column_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of the ``[out, ...]`` orientation of a column-sharded tensor."""
         lay, shape = self.layouts[name], self.shape(name)
         out = shape[-1] if lay["transposed"] else shape[0]
         segments = column_segments(lay["segments"] if "segments" in lay else lay["blocks"], out)
-        parts, seg_start, local_start = [], 0, 0  # a segment's first row, unsharded and in a shard
-        for size, split in segments:
-            per = size // self.old_world if split else size
-            row, end = max(start, seg_start), min(stop, seg_start + size)
-            while row < end:
-                old_rank, off = divmod(row - seg_start, per) if split else (0, row - seg_start)
-                take = min(end - row, per - off)
-                local = local_start + off  # an old rank stores its part of each segment one after another
-                parts.append(self._slice(old_rank, name)[local : local + take])
-                row += take
-            seg_start += size
-            local_start += per
-        return torch.cat(parts, dim=0)
+        return self._segmented(name, start, stop, segments, cols=False)
 
     def _row_cols(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Input columns ``[start, stop)`` (``[out, in]`` orientation) of a row-sharded weight."""
-        shape = self.shape(name)
-        width = (shape[0] if self.layouts[name]["transposed"] else shape[1]) // self.old_world
-        parts, col = [], start
-        while col < stop:
-            old_rank, off = divmod(col, width)
-            take = min(stop - col, width - off)
-            parts.append(self._slice(old_rank, name)[:, off : off + take])
-            col += take
-        return torch.cat(parts, dim=1)
+        lay, shape = self.layouts[name], self.shape(name)
+        width = shape[0] if lay["transposed"] else shape[1]
+        return self._segmented(name, start, stop, column_segments(lay.get("blocks", 1), width), cols=True)
 
     def _vocab_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         per = -(-self.shape(name)[0] // self.old_world)
