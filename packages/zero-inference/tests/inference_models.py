@@ -57,7 +57,8 @@ def hf_causal_lm(kind: str, seed: int = 0, vocab: int = 61) -> torch.nn.Module:
     ALiBi biases built outside the attention; ``phi``: ``self_attn.dense`` output projection;
     ``gptj``: ``fc_out``; ``gemma``: an embedding subclass that scales its output; ``phi3``: a
     fused q/k/v of unequal blocks (grouped-query) sliced with ``config.num_attention_heads``;
-    ``qwen2_moe``: a one-output ``shared_expert_gate``; ``codegen``: q/v/k fused in 4 head groups
+    ``qwen2_moe``: a one-output ``shared_expert_gate``; ``bigcode_mqa``/``bigcode_mha``: GPT-BigCode
+    with one key/value head ([q heads | k | v]) or a head-major fused q/k/v; ``codegen``: q/v/k fused in 4 head groups
     (8 heads, so that tp_size 2 divides a group).
     """
     import transformers as t
@@ -99,6 +100,11 @@ def hf_causal_lm(kind: str, seed: int = 0, vocab: int = 61) -> torch.nn.Module:
             num_experts_per_tok=2,
         )
         return t.Qwen2MoeForCausalLM(cfg).eval()
+    if kind in ("bigcode_mqa", "bigcode_mha"):
+        cfg = t.GPTBigCodeConfig(
+            **common, n_positions=64, n_embd=32, n_layer=2, n_head=4, multi_query=kind == "bigcode_mqa"
+        )
+        return t.GPTBigCodeForCausalLM(cfg).eval()
     if kind == "codegen":
         cfg = t.CodeGenConfig(
             **common, n_positions=64, n_ctx=64, n_embd=32, n_layer=2, n_head=8, rotary_dim=2

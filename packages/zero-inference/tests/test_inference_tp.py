@@ -145,6 +145,8 @@ HF_KINDS = [
     "phi3",
     "qwen2_moe",
     "codegen",
+    "bigcode_mqa",
+    "bigcode_mha",
 ]
 
 
@@ -169,7 +171,7 @@ def _hf_architectures(ckpt_dir: str) -> dict[str, float | bool]:
         )
     # Falcon's replicated key/value rows and CodeGen's grouped q/v/k (with its blocked out_proj)
     # survive a save at tp_size=2 and a reload at tp_size=1.
-    for kind in ("falcon_mqa", "codegen"):
+    for kind in ("falcon_mqa", "codegen", "bigcode_mqa"):
         path = f"{ckpt_dir}_{kind}"
         zi.init_inference(
             M.hf_causal_lm(kind), tensor_parallel={"tp_size": 2}, dtype="fp32", save_mp_checkpoint_path=path

@@ -15,9 +15,10 @@ Fused projections are column-split so that every rank keeps whole heads. Block l
 (``c_attn``/``qkv_proj``/``Wqkv`` = [q | k | v], ``gate_up_proj`` = [gate | up]) are split per
 block, with the q and k/v blocks sized from the attention's head counts (grouped-query attention
 makes them unequal). ``query_key_value`` (GPT-NeoX, BLOOM, Falcon) stores each head's (or each
-key/value group's) q, k and v together, so one contiguous slice holds whole heads; Falcon's
-multi-query variant is [q heads | k | v] with one key/value head, which every rank keeps whole
-(its ``num_kv_heads`` stays 1). Attention modules that keep local head counts as attributes
+key/value group's) q, k and v together, so one contiguous slice holds whole heads, as does
+GPT-BigCode's ``c_attn`` without multi-query; Falcon's and GPT-BigCode's multi-query variants
+are [q heads | k | v] with one key/value head, which every rank keeps whole (its ``num_kv_heads``
+stays 1). Attention modules that keep local head counts as attributes
 (GPT-2's ``split_size``, ``num_heads``, ``num_kv_heads`` ...) get them divided, and tensors
 that carry one slice per head into them (ALiBi biases) are cut to their heads (see
 [Note: per-head attention inputs]). The input embedding and the LM head are split over the
@@ -66,6 +67,12 @@ FUSED_BLOCKS = {"c_attn": 3, "qkv_proj": 3, "Wqkv": 3, "gate_up_proj": 2}
 GROUPED_QKV = {"CodeGenAttention": 4}
 #: fused q/k/v whose rows are grouped per head (or per key/value group): see [Note: auto TP discovery]
 HEAD_MAJOR_QKV = {"query_key_value"}
+#: attention classes whose fused ``c_attn`` is head-major unless multi-query (GPT-BigCode)
+HEAD_MAJOR_QKV_CLASSES = {"GPTBigCodeAttention"}
+#: per-class local sizes the forward reads besides the head counts: (always, multi-query only).
+#: GPT-BigCode splits its fused output at ``embed_dim`` and repeats its one key/value head
+#: ``num_key_value_groups`` times, both per rank after sharding.
+CLASS_HEAD_ATTRS = {"GPTBigCodeAttention": (("embed_dim",), ("num_key_value_groups",))}
 QUERY_HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head")
 KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads")
 HEAD_ATTRS = (
@@ -192,7 +199,8 @@ def discover_plan(model: nn.Module, tp_size: int, injection_policy: dict | None 
             owner_name = ".".join(p for p in (layer_name, parent) if p)
             kv_whole = _keeps_kv_whole(owner)
             before = len(plan.head_attrs)
-            for attr in HEAD_ATTRS:
+            always, multi_query_only = CLASS_HEAD_ATTRS.get(type(owner).__name__, ((), ()))
+            for attr in (*HEAD_ATTRS, *always, *(multi_query_only if kv_whole else ())):
                 value = getattr(owner, attr, None)
                 if not isinstance(value, int) or isinstance(value, bool):
                     continue
@@ -270,13 +278,13 @@ def _fused_spec(leaf: str, owner: nn.Module, linear: nn.Module, tp_size: int) ->
     weight = linear.weight
     out = weight.shape[1] if is_transposed(linear) else weight.shape[0]
     counts = _head_counts(owner)
-    if leaf in HEAD_MAJOR_QKV:
+    blocks = FUSED_BLOCKS.get(leaf, 1)
+    if leaf in HEAD_MAJOR_QKV or (blocks == 3 and type(owner).__name__ in HEAD_MAJOR_QKV_CLASSES):
         if counts is not None and _keeps_kv_whole(owner):
             heads, _, head_dim = counts
             if (heads + 2) * head_dim == out:
                 return ((heads * head_dim, True), (head_dim, False), (head_dim, False))
         return 1
-    blocks = FUSED_BLOCKS.get(leaf, 1)
     if blocks == 3 and counts is not None:
         heads, kv, head_dim = counts
         if kv != heads and (heads + 2 * kv) * head_dim == out:
@@ -291,8 +299,12 @@ def _fused_spec(leaf: str, owner: nn.Module, linear: nn.Module, tp_size: int) ->
 
 def _check_heads(model: nn.Module, tp_size: int) -> None:
     config = getattr(model, "config", None)
+    # Multi-query attention (one key/value head, fused with the queries) keeps that head whole.
+    multi_query = any(_keeps_kv_whole(m) for m in model.modules())
     for attr in ("num_attention_heads", "num_key_value_heads", "n_head"):
         value = getattr(config, attr, None)
+        if multi_query and attr == "num_key_value_heads" and value == 1:
+            continue
         if isinstance(value, int) and value % tp_size:
             raise ValueError(
                 f"tensor parallelism: the model's {attr} = {value} is not divisible by tp_size = {tp_size}"
