@@ -244,7 +244,7 @@ def _qkv_groups(owner: nn.Module, tp_size: int) -> int:
 
 
 def _keeps_kv_whole(owner: nn.Module) -> bool:
-    """Falcon's multi-query attention: fused [q heads | k | v] with a single key/value head."""
+    """Multi-query attention (Falcon, GPT-BigCode): fused [q heads | k | v] with a single key/value head."""
     multi_query = bool(getattr(owner, "multi_query", False))
     return multi_query and not getattr(owner, "new_decoder_architecture", False)
 
