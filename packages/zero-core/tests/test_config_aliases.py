@@ -6,7 +6,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
-from zero_core.config import load_config
+from zero_core.config import ConfigError, load_config
 
 ALIASES = [
     ("stage3_prefetch_bucket_size", "prefetch_bucket_size", 1234),
@@ -202,3 +202,31 @@ def test_overlap_comm_default_depends_on_stage():
         is False
     )
     assert load_zero({"overlap_comm": False}).overlap_comm is False
+
+
+def test_bf16_ignores_fp16_loss_scaling_keys_with_a_warning():
+    # DeepSpeed's tests/torch_compile/ds_config_z2.json and LLaMA-Factory's ds_z3_alst_config.json
+    # copy the fp16 block into bf16; DeepSpeed ignores those keys there.
+    bf16 = {
+        "enabled": True,
+        "auto_cast": False,
+        "loss_scale": 0,
+        "loss_scale_window": 500,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+        "initial_scale_power": 15,
+    }
+    with pytest.warns(UserWarning, match=r"bf16: loss_scale, .* auto_cast apply to fp16 only") as record:
+        config = load_config({"train_batch_size": 8, "bf16": bf16})
+    assert "initial_scale_power" in str(record[0].message) and "ignored, as DeepSpeed does" in str(
+        record[0].message
+    )
+    assert config.bf16.enabled and config.precision == "bf16"
+    assert config.to_dict()["bf16"] == {"enabled": True, "immediate_grad_update": False}
+    # the old spelling of the section behaves the same; typos are still caught
+    with pytest.warns(UserWarning, match="apply to fp16 only"):
+        assert load_config(
+            {"train_batch_size": 8, "bfloat16": {"enabled": True, "loss_scale": 0}}
+        ).bf16.enabled
+    with pytest.raises(ConfigError, match="bf16.loss_scal: unknown key, did you mean loss_scale"):
+        load_config({"train_batch_size": 8, "bf16": {"enabled": True, "loss_scal": 0}})

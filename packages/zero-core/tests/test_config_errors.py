@@ -63,9 +63,9 @@ BAD_CONFIGS = [
         ["Apex AMP cannot be combined with ZeRO", "stage is 2"],
     ),
     (
-        "offload-param-stage2",
-        cfg(zero_optimization={"stage": 2, "offload_param": {"device": "cpu"}}),
-        ["zero_optimization.offload_param: offloading parameters needs stage 3, got stage 2"],
+        "offload-param-nvme-no-path-stage2",
+        cfg(zero_optimization={"stage": 2, "offload_param": {"device": "nvme"}}),
+        ['zero_optimization.offload_param.nvme_path: required when device is "nvme"'],
     ),
     (
         "offload-opt-stage0",
@@ -175,9 +175,11 @@ BAD_CONFIGS = [
         ['scheduler.params.warmup_num_steps: "many" is not an integer'],
     ),
     (
-        "act-ckpt-contiguous",
+        "act-ckpt-contiguous-unpartitioned",
         cfg(activation_checkpointing={"contiguous_memory_optimization": True}),
-        ["activation_checkpointing.number_checkpoints: required when contiguous_memory_optimization is true"],
+        [
+            "activation_checkpointing.contiguous_memory_optimization: works only with partition_activations: true"
+        ],
     ),
     (
         "tag-validation",
@@ -289,3 +291,72 @@ def test_unknown_key_without_close_match_lists_known_keys():
     with pytest.raises(ConfigError) as info:
         load_config(cfg(tensorboard={"xyz": 1}))
     assert "tensorboard.xyz: unknown key; known keys are enabled, job_name, output_path" in str(info.value)
+
+
+def test_unknown_keys_error_says_how_to_load_anyway():
+    # LLaMA-Factory's ds_z3_offload_config.json: keys DeepSpeed silently ignores.
+    config = cfg(comms_config={"verbose": False}, monitor_config={"enabled": True})
+    with pytest.raises(ConfigError) as info:
+        load_config(config)
+    err = info.value
+    assert err.problems == [
+        "comms_config: unknown key, did you mean comms_logger?",
+        "monitor_config: unknown key",
+    ]
+    assert '"zero_allow_unknown_keys": true or ZERO_CONFIG_UNKNOWN_KEYS=warn' in str(err)
+    assert "DeepSpeed silently ignores keys it does not know" in str(err)
+    # the hint is only for unknown keys
+    with pytest.raises(ConfigError) as info:
+        load_config(cfg(zero_optimization={"stage": 5}))
+    assert info.value.hint is None and "zero_allow_unknown_keys" not in str(info.value)
+    with pytest.warns(UserWarning, match="unknown key"):
+        assert load_config({**config, "zero_allow_unknown_keys": True}).train_batch_size == 8
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_offload_param_below_stage3_is_ignored_with_a_warning(stage):
+    # DeepSpeed accepts offload_param at every stage and uses it only at stage 3 (trlx's
+    # ds_config_gptj.json and DeepSpeed's tests/hybrid_engine config carry it at stages 2 and 0).
+    zero = {"stage": stage, "offload_param": {"device": "cpu"}}
+    if stage:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    with pytest.warns(UserWarning, match=rf"offload_param: .*only at stage 3; ignored at stage {stage}"):
+        z = load_config(cfg(zero_optimization=zero)).zero_optimization
+    assert z.offload_param is None and z.offload_param_device == "none"
+    assert z.offload_optimizer_device == ("cpu" if stage else "none")
+    # at stage 3 it is used, without a warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        z3 = load_config(
+            cfg(zero_optimization={"stage": 3, "offload_param": {"device": "cpu"}})
+        ).zero_optimization
+    assert z3.offload_param_device == "cpu"
+
+
+def test_contiguous_checkpointing_without_number_checkpoints_loads():
+    # DeepSpeedExamples Megatron-LM/scripts/ds_zerodual_config.json: Megatron passes its layer
+    # count to checkpointing.configure(num_checkpoints=...), so the config need not give it.
+    section = {
+        "partition_activations": True,
+        "contiguous_memory_optimization": True,
+        "cpu_checkpointing": True,
+    }
+    with pytest.warns(FutureWarning, match="cpu_offload is deprecated"):
+        config = load_config(
+            {
+                "train_batch_size": 16,
+                "gradient_accumulation_steps": 1,
+                "zero_optimization": {"stage": 2, "cpu_offload": True},
+                "activation_checkpointing": section,
+            },
+            world_size=1,
+        )
+    ac = config.activation_checkpointing
+    assert ac.contiguous_memory_optimization and ac.number_checkpoints is None
+    from zero_core import activation_checkpointing
+
+    with pytest.raises(ValueError, match="needs 'number_checkpoints'"):
+        activation_checkpointing.configure(deepspeed_config=config)
+    activation_checkpointing.configure(deepspeed_config=config, num_checkpoints=24)
+    assert activation_checkpointing.get_config().number_checkpoints == 24
+    activation_checkpointing.configure()  # back to the defaults for other tests

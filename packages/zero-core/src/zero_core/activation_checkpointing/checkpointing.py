@@ -63,7 +63,7 @@ def configure(
         if missing:
             raise TypeError(f"configure: mpu_ ({type(mpu_).__name__}) lacks the methods {missing}")
     config = (
-        read_activation_checkpointing_config(deepspeed_config)
+        read_activation_checkpointing_config(deepspeed_config, validate=False)
         if deepspeed_config is not None
         else ActivationCheckpointingConfig()
     )

@@ -76,10 +76,14 @@ def _section_from(source: Any) -> Any:
     )
 
 
-def read_activation_checkpointing_config(source: Any) -> ActivationCheckpointingConfig:
+def read_activation_checkpointing_config(
+    source: Any, *, validate: bool = True
+) -> ActivationCheckpointingConfig:
     """Read the ``activation_checkpointing`` section of a whole config (dict, JSON path or config object).
 
     A missing section gives the defaults. Unknown keys are errors that list the valid ones.
+    ``validate=False`` leaves the combination checks to the caller: ``configure`` applies its
+    arguments first (Megatron gives ``num_checkpoints`` there, not in the config).
     """
     section = _section_from(source)
     if hasattr(section, "model_dump"):  # a pydantic model from zero_core.config
@@ -92,4 +96,5 @@ def read_activation_checkpointing_config(source: Any) -> ActivationCheckpointing
     unknown = sorted(set(section) - set(valid))
     if unknown:
         raise ValueError(f"{SECTION}: unknown keys {unknown}; valid keys: {valid}")
-    return ActivationCheckpointingConfig(**section).validate()
+    config = ActivationCheckpointingConfig(**section)
+    return config.validate() if validate else config

@@ -14,7 +14,9 @@ class ActivationCheckpointingConfig(ConfigModel):
 
     ``contiguous_memory_optimization`` copies checkpoints into one buffer sized from
     ``number_checkpoints``; it works only with ``partition_activations`` (both as documented for
-    ``deepspeed.checkpointing.configure``).
+    ``deepspeed.checkpointing.configure``). A missing ``number_checkpoints`` is not an error here:
+    like DeepSpeed, ``zero.checkpointing.configure`` checks it, after its ``num_checkpoints``
+    argument (Megatron passes its layer count there) has been applied.
     """
 
     config_path: ClassVar[str] = "activation_checkpointing"
@@ -28,16 +30,9 @@ class ActivationCheckpointingConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _check_contiguous(self) -> ActivationCheckpointingConfig:
-        problems = []
-        if self.contiguous_memory_optimization and self.number_checkpoints is None:
-            problems.append(
-                "activation_checkpointing.number_checkpoints: required when contiguous_memory_optimization is true"
-            )
         if self.contiguous_memory_optimization and not self.partition_activations:
-            problems.append(
+            raise ValueError(
                 "activation_checkpointing.contiguous_memory_optimization: works only with "
                 "partition_activations: true"
             )
-        if problems:
-            raise ValueError("\n".join(problems))
         return self

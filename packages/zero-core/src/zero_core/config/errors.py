@@ -18,17 +18,23 @@ from zero_core.config.base import show
 
 
 class ConfigError(ValueError):
-    """An invalid zero/DeepSpeed config. ``problems`` lists each problem as ``path: message``."""
+    """An invalid zero/DeepSpeed config. ``problems`` lists each problem as ``path: message``;
+    ``hint`` (not a problem itself) is a closing line on what to do about them."""
 
-    def __init__(self, problems: Sequence[str], *, source: str | None = None) -> None:
+    def __init__(
+        self, problems: Sequence[str], *, source: str | None = None, hint: str | None = None
+    ) -> None:
         self.problems = list(problems)
         self.source = source
+        self.hint = hint
         where = f" ({source})" if source else ""
         if len(self.problems) == 1:
             text = f"invalid config{where}: {self.problems[0]}"
         else:
             lines = "\n".join(f"  - {p}" for p in self.problems)
             text = f"invalid config{where}, {len(self.problems)} problems:\n{lines}"
+        if hint:
+            text += f"\n{hint}"
         super().__init__(text)
 
 

@@ -21,7 +21,14 @@ from zero_core.config import sections
 from zero_core.config.errors import ConfigError, format_validation_error
 from zero_core.config.root import ZeroConfig
 from zero_core.config.unimplemented import check_unimplemented
-from zero_core.config.unknown_keys import strip_unknown_keys, unknown_key_policy
+from zero_core.config.unknown_keys import ENV_VAR, strip_unknown_keys, unknown_key_policy
+
+#: closing line of a ConfigError that reports unknown keys.
+UNKNOWN_KEYS_HINT = (
+    "(DeepSpeed silently ignores keys it does not know; zero rejects them to catch typos. If these keys "
+    f'are meant for another tool, set "zero_allow_unknown_keys": true or {ENV_VAR}=warn to ignore them '
+    "with a warning)"
+)
 
 #: argparse attributes holding a config, in the order they are looked at.
 ARGS_ATTRIBUTES = ("zero_config", "deepspeed_config", "deepspeed")
@@ -134,15 +141,19 @@ def load_config(
             raise ConfigError(exc.problems, source=where) from None
         problems: list[str] = []
         raw = check_unimplemented(raw, policy, problems)  # See [Note: unimplemented features].
+        known_before = len(problems)
         cleaned = strip_unknown_keys(
             raw, ZeroConfig, "", policy, problems, sections=sections.config_sections()
         )
+        # Configs written for DeepSpeed often carry keys it silently ignores (other tools' keys,
+        # "_comment"): say how to load them anyway. See [Note: unknown config keys].
+        hint = UNKNOWN_KEYS_HINT if len(problems) > known_before else None
         try:
             cfg = ZeroConfig.model_validate(cleaned, context={"unknown_keys": policy})
         except ValidationError as exc:
-            raise ConfigError(problems + format_validation_error(exc), source=where) from None
+            raise ConfigError(problems + format_validation_error(exc), source=where, hint=hint) from None
         if problems:
-            raise ConfigError(problems, source=where)
+            raise ConfigError(problems, source=where, hint=hint)
     if resolve_batch:
         try:
             cfg = cfg.with_batch_sizes(world_size, world_size_source)

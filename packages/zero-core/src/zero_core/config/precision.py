@@ -7,6 +7,7 @@ sections at once.
 
 from __future__ import annotations
 
+import warnings
 from typing import Annotated, Any, ClassVar
 
 from pydantic import BeforeValidator, ConfigDict
@@ -71,13 +72,44 @@ class FP16Config(ConfigModel):
         return float(2**self.initial_scale_power) if self.dynamic_loss_scale else self.loss_scale
 
 
+#: fp16 keys that configs often copy into ``bf16`` (DeepSpeed's own tests do): DeepSpeed ignores
+#: them there, as bf16 needs no loss scaling and ``auto_cast`` is an fp16 switch.
+_FP16_ONLY_KEYS = (
+    "loss_scale",
+    "initial_scale_power",
+    "loss_scale_window",
+    "hysteresis",
+    "consecutive_hysteresis",
+    "min_loss_scale",
+    "auto_cast",
+)
+
+
 class BF16Config(ConfigModel):
-    """``bf16`` (alias ``bfloat16``): bf16 mixed precision; no loss scaling is needed."""
+    """``bf16`` (alias ``bfloat16``): bf16 mixed precision; no loss scaling is needed.
+
+    The fp16-only keys of :data:`_FP16_ONLY_KEYS` are accepted and dropped with a warning, as
+    DeepSpeed ignores them in this section.
+    """
 
     config_path: ClassVar[str] = "bf16"
+    deprecated_keys: ClassVar[dict[str, str]] = dict.fromkeys(_FP16_ONLY_KEYS, "nothing (fp16 only)")
 
     enabled: Annotated[bool, AUTO] = False
     immediate_grad_update: bool = False
+
+    @classmethod
+    def _translate_deprecated(cls, data: dict[str, Any]) -> dict[str, Any]:
+        dropped = [k for k in _FP16_ONLY_KEYS if k in data]
+        for key in dropped:
+            del data[key]
+        warnings.warn(
+            f"bf16: {', '.join(dropped)} apply to fp16 only and have no effect with bf16 (which needs no "
+            "loss scaling); ignored, as DeepSpeed does",
+            UserWarning,
+            stacklevel=2,
+        )
+        return data
 
 
 class AmpConfig(ConfigModel):

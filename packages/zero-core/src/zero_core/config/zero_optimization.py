@@ -180,10 +180,15 @@ class ZeroOptimizationConfig(ConfigModel):
     def _check_stage_dependent(self) -> ZeroOptimizationConfig:
         problems = []
         if self.offload_param is not None and self.offload_param.enabled and self.stage < 3:
-            problems.append(
-                f"zero_optimization.offload_param: offloading parameters needs stage 3, "
-                f"got stage {self.stage} (use offload_optimizer with stages 1 and 2)"
+            # DeepSpeed accepts offload_param at any stage and uses it only at stage 3, and real
+            # configs carry it at stage 2 (trlx, DeepSpeed's own tests): ignore it, but say so.
+            warnings.warn(
+                f"zero_optimization.offload_param: parameters are offloaded only at stage 3; ignored at "
+                f"stage {self.stage}, as DeepSpeed does (stages 1 and 2 offload with offload_optimizer)",
+                UserWarning,
+                stacklevel=2,
             )
+            object.__setattr__(self, "offload_param", None)
         if self.offload_optimizer is not None and self.offload_optimizer.enabled and self.stage == 0:
             problems.append(
                 "zero_optimization.offload_optimizer: offloading the optimizer needs stage 1, 2 or 3, got stage 0"

@@ -122,7 +122,13 @@ def _configure_side_systems(cfg: Any) -> None:
     """Communication logging and activation checkpointing read their config sections here."""
     if _explicit(cfg, "comms_logger"):
         comm.comms_logger.configure(cfg.comms_logger.model_dump())
-    if _explicit(cfg, "activation_checkpointing"):
+    ac = cfg.activation_checkpointing
+    if _explicit(cfg, "activation_checkpointing") and not (
+        ac.contiguous_memory_optimization and ac.number_checkpoints is None
+    ):
+        # Without number_checkpoints the contiguous buffer cannot be sized yet: DeepSpeed never
+        # configures checkpointing in initialize, and Megatron passes its layer count to its own
+        # checkpointing.configure(num_checkpoints=...) call, so that call is left to do it.
         from zero_core import activation_checkpointing
 
         activation_checkpointing.configure(deepspeed_config=cfg)
