@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 from zero_core import plugins
-from zero_core.optim import Lamb, build_optimizer
+from zero_core.optim import FusedAdam, Lamb, build_optimizer
 
 
 def _params() -> list[torch.nn.Parameter]:
@@ -28,6 +28,10 @@ def _params() -> list[torch.nn.Parameter]:
         ("Lamb", {"lr": 1e-3, "weight_decay": 0.01}, Lamb),
         ("FusedAdam", {"lr": 1e-3}, torch.optim.AdamW),
         ("RMSprop", {"lr": 1e-3}, torch.optim.RMSprop),  # any torch.optim class name
+        # torch's Adam always bias-corrects: DeepSpeed's FusedAdam math (BERT pre-training configs)
+        ("Adam", {"lr": 1e-3, "bias_correction": False}, FusedAdam),
+        ("AdamW", {"lr": 1e-3, "bias_correction": False}, FusedAdam),
+        ("FusedAdam", {"lr": 1e-3, "bias_correction": True}, torch.optim.AdamW),
     ],
 )
 def test_builds_each_config_type(name, params, cls):
@@ -154,3 +158,60 @@ def test_lamb_rejects_bad_hyperparameters():
         Lamb(_params(), eps=0)
     with pytest.raises(ValueError, match="min_coeff 2 > max_coeff 1"):
         Lamb(_params(), min_coeff=2, max_coeff=1)
+
+
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_fused_adam_matches_torch_adam_with_bias_correction(adam_w_mode):
+    ours, ref = _params(), _params()
+    opt = FusedAdam(ours, lr=0.01, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, adam_w_mode=adam_w_mode)
+    torch_opt = (torch.optim.AdamW if adam_w_mode else torch.optim.Adam)(
+        ref, lr=0.01, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1
+    )
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        for a, b in zip(ours, ref):
+            a.grad = torch.randn(a.shape, generator=g)
+            b.grad = a.grad.clone()
+        opt.step()
+        torch_opt.step()
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert opt.state_dict()["state"][0].keys() == torch_opt.state_dict()["state"][0].keys()
+
+
+def test_fused_adam_without_bias_correction_formula():
+    (p,) = _params()[:1]
+    w0 = p.detach().clone()
+    opt = build_optimizer(
+        [p], "Adam", {"lr": 0.1, "betas": [0.9, 0.99], "eps": 1e-8, "bias_correction": False}
+    )
+    grads = [torch.full_like(p, 0.5), torch.full_like(p, -1.0)]
+    m = v = torch.zeros_like(p)
+    w = w0.clone()
+    for grad in grads:
+        p.grad = grad
+        opt.step()
+        m = 0.9 * m + 0.1 * grad
+        v = 0.99 * v + 0.01 * grad * grad
+        w = w - 0.1 * m / (v.sqrt() + 1e-8)  # no 1 - beta**step terms
+    torch.testing.assert_close(p.detach(), w)
+    assert opt.param_groups[0]["bias_correction"] is False and opt.param_groups[0]["adamw_mode"] is True
+
+
+def test_fused_adam_rejects_bad_hyperparameters():
+    for kwargs, match in [
+        ({"amsgrad": True}, "amsgrad=True is not supported"),
+        ({"lr": -1.0}, "lr must be a finite number >= 0"),
+        ({"betas": (0.9, 1.0)}, r"betas must be two numbers in \[0, 1\)"),
+        ({"eps": -1.0}, "eps must be >= 0"),
+        ({"weight_decay": -0.1}, "weight_decay must be >= 0"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            FusedAdam(_params(), **kwargs)
+
+
+def test_max_grad_norm_points_to_gradient_clipping():
+    with pytest.raises(
+        ValueError, match=r'optimizer.params.max_grad_norm \(Adam\).*"gradient_clipping": 1.0'
+    ):
+        build_optimizer(_params(), "Adam", {"lr": 1e-3, "max_grad_norm": 1.0})

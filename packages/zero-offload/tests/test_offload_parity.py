@@ -26,15 +26,21 @@ def _data(step: int, world: int, gas: int) -> tuple[torch.Tensor, torch.Tensor]:
     return token_batch(1000 + step, world * gas * MICRO, SEQ, VOCAB)
 
 
-def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+def _optimizer(model: nn.Module, bias_correction: bool = True) -> torch.optim.Optimizer:
+    if not bias_correction:  # DeepSpeed's FusedAdam math (the config's "bias_correction": false)
+        from zero_core.optim import FusedAdam
+
+        return FusedAdam(model.parameters(), lr=1e-2, weight_decay=0.1, bias_correction=False)
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
-def _reference(world: int, gas: int, clip: float) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference(
+    world: int, gas: int, clip: float, bias_correction: bool
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     model = TinyLM(VOCAB, 16, 23)
     return parity.train_reference(
-        model, _optimizer(model), lambda step: _data(step, world, gas), STEPS, clip=clip
+        model, _optimizer(model, bias_correction), lambda step: _data(step, world, gas), STEPS, clip=clip
     )
 
 
@@ -61,7 +67,8 @@ def _train(case: dict, nvme_root: str) -> tuple[list[float], dict[str, torch.Ten
             "offload_optimizer": off,
         },
     }
-    engine, _, _, _ = zero_core.initialize(model=model, optimizer=_optimizer(model), config=cfg)
+    optimizer = _optimizer(model, case.get("bias_correction", True))
+    engine, _, _, _ = zero_core.initialize(model=model, optimizer=optimizer, config=cfg)
     swap_dir = getattr(getattr(engine.strategy, "offload", None), "swap_dir", None)
     swap_path = None if swap_dir is None else str(swap_dir.path)
     losses = parity.train_engine(engine, lambda step: _data(step, world, gas), STEPS, micro=MICRO, gas=gas)
@@ -90,15 +97,17 @@ CASES = [
     dict(stage=2, device="nvme", gas=1, clip=0.5, off={"buffer_count": 1, "fast_init": True}),
     dict(stage=3, device="nvme", gas=2, clip=0.0, off={"pipeline_read": True, "buffer_count": 2}),
     dict(stage=3, device="nvme", gas=1, clip=0.5, off={"pipeline_write": True, "buffer_count": 2}),
+    dict(stage=2, device="cpu", gas=1, clip=0.5, bias_correction=False),
+    dict(stage=3, device="nvme", gas=1, clip=0.0, bias_correction=False),
 ]
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_offload_matches_single_process_torch(world: int, tmp_path) -> None:
     results = run_multirank(_run_cases, world, args=(CASES, str(tmp_path)), timeout=240)
-    refs: dict[tuple[int, float], tuple] = {}
+    refs: dict[tuple[int, float, bool], tuple] = {}
     for case, (losses, state, info) in zip(CASES, results[0]):
-        key = (case["gas"], case["clip"])
+        key = (case["gas"], case["clip"], case.get("bias_correction", True))
         if key not in refs:
             refs[key] = _reference(world, *key)
         ref_losses, ref_state = refs[key]

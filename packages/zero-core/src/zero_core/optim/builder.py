@@ -4,7 +4,8 @@ Type names are matched case-insensitively as DeepSpeed does. DeepSpeed's ``Adam`
 decoupled weight decay unless ``adam_w_mode`` is false (its default is true), so ``Adam``
 here builds ``torch.optim.AdamW`` by default and ``torch.optim.Adam`` with
 ``"adam_w_mode": false``; ``torch_adam`` is accepted and has no effect on the math.
-``FusedAdam`` is the same math as ``Adam``. ``CPUAdam`` and ``Lion`` come from zero-ops. Any
+``FusedAdam`` is the same math as ``Adam``; ``"bias_correction": false`` (which torch's Adam cannot
+express) builds :class:`zero_core.optim.adam.FusedAdam`. ``CPUAdam`` and ``Lion`` come from zero-ops. Any
 other name of a ``torch.optim`` optimizer class (e.g. ``RMSprop``) builds that class, as the
 config section documents. DeepSpeed's communication-compressed optimizers (``OneBitAdam``,
 ``ZeroOneAdam``, ``OneBitLamb``) and the muP variants are not provided: naming them is an error.
@@ -25,12 +26,19 @@ def _adam(params: Iterable[Any], **kw: Any) -> torch.optim.Optimizer:
     adam_w_mode = kw.pop("adam_w_mode", True)
     kw.pop("torch_adam", None)
     kw.pop("fused", None)
+    if not kw.pop("bias_correction", True):  # torch's Adam always corrects: DeepSpeed's FusedAdam math
+        from zero_core.optim.adam import FusedAdam
+
+        return FusedAdam(params, bias_correction=False, adam_w_mode=adam_w_mode, **kw)
     return (torch.optim.AdamW if adam_w_mode else torch.optim.Adam)(params, **kw)
 
 
 def _adamw(params: Iterable[Any], **kw: Any) -> torch.optim.Optimizer:
     kw.pop("adam_w_mode", None)
+    if not kw.get("bias_correction", True):
+        return _adam(params, adam_w_mode=True, **kw)
     kw.pop("torch_adam", None)
+    kw.pop("bias_correction", None)
     return torch.optim.AdamW(params, **kw)
 
 
@@ -87,6 +95,11 @@ def build_optimizer(
         why = "is not provided by this build" if key in _NOT_PROVIDED else "is not supported"
         raise ValueError(f"optimizer.type: '{opt_type}' {why}; use one of {known}")
     kw = dict(opt_params or {})
+    if "max_grad_norm" in kw:  # old FusedAdam clipped inside the optimizer; DeepSpeed refuses it too
+        raise ValueError(
+            f"optimizer.params.max_grad_norm ({opt_type}): gradient clipping is not an optimizer setting; "
+            f'use the top-level "gradient_clipping": {kw["max_grad_norm"]!r}'
+        )
     if "betas" in kw:
         kw["betas"] = tuple(kw["betas"])
     try:
