@@ -222,7 +222,13 @@ def test_bf16_ignores_fp16_loss_scaling_keys_with_a_warning():
         record[0].message
     )
     assert config.bf16.enabled and config.precision == "bf16"
-    assert config.to_dict()["bf16"] == {"enabled": True, "immediate_grad_update": False}
+    assert config.to_dict()["bf16"] == {
+        "enabled": True,
+        "immediate_grad_update": False,
+        "check_grad_overflow": True,
+        "bf16_master_weights_and_grads": False,
+        "bf16_optimizer_states": False,
+    }
     # the old spelling of the section behaves the same; typos are still caught
     with pytest.warns(UserWarning, match="apply to fp16 only"):
         assert load_config(
@@ -230,3 +236,15 @@ def test_bf16_ignores_fp16_loss_scaling_keys_with_a_warning():
         ).bf16.enabled
     with pytest.raises(ConfigError, match="bf16.loss_scal: unknown key, did you mean loss_scale"):
         load_config({"train_batch_size": 8, "bf16": {"enabled": True, "loss_scal": 0}})
+
+
+def test_bf16_keys_of_deepspeed_0_19():
+    bf16 = {"enabled": True, "check_grad_overflow": False, "bf16_master_weights_and_grads": False}
+    cfg = load_config({"train_batch_size": 1, "bf16": {**bf16, "bf16_optimizer_states": False}})
+    assert cfg.bf16.check_grad_overflow is False
+    assert load_config({"train_batch_size": 1, "bf16": {"enabled": True}}).bf16.check_grad_overflow is True
+    for key in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
+        with pytest.raises(
+            ConfigError, match=rf"bf16.{key}: true is not implemented; zero keeps fp32 master"
+        ):
+            load_config({"train_batch_size": 1, "bf16": {"enabled": True, key: True}})

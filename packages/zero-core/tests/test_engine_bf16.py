@@ -108,3 +108,47 @@ def test_bf16_matches_hand_written_mixed_precision():
             torch.testing.assert_close(m, r, rtol=RTOL, atol=ATOL)
             # the tolerance is far below how far training moved the weights
             assert (r - w0).abs().max() > 10 * ATOL
+
+
+def _train_with_bad_step(stage: int, check: bool | None) -> dict:
+    """Three steps; on the second, only rank 1's loss is inf, so only its gradients are non-finite."""
+    import zero_core
+    from zero_core import comm
+
+    rank = comm.get_rank()
+    torch.manual_seed(0)
+    model = _model()
+    bf16 = {"enabled": True} if check is None else {"enabled": True, "check_grad_overflow": check}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "steps_per_print": 10**6,
+        "bf16": bf16,
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+    }
+    engine, opt, _, _ = zero_core.initialize(model=model, config=cfg)
+    snapshots = []
+    for it in range(3):
+        loss = engine(*_batch(it, rank))
+        if it == 1 and rank == 1:
+            loss = loss * float("inf")
+        engine.backward(loss)
+        engine.step()
+        snapshots.append([p.detach().float().clone() for g in opt.param_groups for p in g["params"]])
+    return {"skipped": engine.skipped_steps, "steps": engine.global_steps, "masters": snapshots}
+
+
+def test_bf16_skips_a_step_with_non_finite_gradients():
+    # DeepSpeed's bf16.check_grad_overflow (default true): the step is dropped on every rank.
+    for stage in (0, 1, 2, 3):
+        for out in run_multirank(_train_with_bad_step, WORLD, args=(stage, None)):
+            assert out["skipped"] == 1 and out["steps"] == 3, stage
+            before, after_bad, after_next = out["masters"]
+            for a, b in zip(before, after_bad):
+                assert torch.equal(a, b), stage
+            assert all(torch.isfinite(t).all() for t in after_next)
+            assert any(not torch.equal(a, b) for a, b in zip(after_bad, after_next))
+    # check_grad_overflow: false applies the update as torch would, poisoning the weights.
+    for out in run_multirank(_train_with_bad_step, WORLD, args=(2, False)):
+        assert out["skipped"] == 0
+        assert any(not torch.isfinite(t).all() for t in out["masters"][1])

@@ -109,6 +109,7 @@ class PipelineEngine:
             loss_scaler=self.loss_scaler,
             gradient_clipping=float(self.config.gradient_clipping or 0.0),
             lr_scheduler=lr_scheduler,
+            skip_nonfinite=bool(self.config.bf16.enabled and self.config.bf16.check_grad_overflow),
         )
         self.data_iterator: Iterator[Any] | None = None
         self.batch_fn: Callable[[Any], Any] | None = None

@@ -102,8 +102,11 @@ class StageOptimizer:
         loss_scaler: LossScaler,
         gradient_clipping: float,
         lr_scheduler: Any = None,
+        skip_nonfinite: bool = False,
     ) -> None:
         self.strategy = strategy
+        # bf16.check_grad_overflow: skip a step whose global gradient norm is inf/nan
+        self.skip_nonfinite = skip_nonfinite
         self.module = module
         self.grid = grid
         self.loss_scaler = loss_scaler
@@ -147,7 +150,8 @@ class StageOptimizer:
         return bool(flag.item())
 
     def step(self) -> bool:
-        """Clip and apply the gradients; returns False when an fp16 overflow skipped the step."""
+        """Clip and apply the gradients; returns False when an fp16 overflow (or, with bf16's
+        check_grad_overflow, a non-finite gradient norm) skipped the step."""
         inv_scale = 1.0 / self.loss_scaler.loss_scale
         if self.loss_scaler.dynamic and self._global_overflow():
             self.global_grad_norm = float("inf")
@@ -163,6 +167,12 @@ class StageOptimizer:
         if self.grid.pipe_parallel_size > 1:
             _dist.all_reduce(norm_sq, group=self.grid.pp_group)
         norm = math.sqrt(max(float(norm_sq), 0.0)) * inv_scale
+        if self.skip_nonfinite and not math.isfinite(norm):
+            # reduced over the stages and the replicas above: every rank skips alike
+            self.global_grad_norm = float("inf")
+            self.skipped_steps += 1
+            self.strategy.zero_grad()
+            return False
         self.global_grad_norm = norm
         grad_scale = inv_scale
         if self.gradient_clipping > 0 and norm > self.gradient_clipping:

@@ -79,6 +79,11 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
         # fp16.auto_cast: forward casts floating-point inputs to fp16
         fp16 = getattr(config, "fp16", None)
         self._auto_cast_fp16 = bool(fp16 is not None and fp16.enabled and getattr(fp16, "auto_cast", False))
+        # bf16.check_grad_overflow: a non-finite gradient norm skips the step (see _boundary_step)
+        bf16 = getattr(config, "bf16", None)
+        self._skip_nonfinite_bf16 = bool(
+            bf16 is not None and bf16.enabled and getattr(bf16, "check_grad_overflow", True)
+        )
         self._last_boundary_time = time.perf_counter()
         self._samples_per_sec = 0.0
         # why training must not go on: a load failed after overwriting part of the state
@@ -233,22 +238,33 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
         comm.all_reduce(t, op=comm.ReduceOp.MAX)
         return bool(t.item())
 
+    def _skip_step(self) -> None:
+        """End an optimizer boundary without applying the update (non-finite gradients)."""
+        self._step_applied = False
+        self._global_grad_norm = float("inf")
+        self.skipped_steps += 1
+        self.strategy.zero_grad()
+        self.global_steps += 1
+
     def _boundary_step(self, lr_kwargs: dict[str, Any] | None) -> None:
         overflow = self._global_flag(self.strategy.local_overflow()) if self.loss_scaler.dynamic else False
         inv_scale = 1.0 / self.loss_scaler.loss_scale
         self._step_applied = not overflow
         if overflow:
-            self._global_grad_norm = float("inf")
-            self.skipped_steps += 1
             self.loss_scaler.update_scale(True)
-            self.strategy.zero_grad()
-            self.global_steps += 1
+            self._skip_step()
             return
         norm_sq = self.strategy.grad_norm_sq()
         group = self.strategy.norm_group()
         if group is not None:
             comm.all_reduce(norm_sq, group=group)
         norm = math.sqrt(float(norm_sq)) * inv_scale
+        if self._skip_nonfinite_bf16 and not math.isfinite(norm):
+            # bf16 has fp32's range, so there is no loss scale to lower: as DeepSpeed does with
+            # bf16.check_grad_overflow, drop the step rather than write inf/nan into the masters.
+            # The norm was reduced over every rank holding gradients, so all ranks agree.
+            self._skip_step()
+            return
         self._global_grad_norm = norm
         grad_scale = inv_scale
         clip = self.gradient_clipping()
