@@ -360,3 +360,17 @@ def test_contiguous_checkpointing_without_number_checkpoints_loads():
     activation_checkpointing.configure(deepspeed_config=config, num_checkpoints=24)
     assert activation_checkpointing.get_config().number_checkpoints == 24
     activation_checkpointing.configure()  # back to the defaults for other tests
+
+
+def test_underscore_keys_are_comments():
+    # LLaMA-Factory's ds_z2_autotp_config.json: "_comment" keys, JSON's stand-in for comments.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded = load_config(
+            cfg(_comment="stage 2", zero_optimization={"stage": 2, "_note": "offload later"})
+        )
+    assert loaded.zero_optimization.stage == 2
+    assert "_comment" not in loaded.to_dict() and "_note" not in loaded.to_dict()["zero_optimization"]
+    # an unknown key without the underscore is still an error
+    with pytest.raises(ConfigError, match="comment: unknown key"):
+        load_config(cfg(comment="stage 2"))

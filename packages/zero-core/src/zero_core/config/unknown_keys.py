@@ -10,7 +10,8 @@ validated, so every other problem is still reported in the same :class:`ConfigEr
 
 The check can be downgraded to a warning (the key is then dropped) with the config key
 ``"zero_allow_unknown_keys": true`` or the environment variable ``ZERO_CONFIG_UNKNOWN_KEYS=warn``
-(``=error`` is the default). Sections whose model allows extra keys are not checked
+(``=error`` is the default). Keys starting with ``_`` (``"_comment"``, the usual stand-in for
+comments in JSON) are dropped without a word at any depth. Sections whose model allows extra keys are not checked
 (``amp`` passes its keys to Apex); permissive built-in plugin sections keep unknown keys and only
 warn when one is close to a documented key (a likely typo).
 """
@@ -79,6 +80,8 @@ def strip_unknown_keys(
     for key, value in data.items():
         where = join_path(path, key)
         if key not in accepted:
+            if isinstance(key, str) and key.startswith("_") and mode != "allow":
+                continue  # a comment ("_comment": JSON has none); no config key starts with "_"
             if mode == "allow":
                 out[key] = value
             elif mode == "warn_typos":
