@@ -99,3 +99,19 @@ def test_compression_switched_on_per_technique_as_deepspeed_writes_it():
         "layer_reduction": {"enabled": False},
     }
     load_config({**BASE, "compression_training": off})
+
+
+def test_a_long_section_is_cut_in_the_message():
+    # a real compression section runs to ~1,000 characters: the message quotes its start only
+    layers = {
+        f"group_{i}": {"params": {"target_bits": 8}, "modules": [f"layer.{i}.attention"]} for i in range(20)
+    }
+    section = {"weight_quantization": {"shared_parameters": {"enabled": True}, "different_groups": layers}}
+    with pytest.raises(ConfigError) as info:
+        load_config({"train_batch_size": 8, "compression_training": section})
+    (problem,) = info.value.problems
+    quoted = problem.split(": ", 1)[1].split(" switches on ")[0]
+    assert quoted.endswith("...") and len(quoted) == 120
+    assert problem.startswith(
+        'compression_training: {"weight_quantization": {"shared_parameters": {"enabled": true}'
+    )

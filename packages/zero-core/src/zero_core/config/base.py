@@ -48,12 +48,16 @@ class _AutoDefault:
 AUTO = _AutoDefault()
 
 
-def show(value: Any) -> str:
-    """Render a config value as the user wrote it: JSON when possible, ``repr`` otherwise."""
+def show(value: Any, limit: int | None = None) -> str:
+    """Render a config value as the user wrote it: JSON when possible, ``repr`` otherwise; cut to
+    ``limit`` characters (ending in "...") when given, for whole sections quoted in a message."""
     try:
-        return json.dumps(value)
+        text = json.dumps(value)
     except (TypeError, ValueError):
-        return repr(value)
+        text = repr(value)
+    if limit is not None and len(text) > limit:
+        text = text[: max(limit - 3, 0)] + "..."
+    return text
 
 
 def _reject_bool(value: Any) -> Any:

@@ -99,7 +99,7 @@ def check_unimplemented(raw: dict[str, Any], policy: str, problems: list[str]) -
         if name not in raw or not is_on(raw[name]):
             continue
         message = (
-            f"{name}: {show(raw[name])} switches on {what}, which zero does not implement; "
+            f"{name}: {show(raw[name], limit=120)} switches on {what}, which zero does not implement; "
             f"remove the section or switch it off"
         )
         if fatal and policy != "warn":
