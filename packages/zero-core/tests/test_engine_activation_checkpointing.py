@@ -92,3 +92,43 @@ def test_checkpointed_engine_run_equals_plain_run():
         for k, v in plain["state"].items():
             torch.testing.assert_close(ckpt["state"][k], v, rtol=1e-6, atol=1e-7)
         assert ckpt["dropout_active"] and plain["dropout_active"]
+
+
+class _Mpu:
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_group(self):
+        return None
+
+
+def _configure_then_initialize() -> dict:
+    import zero_core
+    from zero_core import activation_checkpointing as ac
+
+    section = {"partition_activations": True, "contiguous_memory_optimization": True}
+    base = {"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    out = {}
+    # Megatron's order: its own configure (mpu, layer count) first, then initialize.
+    mpu = _Mpu()
+    ac.configure(mpu, deepspeed_config={"activation_checkpointing": section}, num_checkpoints=3)
+    engine_section = {**section, "number_checkpoints": 2}
+    zero_core.initialize(model=Net(True), config={**base, "activation_checkpointing": engine_section})
+    out["user_kept"] = ac.get_mpu() is mpu and ac.get_config().number_checkpoints == 3
+    # Without a user call, each initialize applies its own engine's section.
+    ac.checkpointing._configured = False
+    zero_core.initialize(
+        model=Net(True), config={**base, "activation_checkpointing": {"cpu_checkpointing": True}}
+    )
+    first = ac.get_config().cpu_checkpointing
+    zero_core.initialize(model=Net(True), config={**base, "activation_checkpointing": {"profile": True}})
+    out["each_engine"] = first and ac.get_config().profile and not ac.get_config().cpu_checkpointing
+    return out
+
+
+def test_initialize_keeps_a_users_own_configure_call():
+    (out,) = run_multirank(_configure_then_initialize, 1)
+    assert out == {"user_kept": True, "each_engine": True}

@@ -37,6 +37,9 @@ _MPU_METHODS = ("get_model_parallel_rank", "get_model_parallel_world_size", "get
 _config = ActivationCheckpointingConfig()
 _mpu: Any = None
 _configured = False
+# whether the last configure() came from zero_core.initialize (which re-reads each engine's config)
+# rather than from the user's own call (which initialize must not undo)
+_from_initialize = False
 _buffers = storage.ContiguousBuffers()
 _profile: dict[str, dict[str, float]] = {}
 
@@ -57,7 +60,7 @@ def configure(
     ``activation_checkpointing`` section; every other argument that is not None overrides its key.
     ``mpu_`` must provide ``get_model_parallel_rank/world_size/group`` (needed by ``partition_activations``).
     """
-    global _config, _mpu, _configured
+    global _config, _mpu, _configured, _from_initialize
     if mpu_ is not None:
         missing = [m for m in _MPU_METHODS if not callable(getattr(mpu_, m, None))]
         if missing:
@@ -81,8 +84,26 @@ def configure(
     config.validate(where="activation_checkpointing.configure")
     if config.partition_activations and mpu_ is None:
         logger.warning("configure: partition_activations without an mpu_ has nothing to partition across")
-    _config, _mpu, _configured = config, mpu_, True
+    _config, _mpu, _configured, _from_initialize = config, mpu_, True, False
     reset()
+
+
+def configure_from_initialize(deepspeed_config: Any) -> bool:
+    """``configure`` from an engine's config, unless the user configured checkpointing already.
+
+    Megatron-style scripts call ``checkpointing.configure(mpu, deepspeed_config=..., num_checkpoints=N)``
+    before ``initialize`` (DeepSpeed's engine never configures it); re-reading the config there
+    would drop their ``mpu_`` and overrides. Returns whether it configured.
+    """
+    global _from_initialize
+    if _configured and not _from_initialize:
+        logger.info(
+            "activation checkpointing was configured by the caller; initialize keeps that configuration"
+        )
+        return False
+    configure(deepspeed_config=deepspeed_config)
+    _from_initialize = True
+    return True
 
 
 def is_configured() -> bool:

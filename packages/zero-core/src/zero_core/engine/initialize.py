@@ -129,9 +129,9 @@ def _configure_side_systems(cfg: Any) -> None:
         # Without number_checkpoints the contiguous buffer cannot be sized yet: DeepSpeed never
         # configures checkpointing in initialize, and Megatron passes its layer count to its own
         # checkpointing.configure(num_checkpoints=...) call, so that call is left to do it.
-        from zero_core import activation_checkpointing
+        from zero_core.activation_checkpointing import checkpointing
 
-        activation_checkpointing.configure(deepspeed_config=cfg)
+        checkpointing.configure_from_initialize(cfg)
 
 
 def _build_profiler(model: torch.nn.Module, cfg: Any, engine: ZeroEngine) -> Any:
