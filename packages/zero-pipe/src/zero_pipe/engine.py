@@ -75,8 +75,6 @@ class PipelineEngine:
             )
         if not isinstance(has_bool_tensors, bool):
             raise TypeError(f"PipelineEngine: has_bool_tensors must be a bool, got {has_bool_tensors!r}")
-        if module.loss_fn is None:
-            raise ValueError("PipelineEngine: the PipelineModule needs a loss_fn to train")
         self.module = module
         self.grid = module.grid()
         self.stage_id = self.grid.stage_id
@@ -250,7 +248,9 @@ class PipelineEngine:
         num_micro_batches: int | None = None,
     ) -> Any:
         """Forward ``num_micro_batches`` (default: gradient accumulation steps) micro-batches
-        without gradients; returns the loss (and the last stage's outputs with return_logits)."""
+        without gradients; returns the loss (with ``compute_loss=False``, the outputs averaged as
+        DeepSpeed does), and with ``return_logits`` also the last stage's list of outputs, one per
+        micro-batch (DeepSpeed keeps only the last micro-batch's)."""
         if reduce_output not in ("avg", None):
             raise ValueError(f"eval_batch: reduce_output must be 'avg' or None, got {reduce_output!r}")
         if not hasattr(data_iter, "__next__"):
@@ -268,10 +268,36 @@ class PipelineEngine:
         finally:
             self.data_iterator = saved
         outputs = ran.outputs if self.is_last_stage() else None
-        result: Any = self._aggregate_loss(ran.losses, reduce_output, bcast_loss) if compute_loss else outputs
+        if compute_loss:
+            result: Any = self._aggregate_loss(ran.losses, reduce_output, bcast_loss)
+        else:  # DeepSpeed reduces the outputs themselves ("models that return their loss")
+            result = self._average_outputs(outputs, reduce_output)
         if return_logits:
             return result, outputs
         return result
+
+    def _average_outputs(self, outputs: list[Any] | None, reduce_output: str | None) -> Any:
+        """eval_batch(compute_loss=False): the last stage's outputs, element-wise averaged over the
+        micro-batches and data-parallel replicas with ``reduce_output="avg"`` (a list with None);
+        None on the other stages, as DeepSpeed (nothing is broadcast)."""
+        if outputs is None or reduce_output is None:
+            return outputs
+
+        def average(parts: list[torch.Tensor]) -> torch.Tensor:
+            if not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in parts):
+                raise ValueError(
+                    "eval_batch(compute_loss=False, reduce_output='avg'): the outputs must be floating-point "
+                    "tensors (or tuples of them) to average; use reduce_output=None for the raw outputs"
+                )
+            mean = torch.stack([t.float() for t in parts]).mean(0)
+            if self.dp_size > 1:
+                _dist.all_reduce(mean, group=self.grid.dp_group)
+                mean /= self.dp_size
+            return mean.to(parts[0].dtype)
+
+        if isinstance(outputs[0], (tuple, list)):
+            return type(outputs[0])(average([o[i] for o in outputs]) for i in range(len(outputs[0])))
+        return average(outputs)
 
     def save_checkpoint(
         self, save_dir: str, tag: Any = None, client_state: dict | None = None, save_latest: bool = True

@@ -270,13 +270,33 @@ class StageExecutor:
             self._outputs_buf[b] = outputs
             return
         if self._training or self._compute_loss:
-            loss = self.module.loss_fn(outputs, self._labels[b])
+            loss = self._loss(outputs, self._labels[b])
             self._losses.append(loss.detach())
             self._outputs_buf[b] = loss
         if not self._training:
             self._outputs.append(outputs)
             self._inputs.pop(b, None)
             self._labels.pop(b, None)
+
+    def _loss(self, outputs: Any, labels: Any) -> torch.Tensor:
+        """``loss_fn(outputs, labels)``; without a loss_fn the last layer's output is the loss
+        (DeepSpeed's "models that return their loss from forward", e.g. labels carried along
+        with the activations)."""
+        fn = self.module.loss_fn
+        loss = outputs if fn is None else fn(outputs, labels)
+        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()):
+            what = (
+                f"tensor of shape {tuple(loss.shape)}"
+                if isinstance(loss, torch.Tensor)
+                else type(loss).__name__
+            )
+            source = (
+                "the last layer's output (the PipelineModule has no loss_fn)" if fn is None else "loss_fn"
+            )
+            raise ValueError(
+                f"PipelineEngine: {source} must be a one-element floating-point loss, got a {what}"
+            )
+        return loss
 
     def _exec_backward(self, ins: BackwardPass) -> None:
         self._timed("B", ins.chunk_id, self._backward, ins.buffer_id)
