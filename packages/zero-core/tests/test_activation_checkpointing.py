@@ -21,6 +21,7 @@ def _fresh_state(monkeypatch):
     monkeypatch.setattr(ckpt_module, "_config", ac.ActivationCheckpointingConfig())
     monkeypatch.setattr(ckpt_module, "_mpu", None)
     monkeypatch.setattr(ckpt_module, "_configured", False)
+    monkeypatch.setattr(ckpt_module, "_from_initialize", False)
     monkeypatch.setattr(ckpt_module, "_buffers", storage.ContiguousBuffers())
     monkeypatch.setattr(ckpt_module, "_profile", {})
     monkeypatch.setattr(rng_module, "_TRACKER", ac.CudaRNGStatesTracker())

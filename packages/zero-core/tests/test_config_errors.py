@@ -333,7 +333,7 @@ def test_offload_param_below_stage3_is_ignored_with_a_warning(stage):
     assert z3.offload_param_device == "cpu"
 
 
-def test_contiguous_checkpointing_without_number_checkpoints_loads():
+def test_contiguous_checkpointing_without_number_checkpoints_loads(monkeypatch):
     # DeepSpeedExamples Megatron-LM/scripts/ds_zerodual_config.json: Megatron passes its layer
     # count to checkpointing.configure(num_checkpoints=...), so the config need not give it.
     section = {
@@ -354,12 +354,16 @@ def test_contiguous_checkpointing_without_number_checkpoints_loads():
     ac = config.activation_checkpointing
     assert ac.contiguous_memory_optimization and ac.number_checkpoints is None
     from zero_core import activation_checkpointing
+    from zero_core.activation_checkpointing import checkpointing
 
+    # configure() sets process-wide state: restore it after the test (later engines in this
+    # process would otherwise take it for the caller's own configuration)
+    for name in ("_config", "_mpu", "_configured", "_from_initialize"):
+        monkeypatch.setattr(checkpointing, name, getattr(checkpointing, name))
     with pytest.raises(ValueError, match="needs 'number_checkpoints'"):
         activation_checkpointing.configure(deepspeed_config=config)
     activation_checkpointing.configure(deepspeed_config=config, num_checkpoints=24)
     assert activation_checkpointing.get_config().number_checkpoints == 24
-    activation_checkpointing.configure()  # back to the defaults for other tests
 
 
 def test_underscore_keys_are_comments():

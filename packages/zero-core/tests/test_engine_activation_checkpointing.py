@@ -3,6 +3,8 @@ gradients and trajectory as the same model without checkpointing."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -116,8 +118,13 @@ def _configure_then_initialize() -> dict:
     mpu = _Mpu()
     ac.configure(mpu, deepspeed_config={"activation_checkpointing": section}, num_checkpoints=3)
     engine_section = {**section, "number_checkpoints": 2}
-    zero_core.initialize(model=Net(True), config={**base, "activation_checkpointing": engine_section})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        zero_core.initialize(model=Net(True), config={**base, "activation_checkpointing": engine_section})
     out["user_kept"] = ac.get_mpu() is mpu and ac.get_config().number_checkpoints == 3
+    out["warned"] = any(
+        "is not applied: checkpointing was configured by the caller" in str(w.message) for w in caught
+    )
     # Without a user call, each initialize applies its own engine's section.
     ac.checkpointing._configured = False
     zero_core.initialize(
@@ -131,4 +138,4 @@ def _configure_then_initialize() -> dict:
 
 def test_initialize_keeps_a_users_own_configure_call():
     (out,) = run_multirank(_configure_then_initialize, 1)
-    assert out == {"user_kept": True, "each_engine": True}
+    assert out == {"user_kept": True, "warned": True, "each_engine": True}

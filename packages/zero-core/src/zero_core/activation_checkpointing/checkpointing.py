@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -97,9 +98,14 @@ def configure_from_initialize(deepspeed_config: Any) -> bool:
     """
     global _from_initialize
     if _configured and not _from_initialize:
-        logger.info(
-            "activation checkpointing was configured by the caller; initialize keeps that configuration"
-        )
+        section = read_activation_checkpointing_config(deepspeed_config, validate=False)
+        if section != _config:
+            warnings.warn(
+                f"activation_checkpointing: the config's section ({section}) is not applied: checkpointing was "
+                f"configured by the caller's own checkpointing.configure call ({_config}), which initialize keeps",
+                UserWarning,
+                stacklevel=3,
+            )
         return False
     configure(deepspeed_config=deepspeed_config)
     _from_initialize = True
