@@ -1,24 +1,24 @@
 """Pipeline bubble and throughput: zero_pipe 1F1B / interleaved vs theory and torch.distributed.pipelining.
 
 One launch per pipeline depth p runs every schedule on the same model (``--layers`` blocks split
-evenly over the p stages, or over 2p chunks for interleaving), interleaving the repetitions of all schedules so that load from other jobs on the machine hits
-them alike. zero_pipe runs textbook 1F1B, 1F1B with ``pipeline.lookahead = 1`` (see [Note: 1F1B
-lookahead] in ``zero_pipe/schedule.py``) and the interleaved schedule. Each rank is pinned to one
-core (see ``_core_of``): with p=2 every stage owns a core, with p=4 two stages share one
-(oversubscribed: wall-clock idle there is not a pipeline bubble, a stage that waits hands its
-core to its neighbour).
+evenly over the p stages, or over 2p chunks for interleaving), interleaving the repetitions of all
+schedules so that load from other jobs on the machine hits them alike. zero_pipe runs textbook 1F1B,
+1F1B with ``pipeline.lookahead = 1`` (see [Note: 1F1B lookahead] in ``zero_pipe/schedule.py``) and
+the interleaved schedule. Each rank is pinned to one core (see ``_core_of``): with p=2 every stage
+owns a core, with p=4 two stages share one (oversubscribed: wall-clock idle there is not a pipeline
+bubble, a stage that waits hands its core to its neighbour).
 
 Per batch and stage: busy = wall time inside forward/backward compute (perf_counter around the
 compute of each instruction; for torch.distributed.pipelining, around its stage's
 ``forward_maybe_with_nosync``/``backward_maybe_with_nosync``), span = first compute start to last
-compute end over all stages, idle = 1 - busy / span, averaged over stages. Thread CPU time over
-the same compute spans gives the share of compute wall time stolen by other processes (steal),
-and the idle by CPU time (a stage is busy only while it runs on a core), whose floor with p ranks
-on n < p cores is 1 - n/p: the time-sharing table says what the machine allows.
+compute end over all stages, idle = 1 - busy / span, averaged over stages. Thread CPU time over the
+same compute spans gives the share of compute wall time stolen by other processes (steal), and the
+idle by CPU time (a stage is busy only while it runs on a core), whose floor with p ranks on n < p
+cores is 1 - n/p: the time-sharing table says what the machine allows.
 
-Two models. The default, GPT-style transformer layers (d=256, sequence 128, micro batch 8), has
-the compute per activation byte of the models pipelines are used for: 4 layers compute ~6.7
-kFLOP per byte they send; a GPT-2-sized stage more (6 d FLOPs per message byte per layer: 4.6 k at d=768). The
+Two models. The default, GPT-style transformer layers (d=256, sequence 128, micro batch 8), has the
+compute per activation byte of the models pipelines are used for: 4 layers compute ~6.7 kFLOP per
+byte they send; a GPT-2-sized stage more (6 d FLOPs per message byte per layer: 4.6 k at d=768). The
 other, ``--block linear`` (Linear(1024,1024) + tanh, micro batch 128), computes ~2 kFLOP per byte
 and is kept as a stress case: on this machine gloo's loopback TCP costs a stage ~0.4 ms of CPU per
 512 KiB message, a visible share of its ~9 ms forward, on top of the model's own imbalance (the
@@ -32,7 +32,8 @@ Three references for the idle fraction:
   batch: the idle the dependencies alone imply; measured minus replay is transport/runtime overhead.
 
     OMP_NUM_THREADS=1 python tools/bench/bench_pipe.py [--out tools/bench/results/bench_pipe.md]
-    OMP_NUM_THREADS=1 python tools/bench/bench_pipe.py --block linear --out tools/bench/results/bench_pipe_linear.md
+    OMP_NUM_THREADS=1 python tools/bench/bench_pipe.py --block linear \
+        --out tools/bench/results/bench_pipe_linear.md
 """
 
 from __future__ import annotations
