@@ -230,7 +230,7 @@ def test_bf16_ignores_fp16_loss_scaling_keys_with_a_warning():
         "bf16_optimizer_states": False,
     }
     # the old spelling of the section behaves the same; typos are still caught
-    with pytest.warns(UserWarning, match="apply to fp16 only"):
+    with pytest.warns(UserWarning, match="bf16: loss_scale applies to fp16 only"):
         assert load_config(
             {"train_batch_size": 8, "bfloat16": {"enabled": True, "loss_scale": 0}}
         ).bf16.enabled

@@ -118,8 +118,9 @@ class BF16Config(ConfigModel):
         dropped = [k for k in _FP16_ONLY_KEYS if k in data]
         for key in dropped:
             del data[key]
+        verb, has = ("applies", "has") if len(dropped) == 1 else ("apply", "have")
         warnings.warn(
-            f"bf16: {', '.join(dropped)} apply to fp16 only and have no effect with bf16 (which needs no "
+            f"bf16: {', '.join(dropped)} {verb} to fp16 only and {has} no effect with bf16 (which needs no "
             "loss scaling); ignored, as DeepSpeed does",
             UserWarning,
             stacklevel=2,
