@@ -139,3 +139,26 @@ def _configure_then_initialize() -> dict:
 def test_initialize_keeps_a_users_own_configure_call():
     (out,) = run_multirank(_configure_then_initialize, 1)
     assert out == {"user_kept": True, "warned": True, "each_engine": True}
+
+
+def _contiguous_without_count() -> dict:
+    import zero_core
+    from zero_core import activation_checkpointing as ac
+
+    section = {"partition_activations": True, "contiguous_memory_optimization": True}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "activation_checkpointing": section,
+    }
+    ac.checkpointing._configured = False  # a fresh process, whatever the parent configured
+    zero_core.initialize(model=Net(True), config=cfg)
+    left_to_caller = not ac.is_configured()
+    # Megatron's own call then sizes the buffer with its layer count
+    ac.configure(deepspeed_config=cfg, num_checkpoints=3)
+    return {"left_to_caller": left_to_caller, "count": ac.get_config().number_checkpoints}
+
+
+def test_contiguous_section_without_a_count_is_left_to_the_callers_configure():
+    (out,) = run_multirank(_contiguous_without_count, 1)
+    assert out == {"left_to_caller": True, "count": 3}

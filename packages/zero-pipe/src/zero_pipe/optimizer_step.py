@@ -149,16 +149,20 @@ class StageOptimizer:
         _dist.all_reduce(flag, op=_dist.ReduceOp.MAX)  # every rank of every stage decides alike
         return bool(flag.item())
 
+    def _skip_step(self) -> bool:
+        """Drop this step's gradients without applying them (non-finite gradients); returns False."""
+        self.global_grad_norm = float("inf")
+        self.skipped_steps += 1
+        self.strategy.zero_grad()
+        return False
+
     def step(self) -> bool:
         """Clip and apply the gradients; returns False when an fp16 overflow (or, with bf16's
         check_grad_overflow, a non-finite gradient norm) skipped the step."""
         inv_scale = 1.0 / self.loss_scaler.loss_scale
         if self.loss_scaler.dynamic and self._global_overflow():
-            self.global_grad_norm = float("inf")
-            self.skipped_steps += 1
             self.loss_scaler.update_scale(True)
-            self.strategy.zero_grad()
-            return False
+            return self._skip_step()
         norm_sq = self.strategy.grad_norm_sq().float()
         group = self.strategy.norm_group()
         if group is not None:
@@ -169,10 +173,7 @@ class StageOptimizer:
         norm = math.sqrt(max(float(norm_sq), 0.0)) * inv_scale
         if self.skip_nonfinite and not math.isfinite(norm):
             # reduced over the stages and the replicas above: every rank skips alike
-            self.global_grad_norm = float("inf")
-            self.skipped_steps += 1
-            self.strategy.zero_grad()
-            return False
+            return self._skip_step()
         self.global_grad_norm = norm
         grad_scale = inv_scale
         if self.gradient_clipping > 0 and norm > self.gradient_clipping:

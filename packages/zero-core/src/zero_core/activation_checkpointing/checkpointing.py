@@ -90,15 +90,19 @@ def configure(
 
 
 def configure_from_initialize(deepspeed_config: Any) -> bool:
-    """``configure`` from an engine's config, unless the user configured checkpointing already.
+    """``configure`` from an engine's config, unless that is the caller's job.
 
     Megatron-style scripts call ``checkpointing.configure(mpu, deepspeed_config=..., num_checkpoints=N)``
     before ``initialize`` (DeepSpeed's engine never configures it); re-reading the config there
-    would drop their ``mpu_`` and overrides. Returns whether it configured.
+    would drop their ``mpu_`` and overrides. A section with ``contiguous_memory_optimization`` but
+    no ``number_checkpoints`` cannot size its buffer yet: that same call, with Megatron's layer
+    count, configures it. Returns whether it configured.
     """
     global _from_initialize
+    section = read_activation_checkpointing_config(deepspeed_config, validate=False)
+    if section.contiguous_memory_optimization and section.number_checkpoints is None:
+        return False
     if _configured and not _from_initialize:
-        section = read_activation_checkpointing_config(deepspeed_config, validate=False)
         if section != _config:
             warnings.warn(
                 f"activation_checkpointing: the config's section ({section}) is not applied: checkpointing was "

@@ -122,13 +122,7 @@ def _configure_side_systems(cfg: Any) -> None:
     """Communication logging and activation checkpointing read their config sections here."""
     if _explicit(cfg, "comms_logger"):
         comm.comms_logger.configure(cfg.comms_logger.model_dump())
-    ac = cfg.activation_checkpointing
-    if _explicit(cfg, "activation_checkpointing") and not (
-        ac.contiguous_memory_optimization and ac.number_checkpoints is None
-    ):
-        # Without number_checkpoints the contiguous buffer cannot be sized yet: DeepSpeed never
-        # configures checkpointing in initialize, and Megatron passes its layer count to its own
-        # checkpointing.configure(num_checkpoints=...) call, so that call is left to do it.
+    if _explicit(cfg, "activation_checkpointing"):
         from zero_core.activation_checkpointing import checkpointing
 
         checkpointing.configure_from_initialize(cfg)
