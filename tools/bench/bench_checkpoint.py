@@ -250,8 +250,9 @@ def _peak_rss_run(cmd: list[str], env: dict | None = None) -> tuple[float, int]:
 
 def _synthetic(path: str, numel: int, tensors: int) -> int:
     """A 2-rank checkpoint written directly in the format (fp32 fragments only, no training)."""
-    from zero_core.checkpoint.format import dumps
-    from zero_core.checkpoint.integrity import file_checksum, file_record
+    from zero_core.checkpoint.format import FORMAT_VERSION, dumps
+    from zero_core.checkpoint.integrity import file_crc32c, file_record
+    from zero_core.checkpoint.metadata import sealed_bytes
     from zero_core.checkpoint.tensor_file import TensorEntry, write_tensor_file
 
     tag = os.path.join(path, "syn")
@@ -293,17 +294,18 @@ def _synthetic(path: str, numel: int, tensors: int) -> int:
         jp = os.path.join(tag, f"rank_{r:05d}.json")
         with open(jp, "wb") as f:
             f.write(dumps(table))
-        files[f"rank_{r:05d}.json"] = file_record(*file_checksum(jp))
+        n, crcs = file_crc32c(jp)
+        files[f"rank_{r:05d}.json"] = file_record(n, crc32c=crcs)
     meta = {
         "format": "zero-checkpoint",
-        "format_version": 2,
+        "format_version": FORMAT_VERSION,
         "world_size": 2,
         "files": files,
         "parameters": [[n, True, [per]] for n in names],
         "exclude_frozen_parameters": False,
     }
     with open(os.path.join(tag, "checkpoint.json"), "wb") as f:
-        f.write(dumps(meta))
+        f.write(sealed_bytes(meta))
     shutil.copy(os.path.join(ROOT, "packages/zero-core/src/zero_core/checkpoint/zero_to_fp32.py"), tag)
     with open(os.path.join(path, "latest"), "w") as f:
         f.write("syn")

@@ -1,6 +1,6 @@
-"""The fast I/O paths of checkpoints: overlapped checksums, sum64, and reading into place.
+"""The fast I/O paths of checkpoints: overlapped checksums, crc32c (sum64 for old checkpoints), reading into place.
 
-See [Note: checksum overlapped with writing] (atomic.py), [Note: fast tensor-file checksum]
+See [Note: checksum overlapped with writing] (atomic.py), [Note: checkpoint checksum]
 (integrity.py) and [Note: reading into place] (fragments.py).
 """
 
@@ -17,7 +17,9 @@ from zero_core.checkpoint.atomic import AtomicWriter
 from zero_core.checkpoint.fragments import CheckpointReader
 from zero_core.checkpoint.integrity import (
     Sum64,
+    crc32c_reference,
     file_checksum,
+    file_crc32c,
     file_record,
     file_sum64,
     sum64_reference,
@@ -57,13 +59,15 @@ def test_deferred_checksums_equal_inline_ones(tmp_path):
     paths = []
     for defer in (False, True):
         path = str(tmp_path / f"f{defer}")
-        with AtomicWriter(path, defer_checksum=defer, sum64=True) as w:
+        with AtomicWriter(path, defer_checksum=defer, sum64=True, crc32c=True) as w:
             for i, b in enumerate(bufs):
                 # a mix of stable (deferred) and unstable (inline, after catching up) buffers
                 w.write(memoryview(b.numpy()), stable=i % 2 == 0)
-        paths.append((w.crc32, w.sum64, w.nbytes))
+        paths.append((w.crc32, w.sum64, w.crc32c, w.nbytes))
         assert (w.nbytes, w.crc32) == file_checksum(path)
         assert (w.nbytes, w.sum64) == file_sum64(path)
+        assert (w.nbytes, w.crc32c) == file_crc32c(path)
+        assert w.crc32c == crc32c_reference(open(path, "rb").read())
     assert paths[0] == paths[1]
     assert not any(p.name.startswith("fTrue.tmp") for p in tmp_path.iterdir())
 
@@ -73,10 +77,11 @@ def test_live_tensor_file_record_matches_the_file(tmp_path):
     entries = [TensorEntry(f"t{i}", tuple(t.shape), t.dtype, (lambda t=t: t)) for i, t in enumerate(ts)]
     path = str(tmp_path / "x.safetensors")
     rec = write_tensor_file(path, entries, live_tensors=True)
+    n, crcs = file_crc32c(path)
     assert (
         rec
-        == file_record(file_sum64(path)[0], sum64=file_sum64(path)[1])
-        == {"bytes": os.path.getsize(path), "sum64": rec["sum64"]}
+        == file_record(n, crc32c=crcs)
+        == {"bytes": os.path.getsize(path), "crc32c": crcs, "crc32c_chunk": 2**26}
     )
     verify_file(path, rec)
     with TensorFile(path) as f:
@@ -96,26 +101,31 @@ def _load_script():
     return script
 
 
-def test_verify_uses_sum64_and_falls_back_to_crc32(tmp_path):
+def test_verify_uses_crc32c_and_still_verifies_old_records(tmp_path):
     script = _load_script()
     path = str(tmp_path / "x.safetensors")
     rec = write_tensor_file(path, [TensorEntry("w", (4099,), torch.float32, lambda: torch.randn(4099))])
-    assert set(rec) == {"bytes", "sum64"}
-    old_style = file_record(*file_checksum(path))  # checkpoints saved before sum64
+    assert set(rec) == {"bytes", "crc32c", "crc32c_chunk"}
+    sum64_style = file_record(*file_sum64(path)[:1], sum64=file_sum64(path)[1])  # format 2
+    crc32_style = file_record(*file_checksum(path))  # format 1
     for check in (verify_file, script._verify):
-        check(path, rec)
-        check(path, old_style)
+        for r in (rec, sum64_style, crc32_style):
+            check(path, r)
     data = bytearray(open(path, "rb").read())
     data[len(data) // 2] ^= 0x01
     open(path, "wb").write(bytes(data))
     for check in (verify_file, script._verify):
-        with pytest.raises(Exception, match=r"x\.safetensors fails its checksum \(sum64"):
+        with pytest.raises(Exception, match=r"x\.safetensors fails its checksum \(crc32c"):
             check(path, rec)
-        with pytest.raises(Exception, match=r"x\.safetensors fails its checksum \(crc32"):
-            check(path, old_style)
+        with pytest.raises(Exception, match=r"x\.safetensors fails its checksum \(sum64"):
+            check(path, sum64_style)
+        with pytest.raises(Exception, match=r"x\.safetensors fails its checksum \(crc32 "):
+            check(path, crc32_style)
         with pytest.raises(Exception, match=r"record of checkpoint file .*x\.safetensors has no checksum"):
             check(path, {"bytes": len(data)})
-    assert zlib.crc32(bytes(data)) != old_style["crc32"]
+        with pytest.raises(Exception, match=r"crc32c_chunk"):
+            check(path, dict(rec, crc32c_chunk=2**31))
+    assert zlib.crc32(bytes(data)) != crc32_style["crc32"]
 
 
 def _two_rank_reader(tmp_path) -> tuple[CheckpointReader, torch.Tensor]:

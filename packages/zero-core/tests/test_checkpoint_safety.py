@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import zlib
 
 import pytest
 import torch
@@ -209,19 +208,23 @@ class _Evil:
 
 
 def _rerecord(tag_dir: str, rank: int) -> None:
-    """Make the checksums agree with a planted file, as an attacker could."""
-    from zero_core.checkpoint.integrity import file_checksum
+    """Make the checksums (and the root record's seal) agree with a planted file, as an attacker could."""
+    from zero_core.checkpoint.format import read_json
+    from zero_core.checkpoint.integrity import file_crc32c, file_record
+    from zero_core.checkpoint.metadata import sealed_bytes
 
     table_path = os.path.join(tag_dir, f"rank_{rank:05d}.json")
     table = json.load(open(table_path))
-    n, crc = file_checksum(os.path.join(tag_dir, table["file"]))
-    table["file_record"] = {"bytes": n, "crc32": crc}
+    n, crcs = file_crc32c(os.path.join(tag_dir, table["file"]))
+    table["file_record"] = file_record(n, crc32c=crcs)
     open(table_path, "w").write(json.dumps(table))
     meta_path = os.path.join(tag_dir, "checkpoint.json")
-    meta = json.load(open(meta_path))
-    raw = open(table_path, "rb").read()
-    meta["files"][f"rank_{rank:05d}.json"] = {"bytes": len(raw), "crc32": zlib.crc32(raw)}
-    open(meta_path, "w").write(json.dumps(meta))
+    meta = read_json(meta_path)
+    meta.pop("seal")
+    meta["files"][f"rank_{rank:05d}.json"] = file_record(
+        *file_crc32c(table_path)[:1], crc32c=file_crc32c(table_path)[1]
+    )
+    open(meta_path, "wb").write(sealed_bytes(meta))
 
 
 def test_planted_pickle_is_rejected_not_executed(saved, tmp_path):

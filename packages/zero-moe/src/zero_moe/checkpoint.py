@@ -11,25 +11,30 @@ A checkpoint directory holds:
   ``ep_size`` used when saving (informational).
 
 Nothing in the layout depends on ``ep_size``: a rank loads its local experts by global index,
-so a checkpoint saved with one expert-parallel size loads with any other. Files are written to
-a temporary name, fsynced and renamed, so a crash never leaves a half-written file under the
-final name.
+so a checkpoint saved with one expert-parallel size loads with any other. The directory is
+written as a whole through zero-core's one checkpoint writer (see [Note: one checkpoint writer]
+in ``zero_core/checkpoint/staged.py``): staged beside it, every file checksummed,
+``moe_index.json`` (the root record, listing every file's size and checksum) sealed and
+written last, then renamed into place; a crash leaves the previous checkpoint whole. A load
+checks the index's seal and verifies every file before reading it. Checkpoints of format 1
+(no checksums) are refused with an error saying so.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
+from zero_core.checkpoint.format import CheckpointError
+from zero_core.checkpoint.metadata import read_sealed
+from zero_core.checkpoint.staged import StagedSave, read_tensors
 
-from zero_moe import _dist, groups
+from zero_moe import groups
 from zero_moe.layer import MoE
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: written through zero-core's checkpoint writer (staged, checksummed, sealed)
 INDEX_FILE = "moe_index.json"
 NON_EXPERT_FILE = "non_expert.safetensors"
 
@@ -43,33 +48,6 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    save_file({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}, str(tmp))
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _atomic_write_json(obj: object, path: Path) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=2, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 def _expert_prefixes(model: nn.Module) -> list[tuple[int, MoE, list[str]]]:
     """For each MoE layer: its id, the layer, and the state-dict prefix of each local expert."""
     out = []
@@ -80,18 +58,24 @@ def _expert_prefixes(model: nn.Module) -> list[tuple[int, MoE, list[str]]]:
     return out
 
 
-def _barrier() -> None:
-    if _dist.is_initialized() and _dist.get_world_size() > 1:
-        flag = torch.zeros(1)
-        _dist.all_reduce(flag)
-
-
 def save_moe_checkpoint(model: nn.Module, directory: str | os.PathLike[str]) -> None:
-    """Save ``model`` to ``directory`` (collective: every rank calls it). See [Note: per-expert checkpoint layout]."""
+    """Save ``model`` to ``directory`` (collective: every rank calls it). See [Note: per-expert checkpoint layout].
+
+    ``directory`` is written as a whole (its name must be a valid checkpoint tag); a non-empty
+    directory that is not a zero-moe checkpoint is refused rather than replaced.
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(f"save_moe_checkpoint: model must be a torch.nn.Module, got {type(model).__name__}")
-    path = Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"save_moe_checkpoint: directory must be a path, got {type(directory).__name__}")
+    path = Path(os.path.abspath(os.fspath(directory)))
+    if path.is_dir() and any(path.iterdir()) and not (path / INDEX_FILE).is_file():
+        raise ValueError(
+            f"save_moe_checkpoint: {path} is a non-empty directory that is not a zero-moe checkpoint; it "
+            "would be replaced as a whole, so pass a new or empty directory"
+        )
+    staged = StagedSave(str(path.parent), path.name)
+    staged.begin()
     state = model.state_dict()
     expert_keys: set[str] = set()
     for layer_id, layer, prefixes in _expert_prefixes(model):
@@ -101,45 +85,52 @@ def save_moe_checkpoint(model: nn.Module, directory: str | os.PathLike[str]) -> 
             tensors = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
             expert_keys.update(prefix + k for k in tensors)
             if writer:
-                _atomic_write_safetensors(tensors, path / expert_file_name(layer_id, offset + i))
-    if _dist.get_rank() == 0:
-        rest = {k: v for k, v in state.items() if k not in expert_keys}
-        _atomic_write_safetensors(rest, path / NON_EXPERT_FILE)
-        index = {
-            "format_version": FORMAT_VERSION,
-            "layers": [
-                {"module": name, "num_experts": layer.num_experts, "saved_ep_size": layer.ep_size}
-                for name, layer in moe_layers(model)
-            ],
-        }
-        _atomic_write_json(index, path / INDEX_FILE)
-    _barrier()
+                staged.write_tensors(expert_file_name(layer_id, offset + i), tensors)
+    if staged.rank == 0:
+        staged.write_tensors(NON_EXPERT_FILE, {k: v for k, v in state.items() if k not in expert_keys})
+    index = {
+        "format": "zero-moe-checkpoint",
+        "format_version": FORMAT_VERSION,
+        "layers": [
+            {"module": name, "num_experts": layer.num_experts, "saved_ep_size": layer.ep_size}
+            for name, layer in moe_layers(model)
+        ],
+    }
+    staged.commit(INDEX_FILE, index, save_latest=False)
+
+
+def _read_index(index_path: Path) -> dict:
+    if not index_path.is_file():
+        raise FileNotFoundError(f"load_moe_checkpoint: {index_path} not found; not a zero-moe checkpoint")
+    index = read_sealed(str(index_path), required=False)
+    if index.get("format_version") != FORMAT_VERSION or "seal" not in index:
+        raise CheckpointError(
+            f"load_moe_checkpoint: {index_path} has format_version {index.get('format_version')!r}; this "
+            f"zero-moe reads {FORMAT_VERSION} (version 1, from before checksums, cannot be verified: re-save "
+            "it with that zero-moe release)"
+        )
+    if not isinstance(index.get("layers"), list) or not isinstance(index.get("files"), dict):
+        raise CheckpointError(f"load_moe_checkpoint: {index_path} lists no layers or files (corrupted)")
+    return index
 
 
 def load_moe_checkpoint(model: nn.Module, directory: str | os.PathLike[str], strict: bool = True) -> None:
     """Load a checkpoint written by :func:`save_moe_checkpoint`, with any ``ep_size``.
 
-    Each rank reads the non-expert file and the files of its own global experts. With
-    ``strict`` every key of the model must be found and every file key must be used.
+    Each rank reads the non-expert file and the files of its own global experts, each verified
+    against the index first. With ``strict`` every key of the model must be found and every
+    file key must be used.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"load_moe_checkpoint: model must be a torch.nn.Module, got {type(model).__name__}")
     path = Path(directory)
-    index_path = path / INDEX_FILE
-    if not index_path.is_file():
-        raise FileNotFoundError(f"load_moe_checkpoint: {index_path} not found; not a zero-moe checkpoint")
-    index = json.loads(index_path.read_text())
-    if index.get("format_version") != FORMAT_VERSION:
-        raise ValueError(
-            f"load_moe_checkpoint: unsupported format_version {index.get('format_version')!r} "
-            f"(this zero-moe reads {FORMAT_VERSION})"
-        )
+    index = _read_index(path / INDEX_FILE)
     layers = _expert_prefixes(model)
     if len(index["layers"]) != len(layers):
         raise ValueError(
             f"load_moe_checkpoint: checkpoint has {len(index['layers'])} MoE layers, the model has {len(layers)}"
         )
-    state: dict[str, torch.Tensor] = dict(load_file(str(path / NON_EXPERT_FILE)))
+    state: dict[str, torch.Tensor] = read_tensors(str(path), index, NON_EXPERT_FILE)
     for (layer_id, layer, prefixes), saved in zip(layers, index["layers"]):
         if saved["num_experts"] != layer.num_experts:
             raise ValueError(
@@ -148,7 +139,7 @@ def load_moe_checkpoint(model: nn.Module, directory: str | os.PathLike[str], str
             )
         offset = layer.global_expert_offset
         for i, prefix in enumerate(prefixes):
-            for k, v in load_file(str(path / expert_file_name(layer_id, offset + i))).items():
+            for k, v in read_tensors(str(path), index, expert_file_name(layer_id, offset + i)).items():
                 state[prefix + k] = v
     missing, unexpected = model.load_state_dict(state, strict=False)
     if strict and (missing or unexpected):

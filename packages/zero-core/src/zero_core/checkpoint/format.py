@@ -30,9 +30,10 @@ name, fsynced and renamed (``atomic.py``); a whole tag is first written into a h
 directory that rank 0 renames into place only after a barrier, then ``latest`` is replaced.
 A crash at any point therefore leaves the previous tag complete and ``latest`` naming it.
 Checksums (``integrity.py``) chain: ``checkpoint.json`` -> every ``rank_*.json`` -> every
-``rank_*.safetensors``; a mismatch raises an error naming the file. Format version 2 records
-the rank tensor files with ``sum64`` rather than CRC32 (see [Note: fast tensor-file checksum]);
-version-1 checkpoints still load.
+``rank_*.safetensors``; a mismatch raises an error naming the file, and ``checkpoint.json``
+carries its own seal and is range-checked (see [Note: sealed metadata] in ``metadata.py``).
+Format version 3 records every file with a CRC-32C per 64 MiB (see [Note: checkpoint
+checksum]); versions 1 (CRC32) and 2 (``sum64`` for tensor files) still load.
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ from typing import Any
 import torch
 
 FORMAT_NAME = "zero-checkpoint"
-FORMAT_VERSION = 2  # 2: rank tensor files are recorded with sum64 instead of crc32 (integrity.py)
+# 2: rank tensor files recorded with sum64 instead of crc32; 3: every file with per-piece crc32c
+# (integrity.py) and checkpoint.json sealed (metadata.py)
+FORMAT_VERSION = 3
 LATEST_FILE = "latest"
 COMMIT_FILE = "checkpoint.json"
 SCRIPT_FILE = "zero_to_fp32.py"

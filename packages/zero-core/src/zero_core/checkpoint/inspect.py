@@ -52,13 +52,20 @@ def describe(checkpoint_dir: str) -> str:
                 f"parameters {count:,} in {len(names)} tensors | dtypes {dtypes}"
             ]
             for r in range(reader.world_size):
-                reader.tensor_file(r)  # verifies the checksum (sum64 where recorded, else crc32)
+                reader.tensor_file(r)  # verifies the checksum (crc32c; sum64 or crc32 in old checkpoints)
                 rec = reader.rank_table(r)["file_record"]
-                digest = f"sum64 {rec['sum64']}" if "sum64" in rec else f"crc32 {rec['crc32']:#010x}"
+                digest = _digest(rec)
                 lines.append(f"    {reader.rank_table(r)['file']}: {rec['bytes']:,} bytes, {digest} OK")
         finally:
             reader.close()
     return "\n".join(lines)
+
+
+def _digest(rec: dict) -> str:
+    if "crc32c" in rec:
+        crcs = rec["crc32c"]
+        return f"crc32c {crcs[0]:#010x}" + (f" (+{len(crcs) - 1} more pieces)" if len(crcs) > 1 else "")
+    return f"sum64 {rec['sum64']}" if "sum64" in rec else f"crc32 {rec['crc32']:#010x}"
 
 
 def _numel(shape: tuple[int, ...]) -> int:

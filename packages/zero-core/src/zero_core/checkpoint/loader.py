@@ -29,6 +29,7 @@ from zero_core.checkpoint.format import (
 )
 from zero_core.checkpoint.fragments import BUFFER, CheckpointableStrategy, CheckpointReader
 from zero_core.checkpoint.integrity import verify_file
+from zero_core.checkpoint.metadata import check_engine_meta, check_seal
 
 
 def resolve_tag(load_dir: str, tag: Any) -> str | None:
@@ -51,7 +52,7 @@ def resolve_tag(load_dir: str, tag: Any) -> str | None:
 def tag_directory(load_dir: str, tag: str) -> str:
     """``load_dir/tag``, or the complete copy a crash left set aside while replacing it.
 
-    See [Note: replacing a tag] in ``saver.py``.
+    See [Note: replacing a tag] in ``staged.py``.
     """
     tag_dir = os.path.join(load_dir, tag)
     aside = os.path.join(load_dir, f".{tag}.old")
@@ -65,6 +66,14 @@ def tag_directory(load_dir: str, tag: str) -> str:
     return tag_dir
 
 
+def _format_version(meta: Any, commit: str) -> int:
+    """The record's format version, read before its seal is checked (format 1-2 records have none)."""
+    v = meta.get("format_version") if isinstance(meta, dict) else None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise CheckpointError(f"{commit} is not a zero checkpoint record (format_version {v!r})")
+    return v
+
+
 def open_checkpoint(load_dir: str, tag: str) -> tuple[dict[str, Any], CheckpointReader]:
     """Read and verify ``checkpoint.json`` and every rank table of ``load_dir/tag``."""
     tag_dir = tag_directory(load_dir, tag)
@@ -74,20 +83,35 @@ def open_checkpoint(load_dir: str, tag: str) -> tuple[dict[str, Any], Checkpoint
     if not os.path.isfile(commit):
         raise CheckpointError(f"{commit} is missing: {tag_dir} is not a complete zero checkpoint")
     meta = read_json(commit)
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+    version = _format_version(meta, commit)
+    check_seal(meta, commit, required=version >= 3)  # see [Note: sealed metadata]
+    if meta.get("format") != FORMAT_NAME:
         raise CheckpointError(f"{commit} is not a zero checkpoint record (format {meta.get('format')!r})")
-    if int(meta.get("format_version", -1)) > FORMAT_VERSION:
+    if version > FORMAT_VERSION:
         raise CheckpointError(
-            f"{commit} has format version {meta['format_version']}; this zero_core reads up to {FORMAT_VERSION}"
+            f"{commit} has format version {version}; this zero_core reads up to {FORMAT_VERSION}"
         )
+    check_engine_meta(meta, commit)
+    world = meta["world_size"]
     tables = []
-    for r in range(int(meta["world_size"])):
+    for r in range(world):
         name = f"rank_{r:05d}.json"
         path = os.path.join(tag_dir, name)
-        if name not in meta.get("files", {}):
+        if name not in meta["files"]:
             raise CheckpointError(f"{commit} has no record of {name}")
         verify_file(path, meta["files"][name])
         tables.append(read_json(path))
+        if not isinstance(tables[-1], dict) or tables[-1].get("world_size") != world:
+            raise CheckpointError(
+                f"{commit} records world size {world}, but {path} says it was saved at world size "
+                f"{tables[-1].get('world_size') if isinstance(tables[-1], dict) else '?'}: the record is wrong"
+            )
+    extra = os.path.join(tag_dir, f"rank_{world:05d}.json")
+    if os.path.exists(extra):
+        raise CheckpointError(
+            f"{commit} records world size {world}, but {tag_dir} also holds {os.path.basename(extra)}: "
+            "it was saved at a larger world size and its record is wrong (edited or corrupted)"
+        )
     reader = CheckpointReader(tag_dir, tables)
     reader.exclude_frozen = bool(meta.get("exclude_frozen_parameters", False))
     return meta, reader

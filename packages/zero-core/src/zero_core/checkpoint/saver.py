@@ -6,15 +6,9 @@ every rank writes ``rank_<r>.safetensors`` then ``rank_<r>.json`` (atomically); 
 rank 0 checksums the rank tables, writes ``checkpoint.json`` and the conversion script,
 renames the staging directory to the tag, and only then replaces ``latest``; barrier.
 
-[Note: replacing a tag]
-Saving under a tag that already exists must not open a window in which ``latest`` names no
-loadable checkpoint. Rank 0 commits in three renames, each atomic: the complete new tag is
-first finished in ``.<tag>.partial``; the old tag directory is renamed to ``.<tag>.old``; the
-staging directory is renamed to ``<tag>``; only then is ``.<tag>.old`` deleted. A crash
-between the first two renames leaves ``<tag>`` missing but ``.<tag>.old`` complete, and every
-reader (``loader.tag_directory`` and the standalone ``zero_to_fp32.py``) falls back to it; the
-next save of the tag finds no ``<tag>`` and simply renames its staging directory into place.
-``ZERO_CHECKPOINT_KILL_AT=between_renames`` (a test hook) SIGKILLs rank 0 at that point.
+The commit itself (renames, ``latest`` last) is shared with every checkpoint writer: see
+[Note: one checkpoint writer] and [Note: replacing a tag] in ``staged.py``; the root record
+is sealed ([Note: sealed metadata] in ``metadata.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import signal
 import warnings
 import zlib
 from typing import Any
@@ -31,13 +24,12 @@ import torch
 
 from zero_core import comm
 from zero_core.checkpoint import rng
-from zero_core.checkpoint.atomic import atomic_write_bytes, fsync_dir
+from zero_core.checkpoint.atomic import atomic_write_bytes
 from zero_core.checkpoint.experts import global_expert_names
 from zero_core.checkpoint.format import (
     COMMIT_FILE,
     FORMAT_NAME,
     FORMAT_VERSION,
-    LATEST_FILE,
     SCRIPT_FILE,
     CheckpointError,
     check_json_compatible,
@@ -49,11 +41,11 @@ from zero_core.checkpoint.format import (
     validate_tag,
 )
 from zero_core.checkpoint.fragments import BUFFER, CheckpointableStrategy, Fragment
-from zero_core.checkpoint.integrity import CHECKSUM_ALGORITHM, file_checksum, file_record
+from zero_core.checkpoint.integrity import CHECKSUM_ALGORITHM, file_crc32c, file_record
+from zero_core.checkpoint.metadata import sealed_bytes
 from zero_core.checkpoint.replicated import checkpoint_names
+from zero_core.checkpoint.staged import publish_tag
 from zero_core.checkpoint.tensor_file import TensorEntry, write_tensor_file
-
-_KILL_AT_ENV = "ZERO_CHECKPOINT_KILL_AT"
 
 
 def _dist() -> tuple[bool, int, int]:
@@ -193,30 +185,16 @@ def _write_rank(stage_dir: str, rank: int, world: int, fragments: list[Fragment]
 def _commit(
     save_dir: str, stage_dir: str, tag: str, world: int, meta: dict[str, Any], save_latest: bool
 ) -> None:
-    meta["files"] = {
-        rank_json_name(r): file_record(*file_checksum(os.path.join(stage_dir, rank_json_name(r))))
-        for r in range(world)
-    }
+    meta["files"] = {}
+    for r in range(world):
+        n, crcs = file_crc32c(os.path.join(stage_dir, rank_json_name(r)))
+        meta["files"][rank_json_name(r)] = file_record(n, crc32c=crcs)
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zero_to_fp32.py")
     with open(script, "rb") as f:
         script_bytes = f.read()
     atomic_write_bytes(os.path.join(stage_dir, SCRIPT_FILE), script_bytes, sync_dir=False)
-    atomic_write_bytes(os.path.join(stage_dir, COMMIT_FILE), dumps(meta), sync_dir=False)
-    fsync_dir(stage_dir)
-    # See [Note: replacing a tag].
-    final = os.path.join(save_dir, tag)
-    old = os.path.join(save_dir, f".{tag}.old")
-    if os.path.exists(final):
-        shutil.rmtree(old, ignore_errors=True)  # a stale copy: <tag> itself is complete
-        os.rename(final, old)
-        fsync_dir(save_dir)
-        if os.environ.get(_KILL_AT_ENV) == "between_renames":
-            os.kill(os.getpid(), signal.SIGKILL)
-    os.rename(stage_dir, final)
-    fsync_dir(save_dir)
-    shutil.rmtree(old, ignore_errors=True)
-    if save_latest:
-        atomic_write_bytes(os.path.join(save_dir, LATEST_FILE), tag.encode())
+    atomic_write_bytes(os.path.join(stage_dir, COMMIT_FILE), sealed_bytes(meta), sync_dir=False)
+    publish_tag(save_dir, stage_dir, tag, save_latest)  # see [Note: replacing a tag] in staged.py
     # Also next to ``latest``, where DeepSpeed users look for it (``python zero_to_fp32.py . out``).
     atomic_write_bytes(os.path.join(save_dir, SCRIPT_FILE), script_bytes)
 
@@ -266,7 +244,12 @@ def save_checkpoint(
         fragments = [dataclasses.replace(f, name=renamed.get(f.name, f.name)) for f in fragments]
     if rank == 0:
         fragments = fragments + buffer_fragments(engine.module)
-    _write_rank(stage_dir, rank, world, fragments)
+    try:
+        _write_rank(stage_dir, rank, world, fragments)
+    except BaseException:
+        if rank == 0:  # e.g. a full disk: the error names the file; leave no staging directory
+            shutil.rmtree(stage_dir, ignore_errors=True)
+        raise
     _barrier(group)
     if rank == 0:
         _commit(save_dir, stage_dir, tag, world, meta, save_latest)

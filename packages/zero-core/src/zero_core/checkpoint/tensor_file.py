@@ -12,14 +12,15 @@ because we need what the library's whole-dict API does not give:
 * reading any flat ``[lo, hi)`` element range of a tensor with one ``pread`` into a fresh
   tensor (resharding reads only the ranges it needs), without mapping the whole file.
 
-The header is validated strictly on open (offsets inside the file, sizes matching dtype and
-shape, known dtypes), so a truncated or foreign file (a pickle, a zip) gives a clear error
-naming it instead of garbage or code execution.
+The header is validated strictly on open, with the rules of the safetensors library (see
+:func:`check_layout`), so a truncated, forged or foreign file (a pickle, a zip) gives a clear
+error naming it (and the tensor) instead of aliased data, garbage or code execution.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Callable, Iterable
@@ -30,7 +31,6 @@ import torch
 
 from zero_core.checkpoint.atomic import AtomicWriter
 from zero_core.checkpoint.format import CheckpointError
-from zero_core.checkpoint.integrity import file_record
 
 _CODES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -54,6 +54,13 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 _MAX_HEADER = 100 * 2**20
+
+
+def _index(x: Any) -> int:
+    """A JSON integer (not a bool, float or string)."""
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise TypeError(f"{x!r} is not an integer")
+    return x
 
 
 @dataclass(frozen=True)
@@ -111,7 +118,7 @@ def write_tensor_file(
 ) -> dict[str, int | str]:
     """Write ``entries`` atomically to ``path``, one tensor in memory at a time.
 
-    Returns the file's integrity record (``integrity.file_record``: bytes and sum64).
+    Returns the file's integrity record (``integrity.file_record``: bytes and per-piece crc32c).
     ``live_tensors`` promises that each produced tensor is (a view of) memory that outlives this
     call unmodified, e.g. the training state being saved: such tensors are then checksummed by
     a helper thread while the file is written (see [Note: checksum overlapped with writing] in
@@ -119,7 +126,7 @@ def write_tensor_file(
     written either way, so that a streaming writer keeps one tensor in memory.
     """
     entries = list(entries)
-    with AtomicWriter(path, defer_checksum=live_tensors, crc32=False, sum64=True) as w:
+    with AtomicWriter(path, defer_checksum=live_tensors, crc32=False, crc32c=True) as w:
         w.write(_header_bytes(entries, metadata), stable=True)  # bytes are immutable
         for e in entries:
             t = e.produce()
@@ -135,7 +142,51 @@ def write_tensor_file(
             del t
             if on_tensor is not None:
                 on_tensor(e)
-    return file_record(w.nbytes, w.crc32, w.sum64)
+    return w.record()
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        dup = next(k for k in keys if keys.count(k) > 1)
+        raise ValueError(f"tensor {dup!r} appears twice in the header")
+    return dict(pairs)
+
+
+def parse_header_json(raw: bytes) -> dict[str, Any]:
+    """The safetensors header object; ``ValueError`` if it is not JSON, not an object, or repeats a key."""
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ValueError("the header is not JSON (a pickle or other foreign file?)") from None
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    return header
+
+
+def check_layout(spans: dict[str, tuple[int, int, int]], data_size: int) -> None:
+    """Raise ``ValueError`` naming the tensor unless the data section is laid out as safetensors requires.
+
+    ``spans`` maps each tensor to ``(lo, hi, nbytes)``: its ``data_offsets`` and the byte count
+    its dtype and shape imply. As the safetensors library checks: ordered by offset, the
+    tensors tile the data section exactly, each starting where the previous ended (no overlap,
+    which would alias two tensors' data, and no gap), the first at 0 and the last ending at the
+    end of the file; each span holds exactly its dtype-and-shape's bytes.
+    """
+    pos = 0
+    for name, (lo, hi, nbytes) in sorted(spans.items(), key=lambda kv: (kv[1][0], kv[1][1])):
+        if hi - lo != nbytes:
+            raise ValueError(
+                f"tensor {name!r} spans bytes [{lo}, {hi}) but its dtype and shape need {nbytes} bytes"
+            )
+        if lo != pos:
+            what = "overlaps the previous tensor" if lo < pos else f"leaves a gap after byte {pos}"
+            raise ValueError(f"tensor {name!r} at bytes [{lo}, {hi}) {what} (offsets must be contiguous)")
+        pos = hi
+    if pos != data_size:
+        raise ValueError(
+            f"the tensors end at byte {pos} of a {data_size}-byte data section (truncated, or trailing bytes)"
+        )
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -176,35 +227,29 @@ class TensorFile:
             )
         raw = os.pread(self._fd, n, 8)
         try:
-            header = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise self._bad("the header is not JSON (a pickle or other foreign file?)") from None
-        if not isinstance(header, dict):
-            raise self._bad("the header is not a JSON object")
+            header = parse_header_json(raw)
+        except ValueError as e:
+            raise self._bad(str(e)) from None
         meta = header.pop("__metadata__", None) or {}
         if not isinstance(meta, dict):
             raise self._bad("__metadata__ is not an object")
         data_start = 8 + n
-        data_size = self.size - data_start
         entries = {}
         for name, info in header.items():
             try:
                 dtype = _FROM_CODE[info["dtype"]]
-                shape = tuple(int(d) for d in info["shape"])
-                lo, hi = (int(x) for x in info["data_offsets"])
+                shape = tuple(_index(d) for d in info["shape"])
+                lo, hi = (_index(x) for x in info["data_offsets"])
             except (KeyError, TypeError, ValueError):
                 raise self._bad(f"entry {name!r} is malformed: {info!r}") from None
-            numel = 1
-            for d in shape:
-                if d < 0:
-                    raise self._bad(f"entry {name!r} has a negative dimension")
-                numel *= d
-            if hi - lo != numel * _itemsize(dtype) or lo < 0 or hi > data_size:
-                raise self._bad(
-                    f"entry {name!r} claims bytes [{lo}, {hi}) of a {data_size}-byte data section for shape "
-                    f"{list(shape)} {info['dtype']} (truncated?)"
-                )
+            if any(d < 0 for d in shape) or lo < 0 or hi < 0:
+                raise self._bad(f"entry {name!r} has a negative dimension or offset: {info!r}")
             entries[name] = (dtype, shape, lo, hi)
+        spans = {k: (lo, hi, math.prod(shape) * _itemsize(dt)) for k, (dt, shape, lo, hi) in entries.items()}
+        try:
+            check_layout(spans, self.size - data_start)
+        except ValueError as e:
+            raise self._bad(str(e)) from None
         return entries, meta, data_start
 
     def keys(self) -> list[str]:

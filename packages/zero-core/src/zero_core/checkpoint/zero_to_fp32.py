@@ -72,7 +72,7 @@ __all__ = [
 ]
 
 FORMAT_NAME = "zero-checkpoint"
-FORMAT_VERSION = 2  # as zero_core/checkpoint/format.py
+FORMAT_VERSION = 3  # as zero_core/checkpoint/format.py
 COMMIT_FILE = "checkpoint.json"
 LATEST_FILE = "latest"
 _TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=@-]{0,199}$")
@@ -128,6 +128,33 @@ def _decode_hook(obj: dict[str, Any]) -> Any:
     return obj
 
 
+def _encode(value: Any) -> Any:
+    """The inverse of :func:`_decode_hook` (format.py's ``_encode_floats``), to recompute a seal."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"__float__": repr(value)}
+    if isinstance(value, dict):
+        esc = {
+            k: "__zero_key__" + k if k == "__float__" or k.startswith("__zero_key__") else k for k in value
+        }
+        return {esc[k]: _encode(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_encode(v) for v in value]
+    return value
+
+
+def _check_seal(meta: dict[str, Any], path: str) -> None:
+    """The seal of ``checkpoint.json`` (metadata.py's [Note: sealed metadata]), required from format 3."""
+    if "seal" not in meta:
+        if int(meta.get("format_version", 0)) >= 3:
+            raise CheckpointError(f"{path} has no seal (its checksum): it was truncated or edited")
+        return
+    crc32c = _crc32c(path)
+    body = {k: v for k, v in meta.items() if k != "seal"}
+    data = json.dumps(_encode(body), indent=1, sort_keys=True, allow_nan=False).encode()
+    if crc32c.crc32c(data) != meta["seal"]:
+        raise CheckpointError(f"{path} fails its checksum (seal): it is corrupted or was edited by hand")
+
+
 def _read_json(path: str) -> Any:
     if not os.path.isfile(path):
         raise CheckpointError(f"{path} does not exist")
@@ -173,8 +200,35 @@ def _file_sum64(path: str) -> str:
     return f"{a:016x}{b:016x}"
 
 
+def _crc32c(path: str) -> Any:
+    try:
+        import crc32c
+    except ImportError:
+        raise CheckpointError(
+            f"verifying {path} needs the crc32c package (its checksum is CRC-32C); install it with "
+            "`pip install crc32c`"
+        ) from None
+    return crc32c
+
+
+def _file_crc32c(path: str, chunk: int) -> list[int]:
+    """CRC-32C of each ``chunk``-byte piece of the file (the definition is in integrity.py)."""
+    crc32c = _crc32c(path)
+    out, buf = [], bytearray(min(_CHUNK, chunk))
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            crc, left = 0, chunk
+            while left and (k := f.readinto(view[: min(len(buf), left)])):
+                crc = crc32c.crc32c(view[:k], crc)
+                left -= k
+            if left == chunk:  # nothing read: end of file
+                return out or [0]
+            out.append(crc)
+
+
 def _verify(path: str, record: dict[str, Any]) -> None:
-    """Raise naming ``path`` unless its size and checksum (sum64, else CRC32) match ``record``."""
+    """Raise naming ``path`` unless its size and checksum (crc32c; old: sum64, else CRC32) match ``record``."""
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file {path} is missing")
     size = os.path.getsize(path)
@@ -183,6 +237,15 @@ def _verify(path: str, record: dict[str, Any]) -> None:
             f"checkpoint file {path} has {size} bytes, the checkpoint recorded {record.get('bytes')}: "
             "it is truncated or was modified"
         )
+    if "crc32c" in record:
+        chunk = record.get("crc32c_chunk")
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or not 0 < chunk <= 2**28:
+            raise CheckpointError(f"the record of checkpoint file {path} has crc32c_chunk {chunk!r}")
+        if _file_crc32c(path, chunk) != record["crc32c"]:
+            raise CheckpointError(
+                f"checkpoint file {path} fails its checksum (crc32c): it is corrupted or was modified"
+            )
+        return
     if "sum64" in record:
         digest = _file_sum64(path)
         if digest != record["sum64"]:
@@ -205,6 +268,41 @@ def _verify(path: str, record: dict[str, Any]) -> None:
         )
 
 
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"a key appears twice: {sorted(k for k in set(keys) if keys.count(k) > 1)}")
+    return dict(pairs)
+
+
+def _entries(header: Any, data_size: int) -> dict[str, tuple[str, int, int]]:
+    """``key -> (dtype name, lo, hi)``, after the checks of ``tensor_file.check_layout`` (safetensors' rules)."""
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    header.pop("__metadata__", None)
+    spans = []
+    for k, v in header.items():
+        dims, offsets = list(v["shape"]), list(v["data_offsets"])
+        if (
+            any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in dims + offsets)
+            or len(offsets) != 2
+        ):
+            raise ValueError(f"tensor {k!r} has a malformed shape or data_offsets: {v!r}")
+        dtype = _FROM_ST_CODE[v["dtype"]]
+        spans.append((offsets[0], offsets[1], k, dtype, math.prod(dims) * _DTYPES[dtype][1]))
+    pos = 0
+    for lo, hi, k, _, nbytes in sorted(spans):
+        if hi - lo != nbytes:
+            raise ValueError(f"tensor {k!r} spans bytes [{lo}, {hi}) but its dtype and shape need {nbytes}")
+        if lo != pos:
+            what = "overlaps the previous tensor" if lo < pos else f"leaves a gap after byte {pos}"
+            raise ValueError(f"tensor {k!r} at bytes [{lo}, {hi}) {what} (offsets must be contiguous)")
+        pos = hi
+    if pos != data_size:
+        raise ValueError(f"the tensors end at byte {pos} of a {data_size}-byte data section")
+    return {k: (dtype, lo, hi) for lo, hi, k, dtype, _ in spans}
+
+
 class _RankFile:
     """The tensors of one rank's safetensors file: header parsed strictly, data read by ``pread``."""
 
@@ -217,23 +315,19 @@ class _RankFile:
         if n < 0 or 8 + n > size:
             self.close()
             raise self._bad("the header length does not fit the file (truncated or not safetensors)")
+        self.data_start = 8 + n
         try:
-            header = json.loads(os.pread(self.fd, n, 8).decode("utf-8"))
-            header.pop("__metadata__", None)
-            self.entries = {
-                k: (_FROM_ST_CODE[v["dtype"]], int(v["data_offsets"][0]), int(v["data_offsets"][1]))
-                for k, v in header.items()
-            }
-        except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+            header = json.loads(os.pread(self.fd, n, 8).decode("utf-8"), object_pairs_hook=_unique)
+        except (UnicodeDecodeError, ValueError) as e:
             self.close()
             raise self._bad(
-                "the header is not a safetensors JSON header (a pickle or other foreign file?)"
+                f"the header is not safetensors JSON ({e}; a pickle or other foreign file?)"
             ) from None
-        self.data_start = 8 + n
-        for k, (_, lo, hi) in self.entries.items():
-            if not 0 <= lo <= hi <= size - self.data_start:
-                self.close()
-                raise self._bad(f"entry {k!r} lies outside the file (truncated?)")
+        try:
+            self.entries = _entries(header, size - self.data_start)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            self.close()
+            raise self._bad(f"{e} (a forged or foreign file?)") from None
 
     def _bad(self, why: str) -> CheckpointError:
         return CheckpointError(f"{self.path} is not a valid safetensors tensor file: {why}")
@@ -321,6 +415,7 @@ class _Checkpoint:
         meta = _read_json(commit)
         if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
             raise CheckpointError(f"{commit} is not a zero checkpoint record")
+        _check_seal(meta, commit)
         if int(meta.get("format_version", -1)) > FORMAT_VERSION:
             raise CheckpointError(
                 f"{commit} has format version {meta['format_version']}; this script reads up to {FORMAT_VERSION}"
@@ -403,7 +498,7 @@ class _Checkpoint:
 
 def _tag_dir(checkpoint_dir: str, tag: str) -> str:
     """``checkpoint_dir/tag``; if a crash interrupted replacing that tag, the complete copy set aside."""
-    for name in (tag, f".{tag}.old"):  # see [Note: replacing a tag] in saver.py
+    for name in (tag, f".{tag}.old"):  # see [Note: replacing a tag] in staged.py
         d = os.path.join(checkpoint_dir, name)
         if os.path.isfile(os.path.join(d, COMMIT_FILE)):
             return d
