@@ -101,3 +101,41 @@ def test_reshard_between_ep_sizes(tmp_path):
     for sub in ("ep1", "ep2"):
         files = sorted(p.name for p in (tmp_path / sub).iterdir())
         assert len(files) == 2 + 2 * E and not any(".tmp" in f for f in files)
+
+
+def test_checkpoint_is_verified_sealed_and_crash_safe(tmp_path):
+    """Expert files are checksummed, the index sealed; a failed save leaves the previous checkpoint."""
+    from zero_core.checkpoint import CheckpointError, atomic
+
+    ckpt = tmp_path / "moe"
+    model = TwoLayer(1, seed=0)
+    save_moe_checkpoint(model, ckpt)
+    real = atomic._write_all
+
+    def full(f, view):
+        if "layer_1_expert_2" in f.name:
+            raise OSError(28, "No space left on device")
+        real(f, view)
+
+    atomic._write_all = full
+    try:
+        with pytest.raises(OSError, match=r"No space left on device.*layer_1_expert_2\.safetensors"):
+            save_moe_checkpoint(TwoLayer(1, seed=9), ckpt)
+    finally:
+        atomic._write_all = real
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["moe"]  # no staging directory, no temporary file
+    other = TwoLayer(1, seed=5)
+    load_moe_checkpoint(other, ckpt)  # the previous checkpoint, whole
+    for (name, a), (_, b) in zip(model.state_dict().items(), other.state_dict().items()):
+        assert torch.equal(a, b), name
+    expert = ckpt / "layer_0_expert_1.safetensors"
+    data = bytearray(expert.read_bytes())
+    data[len(data) // 2] ^= 0x04
+    expert.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"layer_0_expert_1\.safetensors fails its checksum"):
+        load_moe_checkpoint(TwoLayer(1, seed=5), ckpt)
+    index = json.loads((ckpt / "moe_index.json").read_text())
+    index["layers"][0]["num_experts"] = 8
+    (ckpt / "moe_index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"moe_index\.json fails its checksum \(seal\)"):
+        load_moe_checkpoint(TwoLayer(1, seed=5), ckpt)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 from torch import nn
 from zero_core.testing import run_multirank
@@ -129,6 +130,13 @@ def _eval_saved_rank(root):
     model, engine = _engine(2, seed_layers=False)
     engine.load_checkpoint(root, tag="t3")
     _, logits = engine.eval_batch(iter(data(MBS, seed=3)), return_logits=True)
+    # Tags are validated before anything is written or read (issue 25: '..' wrote into the parent).
+    for bad in ("..", "../x", "a/b"):
+        with pytest.raises(ValueError, match="checkpoint tag must be"):
+            engine.save_checkpoint(root, tag=bad)
+        with pytest.raises(ValueError, match="checkpoint tag must be"):
+            engine.load_checkpoint(root, tag=bad)
+    assert sorted(os.listdir(os.path.dirname(root))) == [os.path.basename(root)]
     return logits
 
 
@@ -197,3 +205,45 @@ def test_other_layout_resumes_scheduler_counters_and_client_state(tmp_path):
             assert lr_end == lr
     for msg in run_multirank(_load_other_partition_rank, 2, args=(root,)):
         assert msg is not None and "stage boundaries" in msg and "load_optimizer_states=False" in msg
+
+
+def _one_stage():
+    return PipelineModule(
+        specs(), num_stages=1, stage_id=0, loss_fn=nn.functional.cross_entropy, seed_layers=True, base_seed=7
+    )
+
+
+def test_module_checkpoint_is_verified_and_sealed(tmp_path):
+    """A flipped bit in a layer file, an edited index, a format-1 directory: each a clear error, never a load."""
+    from zero_core.checkpoint import CheckpointError
+
+    ckpt = tmp_path / "layers"
+    _one_stage().save_state_dict(str(ckpt))
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # staging renamed into place
+    index = json.load(open(ckpt / "pipe_layers.json"))
+    assert "seal" in index and set(index["files"]) == {
+        f"layer_{i:02d}-model_00-model_states.safetensors" for i in range(5)
+    }
+    _one_stage().load_state_dir(str(ckpt))
+    layer = ckpt / "layer_02-model_00-model_states.safetensors"
+    data = bytearray(layer.read_bytes())
+    data[-3] ^= 0x80
+    layer.write_bytes(bytes(data))
+    with pytest.raises(
+        CheckpointError, match=r"layer_02-model_00-model_states\.safetensors fails its checksum"
+    ):
+        _one_stage().load_state_dir(str(ckpt))
+    index["num_layers"] = 7
+    (ckpt / "pipe_layers.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"pipe_layers\.json fails its checksum \(seal\)"):
+        _one_stage().load_state_dir(str(ckpt))
+    index.pop("seal")
+    index["format_version"] = 1
+    (ckpt / "pipe_layers.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="format_version 1.*version 1, from before checksums"):
+        _one_stage().load_state_dir(str(ckpt))
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not a pipeline checkpoint"):
+        _one_stage().save_state_dict(str(tmp_path / "other"))
+    assert (tmp_path / "other" / "notes.txt").read_text() == "mine"

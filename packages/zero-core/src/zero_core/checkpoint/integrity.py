@@ -325,9 +325,10 @@ def _check_crc32c(path: str, digest: list[int], record: dict[str, Any]) -> None:
     if digest != saved:
         bad = next((i for i, (a, b) in enumerate(zip(digest, saved)) if a != b), min(len(digest), len(saved)))
         chunk = int(record["crc32c_chunk"])
+        hi = min((bad + 1) * chunk, int(record["bytes"]))
         raise CheckpointError(
-            f"checkpoint file {path} fails its checksum (crc32c of bytes [{bad * chunk}, "
-            f"{(bad + 1) * chunk}) differs from the recorded one): it is corrupted or was modified"
+            f"checkpoint file {path} fails its checksum (crc32c of bytes [{bad * chunk}, {hi}) differs "
+            "from the recorded one): it is corrupted or was modified"
         )
 
 
