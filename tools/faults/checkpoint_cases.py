@@ -426,16 +426,14 @@ def pipe_kill_case(work: str, victim: int, budget: int) -> Case:
     name = f"kill -9 pipe rank {victim} after {budget} bytes of re-saving tag t"
     try:
         run_multirank(_pipe_save_then_die, 2, args=(root, victim, budget), timeout=300)
-        killed = "the save finished before the kill point"
+        killed = "NOT KILLED: the save finished before the kill point (lower the budget)"
     except RankFailedError as e:
         killed = "killed" if "SIGKILL" in str(e) else f"failed otherwise: {str(e)[:100]}"
     try:
         results = run_multirank(_pipe_load, 2, args=(root,), timeout=300)
-        same = all(r[0] for r in results)
+        same = all(r[0] for r in results) and results[0][1] == 1
         observed = f"{killed}; loaded step {results[0][1]}, weights {'= last good' if same else 'DIFFER'}"
-        good = same and killed in ("killed", "the save finished before the kill point")
-        if killed != "killed":  # a finished save is the new good one: weights then differ by design
-            good = results[0][1] == 2
+        good = same and killed == "killed"
     except Exception as e:
         observed, good = f"{killed}; load failed: {str(e).splitlines()[0][:120]}", False
     return name, "the last complete checkpoint loads", observed, OK if good else FAIL

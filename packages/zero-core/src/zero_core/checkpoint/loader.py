@@ -181,7 +181,7 @@ def load_checkpoint(
 
     [Note: shared verification]
     Before anything is read, ``open_checkpoint`` verifies ``checkpoint.json`` and every rank
-    table (CRC32), and ``CheckpointReader.begin_single_pass`` checks that every rank tensor
+    table (CRC-32C), and ``CheckpointReader.begin_single_pass`` checks that every rank tensor
     file exists with its recorded size, so a missing, truncated or padded file fails the
     load with the live state untouched. The tensor files' checksums are verified in the
     same pass that copies their bytes into place (see [Note: single-pass load] in

@@ -19,7 +19,7 @@ time plus the copy time, in series. Now a load makes one pass per tensor file:
   or not it needs any of it: a requested range is read with ``preadv`` straight into its
   destination, every other byte (headers, ranges it does not own) into a reused scratch
   buffer, and every byte is folded into the file's incremental checksum as it is read
-  (``FileChecksum`` in ``integrity.py``; ``sum64`` and CRC32 give the whole-file value for
+  (``FileChecksum`` in ``integrity.py``; the CRC-32C pieces give the whole-file value for
   any split). The disk, the copy into place and the checksum work on the same 256 KiB piece
   while the kernel reads ahead. Every other rank reads only the byte ranges it requested from
   that file, straight into place, with readahead on those ranges only and no checksum

@@ -7,7 +7,7 @@ because we need what the library's whole-dict API does not give:
 
 * writing tensor by tensor, each produced on demand and dropped after it is written, so the
   peak memory of writing is one tensor, not the file (``zero_to_fp32`` depends on this);
-* the byte count and CRC32 computed while writing (``integrity.py``), and the test hook of
+* the byte count and per-piece CRC-32C computed while writing (``integrity.py``), and the test hook of
   ``atomic.py``;
 * reading any flat ``[lo, hi)`` element range of a tensor with one ``pread`` into a fresh
   tensor (resharding reads only the ranges it needs), without mapping the whole file.
