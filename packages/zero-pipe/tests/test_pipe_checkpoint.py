@@ -137,6 +137,10 @@ def _eval_saved_rank(root):
         with pytest.raises(ValueError, match="checkpoint tag must be"):
             engine.load_checkpoint(root, tag=bad)
     assert sorted(os.listdir(os.path.dirname(root))) == [os.path.basename(root)]
+    from zero_core.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"missing does not exist: not a complete checkpoint"):
+        engine.load_checkpoint(root, tag="missing")  # any directory used to load, even none
     return logits
 
 
