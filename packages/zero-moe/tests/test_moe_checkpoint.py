@@ -124,6 +124,10 @@ def test_checkpoint_is_verified_sealed_and_crash_safe(tmp_path):
     finally:
         atomic._write_all = real
     assert sorted(p.name for p in tmp_path.iterdir()) == ["moe"]  # no staging directory, no temporary file
+    with pytest.raises(
+        ValueError, match="directory name of .*bad name is not usable: checkpoint tag must be"
+    ):
+        save_moe_checkpoint(model, tmp_path / "bad name")
     other = TwoLayer(1, seed=5)
     load_moe_checkpoint(other, ckpt)  # the previous checkpoint, whole
     for (name, a), (_, b) in zip(model.state_dict().items(), other.state_dict().items()):

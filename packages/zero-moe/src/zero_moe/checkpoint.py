@@ -74,7 +74,10 @@ def save_moe_checkpoint(model: nn.Module, directory: str | os.PathLike[str]) -> 
             f"save_moe_checkpoint: {path} is a non-empty directory that is not a zero-moe checkpoint; it "
             "would be replaced as a whole, so pass a new or empty directory"
         )
-    staged = StagedSave(str(path.parent), path.name)
+    try:
+        staged = StagedSave(str(path.parent), path.name)
+    except ValueError as e:
+        raise ValueError(f"save_moe_checkpoint: the directory name of {path} is not usable: {e}") from None
     staged.begin()
     state = model.state_dict()
     expert_keys: set[str] = set()

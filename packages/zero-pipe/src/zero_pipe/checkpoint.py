@@ -84,6 +84,13 @@ def _layers_meta(module: PipelineModule) -> dict[str, Any]:
     }
 
 
+def _directory_as_tag(path: str, what: str) -> StagedSave:
+    try:
+        return StagedSave(os.path.dirname(path), os.path.basename(path))
+    except ValueError as e:
+        raise ValueError(f"{what}: the directory name of {path} is not usable: {e}") from None
+
+
 def save_module_layers(module: PipelineModule, save_dir: str) -> None:
     """Write this stage's layer files to ``save_dir`` (collective when distributed).
 
@@ -100,7 +107,7 @@ def save_module_layers(module: PipelineModule, save_dir: str) -> None:
             f"save_module_layers: {path} is a non-empty directory that is not a pipeline checkpoint; "
             "it would be replaced as a whole, so pass a new or empty directory"
         )
-    staged = StagedSave(os.path.dirname(path), os.path.basename(path))
+    staged = _directory_as_tag(path, "save_module_layers")
     staged.begin()
     _write_layers(module, staged)
     staged.commit(LAYERS_INDEX, _layers_meta(module), save_latest=False)
