@@ -252,3 +252,24 @@ def test_full_disk_names_the_file_and_leaves_no_temporary(tmp_path, monkeypatch)
     assert e.value.errno == errno.ENOSPC and e.value.filename == path
     assert os.listdir(tmp_path) == []
     assert file_record(3, crc32c=[1])["crc32c_chunk"] == 2**26
+
+
+def test_a_rejected_file_never_closes_another_files_descriptor(tmp_path):
+    """A TensorFile whose header is refused must not close its fd number again when collected.
+
+    That number is reused by the next open; closing it again (as ``__del__`` did after a failed
+    open) broke an unrelated reader later ("Bad file descriptor" in zero_to_fp32).
+    """
+    import gc
+
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(struct.pack("<Q", 8) + b"not json")
+    with pytest.raises(CheckpointError, match="not JSON") as info:
+        TensorFile(str(bad))
+    fd = os.open(str(bad), os.O_RDONLY)  # typically the number the refused file had
+    try:
+        del info
+        gc.collect()  # the refused TensorFile is collected here
+        os.fstat(fd)  # still open
+    finally:
+        os.close(fd)

@@ -208,7 +208,7 @@ class TensorFile:
         try:
             self._entries, self.metadata, self._data_start = self._parse_header()
         except BaseException:
-            os.close(self._fd)
+            self.close()  # also marks the fd closed: __del__ must not close its number again (reused by then)
             raise
 
     def _bad(self, why: str) -> CheckpointError:
