@@ -67,8 +67,8 @@ def _parse_file(text: str, source: str) -> dict[str, Any]:
     try:
         return _parse_json(text, source)
     except ConfigError as json_error:
-        if any("duplicate key" in p for p in json_error.problems):
-            raise
+        if not any(p.startswith("not valid JSON") for p in json_error.problems):
+            raise  # valid JSON with a problem (a duplicate key, not an object): Hjson reads it the same
         import hjson
 
         try:
