@@ -63,9 +63,11 @@ def _rank(out: str) -> dict:
         seed=0,
         disable_tqdm=True,
         lr_scheduler_type="constant",
+        learning_rate=LR,
     )
+    hf_style = {**CFG, "optimizer": {"type": "Adam", "params": {"lr": "auto"}}}  # filled from args
     trainer = zi.ZeroTrainer(
-        model=_model(), args=args, train_dataset=Tokens(), zero_config=CFG,
+        model=_model(), args=args, train_dataset=Tokens(), zero_config=hf_style,
         data_collator=transformers.default_data_collator,
     )  # fmt: skip
     # zero's own loop: same initial weights, the batches the Trainer's loader gives this rank

@@ -10,7 +10,8 @@ and optimizer (``_prepare_for_training``):
 * the engine is built from ``zero_config`` (a DeepSpeed-format config); what the config leaves
   out is filled from ``TrainingArguments`` as transformers' DeepSpeed integration fills its
   ``"auto"`` values: micro batch, gradient accumulation, gradient clipping (``max_grad_norm``),
-  and, when the config has no ``optimizer`` / ``scheduler`` section, AdamW with the arguments'
+  ``"auto"`` optimizer and scheduler parameters (``lr``, ``betas``, ``eps``, ``weight_decay``,
+  ``warmup_*``, ``total_num_steps``), and, when the config has no ``optimizer`` / ``scheduler`` section, AdamW with the arguments'
   learning rate, betas, epsilon and weight decay and ``transformers.get_scheduler`` of
   ``lr_scheduler_type`` with its warm-up;
 * each micro-batch's loss (the model's mean loss) goes through ``engine.backward`` and
@@ -28,6 +29,7 @@ config in a plain zero loop (``tests/test_hf_trainer.py``).
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any
 
@@ -93,7 +95,7 @@ class ZeroTrainer(transformers.Trainer):
     # -- the engine ----------------------------------------------------------------------
     def _engine_config(self) -> dict[str, Any]:
         """``zero_config`` with what it leaves out (or sets to "auto") taken from the arguments."""
-        cfg, a = dict(self.zero_config), self.args
+        cfg, a = copy.deepcopy(self.zero_config), self.args
         fills = {
             "train_micro_batch_size_per_gpu": a.per_device_train_batch_size,
             "gradient_accumulation_steps": a.gradient_accumulation_steps,
@@ -111,8 +113,29 @@ class ZeroTrainer(transformers.Trainer):
             del cfg["train_batch_size"]
         return cfg
 
+    def _fill_auto_params(self, cfg: dict[str, Any], max_steps: int) -> None:
+        """``"auto"`` optimizer/scheduler parameters from the arguments, as transformers fills
+        them for DeepSpeed (an HF-style config: ``"lr": "auto"``, ``"warmup_num_steps": "auto"``)."""
+        a = self.args
+        values = {
+            "lr": a.learning_rate,
+            "betas": [a.adam_beta1, a.adam_beta2],
+            "eps": a.adam_epsilon,
+            "weight_decay": a.weight_decay,
+            "warmup_min_lr": 0.0,
+            "warmup_max_lr": a.learning_rate,
+            "warmup_num_steps": a.get_warmup_steps(max_steps),
+            "total_num_steps": max_steps,
+        }
+        for section in ("optimizer", "scheduler"):
+            params = (cfg.get(section) or {}).get("params") or {}
+            for key, value in list(params.items()):
+                if value == "auto" and key in values:
+                    params[key] = values[key]
+
     def _build_engine(self, max_steps: int) -> Any:
         cfg, a = self._engine_config(), self.args
+        self._fill_auto_params(cfg, max_steps)
         optimizer = None
         if "optimizer" not in cfg:
 
