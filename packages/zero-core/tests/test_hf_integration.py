@@ -229,10 +229,11 @@ def _trainer_rank(out: str) -> dict:
     trainer.train()
     logged = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     trainer.save_model(os.path.join(out, "final"))
+    eval_loss = trainer.evaluate(Tokens())["eval_loss"]  # the Trainer's evaluation loop, on the engine
     with torch.no_grad():
         trainer.engine.eval()
         logits = trainer.engine(input_ids=batches[0]["input_ids"]).logits.clone()
-    return {"own": own, "logged": logged, "logits": logits, "ids": batches[0]["input_ids"]}
+    return {"own": own, "logged": logged, "logits": logits, "ids": batches[0]["input_ids"], "eval": eval_loss}
 
 
 def test_trainer_at_stage3_matches_zeros_own_loop(launched):
@@ -242,9 +243,16 @@ def test_trainer_at_stage3_matches_zeros_own_loop(launched):
     own = [sum(r["own"][s] for r in results) / 2 for s in range(STEPS)]
     assert results[0]["logged"] == pytest.approx(own, rel=1e-5)  # fp32
     assert results[0]["logged"] == results[1]["logged"] and len(own) == STEPS and own[-1] != own[0]
+    assert results[0]["eval"] == results[1]["eval"]
     hf = transformers.GPT2LMHeadModel.from_pretrained(
         str(tmp_path / "final"), attn_implementation="eager"
     ).eval()
     with torch.no_grad():  # the trained weights, as the engine holds them after training
         logits = hf(input_ids=results[0]["ids"]).logits
     torch.testing.assert_close(logits, results[0]["logits"], rtol=1e-5, atol=1e-6)
+    # ZeroTrainer.evaluate on 2 ranks == a plain Trainer's evaluate of the saved model, one process
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "plain"), per_device_eval_batch_size=8, report_to=[], use_cpu=True
+    )
+    plain = transformers.Trainer(model=hf, args=args, data_collator=transformers.default_data_collator)
+    assert results[0]["eval"] == pytest.approx(plain.evaluate(Tokens())["eval_loss"], rel=1e-5)
