@@ -274,3 +274,29 @@ def test_inspect_a_tag_directory_and_an_empty_one(trained, tmp_path):
     text = describe(os.path.join(ckpt, "global_step3"))
     assert "tags: ['global_step3']" in text and "rank_00001.safetensors" in text and "OK" in text
     assert main([str(tmp_path)]) == 1
+
+
+def test_deepspeed_016_signature_output_dir_and_old_file_form(trained, tmp_path):
+    """DeepSpeed >= 0.16: (checkpoint_dir, output_dir, max_shard_size, safe_serialization, tag,
+    exclude_frozen_parameters), output_dir created if missing; the old (dir, output_file, tag) form
+    still works by the documented rule (a weights suffix names a file; a non-size third argument
+    is the tag)."""
+    from zero_core.checkpoint import zero_to_fp32 as z
+
+    ckpt, expected = trained
+    tag = open(os.path.join(ckpt, "latest")).read().strip()
+    out = tmp_path / "not_yet"  # no separator, not existing: a directory all the same
+    files = z.convert_zero_checkpoint_to_fp32_state_dict(ckpt, out, "1000", True, tag, True, progress=False)
+    index = json.load(open(out / "model.safetensors.index.json"))
+    assert len(files) == len(set(index["weight_map"].values())) + 1
+    assert set(index["weight_map"]) == {"l1.weight", "l1.bias", "l2.weight", "l2.bias"}  # frozen left out
+    merged = {}
+    for name in set(index["weight_map"].values()):
+        merged.update(load_file(str(out / name)))
+    assert all(torch.equal(merged[k], expected[k]) for k in merged)
+    # DeepSpeed < 0.16: (checkpoint_dir, output_file, tag)
+    old = tmp_path / "old" / "weights.safetensors"
+    assert z.convert_zero_checkpoint_to_fp32_state_dict(ckpt, old, tag, progress=False) == [str(old)]
+    assert all(torch.equal(load_file(str(old))[k], v) for k, v in expected.items())
+    with pytest.raises(Exception, match="no_such_tag"):
+        z.convert_zero_checkpoint_to_fp32_state_dict(ckpt, tmp_path / "x", "no_such_tag", progress=False)

@@ -2,7 +2,9 @@
 
 Scripts written for DeepSpeed keep working: ``--deepspeed``/``--deepspeed_config`` are
 accepted (dest names ``deepspeed``/``deepspeed_config``, as ``deepspeed.initialize(args=...)``
-reads them), next to the new ``--zero``/``--zero_config``.
+reads them), next to the new ``--zero``/``--zero_config``; so are DeepSpeed's deprecated
+``--deepscale``/``--deepscale_config`` (hidden from ``--help``, as in DeepSpeed; the config loader
+warns when it reads ``args.deepscale_config``).
 """
 
 from __future__ import annotations
@@ -36,7 +38,15 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
             f"add_config_arguments: parser must be an argparse.ArgumentParser, got {type(parser).__name__}"
         )
     existing = {opt for action in parser._actions for opt in action.option_strings}
-    clash = sorted(existing & {"--zero", "--zero_config", "--deepspeed", "--deepspeed_config"})
+    ours = {
+        "--zero",
+        "--zero_config",
+        "--deepspeed",
+        "--deepspeed_config",
+        "--deepscale",
+        "--deepscale_config",
+    }
+    clash = sorted(existing & ours)
     if clash:
         raise ValueError(
             f"add_config_arguments: the parser already defines {clash}; call add_config_arguments once"
@@ -59,6 +69,9 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         metavar="PATH",
         help="same as --zero_config (accepted for DeepSpeed scripts)",
     )
+    # DeepSpeed's deprecated spellings, hidden from --help as DeepSpeed hides them.
+    group.add_argument("--deepscale", action="store_true", default=False, help=argparse.SUPPRESS)
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
     if "--local_rank" not in existing and "--local-rank" not in existing:
         group.add_argument(
             "--local_rank",

@@ -7,6 +7,8 @@ import copy
 import torch
 from torch import nn
 
+from zero_moe.deepspeed_names import accept_deepspeed_experts_names
+
 
 def tag_expert_params(module: nn.Module, group_name: str) -> None:
     """Mark every parameter of ``module`` as an expert parameter of group ``group_name``.
@@ -34,6 +36,7 @@ class Experts(nn.Module):
         self.num_local_experts = num_local_experts
         self.expert_group_name = expert_group_name
         tag_expert_params(self, expert_group_name)
+        accept_deepspeed_experts_names(self)  # See [Note: DeepSpeed MoE names]
 
     @staticmethod
     def _run(expert: nn.Module, x: torch.Tensor) -> torch.Tensor:

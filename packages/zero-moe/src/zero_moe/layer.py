@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from zero_moe import _dist, groups
+from zero_moe.deepspeed_names import accept_deepspeed_moe_names
 from zero_moe.dispatch import MOELayer
 from zero_moe.experts import Experts
 from zero_moe.gating import NOISY_GATE_POLICIES, TopKGate
@@ -126,6 +127,7 @@ class MoE(nn.Module):
         )
         experts = Experts(expert, self.num_local_experts, self.expert_group_name)
         self.zero_moe = MOELayer(gate, experts, ep_size, self.num_local_experts)
+        accept_deepspeed_moe_names(self)  # See [Note: DeepSpeed MoE names]
         if use_residual:
             # Residual MoE: a dense copy of the expert, mixed in by a learned 2-way coefficient.
             self.mlp = copy.deepcopy(expert)

@@ -78,7 +78,8 @@ class CPUOptimizerBase(torch.optim.Optimizer):
                     continue
                 grad = p.grad
                 if grad.is_sparse:
-                    raise RuntimeError(f"{name} does not support sparse gradients")
+                    self._step_sparse(p, grad, group)
+                    continue
                 if grad.device.type != "cpu" or grad.dtype not in PARAM_DTYPES:
                     raise TypeError(
                         f"{name}: gradient must be a CPU fp32/bf16/fp16 tensor, got "
@@ -87,13 +88,21 @@ class CPUOptimizerBase(torch.optim.Optimizer):
                 self._step_param(p, grad.contiguous(), group)
         return loss
 
-    def _step_param(self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
+    def _step_sparse(self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
+        """A sparse gradient (``nn.Embedding(sparse=True)``): only optimizers that define it."""
+        raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+
+    def _new_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]
         if len(state) == 0:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
         for key in self._state_names(group):
             if key not in state:
                 state[key] = torch.zeros(p.shape, dtype=self._state_dtype(p))
+        return state
+
+    def _step_param(self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
+        state = self._new_state(p, group)
         state["step"] += 1
         step = int(state["step"].item())
         low_precision = p.dtype != torch.float32

@@ -13,6 +13,7 @@ happens inside a batch (instructions, transfers, trace) is :class:`StageExecutor
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -113,6 +114,9 @@ class PipelineEngine:
         self.batch_fn: Callable[[Any], Any] | None = None
         self.global_steps = 0
         self.global_samples = 0
+        #: the loader over ``initialize``'s ``training_data`` (set by ``initialize_pipeline``)
+        self.training_dataloader: Any = None
+        self._print_clock = time.perf_counter()
         #: schedules by what they depend on; building one plans the whole pipeline
         self._schedules: dict[tuple, PipeSchedule] = {}
         #: runs the instructions of each batch: See [Note: receive prefetch]
@@ -227,16 +231,40 @@ class PipelineEngine:
         raise RuntimeError("PipelineEngine: step() is disabled for pipeline parallelism; use train_batch()")
 
     def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
-        """Train on one batch; returns the mean loss over micro-batches (and data-parallel replicas)."""
+        """Train on one batch; returns the mean loss over micro-batches (and data-parallel replicas).
+
+        Without ``data_iter`` the batch comes from the iterator set before: ``set_dataiterator``,
+        an earlier ``data_iter``, or (as DeepSpeed) a repeating loader over the ``training_data``
+        given to ``initialize``."""
         if data_iter is not None:
             self.set_dataiterator(data_iter)
         if self.data_iterator is None and (self.is_first_stage() or self.is_last_stage()):
-            raise ValueError("train_batch: no data iterator; pass data_iter or call set_dataiterator()")
+            raise ValueError(
+                "train_batch: no data iterator; pass data_iter, call set_dataiterator(), or give "
+                "training_data to initialize()"
+            )
         self.module.train()
         result = self.executor.run(self._schedule(True, self.micro_batches), self._next_batch, training=True)
         self.global_steps += 1
         self.global_samples += self._train_batch_size
-        return self._aggregate_loss(result.losses, reduce_output="avg", bcast=True)
+        loss = self._aggregate_loss(result.losses, reduce_output="avg", bcast=True)
+        self._print_progress(loss)
+        return loss
+
+    def _print_progress(self, loss: torch.Tensor) -> None:
+        """Every ``steps_per_print`` batches global rank 0 prints DeepSpeed's pipeline progress line
+        (``steps: N loss: L iter time (s): T samples/sec: S``), timed since the last line."""
+        every = int(getattr(self.config, "steps_per_print", None) or 10)
+        if self.global_steps % every:
+            return
+        now = time.perf_counter()
+        iter_time, self._print_clock = (now - self._print_clock) / every, now
+        if _dist.get_rank() == 0:  # the loss was broadcast to every stage, so rank 0 has it
+            print(
+                f"steps: {self.global_steps} loss: {loss.item():0.4f} iter time (s): {iter_time:0.3f} "
+                f"samples/sec: {self._train_batch_size / iter_time:0.3f}",
+                flush=True,
+            )
 
     def eval_batch(
         self,

@@ -187,7 +187,9 @@ class StageExecutor:
         if ch is None:
             v_here = [self._virtual(c) for c in range(self.num_chunks)]
             peer = boundary + 1 if boundary in v_here else boundary
-            ch = self._channels[boundary] = P2PChannel(self._stage_rank(peer), activation_tag(boundary))
+            ch = self._channels[boundary] = P2PChannel(
+                self._stage_rank(peer), activation_tag(boundary), dynamic=self.module.dynamic_shape
+            )
         return ch
 
     # -- transfers -------------------------------------------------------------------------
@@ -202,8 +204,9 @@ class StageExecutor:
         return payload, self._stage_rank(v + 1), grad_tag(v)
 
     def _prefetch(self, index: int | None) -> None:
-        """Post the receive of instruction ``index`` now, if its shapes are known."""
-        if index is None or index in self._posted:
+        """Post the receive of instruction ``index`` now, if its shapes are known (never with
+        dynamic shapes: See [Note: dynamic activation shapes] in ``p2p.py``)."""
+        if index is None or index in self._posted or self.module.dynamic_shape:
             return
         payload, peer, tag = self._recv_source(self._stream[index])
         if payload is not None:
@@ -265,7 +268,15 @@ class StageExecutor:
         self._timed("F", ins.chunk_id, self._forward, ins.buffer_id)
 
     def _forward(self, b: int, chunk: int) -> None:
-        outputs = self.module(self._inputs[b], chunk_id=chunk)
+        inputs = self._inputs[b]
+        if self._training and not self._is_first_virtual(chunk):
+            # A received activation is a leaf that requires grad, which an in-place op (x.add_(..),
+            # ReLU(inplace=True)) refuses; as DeepSpeed, the layers get a clone and the gradient
+            # still reaches the leaf, which SendGrad reads.
+            tensors, was_tuple = as_tensors(inputs, "ForwardPass")
+            clones = tuple(t.clone() for t in tensors)
+            inputs = clones if was_tuple else clones[0]
+        outputs = self.module(inputs, chunk_id=chunk)
         if not self._is_last_virtual(chunk):
             self._outputs_buf[b] = outputs
             return

@@ -14,6 +14,7 @@ import torch
 from zero_core.config import ZeroConfig
 from zero_core.engine.data import ZeroDataLoader
 
+from zero_pipe.data import RepeatingLoader
 from zero_pipe.engine import PipelineEngine
 from zero_pipe.module import PipelineModule
 from zero_pipe.optimizer_step import PipelineConfigError
@@ -117,4 +118,25 @@ def initialize_pipeline(
             collate_fn=collate_fn,
         )
         engine.training_dataloader = loader
+        # As DeepSpeed's pipeline engine: train_batch() without an argument repeats this loader.
+        engine.set_dataiterator(iter(RepeatingLoader(loader)))
     return engine, engine.optimizer, loader, scheduler
+
+
+class PipelineModelEngine:
+    """zero-pipe's hook for ``zero.initialize`` (entry point group ``zero.model_engines``):
+    a :class:`PipelineModule`, or any subclass, trains with :class:`PipelineEngine`.
+    See [Note: model engine hooks] in zero-core's ``engine/model_engines.py``."""
+
+    def accepts(self, model: Any) -> bool:
+        return isinstance(model, PipelineModule)
+
+    def data_parallel_world_size(self, model: PipelineModule, world_size: int) -> int:
+        return max(1, world_size // int(model.num_stages))
+
+    def initialize(self, **kwargs: Any) -> tuple[PipelineEngine, torch.optim.Optimizer, Any, Any]:
+        return initialize_pipeline(**kwargs)
+
+
+#: the object the ``zero.model_engines`` entry point names
+MODEL_ENGINE = PipelineModelEngine()

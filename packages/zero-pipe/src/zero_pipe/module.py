@@ -98,6 +98,8 @@ class PipelineModule(nn.Module):
 
     ``stage_id`` (keyword, zero-specific) builds a given stage without a process group, for
     tools and tests; in a distributed job the stage comes from the topology and this rank.
+    ``dynamic_shape=True`` (DeepSpeed's argument) lets activation shapes change from one
+    micro-batch to the next: see [Note: dynamic activation shapes] in ``p2p.py``.
     """
 
     def __init__(
@@ -113,6 +115,7 @@ class PipelineModule(nn.Module):
         activation_checkpoint_interval: int = 0,
         activation_checkpoint_func: Callable[..., Any] | None = None,
         checkpointable_layers: list[str] | None = None,
+        dynamic_shape: bool = False,
         *,
         stage_id: int | None = None,
         num_chunks: int = 1,
@@ -161,6 +164,9 @@ class PipelineModule(nn.Module):
             raise TypeError(
                 f"PipelineModule: activation_checkpoint_func must be callable, got {activation_checkpoint_func!r}"
             )
+        if not isinstance(dynamic_shape, bool):
+            raise TypeError(f"PipelineModule: dynamic_shape must be a bool, got {dynamic_shape!r}")
+        self.dynamic_shape = dynamic_shape
         self.num_chunks = num_chunks
         self.layer_specs = layers
         self.loss_fn = loss_fn

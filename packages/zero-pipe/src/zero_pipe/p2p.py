@@ -7,6 +7,14 @@ later transfers move only the payload. ``reset_activation_shape()`` on both ends
 cache (e.g. when curriculum learning changes the sequence length). Gloo cannot send bool
 tensors, so they travel as uint8 and are turned back into bool on arrival.
 
+[Note: dynamic activation shapes]
+With ``PipelineModule(dynamic_shape=True)`` (DeepSpeed's option for inputs whose shapes vary
+between micro-batches, e.g. unpadded sequences) a channel is *dynamic*: every send carries the
+handshake's description ahead of its payload and every receive reads it first, so nothing is
+cached and no receive is posted before its description arrived (the executor does not prefetch
+activations then). Gradients need no description: they have the shapes of the activations the
+receiver itself sent for that micro-batch.
+
 [Note: asynchronous p2p]
 Payloads move with ``isend``/``irecv``. A send never blocks the sender: it returns a
 :class:`PendingSend` that keeps the tensors alive until the transfer is done, so the stage goes
@@ -172,9 +180,11 @@ class P2PChannel:
     """A one-way stream of activations to or from one peer rank on one tag, caching the
     payload description (see [Note: p2p metadata handshake])."""
 
-    def __init__(self, peer: int, tag: int = 0) -> None:
+    def __init__(self, peer: int, tag: int = 0, *, dynamic: bool = False) -> None:
         self.peer = peer
         self.tag = tag
+        #: describe every message: See [Note: dynamic activation shapes]
+        self.dynamic = dynamic
         self.payload: Payload | None = None
 
     def reset(self) -> None:
@@ -185,7 +195,7 @@ class P2PChannel:
         """Start sending ``value``, preceded on first use by the handshake; never blocks."""
         tensors, is_tuple = as_tensors(value, "SendActivation")
         preamble: tuple[torch.Tensor, ...] = ()
-        if self.payload is None:
+        if self.payload is None or self.dynamic:
             desc = _encode(tensors, is_tuple)
             preamble = (torch.tensor([desc.numel()], dtype=torch.int64), desc)
             self.payload = _decode(desc.tolist())
@@ -204,8 +214,9 @@ class P2PChannel:
         self.isend(value).wait()
 
     def irecv(self) -> PendingRecv:
-        """Post the receive of the next value; shakes hands (blocking) on first use."""
-        if self.payload is None:
+        """Post the receive of the next value; shakes hands (blocking) on first use, or on every
+        use for a dynamic channel."""
+        if self.payload is None or self.dynamic:
             length = torch.zeros(1, dtype=torch.int64)
             _dist.recv(length, self.peer, tag=self.tag)
             desc = torch.zeros(int(length.item()), dtype=torch.int64)

@@ -44,6 +44,7 @@ _SUBMODULES = (
     "monitor",
     "zero",
     "inference",
+    "integrations",
 )
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from zero_core.accelerator._validate import check_index, check_rng_state, check_seed, check_tensor
+from zero_core.accelerator.typed_tensors import LEGACY_CPU_TYPES, TypedTensorsMixin
 
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -100,7 +101,7 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-class CpuAccelerator:
+class CpuAccelerator(TypedTensorsMixin):
     """The host CPU as an accelerator.
 
     * One device: ``device_count()`` is 1, ``set_device(i)`` accepts any non-negative index as
@@ -258,3 +259,11 @@ class CpuAccelerator:
 
     def is_fp16_supported(self) -> bool:
         return True
+
+    def _typed_tensor(self, dtype: torch.dtype) -> Any:
+        # torch's legacy CPU tensor types, as DeepSpeed's CPU accelerator returns them
+        return LEGACY_CPU_TYPES[dtype]
+
+    def supported_dtypes(self) -> list[torch.dtype]:
+        """fp32, bf16 and fp16 (DeepSpeed's CPU accelerator lists the same)."""
+        return [torch.float32, torch.bfloat16, torch.float16]

@@ -8,11 +8,13 @@ machines; calling its methods there raises torch's own "no CUDA" errors.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
 from zero_core.accelerator._validate import check_index, check_rng_state, check_seed, check_tensor
+from zero_core.accelerator.typed_tensors import TypedTensorsMixin
 
 
 def _device_arg(index: int | None) -> Any:
@@ -20,7 +22,7 @@ def _device_arg(index: int | None) -> Any:
     return None if index is None else torch.device("cuda", index)
 
 
-class CudaAccelerator:
+class CudaAccelerator(TypedTensorsMixin):
     """NVIDIA GPU accelerator (``torch.cuda``); the communication backend is nccl."""
 
     device_type = "cuda"
@@ -146,3 +148,11 @@ class CudaAccelerator:
 
     def is_fp16_supported(self) -> bool:
         return torch.cuda.is_available()
+
+    def _typed_tensor(self, dtype: torch.dtype) -> Any:
+        # as DeepSpeed's CUDA accelerator: torch.tensor with the dtype and the device fixed
+        return functools.partial(torch.tensor, dtype=dtype, device="cuda")
+
+    def is_triton_supported(self) -> bool:
+        """Triton kernels need compute capability 8.0 or newer (DeepSpeed's rule)."""
+        return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8

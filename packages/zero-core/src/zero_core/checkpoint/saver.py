@@ -16,8 +16,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import warnings
-import zlib
 from typing import Any
 
 import torch
@@ -45,6 +43,7 @@ from zero_core.checkpoint.integrity import CHECKSUM_ALGORITHM, file_crc32c, file
 from zero_core.checkpoint.metadata import sealed_bytes
 from zero_core.checkpoint.replicated import checkpoint_names
 from zero_core.checkpoint.staged import publish_tag
+from zero_core.checkpoint.tag_validation import agree_on_tag
 from zero_core.checkpoint.tensor_file import TensorEntry, write_tensor_file
 
 
@@ -84,21 +83,6 @@ def shared_parameters(module: torch.nn.Module, names: dict[str, str]) -> list[li
         else:
             first[id(p)] = names.get(n, n)
     return out
-
-
-def _check_tags_agree(tag: str, mode: str, group: Any) -> None:
-    if mode.lower() == "ignore" or not comm.is_initialized() or comm.get_world_size(group) == 1:
-        return
-    h = zlib.crc32(tag.encode())
-    lo = torch.tensor([h], dtype=torch.int64)
-    hi = lo.clone()
-    comm.all_reduce(lo, op=comm.ReduceOp.MIN, group=group)
-    comm.all_reduce(hi, op=comm.ReduceOp.MAX, group=group)
-    if lo.item() != hi.item():
-        msg = f"save_checkpoint: ranks passed different tags (this rank: {tag!r}); pass the same tag on every rank"
-        if mode.lower() == "fail":
-            raise CheckpointError(msg)
-        warnings.warn(msg, stacklevel=3)
 
 
 def _param_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -227,7 +211,7 @@ def save_checkpoint(
     rank = comm.get_rank(group) if on else 0
     world = comm.get_world_size(group) if on else 1
     mode = str(getattr(getattr(engine.config, "checkpoint", None), "tag_validation", "Warn"))
-    _check_tags_agree(tag, mode, group)
+    tag = agree_on_tag(tag, mode, group)  # See [Note: checkpoint tag agreement]
     meta = _engine_meta(engine, tag, world, client_state, exclude_frozen_parameters) if rank == 0 else None
 
     stage_dir = os.path.join(save_dir, staging_dir_name(tag))

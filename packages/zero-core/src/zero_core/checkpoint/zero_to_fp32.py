@@ -702,29 +702,43 @@ def _write_bin(path: str, shard: list[_Out], progress: _Progress, aliases: list[
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 
 
+_WEIGHT_SUFFIXES = (".safetensors", *_PICKLE_SUFFIXES)
+
+
 def convert_zero_checkpoint_to_fp32_state_dict(
     checkpoint_dir: str | os.PathLike[str],
-    output_file: str | os.PathLike[str],
-    tag: Any = None,
-    exclude_frozen_parameters: bool = False,
+    output_dir: str | os.PathLike[str],
     max_shard_size: int | str = "5GB",
     safe_serialization: bool = True,
+    tag: Any = None,
+    exclude_frozen_parameters: bool = False,
     progress: bool = True,
 ) -> list[str]:
-    """Write the consolidated fp32 state dict to ``output_file`` (sharded past ``max_shard_size``).
+    """Write the consolidated fp32 state dict into ``output_dir`` (sharded past ``max_shard_size``).
 
-    An ``output_file`` that is a directory (or ends with a separator) gets ``model.safetensors``
-    (``pytorch_model.bin`` without safe serialization) in it.
+    The signature is DeepSpeed's (>= 0.16): ``output_dir`` is a directory (created if missing) that
+    gets Hugging Face's names, ``model.safetensors`` (``pytorch_model.bin`` with
+    ``safe_serialization=False``), or past ``max_shard_size`` ``model-00001-of-0000N.safetensors``
+    ... with ``model.safetensors.index.json``. Unlike DeepSpeed, safetensors is the default.
+
+    The older form ``(checkpoint_dir, output_file, tag)`` keeps working, by this rule: an output
+    path whose name ends in ``.safetensors``, ``.bin``, ``.pt`` or ``.pth`` (and is not an existing
+    directory) is the output *file*; and a third positional argument that is not a size (an int,
+    or a string like ``"5GB"``) is that form's ``tag``.
 
     Streams tensor by tensor (see [Note: streaming conversion]). Returns the files written.
     A tied parameter's second name (``lm_head.weight``) is written to ``.bin`` files only:
     safetensors cannot share storage, and ``from_pretrained`` re-ties it, as for Hugging Face's own files.
     """
-    if not isinstance(output_file, (str, os.PathLike)):
-        raise TypeError(f"output_file must be a path, got {type(output_file).__name__}")
-    output_file = os.fspath(output_file)
-    if output_file.endswith(("/", os.sep)) or os.path.isdir(output_file):
-        # a directory, as DeepSpeed's script takes: Hugging Face's file names inside it
+    if not isinstance(output_dir, (str, os.PathLike)):
+        raise TypeError(f"output_dir must be a path, got {type(output_dir).__name__}")
+    output_file = os.fspath(output_dir)
+    if tag is None and isinstance(max_shard_size, str) and not _SIZE_RE.match(max_shard_size):
+        # the (checkpoint_dir, output_file, tag) form of DeepSpeed < 0.16: a tag, not a size
+        tag, max_shard_size = max_shard_size, "5GB"
+    is_file = output_file.lower().endswith(_WEIGHT_SUFFIXES) and not os.path.isdir(output_file)
+    if not is_file:
+        # a directory, as DeepSpeed >= 0.16 takes: Hugging Face's file names inside it
         output_file = os.path.join(
             output_file, "model.safetensors" if safe_serialization else "pytorch_model.bin"
         )
@@ -783,7 +797,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint_dir", help="directory with 'latest' and tag folders (or one tag folder)")
     parser.add_argument(
         "output",
-        help="output file (.safetensors, or .bin with --bin), or a directory to write model.safetensors in",
+        help="output directory (model.safetensors, sharded with an index past --max-shard-size), or a "
+        "file named .safetensors (.bin with --bin)",
     )
     parser.add_argument("-t", "--tag", default=None, help="tag to convert (default: the one 'latest' names)")
     # the underscore spellings are DeepSpeed's (its --safe_serialization is the default here)
@@ -799,6 +814,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     try:
+        parse_size(args.max_shard_size)  # a bad size is an error here, never taken for a tag
         files = convert_zero_checkpoint_to_fp32_state_dict(
             args.checkpoint_dir,
             args.output,

@@ -1,7 +1,8 @@
 """``load_config``: from a dict, a JSON file, JSON text or argparse args to a validated ``ZeroConfig``.
 
 Steps: pick the one config source; read it (JSON files with duplicate keys are rejected, as
-DeepSpeed does); report unknown keys (see [Note: unknown config keys]); validate with the models;
+DeepSpeed does; a file that is not strict JSON is read as Hjson, as DeepSpeed reads its config
+files with the ``hjson`` library: comments, unquoted keys, trailing commas); report unknown keys (see [Note: unknown config keys]); validate with the models;
 resolve the batch-size triple for the data-parallel world size. All problems found in one pass are
 raised together as one :class:`ConfigError`.
 """
@@ -30,8 +31,9 @@ UNKNOWN_KEYS_HINT = (
     "with a warning)"
 )
 
-#: argparse attributes holding a config, in the order they are looked at.
-ARGS_ATTRIBUTES = ("zero_config", "deepspeed_config", "deepspeed")
+#: argparse attributes holding a config, in the order they are looked at (``deepscale_config`` is
+#: DeepSpeed's deprecated name of ``deepspeed_config``).
+ARGS_ATTRIBUTES = ("zero_config", "deepspeed_config", "deepspeed", "deepscale_config")
 
 ConfigSource = Mapping[str, Any] | str | os.PathLike | ZeroConfig
 
@@ -59,6 +61,35 @@ def _parse_json(text: str, source: str) -> dict[str, Any]:
     return data
 
 
+def _parse_file(text: str, source: str) -> dict[str, Any]:
+    """Strict JSON first (its messages are the clearest); otherwise Hjson, a superset of JSON
+    that DeepSpeed parses every config file with. When neither parses, both errors are given."""
+    try:
+        return _parse_json(text, source)
+    except ConfigError as json_error:
+        if not any(p.startswith("not valid JSON") for p in json_error.problems):
+            raise  # valid JSON with a problem (a duplicate key, not an object): Hjson reads it the same
+        import hjson
+
+        try:
+            data = hjson.loads(text, object_pairs_hook=_no_duplicates)
+        except ConfigError as exc:
+            raise ConfigError(exc.problems, source=source) from None
+        except hjson.HjsonDecodeError as exc:
+            raise ConfigError(
+                [
+                    *json_error.problems,
+                    f"not valid Hjson either: {exc.msg} at line {exc.lineno} column {exc.colno}",
+                ],
+                source=source,
+            ) from None
+        if not isinstance(data, dict):
+            raise ConfigError(
+                [f"the config must be an object, got {type(data).__name__}"], source=source
+            ) from None
+        return json.loads(json.dumps(data))  # plain dicts and floats, as the JSON path gives
+
+
 def read_config(source: ConfigSource) -> tuple[dict[str, Any], str | None]:
     """The raw config dict (a copy) and where it came from (None for a dict)."""
     if isinstance(source, Mapping):
@@ -69,11 +100,33 @@ def read_config(source: ConfigSource) -> tuple[dict[str, Any], str | None]:
         path = Path(source)
         if not path.is_file():
             raise ConfigError([f"config file not found: {str(path)!r} (expected a JSON file)"])
-        return _parse_json(path.read_text(encoding="utf-8"), str(path)), str(path)
+        return _parse_file(path.read_text(encoding="utf-8"), str(path)), str(path)
     raise ConfigError(
         [
             f"config: expected a dict, a path to a JSON file, JSON text or a ZeroConfig, got {type(source).__name__}"
         ]
+    )
+
+
+def _check_deepscale(args: Any) -> None:
+    """DeepSpeed's deprecated ``args.deepscale_config``: warn, and refuse it next to
+    ``args.deepspeed_config`` (DeepSpeed does not know which to use either)."""
+    old = getattr(args, "deepscale_config", None)
+    if old is None:
+        return
+    if getattr(args, "deepspeed_config", None) is not None or getattr(args, "zero_config", None) is not None:
+        raise ConfigError(
+            [
+                f"args.deepscale_config={old!r} is given next to args.deepspeed_config/zero_config: "
+                "pass the config once (--deepscale_config is the deprecated name of --deepspeed_config)"
+            ]
+        )
+    import warnings
+
+    warnings.warn(
+        "--deepscale_config is deprecated (as in DeepSpeed): use --zero_config or --deepspeed_config",
+        FutureWarning,
+        stacklevel=4,
     )
 
 
@@ -85,6 +138,7 @@ def _pick_source(config: Any, args: Any, config_params: Any) -> Any:
     explicit = config if config is not None else config_params
     from_args = None
     if args is not None:
+        _check_deepscale(args)
         for attr in ARGS_ATTRIBUTES:
             value = getattr(args, attr, None)
             # `--deepspeed` is a boolean flag in DeepSpeed's own parser, a path in HF's.

@@ -29,6 +29,7 @@ from pydantic import BaseModel
 
 from zero_core.config.base import input_keys
 from zero_core.config.errors import ConfigError, join_path, suggest
+from zero_core.config.ignored_keys import drop_ignored_key
 
 ENV_VAR = "ZERO_CONFIG_UNKNOWN_KEYS"
 
@@ -80,6 +81,8 @@ def strip_unknown_keys(
     for key, value in data.items():
         where = join_path(path, key)
         if key not in accepted:
+            if drop_ignored_key(where):  # See [Note: keys DeepSpeed ignores]
+                continue
             if isinstance(key, str) and key.startswith("_") and mode != "allow":
                 continue  # a comment ("_comment": JSON has none); no config key starts with "_"
             if mode == "allow":

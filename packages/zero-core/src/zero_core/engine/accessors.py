@@ -143,7 +143,7 @@ class DeepSpeedAccessors:
     def save_fp16_model(
         self,
         save_dir: str,
-        save_filename: str = "pytorch_model.safetensors",
+        save_filename: str = "model.safetensors",
         exclude_frozen_parameters: bool = False,
     ) -> bool:
         """Deprecated DeepSpeed name of ``save_16bit_model``."""

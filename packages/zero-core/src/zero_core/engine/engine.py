@@ -114,10 +114,15 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
     def save_16bit_model(
         self,
         save_dir: str,
-        save_filename: str = "pytorch_model.safetensors",
+        save_filename: str = "model.safetensors",
         exclude_frozen_parameters: bool = False,
+        *,
+        max_shard_size: int | str = "5GB",
     ) -> bool:
-        """Write the model's weights in the training dtype as one safetensors file (rank 0 writes).
+        """Write the model's weights in the training dtype as ``from_pretrained`` loads them
+        (``model.safetensors``, sharded with an index past ``max_shard_size``; rank 0 writes; a
+        pickle name such as ``pytorch_model.bin`` gets safetensors, see [Note: 16-bit model files
+        for from_pretrained]).
 
         Collective under ZeRO stage 3 (every rank must call it). Returns False when nothing was
         saved (stage 3 without ``gather_16bit_weights_on_model_save``).
@@ -129,10 +134,13 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
             raise ValueError(
                 f"save_16bit_model: save_filename must be a plain file name, got {save_filename!r}"
             )
+        from zero_core.checkpoint.zero_to_fp32 import parse_size
+
+        parse_size(max_shard_size)  # a bad size fails on every rank, before any collective
         saver = getattr(self.strategy, "save_16bit_model", None)
         if saver is not None:
-            return bool(saver(str(save_dir), save_filename, exclude_frozen_parameters))
-        from zero_core.zero.stage3.model_save import write_state_dict
+            return bool(saver(str(save_dir), save_filename, exclude_frozen_parameters, max_shard_size))
+        from zero_core.zero.stage3.model_save import write_hf_weights
 
         if comm.is_initialized() and any(comm.get_world_size(g) > 1 for g, _ in _expert_groups(self.module)):
             # Ranks of an expert-parallel group hold different experts under the same local
@@ -149,7 +157,7 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
             if not (exclude_frozen_parameters and k in frozen)
         }
         if self.global_rank == 0:
-            write_state_dict(state, os.path.join(str(save_dir), save_filename))
+            write_hf_weights(state, str(save_dir), save_filename, max_shard_size)
         return True
 
     # -- state left invalid by a failed load (see [Note: single-pass load]) -------------

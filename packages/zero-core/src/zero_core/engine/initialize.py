@@ -271,11 +271,14 @@ def initialize(
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     group = mpu.get_data_parallel_group() if mpu is not None else None
     dp_world = comm.get_world_size(group)
-    is_pipeline = type(model).__name__ == "PipelineModule" and type(model).__module__.startswith("zero_pipe")
-    if is_pipeline and mpu is None:
-        # A pipeline's data-parallel degree is the world divided by its stages: batch sizes
-        # are per data-parallel replica, not per process.
-        dp_world = max(1, comm.get_world_size() // int(getattr(model, "num_stages", 1)))
+    from zero_core.engine.model_engines import find_model_engine
+
+    # A PipelineModule (or a subclass) goes to zero-pipe: See [Note: model engine hooks].
+    model_engine = find_model_engine(model)
+    if model_engine is not None and mpu is None:
+        # e.g. a pipeline's data-parallel degree is the world divided by its stages: batch
+        # sizes are per data-parallel replica, not per process.
+        dp_world = model_engine.data_parallel_world_size(model, comm.get_world_size())
     info = world_info()
     cfg = load_config(
         config if config is not None else config_params,
@@ -286,9 +289,8 @@ def initialize(
 
     _configure_side_systems(cfg)
 
-    if is_pipeline:
-        pipe = require("zero_pipe", "training a PipelineModule")
-        return pipe.initialize_pipeline(
+    if model_engine is not None:
+        return model_engine.initialize(
             model=model,
             optimizer=optimizer,
             model_parameters=model_parameters,

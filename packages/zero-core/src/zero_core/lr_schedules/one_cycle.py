@@ -132,17 +132,26 @@ class OneCycle(_Schedule):
     def get_lr(self) -> list[float]:
         return self._cycled(self.min_lrs, self.max_lrs, self.decay_lr_rate, lambda lo, d: lo / (1.0 + d))
 
-    def get_mom(self) -> list[float] | None:
-        """Momentum (``betas[0]`` or ``momentum``) of every param group, or None when not cycled."""
+    def _momenta(self) -> list[float]:
+        return self._cycled(self.max_moms, self.min_moms, self.decay_mom_rate, lambda hi, d: hi * (1.0 + d))
+
+    def get_mom(self) -> list[tuple[float, float]] | None:
+        """Per param group ``(beta1, beta2)`` as DeepSpeed's OneCycle returns it, or None when
+        momentum is not cycled. ``beta1`` is the cycled momentum (``betas[0]`` or ``momentum``);
+        ``beta2`` is the group's own ``betas[1]`` (kept, where DeepSpeed overwrites it with 0.99),
+        or DeepSpeed's placeholder 0.99 for an SGD-like group, which has no second beta."""
         if not self.cycle_momentum:
             return None
-        return self._cycled(self.max_moms, self.min_moms, self.decay_mom_rate, lambda hi, d: hi * (1.0 + d))
+        return [
+            (mom, float(tuple(g["betas"])[1]) if "betas" in g else 0.99)
+            for g, mom in zip(self._groups, self._momenta())
+        ]
 
     def _apply(self) -> None:
         super()._apply()
-        moms = self.get_mom()
-        if moms is None:
+        if not self.cycle_momentum:
             return
+        moms = self._momenta()
         for group, mom in zip(self._groups, moms):
             if self._mom_key == "betas":
                 group["betas"] = (mom, *tuple(group["betas"])[1:])

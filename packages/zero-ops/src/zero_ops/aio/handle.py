@@ -69,7 +69,8 @@ class AsyncIOHandle:
             one block per pread/pwrite.
         overlap_events: libaio: refill each completed slot at once (sliding window) instead of
             submitting a batch of queue_depth and waiting for all of it; no effect on threads.
-        thread_count: worker threads (each with its own kernel AIO queue on libaio).
+        thread_count: worker threads (each with its own kernel AIO queue on libaio); DeepSpeed's
+            ``intra_op_parallelism`` (the same fifth argument, also accepted by that name).
         o_direct: use O_DIRECT for blocks whose buffer address, file offset and length are
             4096-byte aligned (see :meth:`new_cpu_locked_tensor`), where the file system allows it.
         engine: ``"auto"`` (libaio when available, else threads), ``"libaio"`` (raise OSError
@@ -89,7 +90,15 @@ class AsyncIOHandle:
         *,
         o_direct: bool = True,
         engine: str = "auto",
+        intra_op_parallelism: int | None = None,
     ) -> None:
+        if intra_op_parallelism is not None:
+            if thread_count != 1 and thread_count != intra_op_parallelism:
+                raise ValueError(
+                    f"AsyncIOHandle: thread_count={thread_count} and intra_op_parallelism={intra_op_parallelism} "
+                    "are the same setting (DeepSpeed's name and ours): give one"
+                )
+            thread_count = intra_op_parallelism
         self._block_size = _positive_int("block_size", block_size)
         self._queue_depth = _positive_int("queue_depth", queue_depth)
         self._thread_count = _positive_int("thread_count", thread_count)
@@ -135,6 +144,10 @@ class AsyncIOHandle:
     def get_thread_count(self) -> int:
         return self._thread_count
 
+    def get_intra_op_parallelism(self) -> int:
+        """DeepSpeed's name of :meth:`get_thread_count`."""
+        return self._thread_count
+
     def get_engine(self) -> str:
         """The backend in use: ``"libaio"``, ``"threads"`` (native) or ``"python-threads"`` (fallback)."""
         return self._engine.backend()
@@ -156,24 +169,58 @@ class AsyncIOHandle:
             self._inflight.clear()
 
     def sync_pread(self, tensor: torch.Tensor, path: str | os.PathLike, offset: int = 0) -> int:
-        """Reads like async_pread and waits (also for requests submitted earlier). Returns bytes read."""
+        """Reads like async_pread and waits (also for requests submitted earlier). Returns the number
+        of requests completed (1 when none was pending), as DeepSpeed's handle."""
         self._submit(False, tensor, path, offset, "sync_pread")
-        self.wait()
-        return tensor.numel() * tensor.element_size()
+        return self.wait()
 
     def sync_pwrite(self, tensor: torch.Tensor, path: str | os.PathLike, offset: int = 0) -> int:
-        """Writes like async_pwrite and waits (also for requests submitted earlier). Returns bytes written."""
+        """Writes like async_pwrite and waits (also for requests submitted earlier). Returns the
+        number of requests completed, as DeepSpeed's handle."""
         self._submit(True, tensor, path, offset, "sync_pwrite")
-        self.wait()
-        return tensor.numel() * tensor.element_size()
+        return self.wait()
 
-    def read(self, tensor: torch.Tensor, path: str | os.PathLike, offset: int = 0) -> int:
-        """Alias of :meth:`sync_pread` (DeepSpeed's name)."""
-        return self.sync_pread(tensor, path, offset)
+    def pread(
+        self, tensor: torch.Tensor, path: str | os.PathLike, validate: bool = False, async_op: bool = False,
+        offset: int = 0,
+    ) -> int:  # fmt: skip
+        """DeepSpeed's ``pread(buffer, filename, validate, async)``: async returns 0 (then
+        :meth:`wait`), sync returns the completed count; ``validate`` re-reads the file with plain
+        Python afterwards and raises OSError if the bytes differ (sync only)."""
+        if async_op:
+            if validate:
+                raise ValueError("pread: validate needs a synchronous read (async_op=False)")
+            return self.async_pread(tensor, path, offset)
+        done = self.sync_pread(tensor, path, offset)
+        if validate:
+            _validate(tensor, path, offset, "pread")
+        return done
 
-    def write(self, tensor: torch.Tensor, path: str | os.PathLike, offset: int = 0) -> int:
-        """Alias of :meth:`sync_pwrite` (DeepSpeed's name)."""
-        return self.sync_pwrite(tensor, path, offset)
+    def pwrite(
+        self, tensor: torch.Tensor, path: str | os.PathLike, validate: bool = False, async_op: bool = False,
+        offset: int = 0,
+    ) -> int:  # fmt: skip
+        """DeepSpeed's ``pwrite(buffer, filename, validate, async)``; see :meth:`pread`."""
+        if async_op:
+            if validate:
+                raise ValueError("pwrite: validate needs a synchronous write (async_op=False)")
+            return self.async_pwrite(tensor, path, offset)
+        done = self.sync_pwrite(tensor, path, offset)
+        if validate:
+            _validate(tensor, path, offset, "pwrite")
+        return done
+
+    def read(
+        self, tensor: torch.Tensor, path: str | os.PathLike, validate: bool = False, offset: int = 0
+    ) -> int:
+        """DeepSpeed's ``read(buffer, filename, validate)``: a synchronous read."""
+        return self.pread(tensor, path, validate, False, offset)
+
+    def write(
+        self, tensor: torch.Tensor, path: str | os.PathLike, validate: bool = False, offset: int = 0
+    ) -> int:
+        """DeepSpeed's ``write(buffer, filename, validate)``: a synchronous write."""
+        return self.pwrite(tensor, path, validate, False, offset)
 
     def pending(self) -> int:
         """Requests submitted and not yet collected by :meth:`wait`."""
@@ -184,15 +231,26 @@ class AsyncIOHandle:
         return self._engine.direct_bytes()
 
     # -- buffers -------------------------------------------------------------------------
-    def new_cpu_locked_tensor(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def new_cpu_locked_tensor(
+        self, numel: int, dtype: torch.dtype | torch.Tensor = torch.float32
+    ) -> torch.Tensor:
         """A page-aligned CPU tensor (so transfers can use O_DIRECT), page-locked where allowed.
+
+        DeepSpeed's signature ``new_cpu_locked_tensor(num_elem, example_tensor)`` works: a tensor
+        as second argument gives the dtype.
 
         Locked with torch's pinned allocator when CUDA is present, with mlock(2) otherwise; when
         RLIMIT_MEMLOCK (or the sandbox) refuses, the buffer stays unlocked and one warning says
         why. See [Note: locked buffers] in zero_ops.aio.buffers; ``is_locked(t)`` tells.
         """
-        if isinstance(numel, torch.Tensor):  # DeepSpeed passes an example tensor
+        if isinstance(numel, torch.Tensor):  # an example tensor in place of the count
             numel = numel.numel()
+        if isinstance(dtype, torch.Tensor):  # DeepSpeed's example_tensor
+            dtype = dtype.dtype
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(
+                f"new_cpu_locked_tensor: the second argument must be a dtype or an example tensor, got {dtype!r}"
+            )
         return locked_empty(numel, dtype)
 
     def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> None:
@@ -218,6 +276,19 @@ class AsyncIOHandle:
         self._engine.submit(is_write, path, tensor.data_ptr(), nbytes, offset)
         self._inflight.append(tensor)
         return 0
+
+
+def _validate(tensor: torch.Tensor, path: str | os.PathLike, offset: int, where: str) -> None:
+    """Compare ``tensor``'s bytes with the file's, read with plain Python (the ``validate`` flag)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    with open(path, "rb") as f:
+        f.seek(offset)
+        on_disk = f.read(nbytes)
+    mine = tensor.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes() if nbytes else b""
+    if on_disk != mine:
+        raise OSError(
+            f"{where}: validation failed: the bytes of {os.fspath(path)} at {offset} differ from the tensor"
+        )
 
 
 # DeepSpeed's name (``deepspeed.ops.op_builder.AsyncIOBuilder().load().aio_handle``).

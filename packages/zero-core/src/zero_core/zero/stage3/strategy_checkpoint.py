@@ -8,7 +8,6 @@ and the reader are ``zero_core.checkpoint``'s (see [Note: checkpoint format] in 
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -54,10 +53,12 @@ class Stage3Checkpointing:
     def save_16bit_model(
         self,
         save_dir: str,
-        save_filename: str = "pytorch_model.safetensors",
+        save_filename: str = "model.safetensors",
         exclude_frozen_parameters: bool = False,
+        max_shard_size: int | str = "5GB",
     ) -> bool:
-        """Gather the 16-bit weights and write them on rank 0 (collective: every rank calls it)."""
+        """Gather the 16-bit weights and write them on rank 0 (collective: every rank calls it).
+        See [Note: 16-bit model files for from_pretrained]."""
         if not self.gather_16bit_weights_on_model_save:
             if comm.get_rank() == 0:
                 print(
@@ -66,7 +67,7 @@ class Stage3Checkpointing:
                     flush=True,
                 )
             return False
-        from zero_core.zero.stage3.model_save import write_state_dict
+        from zero_core.zero.stage3.model_save import write_hf_weights
 
         # See [Note: stage 3 expert parameters]: rank 0 gathers only the experts of its own
         # expert-parallel rank, under local names; refuse rather than write an incomplete file.
@@ -88,7 +89,7 @@ class Stage3Checkpointing:
             elif value is not None:
                 state[key] = value.detach().clone()
         if comm.get_rank() == 0:
-            write_state_dict(state, os.path.join(save_dir, save_filename))
+            write_hf_weights(state, save_dir, save_filename, max_shard_size)
         return True
 
     # -- checkpointing (zero_core.checkpoint; see [Note: checkpoint format] in checkpoint/format.py) --

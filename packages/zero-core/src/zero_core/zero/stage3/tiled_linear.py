@@ -3,9 +3,12 @@
 Memory-centric tiling: with stage 3 each tile is its own module, so only one tile's
 parameters need to be gathered at a time and a layer larger than a rank's memory can run.
 Input features are split into ``in_splits`` and output features into ``out_splits`` nearly
-equal parts (sizes differ by at most one); tile ``(o, i)`` maps input part ``i`` to output
-part ``o`` and output part ``o`` is the sum over ``i``. Only the tiles of input part 0 have a
-bias, so the result equals one ``nn.Linear`` with the concatenated weights.
+equal parts (sizes differ by at most one, the first parts the larger); tile ``(o, i)`` maps
+input part ``i`` to output part ``o`` and output part ``o`` is the sum over ``i``. Only the tiles
+of the last input part have a bias, so the result equals one ``nn.Linear`` with the concatenated
+weights. The layout is DeepSpeed's, so state dicts are interchangeable: ``in_parts`` /
+``out_parts`` hold the part *boundaries* (``splits + 1`` offsets from 0 to the feature count)
+and the keys are ``linears.{o}.{i}.weight`` with ``linears.{o}.{in_splits - 1}.bias``.
 """
 
 from __future__ import annotations
@@ -17,9 +20,18 @@ import torch
 from zero_core.zero.stage3.gathered_parameters import GatheredParameters
 
 
-def _split_sizes(total: int, parts: int) -> list[int]:
+def _boundaries(total: int, parts: int) -> list[int]:
+    """``parts + 1`` offsets splitting ``total`` into nearly equal parts, the first ones larger
+    (DeepSpeed's uniform partitioning)."""
     base, extra = divmod(total, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
+    out = [0]
+    for i in range(parts):
+        out.append(out[-1] + base + (1 if i < extra else 0))
+    return out
+
+
+def _sizes(bounds: list[int]) -> list[int]:
+    return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
 class TiledLinear(torch.nn.Module):
@@ -60,13 +72,15 @@ class TiledLinear(torch.nn.Module):
         self.in_splits, self.out_splits = in_splits, out_splits
         self.input_is_already_split = bool(input_is_already_split)
         self.combine_out_splits = bool(combine_out_splits)
-        self.in_parts = _split_sizes(in_features, in_splits)
-        self.out_parts = _split_sizes(out_features, out_splits)
+        #: part boundaries, as DeepSpeed's: ``in_parts[i]:in_parts[i + 1]`` is input part ``i``
+        self.in_parts = _boundaries(in_features, in_splits)
+        self.out_parts = _boundaries(out_features, out_splits)
         self.linears = torch.nn.ModuleList()
-        for o in self.out_parts:
+        for o in _sizes(self.out_parts):
             row = torch.nn.ModuleList()
-            for i, n_in in enumerate(self.in_parts):
-                row.append(linear_cls(n_in, o, bias=self.use_bias and i == 0, **kwargs))
+            for i, n_in in enumerate(_sizes(self.in_parts)):
+                # one bias per output part, on the last input tile (where DeepSpeed puts it)
+                row.append(linear_cls(n_in, o, bias=self.use_bias and i == in_splits - 1, **kwargs))
             self.linears.append(row)
         if init_linear is not None:
             self.copy_params_from(init_linear)
@@ -84,7 +98,7 @@ class TiledLinear(torch.nn.Module):
                 raise ValueError(
                     f"TiledLinear: input has {input_.shape[-1]} features, expected {self.in_features}"
                 )
-            parts = list(torch.split(input_, self.in_parts, dim=-1))
+            parts = list(torch.split(input_, _sizes(self.in_parts), dim=-1))
         outs = []
         for row in self.linears:
             acc = None
@@ -112,12 +126,13 @@ class TiledLinear(torch.nn.Module):
             raise ValueError("TiledLinear.copy_params_from: this layer has a bias but the source has none")
         src = [weight] + ([bias] if bias is not None else [])
         with GatheredParameters(src):
-            w_rows = torch.split(weight, self.out_parts, dim=0)
-            b_rows = torch.split(bias, self.out_parts) if bias is not None else [None] * self.out_splits
+            out_sizes, in_sizes = _sizes(self.out_parts), _sizes(self.in_parts)
+            w_rows = torch.split(weight, out_sizes, dim=0)
+            b_rows = torch.split(bias, out_sizes) if bias is not None else [None] * self.out_splits
             for row, w_row, b_row in zip(self.linears, w_rows, b_rows):
-                for i, (tile, w_tile) in enumerate(zip(row, torch.split(w_row, self.in_parts, dim=1))):
+                for tile, w_tile in zip(row, torch.split(w_row, in_sizes, dim=1)):
                     dst = [tile.weight] + ([tile.bias] if tile.bias is not None else [])
                     with GatheredParameters(dst, modifier_rank=0):
                         tile.weight.copy_(w_tile)
-                        if i == 0 and tile.bias is not None and b_row is not None:
+                        if tile.bias is not None and b_row is not None:
                             tile.bias.copy_(b_row)

@@ -1,0 +1,182 @@
+"""A ``transformers`` model from pretrained weights, built directly into ZeRO-3 partitions.
+
+[Note: from_pretrained into partitions]
+DeepSpeed users get this from ``transformers`` itself: ``HfDeepSpeedConfig`` makes
+``from_pretrained`` build the model inside ``deepspeed.zero.Init`` and load weights layer by
+layer. transformers' hook is tied to the ``deepspeed`` package (``is_deepspeed_zero3_enabled``
+then imports ``deepspeed`` and calls ``deepspeed.zero.Init``), so it cannot be pointed at zero.
+:func:`from_pretrained` does the same job with zero's own pieces:
+
+1. the model's config is read from the directory (``config.json``, no download) and the model
+   is built from it inside :class:`zero.Init`, so no rank ever holds the full model;
+2. :func:`load_pretrained_into_partitions` opens the safetensors files (``model.safetensors``,
+   or the shards that ``model.safetensors.index.json`` lists: what ``save_pretrained`` and
+   ``save_16bit_model`` write) and, for every partitioned parameter, reads only the rows that
+   hold this rank's flat range ``[rank * shard, (rank + 1) * shard)`` through safetensors'
+   slicing, so each rank reads about ``1 / world`` of the weights (plus at most two partial
+   rows per tensor). Unpartitioned parameters and buffers are read whole.
+
+Tied weights (GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``) are one parameter
+found under any of its names; a name saved without the model's base prefix (a base model's
+file loaded into a model with a head) is found too. Pickle files (``pytorch_model.bin``) are
+refused: convert them to safetensors first.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import torch
+
+from zero_core.zero.stage3.partitioned_param import is_partitioned, write_shard
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _weight_files(path: str) -> dict[str, str]:
+    """Tensor name -> the safetensors file holding it, for a pretrained directory."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"from_pretrained: {path!r} is not a directory of pretrained weights")
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"from_pretrained: {index} has no weight_map object")
+        return {k: os.path.join(path, v) for k, v in weight_map.items()}
+    single = os.path.join(path, SINGLE_FILE)
+    if os.path.isfile(single):
+        from safetensors import safe_open
+
+        with safe_open(single, framework="pt") as f:
+            return dict.fromkeys(f.keys(), single)
+    found = sorted(os.listdir(path))
+    if any(n.endswith((".bin", ".pt", ".pth")) for n in found):
+        raise ValueError(
+            f"from_pretrained: {path} holds only torch pickle weights ({found}); zero reads safetensors only "
+            "(convert with transformers' save_pretrained(..., safe_serialization=True))"
+        )
+    raise FileNotFoundError(f"from_pretrained: no {SINGLE_FILE} or {INDEX_FILE} in {path} (found {found})")
+
+
+def _read_range(sl: Any, shape: list[int], lo: int, hi: int) -> torch.Tensor:
+    """Elements ``[lo, hi)`` of the flattened tensor behind safetensors slice ``sl``, reading
+    only the rows (first-dimension entries) that hold them."""
+    if hi <= lo:
+        return torch.empty(0)
+    if len(shape) <= 1:
+        return sl[lo:hi].reshape(-1)
+    row = math.prod(shape[1:])
+    r0, r1 = lo // row, -(-hi // row)
+    return sl[r0:r1].reshape(-1)[lo - r0 * row : hi - r0 * row]
+
+
+def _candidates(name: str, aliases: list[str], prefix: str) -> list[str]:
+    out = []
+    for n in [name, *aliases]:
+        out.append(n)
+        if prefix and n.startswith(prefix + "."):
+            out.append(n[len(prefix) + 1 :])
+        elif prefix:
+            out.append(f"{prefix}.{n}")
+    return out
+
+
+@torch.no_grad()
+def _load_param(param: torch.nn.Parameter, handle: Any, key: str) -> None:
+    sl = handle.get_slice(key)
+    shape = list(sl.get_shape())
+    want = list(param.zero_shape) if is_partitioned(param) else list(param.shape)
+    if shape != want:
+        raise ValueError(f"from_pretrained: {key} has shape {shape} in the file, the model has {want}")
+    if not is_partitioned(param):
+        param.data.copy_(sl[:] if shape else handle.get_tensor(key))
+        return
+    st = param.zero_state
+    lo = min(st.rank * st.shard_numel, st.numel)
+    hi = min(lo + st.shard_numel, st.numel)
+    values = torch.zeros(st.shard_numel, dtype=st.shard.dtype)
+    values[: hi - lo] = _read_range(sl, shape, lo, hi).to(st.shard.dtype)
+    write_shard(param, values)
+
+
+def load_pretrained_into_partitions(model: torch.nn.Module, path: str, strict: bool = True) -> list[str]:
+    """Fill ``model`` (built inside ``zero.Init`` or not) from the safetensors weights in ``path``;
+    each rank reads only its partition of every partitioned parameter. Returns the file keys
+    that were not used. With ``strict``, a parameter missing from the files is an error.
+    See [Note: from_pretrained into partitions]."""
+    from safetensors import safe_open
+
+    files = _weight_files(path)
+    prefix = str(getattr(model, "base_model_prefix", "") or "")
+    names: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    handles: dict[str, Any] = {}
+    used: set[str] = set()
+    missing: list[str] = []
+    try:
+        targets = [(n, p) for n, p in model.named_parameters()]
+        targets += [(n, b) for n, b in model.named_buffers() if _persistent(model, n)]
+        for name, tensor in targets:
+            aliases = names.get(id(tensor), [name])
+            key = next((k for k in _candidates(name, aliases, prefix) if k in files), None)
+            if key is None:
+                if isinstance(tensor, torch.nn.Parameter):
+                    missing.append(name)
+                continue
+            if files[key] not in handles:
+                handles[files[key]] = safe_open(files[key], framework="pt").__enter__()
+            if isinstance(tensor, torch.nn.Parameter):
+                _load_param(tensor, handles[files[key]], key)
+            else:
+                tensor.copy_(handles[files[key]].get_tensor(key))
+            used.add(key)
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
+    if strict and missing:
+        raise KeyError(f"from_pretrained: {len(missing)} parameters are not in {path}: {missing[:8]}")
+    return sorted(set(files) - used)
+
+
+def _persistent(model: torch.nn.Module, name: str) -> bool:
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner) if owner else model
+    return leaf not in getattr(module, "_non_persistent_buffers_set", set())
+
+
+def from_pretrained(
+    model_class: Any,
+    path: str | os.PathLike[str],
+    config_dict_or_path: Any = None,
+    *,
+    dtype: torch.dtype | None = None,
+    strict: bool = True,
+    **config_overrides: Any,
+) -> torch.nn.Module:
+    """``model_class`` (a transformers model class, or an ``AutoModel*`` class) with the
+    pretrained weights in the local directory ``path``, built inside :class:`zero.Init` with the
+    zero config ``config_dict_or_path`` (its fp16/bf16 section picks the dtype unless ``dtype``
+    is given) and loaded with each rank reading only its partitions. Collective: call on every
+    rank. ``config_overrides`` update the model config (``attn_implementation="eager"`` ...).
+    See [Note: from_pretrained into partitions]."""
+    from transformers import AutoConfig
+
+    from zero_core.zero.stage3.init_context import Init
+
+    path = os.fspath(path)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"from_pretrained: {path!r} has no config.json (a save_pretrained directory)")
+    hf_config = AutoConfig.from_pretrained(path, **config_overrides)
+    with Init(config_dict_or_path=config_dict_or_path, dtype=dtype):
+        if hasattr(model_class, "from_config"):  # AutoModel* classes
+            model = model_class.from_config(hf_config)
+        else:
+            model = model_class(hf_config)
+    load_pretrained_into_partitions(model, path, strict=strict)
+    return model

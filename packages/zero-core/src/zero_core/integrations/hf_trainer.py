@@ -1,0 +1,216 @@
+"""``ZeroTrainer``: Hugging Face's ``transformers.Trainer`` with its model trained by a zero engine.
+
+[Note: Trainer under zero]
+transformers drives DeepSpeed through accelerate's DeepSpeed plugin, which needs the
+``deepspeed`` package. ``ZeroTrainer`` keeps everything of the Trainer (data loading and
+sharding through accelerate, callbacks, logging, evaluation loop) and hands the model's
+training to :func:`zero.initialize` instead, at the one place the Trainer prepares the model
+and optimizer (``_prepare_for_training``):
+
+* the engine is built from ``zero_config`` (a DeepSpeed-format config); what the config leaves
+  out is filled from ``TrainingArguments`` as transformers' DeepSpeed integration fills its
+  ``"auto"`` values: micro batch, gradient accumulation, gradient clipping (``max_grad_norm``),
+  ``"auto"`` optimizer and scheduler parameters (``lr``, ``betas``, ``eps``, ``weight_decay``,
+  ``warmup_*``, ``total_num_steps``), and, when the config has no ``optimizer`` / ``scheduler`` section, AdamW with the arguments'
+  learning rate, betas, epsilon and weight decay and ``transformers.get_scheduler`` of
+  ``lr_scheduler_type`` with its warm-up;
+* each micro-batch's loss (the model's mean loss) goes through ``engine.backward`` and
+  ``engine.step``, which steps the optimizer, the scheduler and clipping at accumulation
+  boundaries, as the engine does in a user's own loop. The Trainer's own optimizer and scheduler
+  calls are then no-ops on views of the engine's (``learning_rate`` and ``grad_norm`` in the
+  logs come from the engine);
+* ``save_model`` writes ``save_16bit_model``'s files and the model config (what
+  ``from_pretrained`` loads); Trainer checkpoints (``save_strategy``) use the engine's
+  ``save_checkpoint`` under ``checkpoint-<step>``.
+
+So the logged training loss of a ``ZeroTrainer`` run equals that of the same model, data and
+config in a plain zero loop (``tests/test_hf_trainer.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import torch
+import transformers
+
+import zero_core
+from zero_core.config.loader import read_config
+
+
+class _EngineOptimizer:
+    """What the Trainer's loop sees as its optimizer: the engine's param groups; stepping and
+    zeroing belong to the engine. See [Note: Trainer under zero]."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.engine.optimizer.param_groups
+
+    def step(self, closure: Any = None) -> None:
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.engine.optimizer.state_dict()
+
+
+class _EngineScheduler:
+    """The Trainer's view of the learning rate: the engine's (its scheduler steps in the engine)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def get_last_lr(self) -> list[float]:
+        return self.engine.get_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        sched = self.engine.lr_scheduler
+        return sched.state_dict() if sched is not None else {}
+
+
+class ZeroTrainer(transformers.Trainer):
+    """``transformers.Trainer`` training its model with a zero engine (any ZeRO stage).
+
+    ``zero_config``: a DeepSpeed-format config (dict or file path). Build the model inside
+    ``zero.Init`` (or with :func:`zero.integrations.from_pretrained`) for stage 3, as with
+    DeepSpeed. Every other argument is the Trainer's. See [Note: Trainer under zero].
+    """
+
+    def __init__(self, *args: Any, zero_config: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        raw, _ = read_config(zero_config)  # the user's keys only: fills below need what is absent
+        self.zero_config = raw
+        self.engine: Any = None
+
+    # -- the engine ----------------------------------------------------------------------
+    def _engine_config(self) -> dict[str, Any]:
+        """``zero_config`` with what it leaves out (or sets to "auto") taken from the arguments."""
+        cfg, a = copy.deepcopy(self.zero_config), self.args
+        fills = {
+            "train_micro_batch_size_per_gpu": a.per_device_train_batch_size,
+            "gradient_accumulation_steps": a.gradient_accumulation_steps,
+            "gradient_clipping": a.max_grad_norm,
+        }
+        for key, value in fills.items():
+            if cfg.get(key, "auto") == "auto":
+                cfg[key] = value
+            elif key != "gradient_clipping" and cfg[key] != value:
+                raise ValueError(
+                    f"ZeroTrainer: zero_config {key}={cfg[key]} disagrees with TrainingArguments ({value}); "
+                    'set one of them (or "auto" in the config)'
+                )
+        if cfg.get("train_batch_size") == "auto":
+            del cfg["train_batch_size"]
+        return cfg
+
+    def _fill_auto_params(self, cfg: dict[str, Any], max_steps: int) -> None:
+        """``"auto"`` optimizer/scheduler parameters from the arguments, as transformers fills
+        them for DeepSpeed (an HF-style config: ``"lr": "auto"``, ``"warmup_num_steps": "auto"``)."""
+        a = self.args
+        values = {
+            "lr": a.learning_rate,
+            "betas": [a.adam_beta1, a.adam_beta2],
+            "eps": a.adam_epsilon,
+            "weight_decay": a.weight_decay,
+            "warmup_min_lr": 0.0,
+            "warmup_max_lr": a.learning_rate,
+            "warmup_num_steps": a.get_warmup_steps(max_steps),
+            "total_num_steps": max_steps,
+        }
+        for section in ("optimizer", "scheduler"):
+            params = (cfg.get(section) or {}).get("params") or {}
+            for key, value in list(params.items()):
+                if value == "auto" and key in values:
+                    params[key] = values[key]
+
+    def _build_engine(self, max_steps: int) -> Any:
+        cfg, a = self._engine_config(), self.args
+        self._fill_auto_params(cfg, max_steps)
+        optimizer = None
+        if "optimizer" not in cfg:
+
+            def optimizer(params: Any) -> torch.optim.Optimizer:
+                return torch.optim.AdamW(
+                    params,
+                    lr=a.learning_rate,
+                    betas=(a.adam_beta1, a.adam_beta2),
+                    eps=a.adam_epsilon,
+                    weight_decay=a.weight_decay,
+                )
+
+        scheduler = None
+        if "scheduler" not in cfg:
+
+            def scheduler(opt: torch.optim.Optimizer) -> Any:
+                return transformers.get_scheduler(
+                    a.lr_scheduler_type,
+                    opt,
+                    num_warmup_steps=a.get_warmup_steps(max_steps),
+                    num_training_steps=max_steps,
+                )
+
+        engine, *_ = zero_core.initialize(
+            model=self.model, optimizer=optimizer, lr_scheduler=scheduler, config=cfg
+        )
+        return engine
+
+    # -- the Trainer's hooks -------------------------------------------------------------
+    def _prepare_for_training(
+        self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any
+    ) -> tuple:
+        if self.engine is None:
+            self.engine = self._build_engine(max_steps)
+        self.model_wrapped = self.engine
+        self.optimizer = _EngineOptimizer(self.engine)
+        self.lr_scheduler = _EngineScheduler(self.engine)
+        return self.engine, train_dataloader
+
+    def _wrap_model(self, model: Any, training: bool = True, dataloader: Any = None) -> Any:
+        return self.engine if self.engine is not None else model
+
+    def training_step(
+        self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None
+    ) -> torch.Tensor:
+        """One micro-batch: the model's mean loss through ``engine.backward`` / ``engine.step``;
+        returns the loss divided by the accumulation steps (what the Trainer sums for its log)."""
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)  # per micro-batch mean: the engine scales it
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss.detach() / self.current_gradient_accumulation_steps
+
+    def _clip_grad_norm(self, model: Any) -> Any:
+        return self._get_grad_norm(model)
+
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> float | None:
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The 16-bit weights (``save_16bit_model``: collective) and the model config, as
+        ``from_pretrained`` loads them."""
+        output_dir = output_dir or self.args.output_dir
+        if self.engine is None:
+            super().save_model(output_dir, _internal_call)
+            return
+        self.engine.save_16bit_model(output_dir)
+        if self.args.should_save and hasattr(self.model, "config"):
+            self.model.config.save_pretrained(output_dir)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        path = os.path.join(self._get_output_dir(trial), f"checkpoint-{self.state.global_step}")
+        self.engine.save_checkpoint(path)
+        if self.args.should_save:
+            self.state.save_to_json(os.path.join(path, "trainer_state.json"))
