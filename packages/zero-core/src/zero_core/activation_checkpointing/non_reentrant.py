@@ -81,7 +81,9 @@ def non_reentrant_checkpoint(function: Callable[..., Any], *args: Any, **kwargs:
     Same results as running ``function`` directly (RNG included). See [Note: non-reentrant checkpoint].
     """
     if not callable(function):
-        raise TypeError(f"non_reentrant_checkpoint: 'function' must be callable, got {type(function).__name__}")
+        raise TypeError(
+            f"non_reentrant_checkpoint: 'function' must be callable, got {type(function).__name__}"
+        )
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
     _warn_storage_options()

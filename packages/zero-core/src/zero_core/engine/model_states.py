@@ -52,7 +52,9 @@ def _kind_name(kind: Any) -> str:
     return value
 
 
-def _move_storages(tensors: Iterable[torch.Tensor | None], device: torch.device, pin: bool, non_blocking: bool) -> None:
+def _move_storages(
+    tensors: Iterable[torch.Tensor | None], device: torch.device, pin: bool, non_blocking: bool
+) -> None:
     """Copy each distinct storage of ``tensors`` to ``device`` and re-point every tensor at the copy.
 
     Tensors sharing a storage (the fp32 master that is the shard) keep sharing it. Assigning
@@ -76,7 +78,9 @@ def _move_storages(tensors: Iterable[torch.Tensor | None], device: torch.device,
                 from zero_core.accelerator import get_accelerator
 
                 new = get_accelerator().pin_memory(new)
-            new.copy_(torch.empty(0, dtype=torch.uint8, device=old.device).set_(old), non_blocking=non_blocking)
+            new.copy_(
+                torch.empty(0, dtype=torch.uint8, device=old.device).set_(old), non_blocking=non_blocking
+            )
             storage = new.untyped_storage()
             for t in group:
                 t.data = torch.empty(0, dtype=t.dtype, device=device).set_(
@@ -117,7 +121,9 @@ class ModelStatesMixin:
         if self._offloaded:
             already = sorted(set(kinds) & set(self._offloaded))
             if already:
-                raise RuntimeError(f"offload_states: {already} are offloaded already; call reload_states() first")
+                raise RuntimeError(
+                    f"offload_states: {already} are offloaded already; call reload_states() first"
+                )
         self.empty_partition_cache()  # type: ignore[attr-defined]  # gathered copies: re-gathered on reload
         target = torch.device("cpu")
         home = torch.device(self.device)  # type: ignore[attr-defined]

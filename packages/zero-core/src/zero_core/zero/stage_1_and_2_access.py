@@ -164,16 +164,21 @@ class PartitionedGradWrite:
         if red.partition_grads:
             shard = red.grad_shards[g]
             if shard is None:
-                raise RuntimeError("safe_set_*_grad: there is no reduced gradient yet; call it after engine.backward")
+                raise RuntimeError(
+                    "safe_set_*_grad: there is no reduced gradient yet; call it after engine.backward"
+                )
             return [(0, shard)]
         layout = red.groups[g].layout
         rank = red._group_rank[g]
         return [
-            (layout.shard_offsets[c.index], red.flat_grads[g][slice(*c.piece_range(rank))]) for c in layout.chunks
+            (layout.shard_offsets[c.index], red.flat_grads[g][slice(*c.piece_range(rank))])
+            for c in layout.chunks
         ]
 
     @torch.no_grad()
-    def _write_grad(self, p: torch.nn.Parameter, segs: list[tuple[int, int, int]], values: list[torch.Tensor]) -> None:
+    def _write_grad(
+        self, p: torch.nn.Parameter, segs: list[tuple[int, int, int]], values: list[torch.Tensor]
+    ) -> None:
         pieces = self._grad_pieces(p._zero_location[0])
         scale = self._loss_scale()
         for (so, _, n), v in zip(segs, values):

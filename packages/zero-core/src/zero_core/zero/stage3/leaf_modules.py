@@ -53,10 +53,14 @@ def _check_model(where: str, model: Any) -> None:
         raise TypeError(f"{where}: model must be a torch.nn.Module, got {type(model).__name__}")
 
 
-def _set(where: str, model: torch.nn.Module, leaf_module_classes: Iterable[Any], flag: bool) -> list[torch.nn.Module]:
+def _set(
+    where: str, model: torch.nn.Module, leaf_module_classes: Iterable[Any], flag: bool
+) -> list[torch.nn.Module]:
     _check_model(where, model)
     if isinstance(leaf_module_classes, (str, type)):
-        raise TypeError(f"{where}: leaf_module_classes must be a list of classes or class names, not a single one")
+        raise TypeError(
+            f"{where}: leaf_module_classes must be a list of classes or class names, not a single one"
+        )
     classes = list(leaf_module_classes)
     for c in classes:
         if not (isinstance(c, str) or (isinstance(c, type) and issubclass(c, torch.nn.Module))):
@@ -78,7 +82,9 @@ def set_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: Iterable[An
     return _set("set_z3_leaf_modules", model, leaf_module_classes, True)
 
 
-def unset_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: Iterable[Any]) -> list[torch.nn.Module]:
+def unset_z3_leaf_modules(
+    model: torch.nn.Module, leaf_module_classes: Iterable[Any]
+) -> list[torch.nn.Module]:
     """Undo :func:`set_z3_leaf_modules` for those classes; returns the modules unmarked."""
     return _set("unset_z3_leaf_modules", model, leaf_module_classes, False)
 
