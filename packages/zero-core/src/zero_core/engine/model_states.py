@@ -53,21 +53,29 @@ def _kind_name(kind: Any) -> str:
 
 
 def _move_storages(
-    tensors: Iterable[torch.Tensor | None], device: torch.device, pin: bool, non_blocking: bool
+    tensors: Iterable[torch.Tensor | None],
+    partners: Iterable[torch.Tensor | None],
+    device: torch.device,
+    pin: bool,
+    non_blocking: bool,
 ) -> None:
-    """Copy each distinct storage of ``tensors`` to ``device`` and re-point every tensor at the copy.
+    """Copy each distinct storage of ``tensors`` to ``device`` and re-point at the copy every tensor of
+    ``tensors`` *and* of ``partners`` that uses it.
 
-    Tensors sharing a storage (the fp32 master that is the shard) keep sharing it. Assigning
-    ``.data`` keeps each tensor object (and so every reference to it) and works on parameters.
+    So tensors sharing a storage (the fp32 master that is the shard) keep sharing it whichever of
+    them was asked for. Assigning ``.data`` keeps each tensor object (and so every reference to
+    it) and works on parameters.
     """
+    wanted = {t.untyped_storage().data_ptr() for t in tensors if t is not None and t.untyped_storage().nbytes()}
     by_storage: dict[int, list[torch.Tensor]] = {}
     seen: set[int] = set()
-    for t in tensors:
+    for t in [*tensors, *partners]:
         if t is None or id(t) in seen or t.untyped_storage().nbytes() == 0:
             continue
         seen.add(id(t))
         key = t.untyped_storage().data_ptr()
-        by_storage.setdefault(key, []).append(t)
+        if key in wanted:
+            by_storage.setdefault(key, []).append(t)
     with torch.no_grad():
         for group in by_storage.values():
             old = group[0].untyped_storage()
@@ -78,9 +86,7 @@ def _move_storages(
                 from zero_core.accelerator import get_accelerator
 
                 new = get_accelerator().pin_memory(new)
-            new.copy_(
-                torch.empty(0, dtype=torch.uint8, device=old.device).set_(old), non_blocking=non_blocking
-            )
+            new.copy_(torch.empty(0, dtype=torch.uint8, device=old.device).set_(old), non_blocking=non_blocking)
             storage = new.untyped_storage()
             for t in group:
                 t.data = torch.empty(0, dtype=t.dtype, device=device).set_(
@@ -127,16 +133,18 @@ class ModelStatesMixin:
         self.empty_partition_cache()  # type: ignore[attr-defined]  # gathered copies: re-gathered on reload
         target = torch.device("cpu")
         home = torch.device(self.device)  # type: ignore[attr-defined]
+        everything = [t for kind in STATE_KINDS for t in self._state_tensors(kind)]
         for kind in kinds:
-            _move_storages(self._state_tensors(kind), target, bool(pin_memory), bool(non_blocking))
+            _move_storages(self._state_tensors(kind), everything, target, bool(pin_memory), bool(non_blocking))
         self._offloaded = {**(self._offloaded or {}), **{k: home for k in kinds}}
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """Bring back every state :meth:`offload_states` moved, to the device it came from."""
         if not self._offloaded:
             return
+        everything = [t for kind in STATE_KINDS for t in self._state_tensors(kind)]
         for kind, home in self._offloaded.items():
-            _move_storages(self._state_tensors(kind), home, False, bool(non_blocking))
+            _move_storages(self._state_tensors(kind), everything, home, False, bool(non_blocking))
         self._offloaded = None
         self.strategy.refresh_persistent()
 
