@@ -75,7 +75,7 @@ def _rank() -> dict:
     # values they had, and training matches plain torch with a view taken between forward and backward
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(5)
-    for step in range(2):
+    for _step in range(2):
         x, y = torch.randn(2 * world, DIM, generator=g), torch.randn(2 * world, 3, generator=g)
         loss = nn.functional.mse_loss(engine(x[2 * rank : 2 * rank + 2]), y[2 * rank : 2 * rank + 2])
         with zero_core.GatheredParameters(list(model.parameters())):
