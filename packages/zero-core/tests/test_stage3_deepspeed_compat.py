@@ -116,7 +116,9 @@ def test_z3_leaf_module_is_gathered_whole_and_trains_like_torch():
     for step in range(2):
         x, y = _data(step, -1)
         # the mean over both ranks' rows: each rank's batch alone decides its expert order
-        loss = sum(nn.functional.mse_loss(ref(x[2 * r : 2 * r + 2]), y[2 * r : 2 * r + 2]) for r in range(WORLD))
+        loss = sum(
+            nn.functional.mse_loss(ref(x[2 * r : 2 * r + 2]), y[2 * r : 2 * r + 2]) for r in range(WORLD)
+        )
         (loss / WORLD).backward()
         opt.step()
         opt.zero_grad()
@@ -160,13 +162,17 @@ def _grads_rank() -> dict:
         safe_set_full_grad(w, new_grad)
         safe_set_local_grad(v, 2 * safe_get_local_grad(v))  # this rank's part only, doubled
         engine.step()
-        torch.testing.assert_close(safe_get_full_fp32_param(w), w_before - 0.1 * new_grad, msg=f"stage {stage}")
+        torch.testing.assert_close(
+            safe_get_full_fp32_param(w), w_before - 0.1 * new_grad, msg=f"stage {stage}"
+        )
         torch.testing.assert_close(safe_get_full_fp32_param(v), v_before - 0.2 * v_grad, msg=f"stage {stage}")
 
     # stage 0 with bf16: the fp32 values are the optimizer's masters, not the bf16 module copy
     model = _leaf_net()
     engine, _, _, _ = zero_core.initialize(
-        model=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.01), config=_cfg(0, bf16={"enabled": True})
+        model=model,
+        optimizer=torch.optim.Adam(model.parameters(), lr=0.01),
+        config=_cfg(0, bf16={"enabled": True}),
     )
     engine.backward(nn.functional.mse_loss(engine(x.bfloat16()).float(), y))
     engine.step()
@@ -327,8 +333,15 @@ def test_facade_exports():
 
     for name in ("OnDevice", "MiCS_Init", "unwrap_model_for_generation", "initialize"):
         assert callable(getattr(zero, name))
-    for name in ("safe_set_full_grad", "safe_set_local_grad", "set_z3_leaf_modules", "unset_z3_leaf_modules",
-                 "get_z3_leaf_modules", "z3_leaf_module", "set_random_seed"):
+    for name in (
+        "safe_set_full_grad",
+        "safe_set_local_grad",
+        "set_z3_leaf_modules",
+        "unset_z3_leaf_modules",
+        "get_z3_leaf_modules",
+        "z3_leaf_module",
+        "set_random_seed",
+    ):
         assert callable(getattr(zero.utils, name)), name
     assert zero.zero.OnDevice is zero.OnDevice and zero.zero.MiCS_Init is zero.MiCS_Init
     assert callable(zero.checkpointing.non_reentrant_checkpoint)

@@ -44,7 +44,12 @@ def _cfg() -> dict:
 
 def _read_every_way(t: torch.Tensor) -> list[torch.Tensor]:
     d = t.detach()
-    return [d.sum().reshape(1), d.clone().reshape(-1), (d + 1).reshape(-1), torch.from_numpy(d.numpy().copy()).reshape(-1)]
+    return [
+        d.sum().reshape(1),
+        d.clone().reshape(-1),
+        (d + 1).reshape(-1),
+        torch.from_numpy(d.numpy().copy()).reshape(-1),
+    ]
 
 
 def _rank() -> dict:

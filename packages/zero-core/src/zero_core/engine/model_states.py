@@ -66,7 +66,9 @@ def _move_storages(
     them was asked for. Assigning ``.data`` keeps each tensor object (and so every reference to
     it) and works on parameters.
     """
-    wanted = {t.untyped_storage().data_ptr() for t in tensors if t is not None and t.untyped_storage().nbytes()}
+    wanted = {
+        t.untyped_storage().data_ptr() for t in tensors if t is not None and t.untyped_storage().nbytes()
+    }
     by_storage: dict[int, list[torch.Tensor]] = {}
     seen: set[int] = set()
     for t in [*tensors, *partners]:
@@ -86,7 +88,9 @@ def _move_storages(
                 from zero_core.accelerator import get_accelerator
 
                 new = get_accelerator().pin_memory(new)
-            new.copy_(torch.empty(0, dtype=torch.uint8, device=old.device).set_(old), non_blocking=non_blocking)
+            new.copy_(
+                torch.empty(0, dtype=torch.uint8, device=old.device).set_(old), non_blocking=non_blocking
+            )
             storage = new.untyped_storage()
             for t in group:
                 t.data = torch.empty(0, dtype=t.dtype, device=device).set_(
@@ -135,7 +139,9 @@ class ModelStatesMixin:
         home = torch.device(self.device)  # type: ignore[attr-defined]
         everything = [t for kind in STATE_KINDS for t in self._state_tensors(kind)]
         for kind in kinds:
-            _move_storages(self._state_tensors(kind), everything, target, bool(pin_memory), bool(non_blocking))
+            _move_storages(
+                self._state_tensors(kind), everything, target, bool(pin_memory), bool(non_blocking)
+            )
         self._offloaded = {**(self._offloaded or {}), **{k: home for k in kinds}}
 
     def reload_states(self, non_blocking: bool = False) -> None:
