@@ -222,7 +222,7 @@ def _offload_rank() -> dict:
     before = _storage_ptrs(engine)
     x, y = _data(1, rank)
     # only the optimizer states: forward (generation) still works, training does not
-    engine.offload_states(include=["optim_states"], pin_memory=True)
+    engine.offload_states(include=[zero_core.OffloadStateTypeEnum.optim_states], pin_memory=True)
     assert all(a != b for a, b in zip(_storage_ptrs(engine)["optim_states"], before["optim_states"]))
     with torch.no_grad():
         engine(x)
@@ -247,7 +247,7 @@ def _offload_rank() -> dict:
     with pytest.raises(ValueError, match="unknown state kind 'gpu_cache'"):
         engine.offload_states(include=["gpu_cache"])
     with pytest.raises(ValueError, match="device must be 'cpu'"):
-        engine.offload_states(device="nvme")
+        engine.offload_states(device=zero_core.OffloadDeviceEnum.nvme)
     plain = _leaf_net()
     e0, _, _, _ = zero_core.initialize(
         model=plain, optimizer=torch.optim.Adam(plain.parameters(), lr=0.01), config=_cfg(0)

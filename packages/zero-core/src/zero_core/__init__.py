@@ -61,6 +61,8 @@ _LAZY: dict[str, str] = {
     "unregister_external_parameter": "zero_core.zero.stage3.external_params:unregister_external_parameter",
     "TiledLinear": "zero_core.zero.stage3.tiled_linear:TiledLinear",
     "OnDevice": "zero_core.zero.on_device:OnDevice",
+    "OffloadStateTypeEnum": "zero_core.engine.model_states:OffloadStateTypeEnum",
+    "OffloadDeviceEnum": "zero_core.engine.model_states:OffloadDeviceEnum",
     "MiCS_Init": "zero_core.zero.stage3.mics:MiCS_Init",
     "unwrap_model_for_generation": "zero_core.zero.stage3.generation:unwrap_model_for_generation",
     "set_z3_leaf_modules": "zero_core.zero.stage3.leaf_modules:set_z3_leaf_modules",

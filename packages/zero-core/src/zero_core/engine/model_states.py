@@ -36,12 +36,31 @@ accelerator before using the states, as with DeepSpeed.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 STATE_KINDS = ("optim_states", "hp_params", "lp_params", "lp_grads", "contiguous_grad_buffer")
+
+
+class OffloadStateTypeEnum(str, enum.Enum):
+    """DeepSpeed's names of the kinds of model state ``offload_states(include=...)`` takes."""
+
+    optim_states = "optim_states"
+    hp_params = "hp_params"
+    lp_params = "lp_params"
+    lp_grads = "lp_grads"
+    contiguous_grad_buffer = "contiguous_grad_buffer"
+
+
+class OffloadDeviceEnum(str, enum.Enum):
+    """DeepSpeed's offload targets; ``offload_states`` accepts ``cpu`` (as DeepSpeed does)."""
+
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
 
 
 def _kind_name(kind: Any) -> str:
