@@ -156,11 +156,10 @@ class ModelStatesMixin:
         self.empty_partition_cache()  # type: ignore[attr-defined]  # gathered copies: re-gathered on reload
         target = torch.device("cpu")
         home = torch.device(self.device)  # type: ignore[attr-defined]
+        # one pass, so a storage shared by two kinds (fp32 master == shard) is copied once
         everything = [t for kind in STATE_KINDS for t in self._state_tensors(kind)]
-        for kind in kinds:
-            _move_storages(
-                self._state_tensors(kind), everything, target, bool(pin_memory), bool(non_blocking)
-            )
+        chosen = [t for kind in kinds for t in self._state_tensors(kind)]
+        _move_storages(chosen, everything, target, bool(pin_memory), bool(non_blocking))
         self._offloaded = {**(self._offloaded or {}), **{k: home for k in kinds}}
 
     def reload_states(self, non_blocking: bool = False) -> None:
@@ -168,8 +167,11 @@ class ModelStatesMixin:
         if not self._offloaded:
             return
         everything = [t for kind in STATE_KINDS for t in self._state_tensors(kind)]
+        homes: dict[torch.device, list[torch.Tensor]] = {}
         for kind, home in self._offloaded.items():
-            _move_storages(self._state_tensors(kind), everything, home, False, bool(non_blocking))
+            homes.setdefault(home, []).extend(self._state_tensors(kind))
+        for home, chosen in homes.items():
+            _move_storages(chosen, everything, home, False, bool(non_blocking))
         self._offloaded = None
         self.strategy.refresh_persistent()
 
