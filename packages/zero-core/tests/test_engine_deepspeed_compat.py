@@ -182,6 +182,13 @@ def _api_rank() -> dict:
             engine.backward(engine(x.to(engine.compute_dtype), y))
         with pytest.raises(NoOptimizerError, match="engine.step"):
             engine.step()
+    # an offload_optimizer section has nothing to hold without an optimizer: forward still works
+    cfg = _cfg(3)
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    engine, opt, _, _ = zero_core.initialize(model=copy.deepcopy(ref_model), config=cfg)
+    assert opt is None and engine.strategy.offload is None
+    with torch.no_grad():
+        torch.testing.assert_close(engine(x, y), want.detach(), rtol=1e-6, atol=1e-6)
     return out
 
 

@@ -12,6 +12,7 @@ the parameter groups (the strategies need them) and owns no state.
   its ZeRO optimizer here). With fp16/bf16 the module is cast to the training dtype.
 * Stage 3 partitions the parameters exactly as for training (forward gathers them module by
   module) but creates no fp32 masters, so each rank holds 1/N of the 16-bit weights only.
+  ``offload_param`` still applies; ``offload_optimizer`` has nothing to hold and is not built.
 * ``initialize`` returns ``None`` as the optimizer and ``engine.optimizer`` is ``None``.
 * ``engine.backward`` and ``engine.step`` raise :class:`NoOptimizerError` naming the fix:
   there is nothing to train. (Gradients of the inputs, e.g. for saliency, are still available

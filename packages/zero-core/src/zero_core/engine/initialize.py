@@ -247,7 +247,7 @@ def _build_strategy(module: torch.nn.Module, optimizer: torch.optim.Optimizer, c
             gather_16bit_weights_on_model_save=bool(zc.gather_16bit_weights_on_model_save),
             reduce_bucket_size=int(zc.reduce_bucket_size),
             overlap_comm=bool(zc.overlap_comm) if zc.overlap_comm is not None else True,
-            optimizer_offload=_optimizer_offload(module, cfg, group, dtype),
+            optimizer_offload=None if eval_only else _optimizer_offload(module, cfg, group, dtype),
             offload_ratio=float(zc.offload_optimizer.ratio) if zc.offload_optimizer is not None else 1.0,
             param_offload=_param_offload(cfg, group),
             comm_dtype=comm_dtype,
