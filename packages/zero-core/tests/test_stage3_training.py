@@ -196,11 +196,20 @@ def _rank() -> dict:
             "losses": losses,
             "scales": scales,
             "skipped": engine.skipped_steps,
-            "state": {n: safe_get_full_fp32_param(p) for n, p in model.named_parameters()},
+            # safe_get_* returns None for a frozen parameter (as DeepSpeed): gather those instead
+            "state": {
+                n: safe_get_full_fp32_param(p) if p.requires_grad else _gathered(zero_core, p)
+                for n, p in model.named_parameters()
+            },
             "ag_bytes": comm.comms_logger.bytes_for("all_gather_into_tensor"),
             "buckets": engine.strategy.reducer.launched,
         }
     return out
+
+
+def _gathered(zero_core, p: torch.nn.Parameter) -> torch.Tensor:
+    with zero_core.GatheredParameters([p]):
+        return p.detach().float().clone()
 
 
 @pytest.fixture(scope="module")

@@ -60,6 +60,15 @@ _LAZY: dict[str, str] = {
     "register_external_parameter": "zero_core.zero.stage3.external_params:register_external_parameter",
     "unregister_external_parameter": "zero_core.zero.stage3.external_params:unregister_external_parameter",
     "TiledLinear": "zero_core.zero.stage3.tiled_linear:TiledLinear",
+    "OnDevice": "zero_core.zero.on_device:OnDevice",
+    "OffloadStateTypeEnum": "zero_core.engine.model_states:OffloadStateTypeEnum",
+    "OffloadDeviceEnum": "zero_core.engine.model_states:OffloadDeviceEnum",
+    "MiCS_Init": "zero_core.zero.stage3.mics:MiCS_Init",
+    "unwrap_model_for_generation": "zero_core.zero.stage3.generation:unwrap_model_for_generation",
+    "set_z3_leaf_modules": "zero_core.zero.stage3.leaf_modules:set_z3_leaf_modules",
+    "unset_z3_leaf_modules": "zero_core.zero.stage3.leaf_modules:unset_z3_leaf_modules",
+    "get_z3_leaf_modules": "zero_core.zero.stage3.leaf_modules:get_z3_leaf_modules",
+    "z3_leaf_module": "zero_core.zero.stage3.leaf_modules:z3_leaf_module",
 }
 
 __getattr__, __dir__ = _lazy_exports(__name__, globals(), _LAZY)

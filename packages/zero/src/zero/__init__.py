@@ -27,6 +27,9 @@ _NAMES: dict[str, str] = {
     "init_inference": "zero_inference:init_inference",
     "InferenceEngine": "zero_inference:InferenceEngine",
     "PipelineModule": "zero_pipe:PipelineModule",
+    "OnDevice": "zero_core:OnDevice",
+    "MiCS_Init": "zero_core:MiCS_Init",
+    "unwrap_model_for_generation": "zero_core:unwrap_model_for_generation",
 }
 
 # facade submodules (zero/<name>.py or zero/<name>/): imported on attribute access

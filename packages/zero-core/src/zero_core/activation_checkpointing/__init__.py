@@ -24,6 +24,7 @@ from zero_core.activation_checkpointing.config import (
     ActivationCheckpointingConfig,
     read_activation_checkpointing_config,
 )
+from zero_core.activation_checkpointing.non_reentrant import non_reentrant_checkpoint
 from zero_core.activation_checkpointing.rng import (
     CudaRNGStatesTracker,
     RNGStatesTracker,
@@ -43,6 +44,7 @@ __all__ = [
     "get_mpu",
     "is_configured",
     "model_parallel_cuda_manual_seed",
+    "non_reentrant_checkpoint",
     "profile_stats",
     "read_activation_checkpointing_config",
     "reset",

@@ -56,6 +56,16 @@ class DataParallelStrategy:
         self.master: dict[torch.nn.Parameter, torch.nn.Parameter] = {}
         if master_weights:
             self._rebind_to_masters()
+        self.loss_scaler: Any = None  # see bind_loss_scaler
+        from zero_core.engine.data_parallel_access import DataParallelStateAccess
+
+        access = DataParallelStateAccess(self)
+        for p in self.params:
+            p._zero_owner = access  # see [Note: safe_get owner protocol] in zero/debug_access.py
+
+    def bind_loss_scaler(self, loss_scaler: Any) -> None:
+        """The engine's loss scaler: the safe_get gradient helpers report unscaled gradients."""
+        self.loss_scaler = loss_scaler
 
     def _rebind_to_masters(self) -> None:
         for group in self.optimizer.param_groups:

@@ -20,16 +20,23 @@ import torch
 from zero_core import comm
 from zero_core.engine.accessors import DeepSpeedAccessors
 from zero_core.engine.data import cast_floating
+from zero_core.engine.eval_only import is_eval_only, require_optimizer
 from zero_core.engine.loss_scaler import LossScaler
+from zero_core.engine.model_states import ModelStatesMixin
+from zero_core.engine.module_attrs import ForwardToModule
+from zero_core.engine.no_sync import NoSyncMixin
 from zero_core.engine.strategy import TrainingStrategy
 from zero_core.engine.timers import Timers
 
 
-class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
+class ZeroEngine(ForwardToModule, NoSyncMixin, ModelStatesMixin, DeepSpeedAccessors, torch.nn.Module):
     """Wraps a model for training; use it like the model, plus ``backward`` and ``step``.
 
     DeepSpeed's accessors (``zero_optimization_stage()``, ``bfloat16_enabled()`` ...) come from
-    :class:`DeepSpeedAccessors` (see [Note: DeepSpeed engine accessors]).
+    :class:`DeepSpeedAccessors` (see [Note: DeepSpeed engine accessors]); ``no_sync()`` from
+    :class:`NoSyncMixin` (see [Note: no_sync]); ``offload_states()``/``reload_states()`` from
+    :class:`ModelStatesMixin`; unknown attributes are looked up on the wrapped module (see
+    [Note: engine attribute forwarding]).
     """
 
     def __init__(
@@ -93,8 +100,10 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
 
     # -- the strategy's parts -----------------------------------------------------------
     @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self.strategy.optimizer
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer (None for an engine built without one: See [Note: engine without an optimizer])."""
+        opt = self.strategy.optimizer
+        return None if is_eval_only(opt) else opt
 
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:  # set_gradient_accumulation_boundary
@@ -183,6 +192,7 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
     # -- the loop -----------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._require_valid_state("forward")
+        self._require_states_on_device("forward", ("lp_params",))
         if self.profiler is not None and self.micro_steps % self.gradient_accumulation_steps() == 0:
             self.profiler.on_step_begin(self.global_steps)
         if self._wall_clock:
@@ -197,32 +207,42 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
     def backward(
         self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
     ) -> torch.Tensor:
-        """Backward of ``loss`` scaled by 1/gradient_accumulation_steps and the loss scale."""
+        """Backward of ``loss`` scaled by 1/gradient_accumulation_steps and the loss scale.
+
+        Returns, as DeepSpeed does, the loss divided by ``gradient_accumulation_steps`` (when
+        ``scale_wrt_gas``), without the fp16 loss scale. Inside :meth:`no_sync` the gradients
+        stay on this rank (See [Note: no_sync]).
+        """
         self._require_valid_state("backward")
+        require_optimizer(self.strategy.optimizer, "backward")
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError("engine.backward expects a scalar loss tensor")
-        boundary = self.is_gradient_accumulation_boundary()
+        self._require_states_on_device("backward")
+        reduce = self._reduce_in_this_backward(self.is_gradient_accumulation_boundary())
         self._losses.append(float(loss.detach().float().item()))
-        scaled = loss.float()
+        gas_scaled = loss
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
-            scaled = scaled / self.gradient_accumulation_steps()
-        scaled = self.loss_scaler.scale_loss(scaled)
+            gas_scaled = loss / self.gradient_accumulation_steps()
+        scaled = self.loss_scaler.scale_loss(gas_scaled.float())
         if self._wall_clock:
             self.timers.start("backward")
-        self.strategy.before_backward(boundary)
+        self.strategy.before_backward(reduce)
         scaled.backward(retain_graph=retain_graph)
         if self._wall_clock:
             # the communication left after backward: waiting for the gradient reduction
             self.timers.start("backward_allreduce")
-        self.strategy.after_backward(boundary)
+        self.strategy.after_backward(reduce)
         if self._wall_clock:
             self.timers.stop("backward_allreduce")
             self.timers.stop("backward")
-        return loss
+        return gas_scaled
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """End a micro-step; on an accumulation boundary apply the optimizer."""
         self._require_valid_state("step")
+        require_optimizer(self.strategy.optimizer, "step")
+        self._require_outside_no_sync("step")
+        self._require_states_on_device("step")
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         self.global_samples += self.train_micro_batch_size_per_gpu() * self.dp_world_size

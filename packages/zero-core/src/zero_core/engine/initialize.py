@@ -18,6 +18,7 @@ from zero_core import comm
 from zero_core.engine.accessors import COMM_DTYPES
 from zero_core.engine.data import ZeroDataLoader
 from zero_core.engine.engine import ZeroEngine
+from zero_core.engine.eval_only import is_eval_only
 from zero_core.engine.loss_scaler import build_loss_scaler
 from zero_core.plugins import require
 
@@ -77,16 +78,25 @@ def _build_optimizer(optimizer: Any, params: Any, cfg: Any) -> torch.optim.Optim
         return built
     section = _section(cfg, "optimizer")
     if section is None or getattr(section, "type", None) is None:
-        raise ValueError(
-            "no optimizer: pass optimizer= (an optimizer or a callable taking the parameters) "
-            "or add an 'optimizer' section to the config"
-        )
+        from zero_core.engine.eval_only import EvalOnlyOptimizer
+
+        # See [Note: engine without an optimizer]
+        return EvalOnlyOptimizer(params)
     from zero_core.optim import build_optimizer
 
     return build_optimizer(params, section.type, dict(getattr(section, "params", None) or {}))
 
 
 def _build_scheduler(lr_scheduler: Any, optimizer: torch.optim.Optimizer, cfg: Any) -> Any:
+    from zero_core.engine.eval_only import is_eval_only
+
+    if is_eval_only(optimizer):
+        if lr_scheduler is not None or getattr(_section(cfg, "scheduler"), "type", None) is not None:
+            raise ValueError(
+                "initialize: an LR scheduler (lr_scheduler= or a 'scheduler' section) needs an optimizer; "
+                "pass optimizer= or add an 'optimizer' section, or drop the scheduler for evaluation"
+            )
+        return None
     if lr_scheduler is not None:
         # A scheduler class is a callable too (it has a ``step`` attribute, unbound): call it.
         if isinstance(lr_scheduler, type) or (callable(lr_scheduler) and not hasattr(lr_scheduler, "step")):
@@ -182,7 +192,8 @@ def _build_strategy(module: torch.nn.Module, optimizer: torch.optim.Optimizer, c
     stage = int(zc.stage)
     dtype = compute_dtype(cfg)
     comm_dtype = COMM_DTYPES.get(str(getattr(cfg, "communication_data_type", None) or "").lower())
-    if stage == 0:
+    eval_only = is_eval_only(optimizer)  # See [Note: engine without an optimizer]
+    if stage == 0 or (eval_only and stage in (1, 2)):
         from zero_core.engine.data_parallel import DataParallelStrategy
         from zero_core.engine.grad_buckets import STAGE0_DEFAULT_BUCKET_NUMEL
 
@@ -196,7 +207,7 @@ def _build_strategy(module: torch.nn.Module, optimizer: torch.optim.Optimizer, c
             overlap_comm=bool(zc.overlap_comm) if zc.overlap_comm is not None else True,
             comm_dtype=comm_dtype,
             predivide_factor=float(getattr(cfg, "gradient_predivide_factor", 1.0) or 1.0),
-            master_weights=dtype != torch.float32,
+            master_weights=dtype != torch.float32 and not eval_only,
         )
     if stage in (1, 2):
         from zero_core.zero.stage_1_and_2 import PartitionedOptimizerStrategy
@@ -236,10 +247,11 @@ def _build_strategy(module: torch.nn.Module, optimizer: torch.optim.Optimizer, c
             gather_16bit_weights_on_model_save=bool(zc.gather_16bit_weights_on_model_save),
             reduce_bucket_size=int(zc.reduce_bucket_size),
             overlap_comm=bool(zc.overlap_comm) if zc.overlap_comm is not None else True,
-            optimizer_offload=_optimizer_offload(module, cfg, group, dtype),
+            optimizer_offload=None if eval_only else _optimizer_offload(module, cfg, group, dtype),
             offload_ratio=float(zc.offload_optimizer.ratio) if zc.offload_optimizer is not None else 1.0,
             param_offload=_param_offload(cfg, group),
             comm_dtype=comm_dtype,
+            masters=not eval_only,
         )
     raise NotImplementedError(f"zero_optimization.stage {stage} is not available in this build")
 
@@ -310,7 +322,7 @@ def initialize(
     opt = _build_optimizer(optimizer, params, cfg)
     strategy = _build_strategy(model, opt, cfg, group)
     dtype = compute_dtype(cfg)
-    if dtype != torch.float32 and int(cfg.zero_optimization.stage) == 0:
+    if dtype != torch.float32 and (int(cfg.zero_optimization.stage) == 0 or _replicated_eval(opt, cfg)):
         model.to(dtype)
     scheduler = _build_scheduler(lr_scheduler, strategy.optimizer, cfg)
 
@@ -340,4 +352,9 @@ def initialize(
         compute_dtype=dtype,
     )
     engine.profiler = _build_profiler(model, cfg, engine)
-    return engine, strategy.optimizer, loader, scheduler
+    return engine, engine.optimizer, loader, scheduler
+
+
+def _replicated_eval(optimizer: Any, cfg: Any) -> bool:
+    """An optimizer-less engine at stage 1 or 2 is plain data parallel (See [Note: engine without an optimizer])."""
+    return is_eval_only(optimizer) and int(cfg.zero_optimization.stage) in (1, 2)

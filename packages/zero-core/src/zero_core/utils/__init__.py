@@ -19,6 +19,16 @@ _LAZY: dict[str, str] = {
     "safe_get_local_optimizer_state": "zero_core.zero.debug_access",
     "safe_set_local_fp32_param": "zero_core.zero.debug_access",
     "safe_set_local_optimizer_state": "zero_core.zero.debug_access",
+    "safe_set_full_grad": "zero_core.zero.debug_access",
+    "safe_set_local_grad": "zero_core.zero.debug_access",
+    # ZeRO-3 leaf modules (See [Note: z3 leaf modules]) and the seed helper, as in deepspeed.utils
+    "set_z3_leaf_modules": "zero_core.zero.stage3.leaf_modules",
+    "unset_z3_leaf_modules": "zero_core.zero.stage3.leaf_modules",
+    "get_z3_leaf_modules": "zero_core.zero.stage3.leaf_modules",
+    "z3_leaf_module": "zero_core.zero.stage3.leaf_modules",
+    "z3_leaf_parameter": "zero_core.zero.stage3.leaf_modules",
+    "set_z3_leaf_module": "zero_core.zero.stage3.leaf_modules",
+    "set_random_seed": "zero_core.utils.seed",
 }
 
 __getattr__, __dir__ = _lazy_exports(__name__, globals(), _LAZY)

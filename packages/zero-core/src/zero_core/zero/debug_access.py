@@ -31,6 +31,8 @@ from typing import Any
 import torch
 
 _ABSENT = object()
+# what _owner_method returns for a getter on a frozen parameter: the getter returns None
+_FROZEN = object()
 
 
 def _owner_method(where: str, param: Any, *, local: bool, value: Any = _ABSENT, key: Any = _ABSENT) -> Any:
@@ -47,6 +49,8 @@ def _owner_method(where: str, param: Any, *, local: bool, value: Any = _ABSENT, 
         raise TypeError(
             f"{where}: param must be a model parameter (torch.nn.Parameter), got {type(param).__name__}"
         )
+    if where.startswith("safe_get_") and not param.requires_grad:
+        return _FROZEN
     owner = getattr(param, "_zero_owner", None)
     name = where.replace("safe_get_", "").replace("safe_", "")
     if local and owner is not None and not hasattr(owner, name):
@@ -73,9 +77,11 @@ def _owner_method(where: str, param: Any, *, local: bool, value: Any = _ABSENT, 
     return None if owner is None else getattr(owner, name)
 
 
-def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
+def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor | None:
     """The full fp32 (master) value of ``param``, assembled from every rank's partition. Collective."""
     method = _owner_method("safe_get_full_fp32_param", param, local=False)
+    if method is _FROZEN:
+        return None
     if method is None:
         return param.detach().float().clone()
     return method(param)
@@ -88,14 +94,18 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     is divided by the current loss scale, so it is the gradient of the unscaled loss.
     """
     method = _owner_method("safe_get_full_grad", param, local=False)
+    if method is _FROZEN:
+        return None
     if method is None:
         return None if param.grad is None else param.grad.detach().float().clone()
     return method(param)
 
 
-def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor:
+def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
     """The full optimizer state ``optim_state_key`` (e.g. ``"exp_avg"``) of ``param``. Collective."""
     method = _owner_method("safe_get_full_optimizer_state", param, local=False, key=optim_state_key)
+    if method is _FROZEN:
+        return None
     return method(param, optim_state_key)
 
 
@@ -119,9 +129,11 @@ def safe_set_full_optimizer_state(
     method(param, value, optim_state_key)
 
 
-def safe_get_local_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
+def safe_get_local_fp32_param(param: torch.nn.Parameter) -> torch.Tensor | None:
     """This rank's partition of the fp32 (master) value of ``param``, flat. Not collective."""
     method = _owner_method("safe_get_local_fp32_param", param, local=True)
+    if method is _FROZEN:
+        return None
     if method is None:
         return param.detach().float().reshape(-1).clone()
     return method(param)
@@ -133,14 +145,18 @@ def safe_get_local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     Valid between the backward of an accumulation boundary and ``engine.step()``.
     """
     method = _owner_method("safe_get_local_grad", param, local=True)
+    if method is _FROZEN:
+        return None
     if method is None:
         return None if param.grad is None else param.grad.detach().float().reshape(-1).clone()
     return method(param)
 
 
-def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor:
+def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
     """This rank's partition of optimizer state ``optim_state_key`` of ``param``. Not collective."""
     method = _owner_method("safe_get_local_optimizer_state", param, local=True, key=optim_state_key)
+    if method is _FROZEN:
+        return None
     return method(param, optim_state_key)
 
 
@@ -168,7 +184,34 @@ def safe_set_local_optimizer_state(
     method(param, value, optim_state_key)
 
 
+def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Replace the full reduced gradient of ``param`` (every rank passes the same value; each
+    writes its own part). Between the backward of a boundary and ``engine.step()``; ``value``
+    is on the scale ``safe_get_full_grad`` returns."""
+    method = _owner_method("safe_set_full_grad", param, local=False, value=value)
+    if method is None:
+        param.grad = value.detach().to(param.dtype).clone()
+        return
+    method(param, value)
+
+
+def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Replace this rank's partition of the reduced gradient of ``param`` (the layout of
+    ``safe_get_local_grad``). Not collective."""
+    method = _owner_method("safe_set_local_grad", param, local=True, value=value)
+    if method is None:
+        if value.numel() != param.numel():
+            raise ValueError(
+                f"safe_set_local_grad: value has {value.numel()} elements, the parameter {param.numel()}"
+            )
+        param.grad = value.detach().reshape(param.shape).to(param.dtype).clone()
+        return
+    method(param, value)
+
+
 __all__ = [
+    "safe_set_full_grad",
+    "safe_set_local_grad",
     "safe_get_full_fp32_param",
     "safe_get_full_grad",
     "safe_get_full_optimizer_state",

@@ -53,7 +53,7 @@ from zero_core import comm
 from zero_core.engine.param_groups import reduction_groups
 from zero_core.zero.flat_partition import FlatPartition
 from zero_core.zero.grad_reduce import GroupGrads, PartitionedGradReducer
-from zero_core.zero.stage_1_and_2_access import PartitionedStateAccess
+from zero_core.zero.stage_1_and_2_access import PartitionedGradWrite, PartitionedStateAccess
 from zero_core.zero.stage_1_and_2_checkpoint import PartitionedCheckpointing
 
 logger = logging.getLogger(__name__)
@@ -170,7 +170,7 @@ def gather_shards(
         w.wait()
 
 
-class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedCheckpointing):
+class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedGradWrite, PartitionedCheckpointing):
     """The :class:`~zero_core.engine.strategy.TrainingStrategy` of ZeRO stages 1 and 2.
 
     See [Note: optimizer on a shard] and [Note: partitioned gradient reduction].

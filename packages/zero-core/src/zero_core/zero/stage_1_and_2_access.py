@@ -148,3 +148,63 @@ class PartitionedStateAccess:
         flat = value.detach().reshape(-1).to(st.dtype)
         for so, po, n in self._own_segments(g, i):
             st[so : so + n].copy_(flat[po : po + n])
+
+
+class PartitionedGradWrite:
+    """``safe_set_full_grad`` / ``safe_set_local_grad`` for stages 1 and 2 (mixed into the strategy).
+
+    The value is the gradient of the unscaled loss (what ``safe_get_*_grad`` returns): it is
+    multiplied by the current fp16 loss scale before it replaces this rank's owned elements of
+    the reduced gradient, so the next ``engine.step()`` applies it.
+    """
+
+    def _grad_pieces(self, g: int) -> list[tuple[int, torch.Tensor]]:
+        """(offset in this rank's gradient shard, writable view) of each piece of group ``g``."""
+        red = self.reducer
+        if red.partition_grads:
+            shard = red.grad_shards[g]
+            if shard is None:
+                raise RuntimeError(
+                    "safe_set_*_grad: there is no reduced gradient yet; call it after engine.backward"
+                )
+            return [(0, shard)]
+        layout = red.groups[g].layout
+        rank = red._group_rank[g]
+        return [
+            (layout.shard_offsets[c.index], red.flat_grads[g][slice(*c.piece_range(rank))])
+            for c in layout.chunks
+        ]
+
+    @torch.no_grad()
+    def _write_grad(
+        self, p: torch.nn.Parameter, segs: list[tuple[int, int, int]], values: list[torch.Tensor]
+    ) -> None:
+        pieces = self._grad_pieces(p._zero_location[0])
+        scale = self._loss_scale()
+        for (so, _, n), v in zip(segs, values):
+            for start, view in pieces:
+                if start <= so < start + view.numel():
+                    view[so - start : so - start + n].copy_(v.mul(scale) if scale != 1.0 else v)
+                    break
+
+    def set_full_grad(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
+        g, i = p._zero_location
+        flat = value.detach().reshape(-1).float()
+        segs = self._own_segments(g, i)
+        self._write_grad(p, segs, [flat[po : po + n] for _, po, n in segs])
+
+    def set_local_grad(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
+        g, i = p._zero_location
+        segs = self._own_segments(g, i)
+        flat = value.detach().reshape(-1).float()
+        want = sum(n for _, _, n in segs)
+        if flat.numel() != want:
+            raise ValueError(
+                f"safe_set_local_grad: this rank owns {want} elements of the parameter (see safe_get_local_grad), "
+                f"the value has {flat.numel()}"
+            )
+        out, k = [], 0
+        for _, _, n in segs:
+            out.append(flat[k : k + n])
+            k += n
+        self._write_grad(p, segs, out)

@@ -29,6 +29,7 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
+from zero_core.zero.stage3.leaf_modules import leaf_descendants
 from zero_core.zero.stage3.param_coordinator import ParamCoordinator
 from zero_core.zero.stage3.partitioned_param import ParamStatus
 
@@ -110,8 +111,12 @@ class Stage3Hooks:
         self.handles: list[Any] = []
         self.in_backward = False
         self._backward_task: int | None = None
+        self.paused = False  # see pause_module_hooks
+        inside_leaves = leaf_descendants(root)  # See [Note: z3 leaf modules]
         for m in root.modules():
             install_param_dict(m)
+            if id(m) in inside_leaves:
+                continue
             self.handles.append(m.register_forward_pre_hook(self._pre_forward))
             self.handles.append(m.register_forward_hook(self._post_forward))
         seen: set[int] = set()
@@ -127,6 +132,8 @@ class Stage3Hooks:
 
     # -- forward ------------------------------------------------------------------------
     def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if self.paused:
+            return
         if module is self.root and not self.stack and not self.in_backward:
             self.coordinator.begin_iteration((self.root.training, torch.is_grad_enabled()))
         if not self.stack:
@@ -135,6 +142,8 @@ class Stage3Hooks:
         self.coordinator.fetch(module, "forward")
 
     def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        if self.paused:
+            return None
         leaves = _output_leaves(output)
         returned = [t for t in leaves if isinstance(t, torch.nn.Parameter) and hasattr(t, "zero_state")]
         if self.stack and self.stack[-1] is module:
@@ -173,7 +182,7 @@ class Stage3Hooks:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         self.coordinator.fetch(module, "backward")
         # Parameters without gradients (frozen) are released at the end of backward.
-        for p in module.parameters(recurse=False):
+        for p in module.parameters(recurse=bool(getattr(module, "_z3_leaf", False))):
             if hasattr(p, "zero_state"):
                 p.zero_state.active = 0
 

@@ -44,7 +44,10 @@ Event = tuple[int, str]
 
 def module_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The partitioned parameters a module's forward needs: its own plus its external ones."""
-    own = [p for p in module._parameters.values() if p is not None and hasattr(p, "zero_state")]
+    if getattr(module, "_z3_leaf", False):  # the whole subtree: See [Note: z3 leaf modules]
+        own = list({id(p): p for p in module.parameters() if hasattr(p, "zero_state")}.values())
+    else:
+        own = [p for p in module._parameters.values() if p is not None and hasattr(p, "zero_state")]
     ext = getattr(module, "_zero_external_params", None)
     if ext:
         ids = {id(p) for p in own}
@@ -164,7 +167,8 @@ class ParamCoordinator:
             st.active = max(st.active - 1, 0)
             if st.active > 0 or st.id in keep_ids or self._reused_soon(p):
                 continue
-            self._release(p)
+            # after forward autograd's saved views must follow the in-place re-gather
+            self._release(p, keep_outside_views=phase != "forward")
 
     def release_after_grad(self, param: torch.nn.Parameter) -> None:
         """A parameter whose gradient is complete is not needed again in this backward."""
@@ -173,11 +177,14 @@ class ParamCoordinator:
         if not self._reused_soon(param):
             self._release(param)
 
-    def _release(self, p: torch.nn.Parameter, force: bool = False) -> None:
+    def _release(self, p: torch.nn.Parameter, force: bool = False, keep_outside_views: bool = True) -> None:
+        """See [Note: tensors taken from a gathered parameter] for ``keep_outside_views``."""
         st = p.zero_state
         if st.id in self.inflight:
             return
-        if release_param(p, force=force) or st.status is ParamStatus.NOT_AVAILABLE:
+        if release_param(p, force=force, keep_outside_views=keep_outside_views) or (
+            st.status is ParamStatus.NOT_AVAILABLE
+        ):
             if self.gathered.pop(st.id, None) is not None:
                 self.live_numel -= st.padded_numel
 

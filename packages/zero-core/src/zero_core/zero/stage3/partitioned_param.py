@@ -16,6 +16,30 @@ storage, so releasing really frees the memory, and re-gathering into the same st
 the saved views valid again for backward. Autograd never reads them while released because
 every module's backward is preceded by a gather (see [Note: stage 3 hooks]).
 
+[Note: tensors taken from a gathered parameter]
+User code can take tensors from a gathered parameter that outlive the gather: inside
+``GatheredParameters`` it may keep ``p.detach()``, ``p.data``, a view or a slice. Such a tensor
+shares the gather buffer's storage, and resizing that storage to zero bytes would leave it
+pointing at freed memory: reading it then crashes the process (a segmentation fault in
+``sum``/``print``, garbage through ``numpy()``), which user code must never reach. So every
+release except the one after a module's forward asks whether anything besides the buffer
+itself still uses the storage (the storage's use count, :func:`_has_outside_references`);
+if so, the parameter gets a *fresh* unallocated gather buffer and the old storage is left to
+its holders, who keep valid values of the parameter as of the release, and the memory is
+freed by reference counting when the last of them goes. With no outside holder the storage is
+resized to zero as before, so the common case allocates nothing new. (FSDP2 frees its
+unsharded parameters by resizing storage too and does not protect such tensors.)
+
+The release after a module's forward is the exception: there the outside holders are
+autograd's saved views (``weight.t()``), which rely on the in-place re-gather described above,
+and keeping that storage alive until backward would hold every layer's full weights at once.
+So a tensor taken from a parameter *inside a module's forward while ZeRO-3 hooks gather it*
+(not inside ``GatheredParameters``) is only valid until that module's forward returns, as
+with FSDP; copy it (``.clone()``) to keep it. A release during backward keeps views valid:
+autograd frees a node's saved views as soon as the node has run, so the storage is normally
+unshared by then; with ``retain_graph=True`` the retained graph keeps its own copy alive until
+it is freed.
+
 [Note: stage 3 collective agreement]
 Gloo aborts the process on collectives whose sizes differ across ranks and hangs on one a
 rank skipped. With *collective checks* on, every stage-3 collective (one per gathered bucket
@@ -427,17 +451,46 @@ def _gather_group(todo: list[torch.nn.Parameter], group: Any, what: str) -> Gath
     return GatherHandle(todo, work, recv, offsets, chunk, label)
 
 
-def release_param(param: torch.nn.Parameter, force: bool = False) -> bool:
-    """Free the gathered copy of ``param`` (kept if persistent or held, unless ``force``)."""
+def release_param(param: torch.nn.Parameter, force: bool = False, keep_outside_views: bool = True) -> bool:
+    """Free the gathered copy of ``param`` (kept if persistent or held, unless ``force``).
+
+    ``keep_outside_views=False`` is for the release after a module's forward only: there the
+    references to the gathered buffer are autograd's saved views, which must see the buffer
+    re-gathered in place for backward. See [Note: tensors taken from a gathered parameter].
+    """
     st = param.zero_state
     if st.status is not ParamStatus.AVAILABLE:
         return False
     if not force and (st.persistent or st.holds > 0):
         return False
     param.data = st.empty
-    st.full.untyped_storage().resize_(0)
+    if keep_outside_views and _has_outside_references(st.full):
+        st.full = _unallocated_full(st)
+    else:
+        st.full.untyped_storage().resize_(0)
     st.status = ParamStatus.NOT_AVAILABLE
     return True
+
+
+def _has_outside_references(full: torch.Tensor) -> bool:
+    """Whether a tensor other than ``full`` itself uses ``full``'s storage.
+
+    ``_storage_Use_Count`` counts the storage's owners: ``full`` and the temporary Python
+    storage object made to ask. Without that (private) counter we assume there are others,
+    which is always safe (see [Note: tensors taken from a gathered parameter]).
+    """
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return True
+    storage = full.untyped_storage()
+    return int(count(storage._cdata)) > 2
+
+
+def _unallocated_full(st: PartitionState) -> torch.Tensor:
+    """A fresh gather buffer of the parameter's padded size whose storage holds no memory yet."""
+    full = torch.empty(st.padded_numel, dtype=st.full.dtype, device=st.full.device)
+    full.untyped_storage().resize_(0)
+    return full
 
 
 @torch.no_grad()

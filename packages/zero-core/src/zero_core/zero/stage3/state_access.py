@@ -154,6 +154,22 @@ class Stage3StateAccess:
         self._check_local(p, value, "safe_set_local_optimizer_state")
         self._write_state(p, key, target, value.detach().reshape(target.shape))
 
+    # -- gradients (safe_set_full_grad / safe_set_local_grad) -----------------------------
+    @torch.no_grad()
+    def _write_grad_shard(self, p: torch.nn.Parameter, local: torch.Tensor) -> None:
+        self.strategy.wait_reductions()
+        st = p.zero_state
+        if st.grad_shard is None:
+            st.grad_shard = torch.zeros(st.shard_numel, dtype=st.shard.dtype, device=st.shard.device)
+        st.grad_shard.copy_(local.reshape(-1))
+
+    def set_full_grad(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
+        self._write_grad_shard(p, self._local_slice(p, value))
+
+    def set_local_grad(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
+        self._check_local(p, value, "safe_set_local_grad")
+        self._write_grad_shard(p, value.detach().float())
+
     def _write_state(
         self, p: torch.nn.Parameter, key: str, target: torch.Tensor, value: torch.Tensor
     ) -> None:

@@ -81,6 +81,7 @@ class Stage3Strategy(Stage3Checkpointing):
         offload_ratio: float = 1.0,
         param_offload: Any = None,
         comm_dtype: torch.dtype | None = None,
+        masters: bool = True,
     ) -> None:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"Stage3Strategy: module must be a torch.nn.Module, got {type(module).__name__}")
@@ -103,6 +104,8 @@ class Stage3Strategy(Stage3Checkpointing):
         self.gather_16bit_weights_on_model_save = bool(gather_16bit_weights_on_model_save)
         self.params = _unique_params(module)
         self.master: dict[int, torch.nn.Parameter] = {}  # zero_state.id -> fp32 master shard
+        # False for an engine without an optimizer: no masters (See [Note: engine without an optimizer])
+        self._make_masters = bool(masters)
         # See [Note: parameter offload] in zero_offload: shards live off the device, so a
         # master never aliases its shard; zero.Init(remote_device="nvme") may have placed some.
         self.param_offload = param_offload
@@ -159,7 +162,7 @@ class Stage3Strategy(Stage3Checkpointing):
                     "Stage3Strategy: a parameter was partitioned by zero.Init over a group of "
                     f"{st.world} ranks but its {kind} group in the engine has {comm.get_world_size(group)}"
                 )
-            if not p.requires_grad:
+            if not p.requires_grad or not self._make_masters:
                 set_shard_dtype(p, self.dtype)
                 continue
             if (
