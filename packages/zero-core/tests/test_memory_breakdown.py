@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 from zero_core.testing import run_multirank
-from zero_core.testing.memory import SavedForBackward, live_storages
+from zero_core.testing.memory import SavedForBackward, StorageBaseline, live_storages
 
 DIM = 64
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -44,12 +44,12 @@ def _engine(stage: int, precision: str):
 
 
 def _phases_rank(stage: int, precision: str) -> list[tuple[str, int, int, dict[str, int]]]:
-    before = set(live_storages())
+    before = StorageBaseline()
     model, engine = _engine(stage, precision)
     out = []
 
     def measure(phase: str, held: list[torch.Tensor], activations: set = frozenset()) -> None:
-        live = {k: v for k, v in live_storages(held).items() if k not in before}
+        live = live_storages(held, before)
         params = {(str(p.device), p.untyped_storage().data_ptr()) for p in model.parameters()}
         saved = sum(live[k] for k in activations if k in live and k not in params)
         breakdown = engine.memory_breakdown()
@@ -84,7 +84,7 @@ def _stage0_vs_ddp_rank() -> tuple[int, int]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     def ddp_states() -> int:
-        before = set(live_storages())
+        before = StorageBaseline()
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, 5))
         ddp = DDP(model, gradient_as_bucket_view=True)  # DDP's leanest setting: grads live in buckets
@@ -94,7 +94,7 @@ def _stage0_vs_ddp_rank() -> tuple[int, int]:
             opt.step()
         x = torch.randn(4, DIM)
         ddp(x).pow(2).mean().backward()
-        live = {k: v for k, v in live_storages([x]).items() if k not in before}
+        live = live_storages([x], before)
         del ddp, opt, model
         return sum(live.values())
 

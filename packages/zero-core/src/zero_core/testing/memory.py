@@ -27,15 +27,33 @@ def _key(t: torch.Tensor) -> tuple[str, int] | None:
     return (str(t.device), storage.data_ptr())
 
 
-def live_storages(exclude: Iterable[torch.Tensor] = ()) -> dict[tuple[str, int], int]:
-    """``{(device, data_ptr): nbytes}`` of every distinct storage behind a live tensor object,
-    leaving out the storages of ``exclude``."""
+def _live_tensors() -> list[torch.Tensor]:
     gc.collect()
+    return [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+
+
+class StorageBaseline:
+    """The storages alive now, kept alive so that a later allocation cannot reuse their
+    addresses (a freed address reused by a new storage would be mistaken for an old one)."""
+
+    def __init__(self) -> None:
+        self._held = _live_tensors()
+        self.keys = {k for t in self._held if (k := _key(t)) is not None}
+
+    def release(self) -> None:
+        self._held = []
+
+
+def live_storages(
+    exclude: Iterable[torch.Tensor] = (), baseline: StorageBaseline | None = None
+) -> dict[tuple[str, int], int]:
+    """``{(device, data_ptr): nbytes}`` of every distinct storage behind a live tensor object,
+    leaving out the storages of ``exclude`` and those alive at ``baseline``."""
     skip = {k for t in exclude if (k := _key(t)) is not None}
+    if baseline is not None:
+        skip |= baseline.keys
     out: dict[tuple[str, int], int] = {}
-    for obj in gc.get_objects():
-        if not isinstance(obj, torch.Tensor):
-            continue
+    for obj in _live_tensors():
         key = _key(obj)
         if key is not None and key not in skip:
             out[key] = obj.untyped_storage().nbytes()

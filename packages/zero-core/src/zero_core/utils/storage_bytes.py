@@ -19,7 +19,7 @@ count 0. Peaks are not storages alive and are reported apart (``memory_peaks()``
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -57,6 +57,13 @@ class StorageLedger:
         n = self.count(tensors)
         self.categories[category] = self.categories.get(category, 0) + n
         return n
+
+
+def state_tensors(
+    optimizer: torch.optim.Optimizer, owned: Callable[[torch.Tensor], bool]
+) -> list[torch.Tensor]:
+    """The tensors in ``optimizer.state`` of the parameters for which ``owned(param)`` holds."""
+    return [t for p, s in optimizer.state.items() if owned(p) for t in s.values() if torch.is_tensor(t)]
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:

@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from zero_core import comm
 from zero_core.engine.param_groups import reduction_groups
-from zero_core.utils.storage_bytes import StorageLedger
+from zero_core.utils.storage_bytes import StorageLedger, state_tensors
 from zero_core.zero.flat_partition import FlatPartition
 from zero_core.zero.grad_reduce import GroupGrads, PartitionedGradReducer
 from zero_core.zero.stage_1_and_2_access import PartitionedStateAccess
@@ -419,6 +419,9 @@ class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedCheckpoint
         out = ledger.categories
         if self.offload is not None:
             out.update(self.offload.memory_breakdown())
+            # per-master scalars (Adam's step) sit beside the offload's pools, on the host too
+            host_states = state_tensors(self.optimizer, self.offload.owns)
+            out["host_optimizer_states"] = out.get("host_optimizer_states", 0) + ledger.count(host_states)
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import torch
 
 from zero_core import comm
 from zero_core.engine.param_groups import is_expert_param
-from zero_core.utils.storage_bytes import StorageLedger
+from zero_core.utils.storage_bytes import StorageLedger, state_tensors
 from zero_core.zero.stage3.expert_partition import partition_group
 from zero_core.zero.stage3.gathered_parameters import SHARD_CHANGED
 from zero_core.zero.stage3.hooks import Stage3Hooks
@@ -317,6 +317,9 @@ class Stage3Strategy(Stage3Checkpointing):
         out = ledger.categories
         if off is not None:  # host-side pools, see [Note: optimizer offload hook] in zero_offload
             out.update(off.memory_breakdown())
+            # per-master scalars (Adam's step) sit beside the offload's pools, on the host too
+            host_states = state_tensors(self.optimizer, off.owns)
+            out["host_optimizer_states"] = out.get("host_optimizer_states", 0) + ledger.count(host_states)
         for po in self._param_offloads():  # See [Note: parameter offload] in zero_offload
             for k, v in po.memory_breakdown().items():
                 out[k] = out.get(k, 0) + v
