@@ -254,12 +254,61 @@ def _mem_sweep() -> dict:
     return out
 
 
+def _memory_table(mem: dict[int, list[dict]]) -> list[str]:
+    per_n = {n: {k: max(r[k] for r in res) for k in res[0]} for n, res in mem.items()}
+    lines = []
+    for key in per_n[2]:
+        name, precision = key.split("/")
+        cells = []
+        for n in (2, 4):
+            b, base_b = per_n[n][key], per_n[n]["ddp/fp32"]
+            cells.append(f"{b / 2**20:.1f} | {b / base_b:.2f}")
+        lines.append(f"| {name} | {precision} | {' | '.join(cells)} |")
+    return lines
+
+
+def _memory_only(args: argparse.Namespace, run_multirank) -> None:
+    mem = {n: run_multirank(_mem_sweep, n, timeout=1800) for n in (2, 4)}
+    out = args.out
+    if out.endswith("bench_zero12.md"):
+        out = out[: -len(".md")] + "_memory.md"
+    lines = [
+        "# bench_zero12 --memory-only: model-state bytes per rank, ZeRO stages 0/1/2 vs torch DDP",
+        "",
+        f"- machine: {os.cpu_count()} CPUs ({cpu_model()}), {platform.platform()}",
+        f"- versions: python {platform.python_version()}, torch {torch.__version__}",
+        f"- git commit: {git_commit('packages/zero-core', 'tools/bench/bench_zero12.py')}",
+        "- command: `OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_zero12.py --memory-only`",
+        f"- model: examples/gpt.py GPT d_model 256, 4 layers, seq 128; micro-batch {MICRO}; Adam; "
+        f"buckets {BUCKET:,} elements; overlap_comm on",
+        "- bytes are deterministic (live storages, each counted once: [Note: memory breakdown counts "
+        "storages]); the machine's load does not change them",
+        "",
+        "| variant | precision | N=2 (MiB) | ratio vs DDP | N=4 (MiB) | ratio vs DDP |",
+        "|---|---|---|---|---|---|",
+        *_memory_table(mem),
+        "",
+        "Measured after backward (peak over the step). DDP: parameters + gradients + Adam states (fp32), "
+        "its own bucket copies not counted. Stage 0's gradients live in its bucket buffers and count once.",
+        "",
+    ]
+    with open(out, "w") as f:
+        f.write("\n".join(lines))
+    print("\n".join(lines))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", default=str(ROOT / "tools" / "bench" / "results" / "bench_zero12.md"))
     ap.add_argument("--ds-python", default="/tmp/dsvenv/bin/python")
     ap.add_argument("--deepspeed-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--memory-only",
+        action="store_true",
+        help="only the model-state bytes at N = 2 and 4 (deterministic; no timing), to "
+        "tools/bench/results/bench_zero12_memory.md unless --out is given",
+    )
     args = ap.parse_args()
     if args.steps < 1:
         raise SystemExit("--steps must be >= 1")
@@ -268,6 +317,9 @@ def main() -> None:
         return
     from zero_core.testing import run_multirank  # not in the DeepSpeed venv: imported here
 
+    if args.memory_only:
+        _memory_only(args, run_multirank)
+        return
     t_start = time.perf_counter()
 
     rows = {}
@@ -319,14 +371,7 @@ def main() -> None:
         "| variant | precision | N=2 (MiB) | ratio vs DDP | N=4 (MiB) | ratio vs DDP |",
         "|---|---|---|---|---|---|",
     ]
-    per_n = {n: {k: max(r[k] for r in res) for k in res[0]} for n, res in mem.items()}
-    for key in per_n[2]:
-        name, precision = key.split("/")
-        cells = []
-        for n in (2, 4):
-            b, base_b = per_n[n][key], per_n[n]["ddp/fp32"]
-            cells.append(f"{b / 2**20:.1f} | {b / base_b:.2f}")
-        lines.append(f"| {name} | {precision} | {' | '.join(cells)} |")
+    lines += _memory_table(mem)
     lines += [
         "",
         "## DeepSpeed side by side (its own 2-rank launch, fp32, ratios vs the DDP of that launch)",

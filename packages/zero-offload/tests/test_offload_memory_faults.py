@@ -78,16 +78,18 @@ def test_offload_memory_device_side_is_params_and_grads(world: int, tmp_path) ->
         assert bd["master_weights"] == 0 and bd["optimizer_states"] == 0, bd
         if bd["off"] == "cpu":
             assert bd["host_master_weights"] >= 4 * (N_TRAINABLE // world), bd
-            assert bd["host_optimizer_states"] == 2 * bd["host_master_weights"], bd
+            # Adam's two states, plus its step counter (4 bytes) per master
+            extra = bd["host_optimizer_states"] - 2 * bd["host_master_weights"]
+            assert 0 < extra <= 4 * 16 and extra % 4 == 0, bd
             assert bd["host_swap_buffers"] == 0, bd
         elif bd["stage"] == 2:  # stages 1/2 keep the masters in CPU memory (as DeepSpeed)
             tile_bytes = 1024 * 2 * 4  # sub_group_size 1000 -> 1024-element aligned tile x 2 Adam states
             assert bd["host_master_weights"] >= 4 * (N_TRAINABLE // world), bd
-            assert bd["host_optimizer_states"] == 0, bd
+            assert bd["host_optimizer_states"] <= 4 * 16, bd  # Adam's step counters only
             assert 0 < bd["host_swap_buffers"] <= 3 * tile_bytes, bd
         else:  # ZeRO-Infinity: masters swapped with the states, tile by tile
             tile_bytes = 1024 * 3 * 4  # 1024-element tile x (master + 2 Adam states)
-            assert bd["host_master_weights"] == 0 and bd["host_optimizer_states"] == 0, bd
+            assert bd["host_master_weights"] == 0 and bd["host_optimizer_states"] <= 4 * 16, bd
             assert 0 < bd["host_swap_buffers"] <= 3 * tile_bytes, bd
 
 

@@ -16,10 +16,7 @@ import torch
 from zero_core import comm
 from zero_core.engine.grad_buckets import BucketedAllReduce
 from zero_core.engine.param_groups import reduction_groups
-
-
-def _bytes(tensors: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+from zero_core.utils.storage_bytes import StorageLedger
 
 
 class DataParallelStrategy:
@@ -128,14 +125,18 @@ class DataParallelStrategy:
             m.grad = None
 
     def memory_breakdown(self) -> dict[str, int]:
+        """Bytes of distinct live storages by category. Reduced gradients are views into the
+        bucket buffers: a buffer counts once, under gradients while gradients live in it, and
+        under buffers otherwise. See [Note: memory breakdown counts storages]."""
         state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-        return {
-            "parameters": _bytes(self.module.parameters()),
-            "gradients": _bytes(p.grad for p in self.params),
-            "master_weights": _bytes(self.master.values()),
-            "optimizer_states": _bytes(state),
-            "buffers": _bytes(b.buffer for r in self.reducers for b in r.buckets),
-        }
+        ledger = StorageLedger()
+        ledger.add("parameters", self.module.parameters())
+        ledger.add("gradients", (p.grad for p in self.params))
+        ledger.add("gradients", (m.grad for m in self.master.values()))  # fp32, during the step
+        ledger.add("master_weights", self.master.values())
+        ledger.add("optimizer_states", state)
+        ledger.add("buffers", (b.buffer for r in self.reducers for b in r.buckets))
+        return ledger.categories
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -183,11 +183,11 @@ class PartitionedGradReducer:
         self._pending: deque[_Pending] = deque()
         self._got_grad: set[int] = set()
 
-    def buffer_bytes(self) -> int:
-        """Bytes of bucket buffers alive right now (zero between backward passes)."""
-        live = list(self._buffers.values()) + [t for p in self._pending for t in (p.inp, p.out)]
-        own = {id(t) for t in self.flat_grads}
-        return sum(t.numel() * t.element_size() for t in live if id(t) not in own and t._base is None)
+    def live_buffers(self) -> list[torch.Tensor]:
+        """Bucket buffers alive right now (none between backward passes); some may be views of
+        the flat gradients, which the caller's ledger counts once. See [Note: memory breakdown
+        counts storages] in zero_core/utils/storage_bytes.py."""
+        return list(self._buffers.values()) + [t for p in self._pending for t in (p.inp, p.out)]
 
     # -- the round --------------------------------------------------------------------------
     def arm(self, is_boundary: bool) -> None:

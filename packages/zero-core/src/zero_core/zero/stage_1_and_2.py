@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from zero_core import comm
 from zero_core.engine.param_groups import reduction_groups
+from zero_core.utils.storage_bytes import StorageLedger, state_tensors
 from zero_core.zero.flat_partition import FlatPartition
 from zero_core.zero.grad_reduce import GroupGrads, PartitionedGradReducer
 from zero_core.zero.stage_1_and_2_access import PartitionedGradWrite, PartitionedStateAccess
@@ -58,22 +59,6 @@ from zero_core.zero.stage_1_and_2_checkpoint import PartitionedCheckpointing
 
 logger = logging.getLogger(__name__)
 _round_robin_logged = False
-
-
-def _bytes(tensors: Any, seen: set[int] | None = None) -> int:
-    """Bytes of the distinct storages behind ``tensors`` not already in ``seen`` (updated)."""
-    seen = set() if seen is None else seen
-    total = 0
-    for t in tensors:
-        if t is None or t.numel() == 0:
-            continue
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key in seen:
-            continue
-        seen.add(key)
-        total += storage.nbytes()
-    return total
 
 
 def _snapshot(obj: Any) -> Any:
@@ -412,7 +397,8 @@ class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedGradWrite,
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes of the distinct live storages by category; a storage is counted once, in the first
         category holding it (fp32 masters that alias the parameters count as parameters).
-        With optimizer offload the host-side pools are reported under ``host_*`` keys."""
+        With optimizer offload the host-side pools are reported under ``host_*`` keys.
+        See [Note: memory breakdown counts storages] in zero_core/utils/storage_bytes.py."""
         state = [
             t
             for m, s in self.optimizer.state.items()
@@ -422,21 +408,20 @@ class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedGradWrite,
         ]
         grads = [*self.reducer.flat_grads, *self.reducer.grad_shards]
         grads += [p.grad for p in self.module.parameters() if p.grad is not None]
+        grads += [m.grad for m in self.masters]
         # offloaded masters/states/grads are host-side: kept out of the device-side categories
-        seen = (
-            set()
-            if self.offload is None
-            else {t.untyped_storage().data_ptr() for t in self.offload.owned_tensors()}
-        )
-        out = {
-            "parameters": _bytes([*self.flat_params, *self.module.parameters()], seen),
-            "gradients": _bytes(grads, seen),
-            "master_weights": _bytes(self.masters, seen),
-            "optimizer_states": _bytes(state, seen),
-            "buffers": self.reducer.buffer_bytes(),
-        }
+        ledger = StorageLedger(exclude=[] if self.offload is None else self.offload.owned_tensors())
+        ledger.add("parameters", [*self.flat_params, *self.module.parameters()])
+        ledger.add("gradients", grads)
+        ledger.add("master_weights", self.masters)
+        ledger.add("optimizer_states", state)
+        ledger.add("buffers", self.reducer.live_buffers())
+        out = ledger.categories
         if self.offload is not None:
             out.update(self.offload.memory_breakdown())
+            # per-master scalars (Adam's step) sit beside the offload's pools, on the host too
+            host_states = state_tensors(self.optimizer, self.offload.owns)
+            out["host_optimizer_states"] = out.get("host_optimizer_states", 0) + ledger.count(host_states)
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -20,6 +20,7 @@ import torch
 
 from zero_core import comm
 from zero_core.engine.param_groups import is_expert_param
+from zero_core.utils.storage_bytes import StorageLedger, state_tensors
 from zero_core.zero.stage3.expert_partition import partition_group
 from zero_core.zero.stage3.gathered_parameters import SHARD_CHANGED
 from zero_core.zero.stage3.hooks import Stage3Hooks
@@ -39,10 +40,6 @@ from zero_core.zero.stage3.partitioned_param import (
 from zero_core.zero.stage3.reduce_buckets import GradBucketReducer
 from zero_core.zero.stage3.state_access import Stage3StateAccess
 from zero_core.zero.stage3.strategy_checkpoint import Stage3Checkpointing
-
-
-def _bytes(tensors: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def _unique_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -297,6 +294,9 @@ class Stage3Strategy(Stage3Checkpointing):
             m.grad = None
 
     def memory_breakdown(self) -> dict[str, int]:
+        """Bytes of the distinct live storages by category (each storage once; see [Note: memory
+        breakdown counts storages] in zero_core/utils/storage_bytes.py). The peak of gathered
+        parameters and full gradients is not a live storage: see :meth:`memory_peaks`."""
         off = self.offload
         state = [
             t
@@ -305,33 +305,32 @@ class Stage3Strategy(Stage3Checkpointing):
             for t in s.values()
             if torch.is_tensor(t)
         ]
-        shards = [p.zero_state.shard for p in self.params if p.zero_state.offload is None]
-        distinct_masters = [
-            m
-            for p in self.params
-            if (m := self.master.get(p.zero_state.id)) is not None
-            and not shares_shard(m, p.zero_state)
-            and (off is None or not off.owns(m))
-        ]
-        persistent = [
-            p.zero_state.full for p in self.persistent if p.zero_state.status is ParamStatus.AVAILABLE
-        ]
-        out = {
-            "parameters": _bytes(shards)
-            + sum(p.zero_state.shard.untyped_storage().nbytes() for p in self.params if p.zero_state.offload),
-            "gradients": _bytes(self._grad_shards()),
-            "master_weights": _bytes(distinct_masters),
-            "optimizer_states": _bytes(state),
-            "persistent_parameters": sum(t.untyped_storage().nbytes() for t in persistent),
-            "gathered_parameters": self.coordinator.live_bytes(),
-            "peak_gathered_and_full_grads": self.coordinator.peak_bytes,
-        }
+        owned_elsewhere = [] if off is None else off.owned_tensors()
+        ledger = StorageLedger(exclude=owned_elsewhere)
+        # offloaded shards' device copies are reported by their offload (offloaded_parameters_device)
+        ledger.add("parameters", (p.zero_state.shard for p in self.params if p.zero_state.offload is None))
+        ledger.add("gradients", self._grad_shards())
+        ledger.add("master_weights", self.master.values())
+        ledger.add("optimizer_states", state)
+        ledger.add(
+            "persistent_parameters",
+            (p.zero_state.full for p in self.persistent if p.zero_state.status is ParamStatus.AVAILABLE),
+        )
+        ledger.add("gathered_parameters", (p.zero_state.full for p in self.coordinator.gathered.values()))
+        out = ledger.categories
         if off is not None:  # host-side pools, see [Note: optimizer offload hook] in zero_offload
             out.update(off.memory_breakdown())
+            # per-master scalars (Adam's step) sit beside the offload's pools, on the host too
+            host_states = state_tensors(self.optimizer, off.owns)
+            out["host_optimizer_states"] = out.get("host_optimizer_states", 0) + ledger.count(host_states)
         for po in self._param_offloads():  # See [Note: parameter offload] in zero_offload
             for k, v in po.memory_breakdown().items():
                 out[k] = out.get(k, 0) + v
         return out
+
+    def memory_peaks(self) -> dict[str, int]:
+        """High-water marks since the engine was built (not live storages)."""
+        return {"peak_gathered_and_full_grads": self.coordinator.peak_bytes}
 
     def _param_offloads(self) -> list[Any]:
         found = {id(p.zero_state.offload): p.zero_state.offload for p in self.params if p.zero_state.offload}

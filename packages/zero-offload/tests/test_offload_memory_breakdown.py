@@ -1,0 +1,83 @@
+"""With offload, ``memory_breakdown()`` still counts each live storage once.
+
+Device-side categories and the offload's ``host_*`` pools together equal the distinct storages
+of every live tensor (found by the garbage collector), after forward (activations saved for
+backward set apart), backward and step; at stages 2 and 3, fp32 and bf16, optimizer offload to
+CPU and NVMe and, at stage 3, parameter offload to CPU. Keys naming NVMe bytes are file bytes,
+not memory, and are left out of the sum. See [Note: memory breakdown counts storages] in
+zero_core/utils/storage_bytes.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from zero_core.testing import run_multirank
+from zero_core.testing.memory import SavedForBackward, StorageBaseline, live_storages
+from zero_core.testing.models import MLPClassifier, classification_batch
+
+CASES = [
+    (2, "fp32", {"offload_optimizer": {"device": "cpu"}}),
+    (2, "bf16", {"offload_optimizer": {"device": "cpu"}}),
+    (3, "fp32", {"offload_optimizer": {"device": "cpu"}}),
+    (3, "bf16", {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}),
+    (3, "fp32", {"offload_optimizer": {"device": "nvme", "nvme_path": None, "buffer_count": 3}}),
+]
+
+
+def _one_case(stage: int, precision: str, offload: dict) -> list[tuple]:
+    import zero_core
+
+    before = StorageBaseline()
+    torch.manual_seed(0)
+    model = MLPClassifier(32, 64, 8)
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "steps_per_print": 10**6,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **offload},
+    }
+    if precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    engine, *_ = zero_core.initialize(
+        model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-3), config=cfg
+    )
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    out = []
+
+    def measure(phase: str, held: list, saved: set = frozenset()) -> None:
+        live = live_storages(held, before)
+        params = {(str(p.device), p.untyped_storage().data_ptr()) for p in model.parameters()}
+        activations = sum(live[k] for k in saved if k in live and k not in params)
+        bd = engine.memory_breakdown()
+        reported = sum(v for k, v in bd.items() if "nvme" not in k)
+        out.append((stage, precision, sorted(offload), phase, sum(live.values()) - activations, reported, bd))
+
+    for i in range(2):
+        x, y = classification_batch(i, 4, 32, 8)
+        x = x.to(dtype)
+        rec = SavedForBackward()
+        with rec.recording():
+            loss = engine(x, y)
+        measure(f"forward {i}", [x, y, loss], rec.keys)
+        engine.backward(loss)
+        measure(f"backward {i}", [x, y, loss])
+        engine.step()
+        measure(f"step {i}", [x, y, loss])
+    engine.destroy()
+    return out
+
+
+def _case_rank(nvme: str) -> list[tuple]:
+    rows = []
+    for stage, precision, offload in CASES:
+        if "nvme_path" in offload["offload_optimizer"]:
+            offload = {"offload_optimizer": {**offload["offload_optimizer"], "nvme_path": nvme}}
+        rows += _one_case(stage, precision, offload)
+    return rows
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_offload_breakdown_counts_live_storages_once(world: int, tmp_path) -> None:
+    for rank, rows in enumerate(run_multirank(_case_rank, world, args=(str(tmp_path),), timeout=300)):
+        for stage, precision, offload, phase, live, reported, bd in rows:
+            assert reported == live, f"{(rank, stage, precision, offload, phase, live, bd)}"
