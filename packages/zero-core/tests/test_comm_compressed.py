@@ -14,10 +14,11 @@ def test_pack_unpack_round_trip_and_sign_of_zero():
     x = torch.tensor([1.5, -2.0, 0.0, -0.0, 3.0, -1e-9, 7.0, -7.0, -1.0, 2.0, 0.5, -0.5, 1.0, 1.0, -3.0, 4.0])
     packed = pack_signs(x)
     assert packed.dtype == torch.uint8 and packed.numel() == 2  # 8 signs per byte
-    # 1.5 -2 0 -0 3 -1e-9 7 -7 -> bits 1 0 1 1 1 0 1 0 (zero counts as positive)
-    assert packed[0].item() == 0b10111010
+    # 1.5 -2 0 -0 3 -1e-9 7 -7 -> + - + - + - + - (the sign bit decides: +0 is +, -0 is -);
+    # element k of a byte's eight is bit k
+    assert packed[0].item() == 0b01010101
     signs = unpack_signs(packed, torch.float32)
-    assert torch.equal(signs, torch.where(x >= 0, 1.0, -1.0))
+    assert torch.equal(signs, torch.where(torch.signbit(x), -1.0, 1.0))
     with pytest.raises(ValueError, match="multiple of 8"):
         pack_signs(torch.ones(7))
 
@@ -28,14 +29,14 @@ def test_padded_numel():
 
 
 def _compress_rows(c: torch.Tensor, seg: torch.Tensor, segments: int) -> torch.Tensor:
-    """Reference: each row, per segment, as rms(segment) * sign (zero counts as +1)."""
+    """Reference: each row, per segment, as rms(segment) * sign (+ where the sign bit is clear)."""
     out = torch.empty_like(c)
     for i in range(c.shape[0]):
         for s in range(segments):
             cols = (seg == s).nonzero().flatten()
             vals = c[i, cols]
             scale = vals.square().mean().sqrt()
-            out[i, cols] = scale * torch.where(vals >= 0, 1.0, -1.0)
+            out[i, cols] = scale * torch.where(torch.signbit(vals), -1.0, 1.0)
     return out
 
 
@@ -69,7 +70,8 @@ def test_result_is_average_of_compressed_plus_error_feedback(world_size):
     numel = padded_numel(50, n)
     width = numel // n
     segments = 3
-    seg = torch.tensor([min(j * segments // width, segments - 1) for j in range(width)])
+    sizes = [width // 3, width // 3, width - 2 * (width // 3)]
+    seg = torch.repeat_interleave(torch.arange(segments), torch.tensor(sizes))
     g = torch.Generator().manual_seed(7)
     worker = [torch.randn(numel, generator=g) * 0.1 for _ in range(n)]
     server = [torch.randn(width, generator=g) * 0.1 for _ in range(n)]
@@ -81,7 +83,7 @@ def test_result_is_average_of_compressed_plus_error_feedback(world_size):
             xs = _inputs(n, numel, call)
             expected, worker, server = _reference(xs, worker, server, seg, segments, n)
             out = xs[rank].clone()
-            comm.compressed_all_reduce(out, my_worker, my_server, segment_ids=seg, num_segments=segments)
+            comm.compressed_all_reduce(out, my_worker, my_server, segment_sizes=sizes)
             torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(my_worker, worker[rank], rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(my_server, server[rank], rtol=1e-5, atol=1e-6)
@@ -115,9 +117,7 @@ def test_bad_inputs_are_clear_errors():
         comm.compressed_all_reduce(torch.ones(16), torch.zeros(16), torch.zeros(4))
     with pytest.raises(ValueError, match="dtype and device"):
         comm.compressed_all_reduce(torch.ones(16), torch.zeros(16, dtype=torch.float64), torch.zeros(8))
-    with pytest.raises(ValueError, match="segment_ids"):
-        comm.compressed_all_reduce(
-            torch.ones(16), torch.zeros(16), torch.zeros(8), segment_ids=torch.zeros(3)
-        )
+    with pytest.raises(ValueError, match="segment_sizes"):
+        comm.compressed_all_reduce(torch.ones(16), torch.zeros(16), torch.zeros(8), segment_sizes=[3, 4])
     with pytest.raises(TypeError, match="torch.Tensor"):
         comm.compressed_all_reduce([1.0], torch.zeros(16), torch.zeros(8))

@@ -6,9 +6,9 @@ two phases, each sending one sign bit per element plus a scale, and carries what
 compression lost into the next call (error feedback):
 
 1. worker: ``c = x + worker_error``; the flat tensor is cut into ``world_size`` equal chunks
-   (chunk ``i`` goes to rank ``i``), each compressed to its signs (``c >= 0`` gives +1, as
-   DeepSpeed's backends do, so zero has a sign) and one scale per *segment* of the chunk, the
-   root mean square of that segment; ``worker_error = c - scale * sign``. The packed bits
+   (chunk ``i`` goes to rank ``i``), each compressed to its signs (+1 where the sign bit is clear, so a zero
+   has a sign, as in DeepSpeed's backends) and one scale per *segment* of the chunk, the root
+   mean square of that segment; ``worker_error = c - scale * sign``. The packed bits
    (8 per byte) and the fp32 scales of chunk ``i`` travel to rank ``i`` in one
    ``all_to_all_single`` of bytes.
 2. server: rank ``i`` decompresses the ``world_size`` copies of its chunk, averages them,
@@ -16,10 +16,11 @@ compression lost into the next call (error feedback):
    loss); the compressed chunks are gathered to every rank with one ``all_gather``, and every
    rank writes the same decompressed average back into ``x``.
 
-Segments let a caller keep one scale per parameter tensor within a chunk (the optimizers of
+Segments (consecutive column ranges of a chunk, sizes given as Python ints so no device value is
+ever read back) let a caller keep one scale per parameter tensor within a chunk (the optimizers of
 ``zero_core.optim.onebit`` lay each tensor's ``1/world_size`` share into every chunk, see
 [Note: chunk-major layout]): a flat buffer mixing embeddings and layer norms under one scale
-would turn small entries into large ones. Without ``segment_ids`` each chunk has one scale.
+would turn small entries into large ones. Without ``segment_sizes`` each chunk has one scale.
 
 The comms logger records one ``compressed_all_reduce`` per call with the size of the
 compressed tensor: ``world_size`` chunks of ``L/8`` bytes of bits and ``4 * num_segments``
@@ -34,6 +35,7 @@ inside a training step on a GPU.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -53,50 +55,74 @@ def padded_numel(numel: int, world_size: int) -> int:
     return -(-numel // unit) * unit
 
 
-def _shifts(device: torch.device) -> torch.Tensor:
-    return torch.arange(_BITS - 1, -1, -1, dtype=torch.uint8, device=device)
+def _masks(device: torch.device) -> torch.Tensor:
+    """Bit ``k`` of a byte holds element ``k`` of its eight."""
+    return torch.tensor([1 << k for k in range(_BITS)], dtype=torch.uint8, device=device)
 
 
 def pack_signs(x: torch.Tensor) -> torch.Tensor:
-    """Sign bits of ``x`` (1 where ``x >= 0``) packed 8 per byte along the last dimension."""
+    """Sign bits of ``x`` (1 where the sign bit is clear) packed 8 per byte along the last dimension."""
     if x.shape[-1] % _BITS:
         raise ValueError(f"pack_signs: the last dimension ({x.shape[-1]}) must be a multiple of 8")
-    bits = (x >= 0).to(torch.uint8).reshape(*x.shape[:-1], -1, _BITS)
-    return torch.bitwise_left_shift(bits, _shifts(x.device)).sum(dim=-1, dtype=torch.uint8)
+    # Eight 0/1 bytes read as one little-endian int64 (byte k at bit 8k); three shift-ors fold byte k's bit into
+    # bit k of the low byte. Bit 63 stays clear, so the arithmetic shifts bring in zeros.
+    word = torch.signbit(x).view(torch.uint8).view(torch.int64)
+    word = word | (word >> 7)
+    word = word | (word >> 14)
+    word = word | (word >> 28)
+    return word.bitwise_and_(0xFF).to(torch.uint8).bitwise_not_()
 
 
 def unpack_signs(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The inverse of :func:`pack_signs`: +1/-1 values of ``dtype``, 8 per byte."""
-    bits = torch.bitwise_right_shift(packed.unsqueeze(-1), _shifts(packed.device)).bitwise_and_(1)
-    return bits.reshape(*packed.shape[:-1], -1).to(dtype).mul_(2).sub_(1)
+    # a 256 x 8 table of every byte's signs: one gather instead of shifts and masks per bit
+    byte = torch.arange(256, device=packed.device).to(torch.uint8).unsqueeze(1)
+    table = torch.where(torch.bitwise_and(byte, _masks(packed.device)).ne(0), 1.0, -1.0).to(dtype)
+    flat = torch.nn.functional.embedding(packed.reshape(-1).long(), table)
+    return flat.view(*packed.shape[:-1], packed.shape[-1] * _BITS)
 
 
-def _segment_scales(x: torch.Tensor, seg: torch.Tensor, counts: torch.Tensor, segments: int) -> torch.Tensor:
-    """Root mean square of each segment of each row of ``x`` ``(rows, L)``: ``(rows, segments)`` fp32."""
-    sq = torch.zeros(x.shape[0], segments, dtype=torch.float32, device=x.device)
-    sq.index_add_(1, seg, x.float().square())
-    return sq.div_(counts).sqrt_()
+def _bounds(sizes: Sequence[int]) -> list[tuple[int, int]]:
+    out, start = [], 0
+    for size in sizes:
+        out.append((start, start + size))
+        start += size
+    return out
 
 
-def _compress(
-    x: torch.Tensor, seg: torch.Tensor, counts: torch.Tensor, segments: int, error: torch.Tensor
-) -> torch.Tensor:
+def _compress(x: torch.Tensor, bounds: list[tuple[int, int]], error: torch.Tensor) -> torch.Tensor:
     """Rows of ``x`` as ``[bits | fp32 scales]`` bytes; ``error`` receives ``x`` minus what the bytes say."""
-    scales = _segment_scales(x, seg, counts, segments)
-    signs = torch.where(x >= 0, 1.0, -1.0).to(x.dtype)
-    error.copy_(x - signs * scales[:, seg].to(x.dtype))
+    # one scale per row and segment: the root mean square (what keeps the row's norm)
+    scales = torch.stack(
+        [
+            torch.linalg.vector_norm(x[:, a:b], dim=1, dtype=torch.float32).div_((b - a) ** 0.5)
+            for a, b in bounds
+        ],
+        dim=1,
+    )
+    sent = torch.empty_like(x)
+    s = scales.to(x.dtype)
+    for k, (a, b) in enumerate(bounds):
+        torch.copysign(s[:, k : k + 1], x[:, a:b], out=sent[:, a:b])
+    torch.sub(x, sent, out=error)
     return torch.cat([pack_signs(x), scales.view(torch.uint8)], dim=1)
 
 
-def _decompress(payload: torch.Tensor, width: int, seg: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _decompress(
+    payload: torch.Tensor, width: int, bounds: list[tuple[int, int]], dtype: torch.dtype
+) -> torch.Tensor:
     """``(rows, L)`` values of ``dtype`` from rows of ``[bits | fp32 scales]`` bytes."""
     bits, scales = payload[:, : width // _BITS], payload[:, width // _BITS :].contiguous().view(torch.float32)
-    return unpack_signs(bits, dtype).mul_(scales[:, seg].to(dtype))
+    out = unpack_signs(bits, dtype)
+    s = scales.to(dtype)
+    for k, (a, b) in enumerate(bounds):
+        out[:, a:b].mul_(s[:, k : k + 1])
+    return out
 
 
 def _check(
-    tensor: Any, worker_error: Any, server_error: Any, segment_ids: Any, num_segments: int, n: int
-) -> None:
+    tensor: Any, worker_error: Any, server_error: Any, segment_sizes: Any, n: int
+) -> list[tuple[int, int]]:
     where = "compressed_all_reduce"
     for name, t in (("tensor", tensor), ("worker_error", worker_error), ("server_error", server_error)):
         check_tensor(t, name, where)
@@ -115,15 +141,20 @@ def _check(
             f"server_error tensor.numel() / world_size = {tensor.numel() // n}; got "
             f"{worker_error.numel()} and {server_error.numel()}"
         )
-    if isinstance(num_segments, bool) or not isinstance(num_segments, int) or num_segments < 1:
-        raise ValueError(f"zero_core.comm.{where}: num_segments must be an int >= 1, got {num_segments!r}")
-    if segment_ids is not None:
-        check_tensor(segment_ids, "segment_ids", where)
-        if segment_ids.dtype != torch.int64 or segment_ids.shape != (tensor.numel() // n,):
-            raise ValueError(
-                f"zero_core.comm.{where}: segment_ids must be an int64 tensor of one chunk's length "
-                f"({tensor.numel() // n}), got {segment_ids.dtype} of shape {tuple(segment_ids.shape)}"
-            )
+    width = tensor.numel() // n
+    if segment_sizes is None:
+        return [(0, width)]
+    sizes = list(segment_sizes) if isinstance(segment_sizes, (list, tuple)) else None
+    if (
+        not sizes
+        or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in sizes)
+        or sum(sizes) != width
+    ):
+        raise ValueError(
+            f"zero_core.comm.{where}: segment_sizes must be a list of ints >= 1 summing to one chunk's length "
+            f"({width}), got {segment_sizes!r}"
+        )
+    return _bounds(sizes)
 
 
 def compressed_size(numel: int, world_size: int, num_segments: int = 1) -> int:
@@ -138,39 +169,35 @@ def compressed_all_reduce(
     server_error: torch.Tensor,
     group: Any = None,
     *,
-    segment_ids: torch.Tensor | None = None,
-    num_segments: int = 1,
+    segment_sizes: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Average ``tensor`` over ``group`` in place through the two-phase 1-bit exchange.
 
     ``tensor`` is flat with ``padded_numel`` elements; ``worker_error`` (same size) and
     ``server_error`` (one chunk, ``numel / world_size``) are this rank's error-feedback buffers,
-    updated in place, to be passed again on the next call. ``segment_ids`` (int64, one chunk
-    long, values in ``[0, num_segments)``) gives each element of a chunk its segment: one scale
-    per segment and chunk. See [Note: compressed all-reduce]. Returns ``tensor``.
+    updated in place, to be passed again on the next call. ``segment_sizes`` (Python ints
+    summing to one chunk's length) cuts every chunk into consecutive segments with one scale
+    each; None is one segment per chunk. See [Note: compressed all-reduce]. Returns ``tensor``.
     """
     n = _prepare("compressed_all_reduce", group)
-    _check(tensor, worker_error, server_error, segment_ids, num_segments, n)
+    bounds = _check(tensor, worker_error, server_error, segment_sizes, n)
     if n == 1:
         return tensor  # the average over one rank is the tensor itself; nothing is sent
     width = tensor.numel() // n
     dev = tensor.device
-    seg = segment_ids if segment_ids is not None else torch.zeros(width, dtype=torch.int64, device=dev)
-    counts = torch.zeros(num_segments, dtype=torch.float32, device=dev)
-    counts.index_add_(0, seg, torch.ones(width, dtype=torch.float32, device=dev)).clamp_(min=1.0)
-    record = begin("compressed_all_reduce", group, compressed_size(tensor.numel(), n, num_segments), dev)
+    record = begin("compressed_all_reduce", group, compressed_size(tensor.numel(), n, len(bounds)), dev)
 
     # phase 1 (worker): compress every chunk, send chunk i to rank i
     corrected = tensor.view(n, width) + worker_error.view(n, width)
-    sent = _compress(corrected, seg, counts, num_segments, worker_error.view(n, width))
+    sent = _compress(corrected, bounds, worker_error.view(n, width))
     received = torch.empty_like(sent)
     dist.all_to_all_single(received, sent, group=group)
     # phase 2 (server): average this rank's chunk, compress it again, gather every chunk
-    mine = _decompress(received, width, seg, tensor.dtype).sum(dim=0).div_(n).add_(server_error)
-    chunk = _compress(mine.unsqueeze(0), seg, counts, num_segments, server_error.view(1, width))
+    mine = _decompress(received, width, bounds, tensor.dtype).sum(dim=0).div_(n).add_(server_error)
+    chunk = _compress(mine.unsqueeze(0), bounds, server_error.view(1, width))
     gathered = torch.empty(n, chunk.shape[1], dtype=torch.uint8, device=dev)
     _all_gather(gathered.view(-1), chunk.view(-1), group=group)
-    tensor.view(n, width).copy_(_decompress(gathered, width, seg, tensor.dtype))
+    tensor.view(n, width).copy_(_decompress(gathered, width, bounds, tensor.dtype))
 
     if record is not None:
         record.finish()

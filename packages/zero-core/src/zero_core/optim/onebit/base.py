@@ -189,8 +189,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             errors[0],
             errors[1],
             self._group,
-            segment_ids=layout.segment_ids,
-            num_segments=layout.num_segments,
+            segment_sizes=layout.segment_sizes,
         )
         layout.scatter(buf, tensors)
 

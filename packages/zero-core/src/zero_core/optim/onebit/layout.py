@@ -7,7 +7,7 @@ embedding and another the layer norms. Here every tensor is cut into ``world_siz
 pieces (zero-padded to ``c = ceil(numel / world_size)``) and piece ``i`` goes into chunk
 ``i``, at the same column offset in every chunk: the buffer is a ``(world_size, L)`` matrix
 whose columns ``[off, off + c)`` hold one tensor. The server work is then spread evenly, and a
-segment id per column gives each tensor its own scale inside each chunk. ``L`` is rounded up
+segment per tensor gives it its own scale inside each chunk. ``L`` is rounded up
 to a multiple of 8 so each chunk packs into whole bytes; padding columns belong to the last
 tensor's segment and are dropped when the result is copied back.
 """
@@ -32,10 +32,9 @@ class ChunkLayout:
         self.chunks = [-(-n // world_size) for n in self.numels]
         self.offsets = [sum(self.chunks[:k]) for k in range(len(self.chunks))]
         self.width = padded_numel(sum(self.chunks) * world_size, world_size) // world_size
-        ids = torch.repeat_interleave(torch.arange(len(self.chunks)), torch.tensor(self.chunks))
-        pad = torch.full((self.width - ids.numel(),), len(self.chunks) - 1, dtype=torch.int64)
-        self.segment_ids = torch.cat([ids, pad]).to(device)
-        self.num_segments = len(self.chunks)
+        # one segment (one scale per chunk) per tensor; the padding joins the last one
+        self.segment_sizes = [*self.chunks[:-1], self.chunks[-1] + self.width - sum(self.chunks)]
+        self.device = device
 
     @property
     def numel(self) -> int:
@@ -44,7 +43,7 @@ class ChunkLayout:
 
     def gather(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """A new flat buffer holding ``tensors`` (zeros in the padding)."""
-        buf = torch.zeros(self.world_size, self.width, dtype=dtype, device=self.segment_ids.device)
+        buf = torch.zeros(self.world_size, self.width, dtype=dtype, device=self.device)
         for t, off, c, numel in zip(tensors, self.offsets, self.chunks, self.numels):
             flat = t.reshape(-1)
             rows, rest = divmod(numel, c)

@@ -9,17 +9,18 @@ Two phases, split at ``var_freeze_step``:
    on the others the variance stays frozen and the momentum is updated with the gradient
    averaged through the 1-bit exchange. Every rank applies the same update.
 2. Local steps. After ``var_freeze_step`` the variance is frozen for good and each rank steps
-   on its own gradients, remembering the parameters of the last synchronisation (the anchor).
-   Every ``local_step_interval`` steps the ranks average their accumulated update
-   ``anchor - p`` through the 1-bit exchange, every rank sets ``p = anchor - average`` and
-   rebuilds the momentum from it (the averaged update per unit of learning rate, less the
-   weight decay, times the Adam denominator). The interval starts at 1 and doubles every
-   ``local_step_scaler`` steps, up to ``local_step_clipper`` (the paper's H).
+   on its own gradients, remembering the parameters of the last synchronisation (the anchor)
+   and accumulating ``u += lr * m_hat``. Every ``local_step_interval`` steps the ranks average
+   ``u`` through the 1-bit exchange; every rank sets ``p = anchor - mean(u) / denom`` and the
+   momentum to ``mean(u) / sum(lr)`` (see ``_synchronize``). The interval starts at 1 and
+   doubles every ``local_step_scaler`` steps, up to ``local_step_clipper`` (the paper's H).
+   The anchor is one parameter-sized buffer more than DeepSpeed keeps; with it every rank
+   lands on bit-identical parameters at each synchronisation.
 
 The moments are bias-corrected when ``bias_correction`` (DeepSpeed's implementation accepts
 and ignores the flag): the momentum by ``1 - beta1**t``, the variance by ``1 - beta2**k`` with
 ``k`` the number of variance steps so far. The error-feedback buffers start from zero again at
-the phase change: phase 1 exchanges gradients, phase 2 accumulated updates.
+the phase change: phase 1 exchanges gradients, phase 2 accumulated momenta.
 """
 
 from __future__ import annotations
@@ -174,6 +175,7 @@ class ZeroOneAdam(CompressedOptimizer):
         for group in self.param_groups:
             for p in self.trained(group):
                 self.state[p]["anchor"] = p.detach().clone()
+                self.state[p]["momentum_accumulator"] = torch.zeros_like(p)
 
     def _local_step(self, index: int, group: dict[str, Any], step: int, sync: bool) -> None:
         params = self.trained(group)
@@ -181,32 +183,44 @@ class ZeroOneAdam(CompressedOptimizer):
             return
         beta1 = group["betas"][0]
         var_updates = self.phase("var_updates")
+        bc1 = 1 - beta1**step if group["bias_correction"] else 1.0
         for p in params:
-            m, v = adam_moments(self.state[p], p)
+            state = self.state[p]
+            m, v = adam_moments(state, p)
             if p.grad is not None:
                 m.lerp_(p.grad, 1 - beta1)
             else:
                 m.mul_(beta1)
+            state["momentum_accumulator"].add_(m, alpha=group["lr"] / bc1)
             adam_apply(p, m, adam_denominator(v, group, var_updates), group, step)
         group["local_lrs"] = group["local_lrs"] + group["lr"]
         if sync:
             self._synchronize(index, group, params, step)
 
     def _synchronize(self, index: int, group: dict[str, Any], params: list[torch.Tensor], step: int) -> None:
-        """Average the updates since the last synchronisation; rebuild p and the momentum."""
-        anchors = [self.state[p]["anchor"] for p in params]
-        updates = [a - p for a, p in zip(anchors, params)]
-        self.exchange(index, updates)
+        """Average the momentum accumulated since the last synchronisation; rebuild p and the momentum.
+
+        As the paper's Algorithm 1: ``u`` sums ``lr * m_hat`` over the interval; every rank takes
+        ``p = anchor - mean(u) / denom`` (less the decoupled weight decay of the interval) and the
+        momentum ``m_hat = mean(u) / sum(lr)``. Compressing momentum rather than parameter updates
+        keeps the 1-bit noise out of the elements with a large variance.
+        """
+        accumulators = [self.state[p]["momentum_accumulator"] for p in params]
+        self.exchange(index, accumulators)
         lrs, wd = group["local_lrs"], group["weight_decay"]
         bc1 = 1 - group["betas"][0] ** step if group["bias_correction"] else 1.0
-        for p, anchor, update in zip(params, anchors, updates):
-            direction = update / lrs if lrs > 0 else torch.zeros_like(update)
+        for p, u in zip(params, accumulators):
+            state = self.state[p]
+            anchor = state["anchor"]
+            denom = adam_denominator(state["exp_avg_sq"], group, self.phase("var_updates"))
+            p.copy_(anchor)
             if wd != 0:
-                direction.sub_(anchor, alpha=wd)
-            denom = adam_denominator(self.state[p]["exp_avg_sq"], group, self.phase("var_updates"))
-            self.state[p]["exp_avg"].copy_(direction.mul_(denom).mul_(bc1))
-            p.copy_(anchor - update)
+                p.mul_(1 - wd * lrs)
+            p.addcdiv_(u, denom, value=-1.0)
+            if lrs > 0:
+                state["exp_avg"].copy_(u).mul_(bc1 / lrs)
             anchor.copy_(p)
+            u.zero_()
         group["local_lrs"] = 0.0
 
     # -- per-rank state: between synchronisations the parameters and momentum are local --
@@ -230,6 +244,7 @@ class ZeroOneAdam(CompressedOptimizer):
             for group in self.param_groups:
                 for p in self.trained(group):
                     p.copy_(self.state[p]["anchor"])
+                    self.state[p]["momentum_accumulator"].zero_()
                 group["local_lrs"] = 0.0
             self.set_phase("steps_since_sync", 0)
             return
@@ -240,5 +255,6 @@ class ZeroOneAdam(CompressedOptimizer):
             sizes = [p.numel() for p in params]
             for p, piece in zip(params, state[f"local_params.{index}"].split(sizes)):
                 p.copy_(piece.view_as(p))
-            for p, piece in zip(params, state[f"local_exp_avg.{index}"].split(sizes)):
-                self.state[p]["exp_avg"].copy_(piece.view_as(p))
+            for key in ("exp_avg", "momentum_accumulator"):
+                for p, piece in zip(params, state[f"local_{key}.{index}"].split(sizes)):
+                    self.state[p][key].copy_(piece.view_as(p))
