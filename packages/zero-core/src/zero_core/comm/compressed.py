@@ -35,6 +35,7 @@ inside a training step on a GPU.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,9 +56,18 @@ def padded_numel(numel: int, world_size: int) -> int:
     return -(-numel // unit) * unit
 
 
+@functools.lru_cache(maxsize=16)
 def _masks(device: torch.device) -> torch.Tensor:
-    """Bit ``k`` of a byte holds element ``k`` of its eight."""
+    """Bit ``k`` of a byte holds element ``k`` of its eight. Cached: building it copies from the
+    host, which on a GPU would wait for the queued work inside every training step."""
     return torch.tensor([1 << k for k in range(_BITS)], dtype=torch.uint8, device=device)
+
+
+@functools.lru_cache(maxsize=16)
+def _sign_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The +1/-1 signs of every byte value, ``(256, 8)``: one gather unpacks a byte."""
+    byte = torch.arange(256, device=device).to(torch.uint8).unsqueeze(1)
+    return torch.where(torch.bitwise_and(byte, _masks(device)).ne(0), 1.0, -1.0).to(dtype)
 
 
 def pack_signs(x: torch.Tensor) -> torch.Tensor:
@@ -75,10 +85,7 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
 
 def unpack_signs(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The inverse of :func:`pack_signs`: +1/-1 values of ``dtype``, 8 per byte."""
-    # a 256 x 8 table of every byte's signs: one gather instead of shifts and masks per bit
-    byte = torch.arange(256, device=packed.device).to(torch.uint8).unsqueeze(1)
-    table = torch.where(torch.bitwise_and(byte, _masks(packed.device)).ne(0), 1.0, -1.0).to(dtype)
-    flat = torch.nn.functional.embedding(packed.reshape(-1).long(), table)
+    flat = torch.nn.functional.embedding(packed.reshape(-1).long(), _sign_table(packed.device, dtype))
     return flat.view(*packed.shape[:-1], packed.shape[-1] * _BITS)
 
 

@@ -142,6 +142,9 @@ class OnebitLamb(CompressedOptimizer):
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
             state["lamb_coeff_freeze"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        for key in ("lamb_coeff_freeze", "last_factor"):  # a checkpoint load gives back host tensors
+            if key in state and state[key].device != p.device:
+                state[key] = state[key].to(p.device)
         return state
 
     def _warmup_step(self, group: dict[str, Any], step: int) -> None:
