@@ -7,7 +7,8 @@ backward is torch DDP's scheme, 1.00x DDP's step time in bench_stage0.md) over g
    on the Python standard library's bytes, 300 steps, ``freeze_step`` 50 (0/1 Adam:
    ``var_freeze_step`` 50, local steps growing to 4). The loss is averaged over the ranks
    every step; "final loss" is the mean of the last 20 steps. The papers report no loss in
-   accuracy; the check is a final loss within 3% of the dense optimizer's. Curves in a PNG.
+   accuracy; the check is a final loss at most 3% above the dense optimizer's (a lower one is no
+   loss of accuracy). Curves in a PNG.
 2. Wire and step time after the freeze (2 and 4 ranks): a larger GPT (d_model 256, 4 layers,
    seq 128), every optimizer in the same launch, taking turns each round. Bytes per step are
    what the comms logger recorded for the step (see [Note: what the comms logger counts]);
@@ -191,13 +192,13 @@ def _plot(curves: dict, path: Path) -> None:
 def _convergence_lines(curves: dict, steps: int) -> list[str]:
     final = {label: statistics.mean(v[-20:]) for label, v in curves.items()}
     lines = [
-        "| optimizer | final loss (mean of last 20 steps) | vs its dense baseline | within 3% |",
+        "| optimizer | final loss (mean of last 20 steps) | vs its dense baseline | at most 3% above it |",
         "|---|---|---|---|",
     ]
     for label, value in final.items():
         base = final["LAMB (dense all-reduce)" if "LAMB" in label else "Adam (dense all-reduce)"]
         ratio = value / base
-        lines.append(f"| {label} | {value:.4f} | {ratio:.4f} | {'yes' if abs(ratio - 1) <= 0.03 else 'NO'} |")
+        lines.append(f"| {label} | {value:.4f} | {ratio:.4f} | {'yes' if ratio <= 1.03 else 'NO'} |")
     return lines
 
 
