@@ -1,8 +1,8 @@
 """1-bit Adam, 0/1 Adam and 1-bit LAMB train the examples/ GPT as well as Adam / LAMB.
 
 The CI-sized check: a small GPT (d_model 32, 1 layer, seq 32) on the standard library's bytes,
-2 ranks, 80 steps with the freeze at step 40; the mean loss of the last 10 steps must be within
-5% of the dense optimizer's (the 300-step, freeze-50, 3% check runs in tools/bench/bench_onebit.py;
+2 ranks, 80 steps with the freeze at step 40; the mean loss of the last 10 steps must be at most
+5% above the dense optimizer's (the 300-step, freeze-50, 3% check runs in tools/bench/bench_onebit.py;
 its figures are in tools/bench/results/bench_onebit.md).
 """
 
@@ -79,7 +79,8 @@ def test_final_loss_within_tolerance_of_dense_optimizer():
     final = run_multirank(_all, 2, timeout=600)[0]
     for name in ("OneBitAdam", "ZeroOneAdam", "OneBitLamb"):
         base = final["Lamb" if "Lamb" in name else "Adam"]
-        assert abs(final[name] / base - 1) <= TOLERANCE, (
+        # no loss of accuracy: at most TOLERANCE above the dense optimizer's loss (below is fine)
+        assert final[name] <= base * (1 + TOLERANCE), (
             f"{name}: final loss {final[name]:.4f} vs {base:.4f} ({final})"
         )
     assert final["Adam"] < 4.0 and final["Lamb"] < 4.0, final  # both baselines learned (ln 256 = 5.5)
