@@ -77,3 +77,22 @@ def test_initialize_builds_pipeline_engine_from_config():
         assert is_engine and same_opt and same_sched and typed and interval == 1
         assert losses[-1] < losses[0]
         assert err is not None and "pipeline.stages=4" in err
+
+
+def _onebit_rank():
+    import pytest
+    from zero_core import initialize
+
+    model = PipelineModule(specs(), num_stages=2, loss_fn=nn.functional.cross_entropy)
+    cfg = {
+        "train_micro_batch_size_per_gpu": MB,
+        "optimizer": {"type": "OneBitAdam", "params": {"lr": 0.05, "freeze_step": 2}},
+        "pipeline": {"stages": 2},
+    }
+    with pytest.raises(ValueError, match="plain data parallelism only.*pipeline parallelism"):
+        initialize(model=model, config=cfg)
+
+
+def test_compressed_optimizers_are_refused_with_a_pipeline():
+    # 1-bit Adam and its kin run on plain data parallelism only (as in DeepSpeed)
+    run_multirank(_onebit_rank, 2, timeout=120)

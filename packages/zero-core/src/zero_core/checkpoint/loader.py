@@ -232,6 +232,9 @@ def load_checkpoint(
             custom_load_fn(src=full_module_state_dict(reader, engine.module), dst=engine.module)
         if not load_module_only:
             _restore_engine(engine, meta, reader, load_optimizer_states, load_lr_scheduler_states)
+        finish = getattr(strategy, "after_checkpoint_load", None)
+        if finish is not None:  # see [Note: rank-local optimizer state]
+            finish()
     except BaseException as e:
         if reader.touched_state and hasattr(engine, "invalidate_state"):
             engine.invalidate_state(

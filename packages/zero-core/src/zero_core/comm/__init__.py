@@ -24,6 +24,7 @@ from zero_core.comm.collectives import (
     reduce,
     reduce_scatter_tensor,
 )
+from zero_core.comm.compressed import compressed_all_reduce, padded_numel
 from zero_core.comm.groups import (
     ProcessGroup,
     destroy_process_group,
@@ -63,6 +64,7 @@ __all__ = [
     "broadcast",
     "broadcast_object_list",
     "comms_logger",
+    "compressed_all_reduce",
     "destroy_process_group",
     "get_backend",
     "get_global_rank",
@@ -75,6 +77,7 @@ __all__ = [
     "log_summary",
     "monitored_barrier",
     "new_group",
+    "padded_numel",
     "recv",
     "reduce",
     "reduce_scatter_tensor",

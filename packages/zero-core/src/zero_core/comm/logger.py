@@ -14,6 +14,8 @@ size in bytes of:
 * ``all_gather_into_tensor``: the full *output* (world_size x the input);
 * ``all_gather`` (list): the sum of the output list's tensors;
 * ``all_to_all_single``: the input;
+* ``compressed_all_reduce``: the compressed tensor (packed sign bits plus scales; see
+  [Note: compressed all-reduce] in ``compressed.py``), once per call for both of its phases;
 * ``send``/``recv``/``isend``/``irecv``: the tensor; ``batch_isend_irecv``: the sum over its ops;
 * ``broadcast_object_list``, ``all_gather_object``, ``barrier``, ``monitored_barrier``: 0
   (objects are pickled inside torch; only count and time are recorded).
@@ -55,6 +57,7 @@ OP_NAMES: tuple[str, ...] = (
     "batch_isend_irecv",
     "barrier",
     "monitored_barrier",
+    "compressed_all_reduce",
 )
 
 _CONFIG_KEYS = ("enabled", "verbose", "prof_all", "prof_ops", "debug")
@@ -75,7 +78,7 @@ def bus_bandwidth_factor(op: str, world_size: int) -> float:
     """busbw / algbw, as in nccl-tests: the fraction of the data each link really carries."""
     n = max(world_size, 1)
     base = op.split(" ", 1)[0]
-    if base == "all_reduce":
+    if base in ("all_reduce", "compressed_all_reduce"):
         return 2.0 * (n - 1) / n
     if base in ("reduce_scatter_tensor", "all_gather_into_tensor", "all_gather", "all_to_all_single"):
         return (n - 1) / n

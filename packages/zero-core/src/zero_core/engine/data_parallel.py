@@ -4,7 +4,10 @@ Every rank holds the whole model and optimizer. Gradients are averaged with the 
 overlapped all-reduce of ``grad_buckets.py``. With fp16/bf16 the module's parameters are
 low precision and the optimizer steps fp32 master copies (the client optimizer's
 ``param_groups`` are rebound to them), then the result is copied back. See
-[Note: engine strategies] in ``strategy.py``.
+[Note: engine strategies] in ``strategy.py``. An optimizer that does its own data-parallel
+communication (1-bit Adam and its kin, see [Note: communication-compressed optimizers]) is
+bound to the group, and the gradients are all-reduced here only for the steps where its
+``communicates_gradients()`` says False.
 """
 
 from __future__ import annotations
@@ -63,6 +66,15 @@ class DataParallelStrategy:
     def bind_loss_scaler(self, loss_scaler: Any) -> None:
         """The engine's loss scaler: the safe_get gradient helpers report unscaled gradients."""
         self.loss_scaler = loss_scaler
+        self._communicates = getattr(optimizer, "communicates_gradients", None)
+        if self._communicates is not None:
+            if len(self.reducers) > 1:
+                raise ValueError(
+                    f"{type(optimizer).__name__} exchanges the whole model over the data-parallel group; "
+                    "expert-parallel (MoE) parameters, reduced over other groups, are not supported with it"
+                )
+            optimizer.bind_data_parallel(group)
+        self._dense_this_boundary = True
 
     def _rebind_to_masters(self) -> None:
         for group in self.optimizer.param_groups:
@@ -77,11 +89,14 @@ class DataParallelStrategy:
     # -- TrainingStrategy --------------------------------------------------------------
     def before_backward(self, is_boundary: bool) -> None:
         if is_boundary:
-            for r in self.reducers:
-                r.arm()
+            # the optimizer's next step may exchange (compressed) data itself: gradients stay local
+            self._dense_this_boundary = self._communicates is None or not self._communicates()
+            if self._dense_this_boundary:
+                for r in self.reducers:
+                    r.arm()
 
     def after_backward(self, is_boundary: bool) -> None:
-        if is_boundary:
+        if is_boundary and self._dense_this_boundary:
             for r in self.reducers:
                 r.finish()
 
@@ -153,6 +168,7 @@ class DataParallelStrategy:
     # -- checkpointing (see [Note: checkpoint format] in zero_core/checkpoint/format.py) --
     def checkpoint_fragments(self, exclude_frozen_parameters: bool = False) -> list[Any]:
         from zero_core import comm
+        from zero_core.checkpoint.rank_local import rank_local_fragments
         from zero_core.checkpoint.replicated import replicated_fragments
 
         rank = comm.get_rank(self.group) if comm.is_initialized() else 0
@@ -162,7 +178,7 @@ class DataParallelStrategy:
             self.master,
             rank=rank,
             exclude_frozen_parameters=exclude_frozen_parameters,
-        )
+        ) + rank_local_fragments(self.optimizer, rank)
 
     def load_checkpoint_fragments(
         self,
@@ -183,3 +199,23 @@ class DataParallelStrategy:
             load_module_only=load_module_only,
             strict=strict,
         )
+        if (
+            load_optimizer_states
+            and not load_module_only
+            and hasattr(self.optimizer, "load_rank_local_state")
+        ):
+            from zero_core.checkpoint.rank_local import read_rank_local
+
+            on = comm.is_initialized()
+            rank, world = (comm.get_rank(self.group), comm.get_world_size(self.group)) if on else (0, 1)
+            self._pending_rank_local = read_rank_local(reader, rank, world)
+
+    @torch.no_grad()
+    def after_checkpoint_load(self) -> None:
+        """Hand the optimizer its rank-local state; see [Note: rank-local optimizer state]."""
+        pending, self._pending_rank_local = getattr(self, "_pending_rank_local", None), None
+        if pending is None:
+            return
+        self.optimizer.load_rank_local_state(*pending)
+        for p, m in self.master.items():  # 0/1 Adam's local parameters may have changed the masters
+            p.copy_(m)

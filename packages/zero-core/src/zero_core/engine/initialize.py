@@ -187,6 +187,28 @@ def _param_offload(cfg: Any, group: Any) -> Any:
     return mod.build_param_offload(zc, _section(cfg, "aio"), rank=comm.get_rank(group))
 
 
+def _check_compressed_optimizer(cfg: Any, optimizer: Any, is_pipeline: bool) -> None:
+    """1-bit Adam, 0/1 Adam and 1-bit LAMB run on plain data parallelism only (as in DeepSpeed)."""
+    from zero_core.optim.onebit import CompressedOptimizer
+
+    section = _section(cfg, "optimizer")
+    named = str(getattr(section, "type", "") or "").replace("_", "").lower()
+    if isinstance(optimizer, CompressedOptimizer):
+        name = type(optimizer).__name__
+    elif optimizer is None and named in ("onebitadam", "zerooneadam", "onebitlamb"):
+        name = f"optimizer.type {section.type!r}"
+    else:
+        return
+    stage = int(cfg.zero_optimization.stage)
+    if is_pipeline or stage != 0:
+        what = "pipeline parallelism" if is_pipeline else f"zero_optimization.stage {stage}"
+        raise ValueError(
+            f"{name} does its own compressed data-parallel communication and runs with plain data "
+            f"parallelism only (zero_optimization.stage 0, no pipeline), as in DeepSpeed; it cannot be "
+            f"combined with {what}: use stage 0 or another optimizer"
+        )
+
+
 def _build_strategy(module: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: Any, group: Any) -> Any:
     zc = cfg.zero_optimization
     stage = int(zc.stage)
@@ -300,6 +322,7 @@ def initialize(
     )
 
     _configure_side_systems(cfg)
+    _check_compressed_optimizer(cfg, optimizer, is_pipeline)
 
     if model_engine is not None:
         return model_engine.initialize(

@@ -29,6 +29,7 @@ config in a plain zero loop (``tests/test_hf_trainer.py``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from typing import Any
@@ -91,6 +92,10 @@ class ZeroTrainer(transformers.Trainer):
         raw, _ = read_config(zero_config)  # the user's keys only: fills below need what is absent
         self.zero_config = raw
         self.engine: Any = None
+        # The engine reduces at its own accumulation boundaries (and refuses no_sync at stages
+        # 2/3, as DeepSpeed does): accelerate's no_sync around the non-final micro-batches of an
+        # accumulation window must not reach it (accelerate skips it for DeepSpeed engines too).
+        self.accelerator.no_sync = lambda model=None: contextlib.nullcontext()
 
     # -- the engine ----------------------------------------------------------------------
     def _engine_config(self) -> dict[str, Any]:

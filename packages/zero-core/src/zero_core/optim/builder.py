@@ -8,7 +8,9 @@ here builds ``torch.optim.AdamW`` by default and ``torch.optim.Adam`` with
 express) builds :class:`zero_core.optim.adam.FusedAdam`. ``CPUAdam`` and ``Lion`` come from zero-ops. Any
 other name of a ``torch.optim`` optimizer class (e.g. ``RMSprop``) builds that class, as the
 config section documents. DeepSpeed's communication-compressed optimizers (``OneBitAdam``,
-``ZeroOneAdam``, ``OneBitLamb``) and the muP variants are not provided: naming them is an error.
+``ZeroOneAdam``, ``OneBitLamb``; also spelled ``OnebitAdam``/``OnebitLamb``/``ZeroOne_Adam``, case and
+underscores ignored) build :mod:`zero_core.optim.onebit`. The muP variants are not provided:
+naming them is an error.
 """
 
 from __future__ import annotations
@@ -60,8 +62,17 @@ def _lion(params: Iterable[Any], **kw: Any) -> torch.optim.Optimizer:
     return lion.CPULion(params, **kw)
 
 
+def _onebit(name: str) -> Callable[..., torch.optim.Optimizer]:
+    def build(params: Iterable[Any], **kw: Any) -> torch.optim.Optimizer:
+        from zero_core.optim import onebit
+
+        return getattr(onebit, name)(params, **kw)
+
+    return build
+
+
 #: DeepSpeed names the config accepts that this build does not implement.
-_NOT_PROVIDED = ("onebitadam", "zerooneadam", "onebitlamb", "muadam", "muadamw", "musgd")
+_NOT_PROVIDED = ("muadam", "muadamw", "musgd")
 
 
 def _torch_optimizer(opt_type: str) -> Callable[..., torch.optim.Optimizer] | None:
@@ -81,7 +92,13 @@ OPTIMIZER_TYPES: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "lamb": _lamb,
     "cpuadam": _cpu_adam,
     "deepspeedcpuadam": _cpu_adam,
+    "onebitadam": _onebit("OnebitAdam"),
+    "zerooneadam": _onebit("ZeroOneAdam"),
+    "onebitlamb": _onebit("OnebitLamb"),
 }
+
+
+_ONEBIT = ("onebitadam", "zerooneadam", "onebitlamb")
 
 
 def build_optimizer(
@@ -91,11 +108,16 @@ def build_optimizer(
     key = str(opt_type).replace("_", "").lower()
     factory = OPTIMIZER_TYPES.get(key) or _torch_optimizer(opt_type)
     if factory is None:
-        known = "Adam, AdamW, FusedAdam, SGD, Adagrad, Lamb, CPUAdam, Lion or a torch.optim class name"
+        known = (
+            "Adam, AdamW, FusedAdam, SGD, Adagrad, Lamb, CPUAdam, Lion, OneBitAdam, ZeroOneAdam, OneBitLamb "
+            "or a torch.optim class name"
+        )
         why = "is not provided by this build" if key in _NOT_PROVIDED else "is not supported"
         raise ValueError(f"optimizer.type: '{opt_type}' {why}; use one of {known}")
     kw = dict(opt_params or {})
-    if "max_grad_norm" in kw:  # old FusedAdam clipped inside the optimizer; DeepSpeed refuses it too
+    # Old FusedAdam clipped inside the optimizer; DeepSpeed refuses it too. The 1-bit optimizers'
+    # signatures carry max_grad_norm=0.0 (no clipping), which is accepted.
+    if "max_grad_norm" in kw and not (key in _ONEBIT and not kw["max_grad_norm"]):
         raise ValueError(
             f"optimizer.params.max_grad_norm ({opt_type}): gradient clipping is not an optimizer setting; "
             f'use the top-level "gradient_clipping": {kw["max_grad_norm"]!r}'
