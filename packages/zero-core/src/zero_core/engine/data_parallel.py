@@ -56,6 +56,15 @@ class DataParallelStrategy:
         self.master: dict[torch.nn.Parameter, torch.nn.Parameter] = {}
         if master_weights:
             self._rebind_to_masters()
+        self._communicates = getattr(optimizer, "communicates_gradients", None)
+        if self._communicates is not None:
+            if len(self.reducers) > 1:
+                raise ValueError(
+                    f"{type(optimizer).__name__} exchanges the whole model over the data-parallel group; "
+                    "expert-parallel (MoE) parameters, reduced over other groups, are not supported with it"
+                )
+            optimizer.bind_data_parallel(group)
+        self._dense_this_boundary = True
         self.loss_scaler: Any = None  # see bind_loss_scaler
         from zero_core.engine.data_parallel_access import DataParallelStateAccess
 
@@ -66,15 +75,6 @@ class DataParallelStrategy:
     def bind_loss_scaler(self, loss_scaler: Any) -> None:
         """The engine's loss scaler: the safe_get gradient helpers report unscaled gradients."""
         self.loss_scaler = loss_scaler
-        self._communicates = getattr(optimizer, "communicates_gradients", None)
-        if self._communicates is not None:
-            if len(self.reducers) > 1:
-                raise ValueError(
-                    f"{type(optimizer).__name__} exchanges the whole model over the data-parallel group; "
-                    "expert-parallel (MoE) parameters, reduced over other groups, are not supported with it"
-                )
-            optimizer.bind_data_parallel(group)
-        self._dense_this_boundary = True
 
     def _rebind_to_masters(self) -> None:
         for group in self.optimizer.param_groups:

@@ -322,7 +322,7 @@ def initialize(
     )
 
     _configure_side_systems(cfg)
-    _check_compressed_optimizer(cfg, optimizer, is_pipeline)
+    _check_compressed_optimizer(cfg, optimizer, model_engine is not None)
 
     if model_engine is not None:
         return model_engine.initialize(
