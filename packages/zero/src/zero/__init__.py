@@ -27,6 +27,10 @@ _NAMES: dict[str, str] = {
     "init_inference": "zero_inference:init_inference",
     "InferenceEngine": "zero_inference:InferenceEngine",
     "PipelineModule": "zero_pipe:PipelineModule",
+    "TransformerConfig": "zero_ops.transformer:TransformerConfig",
+    "TransformerLayer": "zero_ops.transformer:TransformerLayer",
+    "DeepSpeedTransformerConfig": "zero_ops.transformer:DeepSpeedTransformerConfig",
+    "DeepSpeedTransformerLayer": "zero_ops.transformer:DeepSpeedTransformerLayer",
 }
 
 # facade submodules (zero/<name>.py or zero/<name>/): imported on attribute access

@@ -47,7 +47,9 @@ class InvertibleLayerNorm(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+    ) -> torch.Tensor:
         y, _, rstd = torch.native_layer_norm(x, (x.shape[-1],), weight, bias, eps)
         ctx.save_for_backward(y, weight, bias, rstd)
         return y
@@ -55,7 +57,7 @@ class InvertibleLayerNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
         y, weight, bias, rstd = ctx.saved_tensors
-        acc = rstd.dtype  # float32 for half inputs: do the reductions there
+        acc = torch.promote_types(dy.dtype, torch.float32)  # reductions in float32 for half inputs
         w, b = weight.to(acc), bias.to(acc)
         dyf = dy.to(acc)
         xhat = (y.to(acc) - b) / w
@@ -67,7 +69,7 @@ class InvertibleLayerNorm(torch.autograd.Function):
             g = dyf * w
             mean_g = g.mean(-1, keepdim=True)
             mean_gx = (g * xhat).mean(-1, keepdim=True)
-            dx = ((g - mean_g - xhat * mean_gx) * rstd).to(dy.dtype)
+            dx = ((g - mean_g - xhat * mean_gx) * rstd.to(acc)).to(dy.dtype)
         return dx, dweight, dbias, None
 
 

@@ -22,7 +22,9 @@ def _bert_layer_class() -> type:
     try:
         from transformers.models.bert.modeling_bert import BertLayer
     except ImportError as e:  # pragma: no cover - exercised only without transformers
-        raise ImportError("replace_bert_layers / revert_bert_layers need transformers: pip install transformers") from e
+        raise ImportError(
+            "replace_bert_layers / revert_bert_layers need transformers: pip install transformers"
+        ) from e
     return BertLayer
 
 
@@ -41,7 +43,9 @@ def config_from_bert(hf_config: Any, dtype: torch.dtype, **overrides: Any) -> Tr
             f"{hf_config.hidden_act!r}"
         )
     if getattr(hf_config, "is_decoder", False) or getattr(hf_config, "add_cross_attention", False):
-        raise ValueError(f"{_WHERE}: the fused layer is an encoder layer; this BERT is a decoder / has cross-attention")
+        raise ValueError(
+            f"{_WHERE}: the fused layer is an encoder layer; this BERT is a decoder / has cross-attention"
+        )
     values = dict(
         hidden_size=hf_config.hidden_size,
         intermediate_size=hf_config.intermediate_size,
@@ -124,14 +128,30 @@ def revert_bert_layers(model: nn.Module) -> nn.Module:
         raise ValueError(f"revert_bert_layers: no TransformerLayer found in {type(model).__name__}")
     for parent, name, fused in found:
         if fused.config.pre_layer_norm:
-            raise ValueError("revert_bert_layers: a pre-LN layer has no BertLayer equivalent (BERT is post-LN)")
+            raise ValueError(
+                "revert_bert_layers: a pre-LN layer has no BertLayer equivalent (BERT is post-LN)"
+            )
         h = fused.config.hidden_size
         with torch.device(fused.attn_qkvw.device):
             old = _bert_layer(bert_layer, hf_config, getattr(fused, "hf_layer_idx", None))
         old.to(fused.attn_qkvw.dtype)
         weights, biases = _weights_of(old)
-        fw = [*fused.attn_qkvw.split(h), fused.attn_ow, fused.attn_nw, fused.inter_w, fused.output_w, fused.norm_w]
-        fb = [*fused.attn_qkvb.split(h), fused.attn_ob, fused.attn_nb, fused.inter_b, fused.output_b, fused.norm_b]
+        fw = [
+            *fused.attn_qkvw.split(h),
+            fused.attn_ow,
+            fused.attn_nw,
+            fused.inter_w,
+            fused.output_w,
+            fused.norm_w,
+        ]
+        fb = [
+            *fused.attn_qkvb.split(h),
+            fused.attn_ob,
+            fused.attn_nb,
+            fused.inter_b,
+            fused.output_b,
+            fused.norm_b,
+        ]
         with torch.no_grad():
             for dst, src in zip(weights + biases, fw + fb, strict=True):
                 dst.copy_(src)

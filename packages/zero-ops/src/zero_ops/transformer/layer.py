@@ -84,7 +84,9 @@ class TransformerLayer(nn.Module):
         super().__init__()
         if not isinstance(config, TransformerConfig):
             raise TypeError(f"{_WHERE}: config must be a TransformerConfig, got {type(config).__name__}")
-        config.require("hidden_size", "heads", "attn_dropout_ratio", "hidden_dropout_ratio", why="to build a layer")
+        config.require(
+            "hidden_size", "heads", "attn_dropout_ratio", "hidden_dropout_ratio", why="to build a layer"
+        )
         self.config = config
         self.layer_id = TransformerLayer.layer_id
         TransformerLayer.layer_id += 1
@@ -151,7 +153,11 @@ class TransformerLayer(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(
-        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *args: Any, **kwargs: Any
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *args: Any,
+        **kwargs: Any,
     ) -> torch.Tensor | tuple[torch.Tensor]:
         """``hidden_states`` (batch, seq, hidden); ``attention_mask`` as BERT passes it: an
         additive mask broadcastable to (batch, heads, seq, seq) (``get_extended_attention_mask``),
@@ -201,7 +207,8 @@ class TransformerLayer(nn.Module):
             probs = torch.softmax(scores, dim=-1)
             keep = keep_mask(probs, p, self.generator)
             if cfg.attn_dropout_checkpoint:
-                ctx = DropoutMatmul.apply(probs, v, keep, p)
+                # v is a strided view of the QKV buffer: a compact copy is what matmul would save
+                ctx = DropoutMatmul.apply(probs, v.contiguous(), keep, p)
             else:
                 ctx = torch.matmul(apply_mask(probs, keep, p), v)
         ctx = ctx.transpose(1, 2).reshape(b * s, h)
@@ -245,7 +252,9 @@ class TransformerLayer(nn.Module):
     def extra_repr(self) -> str:
         cfg = self.config
         ln = "pre-LN" if cfg.pre_layer_norm else "post-LN"
-        return f"layer_id={self.layer_id}, hidden={cfg.hidden_size}, heads={cfg.heads}, {ln}, dtype={cfg.dtype}"
+        return (
+            f"layer_id={self.layer_id}, hidden={cfg.hidden_size}, heads={cfg.heads}, {ln}, dtype={cfg.dtype}"
+        )
 
 
 DeepSpeedTransformerLayer = TransformerLayer

@@ -18,7 +18,9 @@ def attention_bias(
     if mask is None:
         return None
     if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"{where}.forward: attention_mask must be a tensor or None, got {type(mask).__name__}")
+        raise TypeError(
+            f"{where}.forward: attention_mask must be a tensor or None, got {type(mask).__name__}"
+        )
     if mask.dim() == 2:
         if tuple(mask.shape) != (batch, seq):
             raise ValueError(
@@ -41,5 +43,7 @@ def attention_bias(
         bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
         return bias.masked_fill_(~mask, torch.finfo(dtype).min)
     if not mask.is_floating_point():
-        raise TypeError(f"{where}.forward: a 4-D attention_mask must be additive (float) or bool, got {mask.dtype}")
+        raise TypeError(
+            f"{where}.forward: a 4-D attention_mask must be additive (float) or bool, got {mask.dtype}"
+        )
     return mask.to(dtype)

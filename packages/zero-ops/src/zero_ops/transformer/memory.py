@@ -11,7 +11,7 @@ neighbour saves anyway (``normalize_invertible`` relies on exactly that), so
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -20,11 +20,18 @@ from zero_ops.transformer.config import TransformerConfig
 SWITCHES = ("normalize_invertible", "gelu_checkpoint", "attn_dropout_checkpoint")
 
 
-def stated_savings(config: TransformerConfig, batch: int, seq: int, *, training: bool = True) -> dict[str, int]:
+def stated_savings(
+    config: TransformerConfig,
+    batch: int,
+    seq: int,
+    *,
+    training: bool = True,
+    device: torch.device | str = "cpu",
+) -> dict[str, int]:
     """Bytes of saved activations per layer each switch removes (at this batch and sequence).
 
-    - ``normalize_invertible``: both LayerNorm inputs and their means (the means are float32
-      for every parameter dtype, as torch's LayerNorm computes statistics in float32);
+    - ``normalize_invertible``: both LayerNorm inputs and their means (in the statistics dtype
+      torch's LayerNorm uses on ``device``);
     - ``gelu_checkpoint``: the GELU output, batch*seq*intermediate_size;
     - ``attn_dropout_checkpoint``: the dropped attention probabilities, batch*heads*seq*seq;
       zero where there is no dropout output to keep (eval, ratio 0, or ``stochastic_mode``,
@@ -33,7 +40,10 @@ def stated_savings(config: TransformerConfig, batch: int, seq: int, *, training:
     config.require("hidden_size", "heads", "attn_dropout_ratio", why="to size the activations")
     elem = torch.empty((), dtype=config.dtype).element_size()
     tokens = batch * seq
-    stat = 4 if config.dtype in (torch.float16, torch.bfloat16, torch.float32) else elem
+    # LayerNorm's statistics dtype is the backend's choice (float32 for half inputs on CUDA,
+    # the input's dtype on CPU): ask it
+    probe = torch.zeros(1, 1, dtype=config.dtype, device=device)
+    stat = torch.native_layer_norm(probe, (1,), None, None, 1e-5)[1].element_size()
     dropout_kept = training and config.attn_dropout_ratio > 0 and not config.stochastic_mode
     return {
         "normalize_invertible": 2 * (tokens * config.hidden_size * elem + tokens * stat),
@@ -42,23 +52,24 @@ def stated_savings(config: TransformerConfig, batch: int, seq: int, *, training:
     }
 
 
-def saved_bytes(fn: Callable[[], object], *, exclude: tuple[torch.Tensor, ...] = ()) -> int:
-    """Bytes of the distinct storages autograd saves while ``fn()`` runs (parameters and the
-    storages of ``exclude`` not counted). See [Note: measuring saved activations]."""
+def saved_bytes(fn: Callable[[], object], *, exclude: Iterable[torch.Tensor] = ()) -> int:
+    """Bytes of the distinct storages autograd saves while ``fn()`` runs, not counting the
+    storages of ``exclude`` (pass the parameters: ops save them, or views of them, but they are
+    not activations). See [Note: measuring saved activations]."""
     seen: dict[int, int] = {}
     skip = {t.untyped_storage().data_ptr() for t in exclude}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if not isinstance(t, torch.nn.Parameter):
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in skip:
-                seen[storage.data_ptr()] = storage.nbytes()
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen[storage.data_ptr()] = storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
+        total = sum(seen.values())  # while ``out`` keeps the graph (and every saved storage) alive
     del out
-    return sum(seen.values())
+    return total
 
 
 def layer_saved_bytes(
@@ -79,8 +90,9 @@ def layer_saved_bytes(
 
         return go
 
+    exclude = [x, *(p for layer in layers for p in layer.parameters())]
     state = torch.get_rng_state()
-    one = saved_bytes(run(1), exclude=(x,))
+    one = saved_bytes(run(1), exclude=exclude)
     torch.set_rng_state(state)
-    two = saved_bytes(run(2), exclude=(x,))
+    two = saved_bytes(run(2), exclude=exclude)
     return two - one
