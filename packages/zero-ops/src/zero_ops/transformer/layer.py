@@ -167,6 +167,7 @@ class TransformerLayer(nn.Module):
         encoder layer. Returns the output, or ``(output,)`` with ``return_tuple``."""
         self._check_unused(args, kwargs)
         self._check_input(hidden_states)
+        self._check_replay()
         b, s, h = hidden_states.shape
         bias = attention_bias(attention_mask, b, s, hidden_states.dtype, _WHERE)
         out = self._layer(hidden_states.reshape(b * s, h), bias, b, s).view(b, s, h)
@@ -185,6 +186,24 @@ class TransformerLayer(nn.Module):
         if self.config.normalize_invertible:
             return InvertibleLayerNorm.apply(x, w, bb, self.config.layer_norm_eps)
         return F.layer_norm(x, (x.shape[-1],), w, bb, self.config.layer_norm_eps)
+
+    def _check_replay(self) -> None:
+        """A forward run inside backward is an activation-checkpointing recompute: with a seed
+        the layer's own generator has moved on, so the masks would differ from the forward's
+        and the gradients would be wrong. Say so instead."""
+        cfg = self.config
+        dropout = cfg.attn_dropout_ratio > 0 or cfg.hidden_dropout_ratio > 0
+        if (
+            self.generator is not None
+            and self.training
+            and dropout
+            and torch._C._current_graph_task_id() != -1
+        ):
+            raise RuntimeError(
+                f"{_WHERE}: recomputed inside backward (activation checkpointing) with seed={cfg.seed}: the "
+                "layer's own dropout generator cannot be replayed. Use seed=-1 (the global generator, "
+                "which checkpointing restores) with activation checkpointing."
+            )
 
     def _hidden_dropout(self, x: torch.Tensor) -> torch.Tensor:
         p = self.config.hidden_dropout_ratio
