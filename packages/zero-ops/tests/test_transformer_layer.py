@@ -375,9 +375,10 @@ def test_activation_checkpointing_keeps_gradients():
 
 
 # --------------------------------------------------------------------------- Hugging Face round trip
-def test_replace_and_revert_bert_model():
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])  # additive and bool masks reach the layers
+def test_replace_and_revert_bert_model(attn):
     torch.manual_seed(0)
-    model = transformers.BertForMaskedLM(bert_config(0.0))
+    model = transformers.BertForMaskedLM(bert_config(0.0, attn_implementation=attn))
     model.eval()
     ids = torch.randint(0, 50, (B, S))
     attn = torch.ones(B, S, dtype=torch.long)
