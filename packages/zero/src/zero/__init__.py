@@ -30,6 +30,10 @@ _NAMES: dict[str, str] = {
     "OnDevice": "zero_core:OnDevice",
     "MiCS_Init": "zero_core:MiCS_Init",
     "unwrap_model_for_generation": "zero_core:unwrap_model_for_generation",
+    "TransformerConfig": "zero_ops.transformer:TransformerConfig",
+    "TransformerLayer": "zero_ops.transformer:TransformerLayer",
+    "DeepSpeedTransformerConfig": "zero_ops.transformer:DeepSpeedTransformerConfig",
+    "DeepSpeedTransformerLayer": "zero_ops.transformer:DeepSpeedTransformerLayer",
 }
 
 # facade submodules (zero/<name>.py or zero/<name>/): imported on attribute access
