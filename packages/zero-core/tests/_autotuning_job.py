@@ -14,19 +14,17 @@ import json
 import os
 import time
 
-import torch
-from zero_core.arguments import add_config_arguments
-from zero_core.engine.initialize import initialize
-
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=50)
-    add_config_arguments(parser)
+    parser.add_argument("--zero_config", required=True)
+    parser.add_argument("--local_rank", type=int, default=-1)
     args = parser.parse_args()
     with open(args.zero_config) as f:
         config = json.load(f)
     stage = int(config["zero_optimization"]["stage"])
+    # misbehave before importing torch: quick even on a loaded machine
     if os.environ.get("JOB_RAISE_STAGE") == str(stage):
         raise ValueError(f"deliberate failure at stage {stage}")
     while os.environ.get("JOB_HANG_STAGE") == str(stage):
@@ -37,6 +35,9 @@ def main() -> None:
             f.write(str(os.getpid()))
         while os.path.exists(hold):
             time.sleep(0.5)
+    import torch
+    from zero_core.engine.initialize import initialize
+
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     engine, _, _, _ = initialize(model=model, config=config)

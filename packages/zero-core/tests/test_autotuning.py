@@ -212,22 +212,21 @@ def _alive(pid: int) -> bool:
 
 
 def test_failures_are_recorded_and_a_killed_search_resumes(tmp_path: Path) -> None:
-    # one rank, micro-batch fixed: one experiment per stage. Stage 0 trains, stage 1 raises,
-    # stage 2 hangs (killed at the timeout), stage 3 holds until we kill the search itself.
-    cfg = _write(
-        tmp_path / "cfg.json",
-        {
-            "train_micro_batch_size_per_gpu": 2,
-            "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-            "autotuning": {
-                "enabled": True,
-                **PROFILE,
-                "tuner_type": "gridsearch",
-                "experiment_timeout": 30,
-                "model_info": {"num_params": 1000},
-            },
+    # One rank, micro-batch fixed: one experiment per stage. Stage 1 raises, stage 2 hangs (killed
+    # at the timeout), stage 3 holds until the test interrupts the search itself (SIGTERM).
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": [1, 2, 3]},
+        "autotuning": {
+            "enabled": True,
+            **PROFILE,
+            "tuner_type": "gridsearch",
+            "experiment_timeout": 40,
+            "model_info": {"num_params": 1000},
         },
-    )
+    }
+    cfg = _write(tmp_path / "cfg.json", config)
     hold = tmp_path / "hold"
     hold.write_text("")
     env = {
@@ -257,15 +256,17 @@ def test_failures_are_recorded_and_a_killed_search_resumes(tmp_path: Path) -> No
     exps = tmp_path / "autotuning_exps"
     before = _records(exps)
     by_stage = {r["result"]["stage"]: r["result"] for r in before.values()}
-    assert by_stage[0]["status"] == "ok"
     assert (
         by_stage[1]["status"] == "error"
         and "ValueError: deliberate failure at stage 1" in by_stage[1]["reason"]
     )
-    assert by_stage[2]["status"] == "timeout" and "still running after 30 s" in by_stage[2]["reason"]
+    assert by_stage[2]["status"] == "timeout" and "still running after 40 s" in by_stage[2]["reason"]
     assert by_stage[3]["status"] == "running"  # interrupted: not a finished experiment
 
     hold.unlink()
+    # a longer timeout for the rerun (a loaded machine); the section is not part of an experiment's identity
+    config["autotuning"]["experiment_timeout"] = 600
+    _write(cfg, config)
     out = _zero(
         "--autotuning", "tune", "--nproc", "1", str(JOB), "--zero_config", str(cfg), cwd=tmp_path, env=env
     )
@@ -274,6 +275,28 @@ def test_failures_are_recorded_and_a_killed_search_resumes(tmp_path: Path) -> No
         if record["result"]["stage"] != 3:
             assert after[name] == record
     assert after[next(n for n, r in before.items() if r["result"]["stage"] == 3)]["result"]["status"] == "ok"
-    assert "(1 launched, 3 reused)" in out, out
+    assert "(1 launched, 2 reused)" in out, out
     summary = (tmp_path / "autotuning_results" / "summary.md").read_text()
     assert "ValueError: deliberate failure" in summary and "timeout" in summary and "(reused)" in summary
+    optimal = json.loads((tmp_path / "autotuning_results" / "ds_config_optimal.json").read_text())
+    assert optimal["zero_optimization"]["stage"] == 3
+
+
+def test_engine_hook_only_for_experiments(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from zero_core.autotuning.engine_hook import EXPERIMENT_ENV, AutotuningMetricHook, build_autotuning_hook
+
+    monkeypatch.delenv(EXPERIMENT_ENV, raising=False)
+    off = SimpleNamespace(autotuning=AutotuningConfig())
+    assert build_autotuning_hook(off, None, {}, 0) is None
+    plain = SimpleNamespace(autotuning=AutotuningConfig(enabled=True))
+    with pytest.warns(UserWarning, match="the search is run by `zero run --autotuning"):
+        assert build_autotuning_hook(plain, None, {}, 0) is None  # a plain run trains normally
+    asked = SimpleNamespace(autotuning=AutotuningConfig(enabled=True, metric_path="m.json"))
+    assert isinstance(
+        build_autotuning_hook(asked, SimpleNamespace(global_rank=0), {}, 0), AutotuningMetricHook
+    )
+    bad = AutotuningConfig(enabled=True, metric_path="m.json", start_profile_step=5, end_profile_step=5)
+    with pytest.raises(ValueError, match="end_profile_step \\(5\\) must be greater than start_profile_step"):
+        AutotuningMetricHook(bad, None, 0)

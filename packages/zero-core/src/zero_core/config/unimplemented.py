@@ -7,10 +7,11 @@ compression, the hybrid engine, ...). Accepting a section must not mean silently
 training without the layer drop or the curriculum the user asked for is a different run. So a
 section that is *switched on* is an error naming the section and what to do; one that is present
 but off (``"enabled": false``, as generated configs often carry) loads silently. Features that
-do not change what a run computes in DeepSpeed either would only warn (``autotuning``, once such
-a feature, is implemented: ``zero run --autotuning``, see [Note: autotuning search]). The unknown-keys switch (``"zero_allow_unknown_keys":
-true`` or ``ZERO_CONFIG_UNKNOWN_KEYS=warn``, see [Note: unknown config keys]) downgrades the
-errors to warnings, for users who accept the difference.
+do not change what a run computes in DeepSpeed either would only warn (``autotuning`` was one;
+it is implemented now: ``zero run --autotuning``, see [Note: autotuning search]). The
+unknown-keys switch (``"zero_allow_unknown_keys": true`` or ``ZERO_CONFIG_UNKNOWN_KEYS=warn``,
+see [Note: unknown config keys]) downgrades the errors to warnings, for users who accept the
+difference.
 
 A few keys of newer DeepSpeed releases (``torch_autocast``, ``comet``, ``tensor_parallel``, ...)
 are not in the seeds' key set; they are taken out of the raw config here, checked the same way,
