@@ -70,12 +70,25 @@ def _search(work: str, tuner: str, args: argparse.Namespace) -> dict:
         raise SystemExit(
             f"bench_autotune: the {tuner} search failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
         )
+    with open(os.path.join(work, "search.json"), "w") as f:
+        json.dump({"wall": wall}, f)
+    return {"wall": wall, "records": _records(work), "stdout": out.stdout}
+
+
+def _records(work: str) -> list[dict]:
     exps = os.path.join(work, "exps")
     records = []
     for name in sorted(os.listdir(exps)):
         with open(os.path.join(exps, name)) as f:
             records.append(json.load(f)["result"])
-    return {"wall": wall, "records": records, "stdout": out.stdout}
+    return records
+
+
+def _earlier_grid(work: str) -> dict:
+    """The grid of an earlier run of this benchmark (same space, same work directory)."""
+    with open(os.path.join(work, "search.json")) as f:
+        wall = json.load(f)["wall"]
+    return {"wall": wall, "records": _records(work), "stdout": ""}
 
 
 def _key(r: dict) -> tuple:
@@ -90,6 +103,11 @@ def main() -> None:
     p.add_argument("--end", type=int, default=5)
     p.add_argument("--d_model", type=int, default=64)
     p.add_argument("--early_stopping", type=int, default=2)
+    p.add_argument(
+        "--reuse_grid",
+        action="store_true",
+        help="take the grid from an earlier run in --work (its records and wall time) and run only the tuner",
+    )
     p.add_argument("--work", default="/tmp/bench_autotune")
     p.add_argument("--out", default=os.path.join(ROOT, "tools", "bench", "results", "bench_autotune.md"))
     args = p.parse_args()
@@ -101,7 +119,10 @@ def main() -> None:
     load0 = os.getloadavg()[0]
     began = time.perf_counter()
     tuned = _search(os.path.join(args.work, "tuner"), "model_based", args)
-    grid = _search(os.path.join(args.work, "grid"), "gridsearch", args)
+    if args.reuse_grid:
+        grid = _earlier_grid(os.path.join(args.work, "grid"))
+    else:
+        grid = _search(os.path.join(args.work, "grid"), "gridsearch", args)
     load1 = os.getloadavg()[0]
     grid_ok = {_key(r): r for r in grid["records"] if r["status"] == "ok"}
     tuner_ok = [r for r in tuned["records"] if r["status"] == "ok"]
@@ -142,8 +163,13 @@ def main() -> None:
         f"{args.d_model}, 2 layers, seq 64; samples/s measured by the engine between optimizer steps "
         f"{args.start} and {args.end}; each experiment is a fresh 2-rank launch",
         f"- tuner: model_based, tuner_early_stopping {args.early_stopping}, stage early stopping; grid: gridsearch, "
-        "no early stopping; the tuner ran first, then the grid; total bench wall "
-        f"{time.perf_counter() - began:.0f} s",
+        "no early stopping; "
+        + (
+            "the grid is an earlier run's (--reuse_grid: its records and wall time), the tuner ran now"
+            if args.reuse_grid
+            else "the tuner ran first, then the grid"
+        )
+        + f"; bench wall {time.perf_counter() - began:.0f} s",
         "",
         *rows,
         "",

@@ -113,12 +113,16 @@ def test_tuners_find_the_best_and_stop_early(tuner: str) -> None:
         return score(c)
 
     TUNERS[tuner](cands, {}, num_trials=50, early_stopping=100, seed=0).run(evaluate)
-    assert len(seen) == len(cands) and len(set(seen)) == len(seen)
+    assert len(set(seen)) == len(seen)
+    if tuner != "model_based":  # without early stopping, all of them; the cost model stops by itself
+        assert len(seen) == len(cands)
+    if tuner != "model_based":
+        assert max(cands, key=score) in seen
     seen.clear()
     TUNERS[tuner](cands, {cands[0]: score(cands[0])}, num_trials=50, early_stopping=4, seed=0).run(evaluate)
     best = max(cands, key=score)
-    if tuner == "model_based":  # the cost model goes straight to the top
-        assert best in seen and len(seen) <= 8
+    if tuner == "model_based":  # from the largest micro-batch's probe, as the autotuner starts it
+        assert best in seen and len(seen) <= 4
     assert cands[0] not in seen  # measured before the tuner started: not run again
     assert len(seen) < len(cands) - 1
 
