@@ -304,3 +304,35 @@ def test_engine_hook_only_for_experiments(monkeypatch: pytest.MonkeyPatch) -> No
     bad = AutotuningConfig(enabled=True, metric_path="m.json", start_profile_step=5, end_profile_step=5)
     with pytest.raises(ValueError, match="end_profile_step \\(5\\) must be greater than start_profile_step"):
         AutotuningMetricHook(bad, None, 0)
+
+
+def test_largest_micro_batch_search_stops_on_oom() -> None:
+    # the search's logic alone: an "experiment" runs out of memory above micro-batch 6
+    from zero_core.autotuning.autotuner import Autotuner
+
+    tuner = Autotuner.__new__(Autotuner)
+    tuner.num_params, tuner.world, tuner.mixed, tuner.budget, tuner.per_sample_bytes = (
+        1000,
+        2,
+        False,
+        10**9,
+        0.0,
+    )
+    probed: list[int] = []
+
+    def evaluate(cand: Candidate) -> float | None:
+        probed.append(cand.mbs)
+        return float(cand.mbs) if cand.mbs <= 6 else None
+
+    tuner.evaluate = evaluate  # type: ignore[method-assign]
+    assert tuner._largest_fitting(1, False, list(range(1, 17)), ()) == 6
+    assert probed[:2] == [16, 1] and len(probed) <= 2 + 4  # the largest, the smallest, a binary search
+    probed.clear()
+    assert tuner._largest_fitting(1, False, [8, 16], ()) is None and probed == [16, 8]
+    # memory measured earlier bounds the first probe: 1000 bytes per sample in a 6000-byte room
+    tuner.budget, tuner.per_sample_bytes = (
+        12000 + 6000,
+        1000.0,
+    )  # model states (fp32, stage 1, N=2): 12 bytes x 1000
+    probed.clear()
+    assert tuner._largest_fitting(1, False, list(range(1, 17)), ()) == 6 and probed == [6]
