@@ -81,12 +81,17 @@ def _max_over_ranks(value: float, device: torch.device) -> float:
 
 
 def _end_process() -> None:
-    """Every rank leaves here together: DeepSpeed's engine also ends an experiment with exit()."""
-    sys.stdout.flush()
+    """Every rank leaves here together, as DeepSpeed's engine ends an experiment with exit().
+
+    ``os._exit``, not ``SystemExit``: the measurement is written, and tearing the job down
+    normally can abort a rank (a communication thread of an overlapping stage still joinable
+    when the interpreter unwinds: "terminate called without an active exception", SIGABRT),
+    which would turn a measured experiment into a failed one."""
     if comm.is_initialized():
         comm.barrier()
-        comm.destroy_process_group()
-    raise SystemExit(0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class AutotuningMetricHook:

@@ -241,7 +241,7 @@ class ExperimentRunner:
         if status == "timeout":
             result.status, result.reason = "timeout", reason
             return
-        if status == "failed" or not os.path.isfile(metric_path):
+        if not os.path.isfile(metric_path):
             if status == "failed":
                 result.status, result.reason = _failure_reason(log)
                 result.reason = f"{result.reason} ({reason})"
@@ -267,6 +267,8 @@ class ExperimentRunner:
             result.reason = f"peak {result.memory / 2**20:.1f} MiB > budget {self.budget / 2**20:.1f} MiB"
         else:
             result.status = "ok"
+            if status == "failed":  # measured (all ranks reached end_profile_step), then failed to exit
+                result.reason = f"the metric was written, then the launch ended with {reason}"
 
 
 def launcher_prefix(args: Any) -> list[str]:
