@@ -219,8 +219,7 @@ def test_every_top_level_key_of_the_reference():
         "data_efficiency": {"enabled": False, "seed": 1234, "data_sampling": {"enabled": True}},
         "moe": {"enabled": True, "num_experts": 8, "ep_size": 2, "k": 2, "noisy_gate_policy": "rsample"},
     }
-    with pytest.warns(UserWarning, match="autotuning: .*zero does not implement"):
-        cfg = load_config(config, world_size=1)
+    cfg = load_config(config, world_size=1)
     assert cfg.steps_per_print == 5 and cfg.gradient_predivide_factor == 2.0
     assert cfg.communication_data_type == "bf16" and not cfg.zero_force_ds_cpu_optimizer
     assert cfg.fp16.dynamic_loss_scale and cfg.fp16.initial_dynamic_scale == 4096.0

@@ -86,7 +86,8 @@ class AioConfig(PermissiveSection):
 
 
 class AutotuningConfig(PermissiveSection):
-    """``autotuning``: the autotuner's search (read by the ``zero --autotuning`` launcher)."""
+    """``autotuning``: the autotuner's search (read by ``zero run --autotuning tune|run``; see
+    [Note: autotuning search] in ``zero_core.autotuning.autotuner``)."""
 
     config_path: ClassVar[str] = "autotuning"
 
@@ -111,6 +112,11 @@ class AutotuningConfig(PermissiveSection):
     mp_size: PosInt = 1
     model_info: dict[str, Any] | None = None
     model_info_path: str | None = None
+    #: zero's extension: the memory (bytes) an experiment may use per device (per rank on the CPU);
+    #: default: the device's free memory (host RAM available / ranks on the CPU accelerator)
+    memory_budget: PosInt | None = None
+    #: zero's extension: seconds before a hung experiment is killed (recorded as "timeout")
+    experiment_timeout: PosFloat = 600.0
 
 
 class ElasticityConfig(PermissiveSection):

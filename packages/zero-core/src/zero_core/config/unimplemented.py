@@ -7,10 +7,11 @@ compression, the hybrid engine, ...). Accepting a section must not mean silently
 training without the layer drop or the curriculum the user asked for is a different run. So a
 section that is *switched on* is an error naming the section and what to do; one that is present
 but off (``"enabled": false``, as generated configs often carry) loads silently. Features that
-do not change what a run computes in DeepSpeed either (``autotuning`` is read by DeepSpeed's
-launcher, not by the engine) only warn. The unknown-keys switch (``"zero_allow_unknown_keys":
-true`` or ``ZERO_CONFIG_UNKNOWN_KEYS=warn``, see [Note: unknown config keys]) downgrades the
-errors to warnings, for users who accept the difference.
+do not change what a run computes in DeepSpeed either would only warn (``autotuning`` was one;
+it is implemented now: ``zero run --autotuning``, see [Note: autotuning search]). The
+unknown-keys switch (``"zero_allow_unknown_keys": true`` or ``ZERO_CONFIG_UNKNOWN_KEYS=warn``,
+see [Note: unknown config keys]) downgrades the errors to warnings, for users who accept the
+difference.
 
 A few keys of newer DeepSpeed releases (``torch_autocast``, ``comet``, ``tensor_parallel``, ...)
 are not in the seeds' key set; they are taken out of the raw config here, checked the same way,
@@ -66,7 +67,6 @@ UNIMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str, bool]] = {
     "elasticity": (_enabled, "elastic training (batch sizes over a range of GPU counts)", True),
     "nebula": (_enabled, "the Nebula checkpoint service", True),
     "compile": (_flag("deepcompile"), "DeepCompile", True),
-    "autotuning": (_enabled, "the autotuner (run by DeepSpeed's launcher; zero has none)", False),
     # Newer DeepSpeed keys, outside the seeds' key set (removed from the config before validation).
     "torch_autocast": (_enabled, "torch.autocast mixed precision (use the bf16 or fp16 sections)", True),
     "comet": (_enabled, "the Comet monitor (use tensorboard, wandb or csv_monitor)", True),

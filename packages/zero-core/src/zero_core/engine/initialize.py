@@ -303,6 +303,10 @@ def initialize(
     from zero_core.distributed import init_distributed, world_info
 
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    # measured before anything is built: see [Note: autotuning experiments]
+    from zero_core.autotuning.engine_hook import build_autotuning_hook, model_info, process_baseline_bytes
+
+    baseline_bytes, model_counts = process_baseline_bytes(model), model_info(model)
     group = mpu.get_data_parallel_group() if mpu is not None else None
     dp_world = comm.get_world_size(group)
     from zero_core.engine.model_engines import find_model_engine
@@ -375,6 +379,9 @@ def initialize(
         compute_dtype=dtype,
     )
     engine.profiler = _build_profiler(model, cfg, engine)
+    hook = build_autotuning_hook(cfg, engine, model_counts, baseline_bytes)
+    if hook is not None:
+        engine._step_hooks.append(hook)
     return engine, engine.optimizer, loader, scheduler
 
 

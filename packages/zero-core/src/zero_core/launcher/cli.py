@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
         "  zero run --nproc 2 train.py --zero_config cfg.json   # 2 processes via torchrun\n"
         "  zero run --launcher mpi -n 4 train.py                # 4 processes via mpiexec\n"
         "  zero run --nnodes 2 --node-rank 0 --master-addr node0 --master-port 29500 --nproc 8 train.py\n"
+        "  zero run --autotuning run --nproc 2 train.py --zero_config cfg.json  # tune, then train\n"
         "  zero env                                             # versions, ops, backends",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

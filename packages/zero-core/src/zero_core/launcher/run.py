@@ -94,6 +94,14 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="do not pass --local_rank=N to the script (passed by default, as DeepSpeed's launcher does; "
         "the local rank is also in the environment, LOCAL_RANK with torchrun)",
     )
+    parser.add_argument(
+        "--autotuning",
+        choices=("tune", "run"),
+        default=None,
+        help="search for the fastest config that fits (the config's 'autotuning' section): tune writes "
+        "the results (autotuning_results/ds_config_optimal.json, summary.md); run also launches the job "
+        "with the best config. The script must take its config as --zero_config/--deepspeed_config PATH",
+    )
     parser.add_argument("-m", "--module", action="store_true", help="run the script as a module (python -m)")
     parser.add_argument("script", help="training script (or module with -m)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -201,6 +209,14 @@ def mpiexec_command(args: argparse.Namespace, env: dict[str, str]) -> list[str]:
 
 def run_job(args: argparse.Namespace) -> int:
     """Start the job described by the ``zero run`` arguments; returns its exit code."""
+    if getattr(args, "autotuning", None):
+        _check_common(args)
+        from zero_core.autotuning.autotuner import AutotuningError, autotune
+
+        try:
+            return autotune(args)
+        except AutotuningError as exc:
+            raise LaunchError(str(exc)) from None
     if args.launcher == "mpi":
         env = dict(os.environ)
         cmd = mpiexec_command(args, env)

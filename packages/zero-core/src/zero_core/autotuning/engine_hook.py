@@ -1,0 +1,203 @@
+"""The engine's side of an autotuning experiment: measure, write ``metric_path``, exit early.
+
+[Note: autotuning experiments]
+Every experiment of the autotuner (``zero run --autotuning tune|run``) is a real launch of the
+user's script with a config the autotuner wrote. That config carries an ``autotuning`` section
+with ``enabled: true`` and a ``metric_path``; as DeepSpeed's engine does, the engine then
+
+* records the wall clock and the global sample count after optimizer step ``start_profile_step``
+  and again after ``end_profile_step``, and writes ``{"throughput": samples/s, "latency":
+  s/step, "FLOPS_per_gpu": ..., "memory": peak bytes, "mbs": ...}`` as JSON to ``metric_path``
+  (rank 0, atomically), then ends the process (every rank, exit status 0), so the script's own
+  loop never runs past the measurement;
+* with ``model_info.profile: true`` (the autotuner's first launch), writes the model's parameter
+  counts to ``model_info_path`` right after ``initialize`` and ends the process.
+
+Memory is the largest over the ranks of the accelerator's peak: ``max_memory_allocated`` on a
+GPU; on the CPU accelerator that counter is the process's peak RSS, which also holds the
+interpreter and its libraries (hundreds of MB that training does not use), so there the engine
+reports the peak RSS minus what the process held before ``initialize`` other than the model's
+own parameters and buffers: the model states, activations and buffers training added. The
+autotuner compares that figure with its memory budget; above it, the experiment counts as
+out of memory (see [Note: autotuning search] in ``autotuner.py``).
+
+A config with ``autotuning.enabled`` but no ``metric_path`` (a user's config copied from a
+DeepSpeed job) trains normally, with a warning that the search is run by ``zero run
+--autotuning``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import warnings
+from typing import Any
+
+import torch
+
+from zero_core import comm
+
+#: the environment variable the autotuner sets on its experiments (the value: the experiment's name)
+EXPERIMENT_ENV = "ZERO_AUTOTUNING_EXPERIMENT"
+
+
+def write_json_atomic(path: str, data: Any) -> None:
+    """Write ``data`` as JSON to ``path`` through a temporary file and a rename."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def process_baseline_bytes(model: torch.nn.Module) -> int:
+    """On the CPU accelerator: the RSS the process holds now, less the model's own tensors.
+
+    Taken at the start of ``initialize``; see [Note: autotuning experiments]."""
+    from zero_core.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if acc.device(acc.current_device()).type != "cpu":
+        return 0
+    held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    return max(0, acc.memory_allocated() - held)
+
+
+def _peak_memory_bytes(baseline: int) -> int:
+    from zero_core.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    return max(0, int(acc.max_memory_allocated()) - baseline)
+
+
+def _max_over_ranks(value: float, device: torch.device) -> float:
+    if not comm.is_initialized() or comm.get_world_size() == 1:
+        return value
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    comm.all_reduce(t, op=comm.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _end_process() -> None:
+    """Every rank leaves here together, as DeepSpeed's engine ends an experiment with exit().
+
+    ``os._exit``, not ``SystemExit``: the measurement is written, and tearing the job down
+    normally can abort a rank (a communication thread of an overlapping stage still joinable
+    when the interpreter unwinds: "terminate called without an active exception", SIGABRT),
+    which would turn a measured experiment into a failed one."""
+    if comm.is_initialized():
+        comm.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+class AutotuningMetricHook:
+    """Engine step hook that measures the window between the two profile steps.
+
+    Built by :func:`build_autotuning_hook`; see [Note: autotuning experiments].
+    """
+
+    def __init__(self, section: Any, engine: Any, baseline_bytes: int) -> None:
+        self.start = int(section.start_profile_step)
+        self.end = int(section.end_profile_step)
+        if self.end <= self.start:
+            raise ValueError(
+                f"autotuning: end_profile_step ({self.end}) must be greater than start_profile_step "
+                f"({self.start})"
+            )
+        self.metric_path = str(section.metric_path)
+        self.engine = engine
+        self.baseline = baseline_bytes
+        self._t0: float | None = None
+        self._samples0 = 0
+
+    def __call__(self, engine: Any) -> None:
+        step = engine.global_steps
+        if step == self.start:
+            self._mark_start(engine)
+        elif step == self.end and self._t0 is not None:
+            self._finish(engine)
+
+    def _sync(self, engine: Any) -> None:
+        from zero_core.accelerator import get_accelerator
+
+        get_accelerator().synchronize()
+        if comm.is_initialized() and comm.get_world_size() > 1:
+            comm.barrier()
+
+    def _mark_start(self, engine: Any) -> None:
+        self._sync(engine)
+        self._t0 = time.perf_counter()
+        self._samples0 = engine.global_samples
+
+    def _finish(self, engine: Any) -> None:
+        self._sync(engine)
+        elapsed = max(time.perf_counter() - float(self._t0 or 0.0), 1e-9)
+        samples = engine.global_samples - self._samples0
+        steps = self.end - self.start
+        memory = _max_over_ranks(_peak_memory_bytes(self.baseline), engine.device)
+        flops = getattr(engine.profiler, "last_step_flops", None) if engine.profiler is not None else None
+        result = {
+            "throughput": samples / elapsed,
+            "latency": elapsed / steps,
+            "FLOPS_per_gpu": (flops / (elapsed / steps)) if flops else None,
+            "memory": int(memory),
+            "elapsed": elapsed,
+            "steps": steps,
+            "samples": samples,
+            "mbs": engine.train_micro_batch_size_per_gpu(),
+            "gas": engine.gradient_accumulation_steps(),
+            "world_size": engine.dp_world_size,
+            "zero_stage": int(engine.config.zero_optimization.stage),
+        }
+        if engine.global_rank == 0:
+            write_json_atomic(self.metric_path, result)
+            print(
+                f"[zero autotuning] wrote {self.metric_path}: {result['throughput']:.2f} samples/s, "
+                f"{result['memory'] / 2**20:.1f} MiB peak",
+                flush=True,
+            )
+        _end_process()
+
+
+def model_info(model: torch.nn.Module) -> dict[str, int]:
+    """Parameter counts of ``model``: full sizes, also of ZeRO-3 partitioned parameters (``ds_numel``)."""
+    params = list(model.parameters())
+
+    def numel(p: torch.nn.Parameter) -> int:
+        return int(getattr(p, "ds_numel", p.numel()))
+
+    return {
+        "num_params": sum(numel(p) for p in params),
+        "trainable_num_params": sum(numel(p) for p in params if p.requires_grad),
+    }
+
+
+def build_autotuning_hook(cfg: Any, engine: Any, info: dict[str, int], baseline_bytes: int) -> Any:
+    """The step hook of an autotuning experiment, or None for an ordinary run.
+
+    With ``model_info.profile`` the model information is written and the process ends here."""
+    section = getattr(cfg, "autotuning", None)
+    if section is None or not getattr(section, "enabled", False):
+        return None
+    if not section.metric_path:
+        if not os.environ.get(EXPERIMENT_ENV):
+            warnings.warn(
+                "autotuning.enabled is set, but the search is run by `zero run --autotuning tune|run "
+                "SCRIPT ...`; this run trains normally",
+                UserWarning,
+                stacklevel=3,
+            )
+        return None
+    model_info = getattr(section, "model_info", None) or {}
+    if model_info.get("profile"):
+        path = section.model_info_path or os.path.join(
+            os.path.dirname(section.metric_path), "model_info.json"
+        )
+        if engine.global_rank == 0:
+            write_json_atomic(path, info)
+        _end_process()
+    return AutotuningMetricHook(section, engine, baseline_bytes)

@@ -1,0 +1,338 @@
+"""``zero run --autotuning tune|run``: pruning by memory, the search, its results, resume, failures.
+
+The launch tests start real searches (every experiment is a ``zero run`` of a script), kept
+small: tiny models, profile steps 1-3, a bounded space. See [Note: autotuning search].
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from zero_core.autotuning.experiment import _failure_reason, config_arg_index, with_config, with_mapped_args
+from zero_core.autotuning.memory import model_states_bytes, parse_bytes
+from zero_core.autotuning.space import Candidate, build_space, micro_batch_candidates
+from zero_core.autotuning.tuners import TUNERS
+from zero_core.config.builtin_sections import AutotuningConfig
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[2]
+JOB = HERE / "_autotuning_job.py"
+PROFILE = {"start_profile_step": 1, "end_profile_step": 3}
+
+
+def _zero(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 900) -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", "zero_core.launcher", "run", *args],
+        cwd=cwd,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    return out.stdout
+
+
+def _records(exps: Path) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted(exps.glob("*.json"))}
+
+
+# -- the parts, without launches ---------------------------------------------------------------
+
+
+def test_model_states_prune_by_stage() -> None:
+    p = 1_000_000
+    fp32 = [model_states_bytes(p, 4, s, mixed_precision=False) for s in range(4)]
+    assert fp32 == [16 * p, 4 * p + 4 * p + 8 * p / 4, 4 * p + 12 * p / 4, 16 * p / 4]
+    mixed = [model_states_bytes(p, 4, s, mixed_precision=True) for s in range(4)]
+    assert mixed == [16 * p, 4 * p + 12 * p / 4, 2 * p + 14 * p / 4, 16 * p / 4]  # the ZeRO paper's
+    assert model_states_bytes(p, 4, 2, False, offload_optimizer=True) == 4 * p + 4 * p / 4
+    assert parse_bytes("64MB", "x") == 64_000_000 and parse_bytes("2GiB", "x") == 2 * 2**30
+    with pytest.raises(ValueError, match="ZERO_X: 'lots' is not a byte count"):
+        parse_bytes("lots", "ZERO_X")
+
+
+def test_space_from_auto_lists_and_fixed_values() -> None:
+    section = AutotuningConfig(fast=False)
+    space = build_space(
+        {
+            "train_micro_batch_size_per_gpu": "auto",
+            "zero_optimization": {"stage": [1, 3], "reduce_bucket_size": [10, 20]},
+        },
+        section,
+        num_params=800,
+    )
+    assert space.stages == [1, 3] and space.mbs_fixed is None
+    assert space.knob_values[1]["reduce_bucket_size"] == [10, 20]
+    assert space.knob_values[1]["allgather_bucket_size"] == [100, 800]  # 1/8 of the model, all of it
+    assert len(space.knob_combos(1)) == 2 * 2 * 2
+    fast = build_space(
+        {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {}}, AutotuningConfig(), 800
+    )
+    assert fast.stages == [0, 1, 2, 3] and fast.mbs_fixed == 4 and fast.knob_combos(2) == [()]
+    with pytest.raises(ValueError, match="zero_optimization.stage: 5 is not a stage"):
+        build_space({"zero_optimization": {"stage": 5}}, section, 800)
+    assert micro_batch_candidates(2, 16, 4) == [2, 4, 8, 16]
+    assert micro_batch_candidates(1, 5, 3) == [1, 2, 5]
+
+
+def test_script_arguments() -> None:
+    args = ["--steps", "3", "--zero_config", "a.json", "--bs", "1"]
+    assert with_config(args, "b.json") == ["--steps", "3", "--zero_config", "b.json", "--bs", "1"]
+    assert with_config(["--deepspeed_config=a.json"], "b.json") == ["--deepspeed_config=b.json"]
+    mapped = with_mapped_args(
+        args, {"train_micro_batch_size_per_gpu": "--bs"}, {"train_micro_batch_size_per_gpu": 8}
+    )
+    assert mapped[-2:] == ["--bs", "8"]
+    with pytest.raises(ValueError, match="carry no config path"):
+        config_arg_index(["--steps", "3"])
+    assert _failure_reason("x\ntorch.OutOfMemoryError: CUDA out of memory\n")[0] == "oom"
+    assert _failure_reason("Traceback\nValueError: bad thing\nmore\n") == ("error", "ValueError: bad thing")
+
+
+@pytest.mark.parametrize("tuner", ["gridsearch", "random", "model_based"])
+def test_tuners_find_the_best_and_stop_early(tuner: str) -> None:
+    cands = [
+        Candidate(1, m, (("reduce_bucket_size", b),)) for m in (16, 8, 4, 2, 1) for b in (100, 1000, 10000)
+    ]
+
+    def score(c: Candidate) -> float:  # rises with the micro-batch, best at the middle bucket size
+        return c.mbs * 10 - abs(c.knob_dict()["reduce_bucket_size"] - 1000) / 100
+
+    seen: list[Candidate] = []
+
+    def evaluate(c: Candidate) -> float:
+        seen.append(c)
+        return score(c)
+
+    TUNERS[tuner](cands, {}, num_trials=50, early_stopping=100, seed=0).run(evaluate)
+    assert len(set(seen)) == len(seen)
+    if tuner != "model_based":  # without early stopping, all of them; the cost model stops by itself
+        assert len(seen) == len(cands)
+    if tuner != "model_based":
+        assert max(cands, key=score) in seen
+    seen.clear()
+    TUNERS[tuner](cands, {cands[0]: score(cands[0])}, num_trials=50, early_stopping=4, seed=0).run(evaluate)
+    best = max(cands, key=score)
+    if tuner == "model_based":  # from the largest micro-batch's probe, as the autotuner starts it
+        assert best in seen and len(seen) <= 4
+    assert cands[0] not in seen  # measured before the tuner started: not run again
+    assert len(seen) < len(cands) - 1
+
+
+# -- real searches -----------------------------------------------------------------------------
+
+
+def _write(path: Path, config: dict) -> Path:
+    path.write_text(json.dumps(config))
+    return path
+
+
+def test_memory_pruning_launches_only_stage_3(tmp_path: Path) -> None:
+    # 50M parameters (declared: model_info), fp32 Adam, 2 ranks: model states per rank are
+    # 800/600/500/400 MB at stages 0/1/2/3; a 450 MB budget leaves stage 3 alone.
+    cfg = _write(
+        tmp_path / "cfg.json",
+        {
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+            "autotuning": {"enabled": True, **PROFILE, "model_info": {"num_params": 50_000_000}},
+        },
+    )
+    out = _zero(
+        "--autotuning", "tune", "--nproc", "2", str(JOB), "--zero_config", str(cfg),
+        cwd=tmp_path, env={"ZERO_AUTOTUNING_MEMORY_BUDGET": "450MB"},
+    )  # fmt: skip
+    records = _records(tmp_path / "autotuning_exps")
+    assert records and all(name.startswith("z3_") for name in records), (list(records), out)
+    summary = (tmp_path / "autotuning_results" / "summary.md").read_text()
+    for stage in (0, 1, 2):
+        assert f"ruled out by memory, never launched: stage {stage} " in summary
+    optimal = json.loads((tmp_path / "autotuning_results" / "ds_config_optimal.json").read_text())
+    assert optimal["zero_optimization"]["stage"] == 3 and "autotuning" not in optimal
+
+
+def test_gpt_search_writes_results_and_runs_the_best(tmp_path: Path) -> None:
+    cfg = _write(
+        tmp_path / "cfg.json",
+        {
+            "train_micro_batch_size_per_gpu": "auto",
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": [0, 1]},
+            "autotuning": {
+                "enabled": True,
+                **PROFILE,
+                "min_train_micro_batch_size_per_gpu": 2,
+                "max_train_micro_batch_size_per_gpu": 4,
+                "num_tuning_micro_batch_sizes": 2,
+                "tuner_type": "gridsearch",
+            },
+        },
+    )
+    gpt = ["--steps", "4", "--seq_len", "16", "--d_model", "16", "--n_layers", "1", "--n_heads", "2"]
+    gpt += ["--corpus_bytes", "20000", "--no_save", "--out_dir", str(tmp_path / "out")]
+    out = _zero(
+        "--autotuning", "run", "--nproc", "2", str(REPO / "examples" / "train_gpt.py"), "--zero_config", str(cfg), *gpt,
+        cwd=tmp_path,
+    )  # fmt: skip
+    results = tmp_path / "autotuning_results"
+    records = _records(tmp_path / "autotuning_exps")
+    assert sorted(r["result"]["stage"] * 10 + r["result"]["mbs"] for r in records.values()) == [2, 4, 12, 14]
+    statuses = {n: (r["result"]["status"], r["result"]["reason"]) for n, r in records.items()}
+    assert all(r["result"]["status"] == "ok" and r["result"]["metric"] > 0 for r in records.values()), (
+        statuses
+    )
+    assert json.loads((results / "profile_model_info" / "model_info.json").read_text())["num_params"] > 0
+    optimal = json.loads((results / "ds_config_optimal.json").read_text())
+    best = max(records.values(), key=lambda r: r["result"]["metric"])["result"]
+    assert optimal["zero_optimization"]["stage"] == best["stage"]
+    assert optimal["train_micro_batch_size_per_gpu"] == best["mbs"]
+    command = (results / "cmd_optimal.txt").read_text()
+    assert (
+        command.startswith("zero run --launcher torch --nproc 2 ")
+        and str(results / "ds_config_optimal.json") in command
+    )
+    summary = (results / "summary.md").read_text()
+    assert all(name in summary for name in records) and "Best: **" in summary
+    assert (results / "metric_vs_micro_batch.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "[autotuning] [" in out  # the progress bar
+    # --autotuning run: the job itself then ran with the best config, to the end
+    assert "launching the job with" in out and "[train_gpt] done: 4 steps" in out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_failures_are_recorded_and_a_killed_search_resumes(tmp_path: Path) -> None:
+    # One rank, micro-batch fixed: one experiment per stage. Stage 1 raises, stage 2 hangs (killed
+    # at the timeout), stage 3 holds until the test interrupts the search itself (SIGTERM).
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": [1, 2, 3]},
+        "autotuning": {
+            "enabled": True,
+            **PROFILE,
+            "tuner_type": "gridsearch",
+            "experiment_timeout": 40,
+            "model_info": {"num_params": 1000},
+        },
+    }
+    cfg = _write(tmp_path / "cfg.json", config)
+    hold = tmp_path / "hold"
+    hold.write_text("")
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "JOB_RAISE_STAGE": "1",
+        "JOB_HANG_STAGE": "2",
+        "JOB_HOLD_STAGE": "3",
+        "JOB_HOLD_FILE": str(hold),
+    }
+    argv = [sys.executable, "-m", "zero_core.launcher", "run", "--autotuning", "tune", "--nproc", "1"]
+    argv += [str(JOB), "--zero_config", str(cfg)]
+    first = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    pid_file = Path(str(hold) + ".pid")
+    deadline = time.monotonic() + 600
+    while not pid_file.exists() and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert pid_file.exists(), first.communicate()[0].decode()[-4000:]
+    first.send_signal(signal.SIGTERM)  # interrupt the search in the middle of the stage-3 experiment
+    first.wait(timeout=60)
+    held = int(pid_file.read_text())
+    for _ in range(40):  # the search ended its running experiment too
+        if not _alive(held):
+            break
+        time.sleep(0.5)
+    assert not _alive(held)
+    exps = tmp_path / "autotuning_exps"
+    before = _records(exps)
+    by_stage = {r["result"]["stage"]: r["result"] for r in before.values()}
+    assert (
+        by_stage[1]["status"] == "error"
+        and "ValueError: deliberate failure at stage 1" in by_stage[1]["reason"]
+    )
+    assert by_stage[2]["status"] == "timeout" and "still running after 40 s" in by_stage[2]["reason"]
+    assert by_stage[3]["status"] == "running"  # interrupted: not a finished experiment
+
+    hold.unlink()
+    # a longer timeout for the rerun (a loaded machine); the section is not part of an experiment's identity
+    config["autotuning"]["experiment_timeout"] = 600
+    _write(cfg, config)
+    out = _zero(
+        "--autotuning", "tune", "--nproc", "1", str(JOB), "--zero_config", str(cfg), cwd=tmp_path, env=env
+    )
+    after = _records(exps)
+    for name, record in before.items():  # the finished experiments were reused, not rerun
+        if record["result"]["stage"] != 3:
+            assert after[name] == record
+    assert after[next(n for n, r in before.items() if r["result"]["stage"] == 3)]["result"]["status"] == "ok"
+    assert "(1 launched, 2 reused)" in out, out
+    summary = (tmp_path / "autotuning_results" / "summary.md").read_text()
+    assert "ValueError: deliberate failure" in summary and "timeout" in summary and "(reused)" in summary
+    optimal = json.loads((tmp_path / "autotuning_results" / "ds_config_optimal.json").read_text())
+    assert optimal["zero_optimization"]["stage"] == 3
+
+
+def test_engine_hook_only_for_experiments(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from zero_core.autotuning.engine_hook import EXPERIMENT_ENV, AutotuningMetricHook, build_autotuning_hook
+
+    monkeypatch.delenv(EXPERIMENT_ENV, raising=False)
+    off = SimpleNamespace(autotuning=AutotuningConfig())
+    assert build_autotuning_hook(off, None, {}, 0) is None
+    plain = SimpleNamespace(autotuning=AutotuningConfig(enabled=True))
+    with pytest.warns(UserWarning, match="the search is run by `zero run --autotuning"):
+        assert build_autotuning_hook(plain, None, {}, 0) is None  # a plain run trains normally
+    asked = SimpleNamespace(autotuning=AutotuningConfig(enabled=True, metric_path="m.json"))
+    assert isinstance(
+        build_autotuning_hook(asked, SimpleNamespace(global_rank=0), {}, 0), AutotuningMetricHook
+    )
+    bad = AutotuningConfig(enabled=True, metric_path="m.json", start_profile_step=5, end_profile_step=5)
+    with pytest.raises(ValueError, match="end_profile_step \\(5\\) must be greater than start_profile_step"):
+        AutotuningMetricHook(bad, None, 0)
+
+
+def test_largest_micro_batch_search_stops_on_oom() -> None:
+    # the search's logic alone: an "experiment" runs out of memory above micro-batch 6
+    from zero_core.autotuning.autotuner import Autotuner
+
+    tuner = Autotuner.__new__(Autotuner)
+    tuner.num_params, tuner.world, tuner.mixed, tuner.budget, tuner.per_sample_bytes = (
+        1000,
+        2,
+        False,
+        10**9,
+        0.0,
+    )
+    probed: list[int] = []
+
+    def evaluate(cand: Candidate) -> float | None:
+        probed.append(cand.mbs)
+        return float(cand.mbs) if cand.mbs <= 6 else None
+
+    tuner.evaluate = evaluate  # type: ignore[method-assign]
+    assert tuner._largest_fitting(1, False, list(range(1, 17)), ()) == 6
+    assert probed[:2] == [16, 1] and len(probed) <= 2 + 4  # the largest, the smallest, a binary search
+    probed.clear()
+    assert tuner._largest_fitting(1, False, [8, 16], ()) is None and probed == [16, 8]
+    # memory measured earlier bounds the first probe: 1000 bytes per sample in a 6000-byte room
+    tuner.budget, tuner.per_sample_bytes = (
+        12000 + 6000,
+        1000.0,
+    )  # model states (fp32, stage 1, N=2): 12 bytes x 1000
+    probed.clear()
+    assert tuner._largest_fitting(1, False, list(range(1, 17)), ()) == 6 and probed == [6]
