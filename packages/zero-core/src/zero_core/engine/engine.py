@@ -20,7 +20,7 @@ import torch
 from zero_core import comm
 from zero_core.engine.accessors import DeepSpeedAccessors
 from zero_core.engine.data import cast_floating
-from zero_core.engine.loss_scaler import LossScaler
+from zero_core.engine.loss_scaler import LossScaler, warn_static_overflow
 from zero_core.engine.strategy import TrainingStrategy
 from zero_core.engine.timers import Timers
 
@@ -247,12 +247,15 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
         self.global_steps += 1
 
     def _boundary_step(self, lr_kwargs: dict[str, Any] | None) -> None:
-        overflow = self._global_flag(self.strategy.local_overflow()) if self.loss_scaler.dynamic else False
-        inv_scale = 1.0 / self.loss_scaler.loss_scale
+        scaler = self.loss_scaler
+        overflow = self._global_flag(self.strategy.local_overflow()) if scaler.checks_overflow else False
+        inv_scale = 1.0 / scaler.loss_scale
         self._step_applied = not overflow
         if overflow:
-            self.loss_scaler.update_scale(True)
+            scaler.update_scale(True)
             self._skip_step()
+            if not scaler.dynamic and self.global_rank == 0:
+                warn_static_overflow(scaler.loss_scale, self.global_steps, self.skipped_steps)
             return
         norm_sq = self.strategy.grad_norm_sq()
         group = self.strategy.norm_group()
@@ -368,7 +371,7 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
                 f"[zero] step {step} | loss {loss:.4f} | lr {self.get_lr()[0]:.3e} | "
                 f"samples/s {self._samples_per_sec:.1f} | model states {max(mem_per_rank):.1f} MB/rank (max)"
             )
-            if self.loss_scaler.dynamic:
+            if self.loss_scaler.checks_overflow:
                 line += f" | loss scale {self.loss_scaler.loss_scale:g} | skipped {self.skipped_steps}"
             if self._wall_clock:
                 line += " | " + ", ".join(f"{k} {v:.1f} ms" for k, v in self.timers.means_ms().items())
