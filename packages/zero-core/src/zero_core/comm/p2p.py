@@ -67,11 +67,11 @@ def _transfer(
     _check_args(op, tensor, peer, group, tag, peer_name)
     returned: list[Any] = []
 
-    def call() -> Any:
+    def call(_async: bool) -> Any:  # isend/irecv are asynchronous by name, send/recv block
         returned.append(getattr(dist, op)(tensor, peer, group=group, tag=tag))
         return returned[0]
 
-    work = issue(op, group, nbytes(tensor), tensor.device, call, async_op=async_op)
+    work = issue(op, group, nbytes(tensor), tensor.device, call, async_op=async_op, waitable=False)
     return work if async_op else returned[0]
 
 
