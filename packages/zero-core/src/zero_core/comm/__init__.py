@@ -37,6 +37,8 @@ from zero_core.comm.groups import (
 )
 from zero_core.comm.logger import OP_NAMES, CommsLogger, Stats, comms_logger
 from zero_core.comm.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
+from zero_core.comm import watchdog
+from zero_core.comm.watchdog import CollectiveTimeoutError, CollectiveWatchdog
 from zero_core.comm.work import Work
 
 
@@ -46,6 +48,8 @@ def log_summary(print_fn=print) -> None:  # noqa: ANN001 (mirrors deepspeed.comm
 
 
 __all__ = [
+    "CollectiveTimeoutError",
+    "CollectiveWatchdog",
     "OP_NAMES",
     "CommsLogger",
     "P2POp",
@@ -79,4 +83,5 @@ __all__ = [
     "reduce",
     "reduce_scatter_tensor",
     "send",
+    "watchdog",
 ]

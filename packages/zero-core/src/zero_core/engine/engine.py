@@ -19,6 +19,7 @@ import torch
 
 from zero_core import comm
 from zero_core.engine.accessors import DeepSpeedAccessors
+from zero_core.engine.agreement import SaveAgreement
 from zero_core.engine.data import cast_floating
 from zero_core.engine.loss_scaler import LossScaler, warn_static_overflow
 from zero_core.engine.strategy import TrainingStrategy
@@ -90,6 +91,7 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
         # (see [Note: single-pass load] in checkpoint/single_pass.py), and whether it touched the optimizer
         self._invalid_state: str | None = None
         self._invalid_state_optimizer = False
+        self._save_agreement = SaveAgreement()
 
     # -- the strategy's parts -----------------------------------------------------------
     @property
@@ -194,6 +196,7 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError("engine.backward expects a scalar loss tensor")
         boundary = self.is_gradient_accumulation_boundary()
+        self._note(f"engine.backward of micro-step {self.micro_steps}")
         self._losses.append(float(loss.detach().float().item()))
         scaled = loss.float()
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
@@ -222,6 +225,7 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
             return
         if self._wall_clock:
             self.timers.start("step")
+        self._note(f"engine.step (optimizer step {self.global_steps})")
         self._boundary_step(lr_kwargs)
         if self._wall_clock:
             self.timers.stop("step")
@@ -230,6 +234,13 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
             self.profiler.on_step_end(self.global_steps - 1)
         for hook in self._step_hooks:
             hook(self)
+
+    @staticmethod
+    def _note(label: str) -> None:
+        """Tell the collective watchdog where training is (named when a collective times out)."""
+        wd = comm.watchdog.get_watchdog()
+        if wd is not None:
+            wd.note(label)
 
     def _global_flag(self, flag: bool) -> bool:
         if not comm.is_initialized() or comm.get_world_size() == 1:
@@ -302,6 +313,12 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
         from zero_core.checkpoint.saver import save_checkpoint
 
         self._require_valid_state("save_checkpoint")
+        # Every rank calls, with one tag, or a clear error within the timeout (see [Note: rank agreement]).
+        from zero_core.checkpoint.format import validate_tag
+
+        effective = validate_tag(f"global_step{self.global_steps}" if tag is None else tag)
+        mode = str(getattr(getattr(self.config, "checkpoint", None), "tag_validation", "Warn"))
+        tag = self._save_agreement.agree(effective, mode, self.dp_group)
         return save_checkpoint(
             self,
             save_dir,
