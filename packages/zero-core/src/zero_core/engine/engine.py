@@ -24,6 +24,7 @@ from zero_core.engine.data import cast_floating
 from zero_core.engine.loss_scaler import LossScaler, warn_static_overflow
 from zero_core.engine.strategy import TrainingStrategy
 from zero_core.engine.timers import Timers
+from zero_core.utils import termination
 
 
 class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
@@ -319,14 +320,20 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
         effective = validate_tag(f"global_step{self.global_steps}" if tag is None else tag)
         mode = str(getattr(getattr(self.config, "checkpoint", None), "tag_validation", "Warn"))
         tag = self._save_agreement.agree(effective, mode, self.dp_group)
-        return save_checkpoint(
-            self,
-            save_dir,
-            tag,
-            client_state if client_state is not None else {},
-            save_latest,
-            exclude_frozen_parameters,
-        )
+        # A SIGTERM during the save removes the staging directory (see [Note: cleanup on SIGTERM]).
+        key = _remove_on_termination(save_dir, tag) if self.global_rank == 0 else None
+        try:
+            return save_checkpoint(
+                self,
+                save_dir,
+                tag,
+                client_state if client_state is not None else {},
+                save_latest,
+                exclude_frozen_parameters,
+            )
+        finally:
+            if key is not None:
+                termination.forget(key)
 
     def load_checkpoint(
         self,
@@ -416,6 +423,18 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
     def last_loss(self) -> float | None:
         """Mean loss over the micro-batches of the last optimizer step."""
         return self._last_loss
+
+
+def _remove_on_termination(save_dir: Any, tag: str) -> int | None:
+    """Register the removal of ``tag``'s staging directory under ``save_dir`` for SIGTERM."""
+    import shutil
+
+    from zero_core.checkpoint.format import staging_dir_name
+
+    if not isinstance(save_dir, (str, os.PathLike)):
+        return None  # the saver reports the bad argument
+    staging = os.path.join(os.fspath(save_dir), staging_dir_name(tag))
+    return termination.on_termination(lambda: shutil.rmtree(staging, ignore_errors=True))
 
 
 def _expert_groups(module: torch.nn.Module) -> list[tuple[Any, list[torch.nn.Parameter]]]:
