@@ -43,7 +43,11 @@ def _load(name: str) -> Any | None:
 def _functions(module: Any) -> list[Callable[..., Any]]:
     if hasattr(module, "CASES"):
         return list(module.CASES)
-    return [getattr(module, n) for n in sorted(dir(module)) if n.startswith("case_") and callable(getattr(module, n))]
+    return [
+        getattr(module, n)
+        for n in sorted(dir(module))
+        if n.startswith("case_") and callable(getattr(module, n))
+    ]
 
 
 def _call(fn: Callable[..., Any], full: bool) -> list[Row]:
@@ -53,7 +57,9 @@ def _call(fn: Callable[..., Any], full: bool) -> list[Row]:
         except TypeError:
             out = fn()
     except Exception as exc:  # a case that crashes is a failed case, not a crashed run
-        return [(getattr(fn, "__name__", "case"), "runs", f"crashed: {type(exc).__name__}: {exc}"[:230], "FAIL")]
+        return [
+            (getattr(fn, "__name__", "case"), "runs", f"crashed: {type(exc).__name__}: {exc}"[:230], "FAIL")
+        ]
     if isinstance(out, tuple):
         return [out]
     return [tuple(r) for r in out]
@@ -73,7 +79,11 @@ def collect(full: bool, only: str = "") -> list[Row]:
                 continue
             start = time.monotonic()
             got = _call(fn, full)
-            print(f"  {fn.__name__}: {len(got)} row(s) in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+            print(
+                f"  {fn.__name__}: {len(got)} row(s) in {time.monotonic() - start:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
             rows += got
     return rows
 
@@ -87,7 +97,9 @@ def totals(rows: list[Row]) -> list[str]:
     n, ok = count("mismatch")
     s, s_ok = count("save_checkpoint")
     t, t_ok = count("different tags")
-    lines.append(f"{n + s + t} mismatches, {ok + s_ok + t_ok} named (or handled per tag_validation) within the timeout")
+    lines.append(
+        f"{n + s + t} mismatches, {ok + s_ok + t_ok} named (or handled per tag_validation) within the timeout"
+    )
     exits = [r for r in rows if r[0].startswith("exit:")]
     runs = sum(int(r[0].split(" x ")[0].split()[-1]) for r in exits)
     aborts = sum(int(r[2].split(" aborts")[0].split()[-1]) for r in exits if " aborts" in r[2])
@@ -96,7 +108,11 @@ def totals(rows: list[Row]) -> list[str]:
     lines.append(f"{n} stalls, {ok} named with the collective and the rank, all processes exited")
     n, ok = count("SIGTERM")
     lines.append(f"{n} SIGTERM runs, {ok} left no swap files")
-    other = [r for r in rows if not r[0].startswith(("mismatch", "save_checkpoint", "different tags", "exit:", "stall", "SIGTERM"))]
+    other = [
+        r
+        for r in rows
+        if not r[0].startswith(("mismatch", "save_checkpoint", "different tags", "exit:", "stall", "SIGTERM"))
+    ]
     if other:
         lines.append(f"{len(other)} other cases (checkpoints), {sum(r[3] == 'ok' for r in other)} ok")
     bad = [r for r in rows if r[3] != "ok"]
@@ -116,7 +132,9 @@ def table(rows: list[Row]) -> str:
 def _header(args: argparse.Namespace, seconds: float) -> str:
     import torch
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
+    ).stdout.strip()
     try:
         load = open("/proc/loadavg").read().split()[:3]
     except OSError:

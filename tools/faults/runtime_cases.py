@@ -108,7 +108,12 @@ def case_mismatches(full: bool = False) -> list[Row]:
         msg = _line(text, "RankMismatchError: initialize")
         ok = f"ranks disagree on {field}" in msg and "rank 1" in msg and "rank 0" in msg and took < 120
         rows.append(
-            (f"mismatch: {odd} differs on rank 1", f"RankMismatchError naming {field}", f"{msg} [{took:.0f} s]", _verdict(ok))
+            (
+                f"mismatch: {odd} differs on rank 1",
+                f"RankMismatchError naming {field}",
+                f"{msg} [{took:.0f} s]",
+                _verdict(ok),
+            )
         )
     return rows
 
@@ -141,7 +146,14 @@ def case_save_checkpoint(full: bool = False) -> list[Row]:
         text, took = _multirank(_save_body, "alone", os.path.join(tmp, "alone"))
         msg = _line(text, "RankMismatchError: save_checkpoint")
         ok = "rank(s) [1] did not call save_checkpoint" in msg and took < TIMEOUT_S + 120
-        rows.append(("save_checkpoint on rank 0 only", "error naming rank 1 within the timeout", f"{msg} [{took:.0f} s]", _verdict(ok)))
+        rows.append(
+            (
+                "save_checkpoint on rank 0 only",
+                "error naming rank 1 within the timeout",
+                f"{msg} [{took:.0f} s]",
+                _verdict(ok),
+            )
+        )
         for mode in ("Warn", "Fail", "Ignore"):
             text, took = _multirank(_save_body, mode, os.path.join(tmp, mode))
             if mode == "Fail":
@@ -153,8 +165,12 @@ def case_save_checkpoint(full: bool = False) -> list[Row]:
                 want_warn = mode == "Warn"
                 ok = text.startswith("no error") and "'saved': ['latest', 't1'" in text
                 ok = ok and (("rank 0's tag 't1'" in text) == want_warn)
-                expected = ("a warning naming the tags; " if want_warn else "no warning; ") + "saved under rank 0's tag"
-            rows.append((f"different tags, tag_validation {mode}", expected, f"{msg} [{took:.0f} s]", _verdict(ok)))
+                expected = (
+                    "a warning naming the tags; " if want_warn else "no warning; "
+                ) + "saved under rank 0's tag"
+            rows.append(
+                (f"different tags, tag_validation {mode}", expected, f"{msg} [{took:.0f} s]", _verdict(ok))
+            )
     return rows
 
 
@@ -181,7 +197,14 @@ def case_stalls(full: bool = False) -> list[Row]:
         head = full_msg.split(" did not complete")[0].split("CollectiveTimeoutError: ")[-1]
         culprit = full_msg.split("Rank(s) that did not arrive: ")[-1][:110] if named else "(no rank named)"
         observed = f"{head}; did not arrive: {culprit} | {'all ranks exited' if exited else 'NOT all exited'} [{took:.0f} s]"
-        rows.append((f"stall: rank 1 sleeps at stage {stage}", "error naming the collective and rank 1; all exit", observed, _verdict(ok)))
+        rows.append(
+            (
+                f"stall: rank 1 sleeps at stage {stage}",
+                "error naming the collective and rank 1; all exit",
+                observed,
+                _verdict(ok),
+            )
+        )
     return rows
 
 
@@ -211,7 +234,9 @@ def case_clean_exit(full: bool = False) -> list[Row]:
         )
         out = proc.stdout + proc.stderr
         aborted = "terminate called" in out or "SIGABRT" in out or "Signals.SIGABRT" in out
-        results[stage].append("abort" if aborted else ("ok" if proc.returncode == 0 else f"rc {proc.returncode}"))
+        results[stage].append(
+            "abort" if aborted else ("ok" if proc.returncode == 0 else f"rc {proc.returncode}")
+        )
     rows = []
     for stage, outcomes in results.items():
         good = outcomes.count("ok")
@@ -256,7 +281,14 @@ def case_sigterm_nvme(full: bool = False) -> list[Row]:
         left = sorted(str(p.relative_to(nvme)) for p in Path(nvme).rglob("*"))
     ok = seen_files and not left and rc == -signal.SIGTERM
     observed = f"swap files while training: {seen_files}; left after SIGTERM: {left or 'none'}; status {rc}"
-    return [("SIGTERM mid-training, NVMe offload", "no swap files left; killed by SIGTERM (-15)", observed, _verdict(ok))]
+    return [
+        (
+            "SIGTERM mid-training, NVMe offload",
+            "no swap files left; killed by SIGTERM (-15)",
+            observed,
+            _verdict(ok),
+        )
+    ]
 
 
 CASES = [case_mismatches, case_save_checkpoint, case_stalls, case_clean_exit, case_sigterm_nvme]

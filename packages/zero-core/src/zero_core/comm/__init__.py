@@ -10,6 +10,7 @@ This module satisfies ``zero_core.protocols.CommBackend``.
 
 from __future__ import annotations
 
+from zero_core.comm import watchdog
 from zero_core.comm.collectives import (
     ReduceOp,
     all_gather,
@@ -37,7 +38,6 @@ from zero_core.comm.groups import (
 )
 from zero_core.comm.logger import OP_NAMES, CommsLogger, Stats, comms_logger
 from zero_core.comm.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
-from zero_core.comm import watchdog
 from zero_core.comm.watchdog import CollectiveTimeoutError, CollectiveWatchdog
 from zero_core.comm.work import Work
 

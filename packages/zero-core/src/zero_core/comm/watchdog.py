@@ -78,7 +78,9 @@ def timeout_from_env() -> float | None:
 
 def check_timeout(seconds: Any, where: str) -> float:
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
-        raise ValueError(f"{where}: the collective timeout must be a positive number of seconds, got {seconds!r}")
+        raise ValueError(
+            f"{where}: the collective timeout must be a positive number of seconds, got {seconds!r}"
+        )
     return float(seconds)
 
 
@@ -199,7 +201,9 @@ class CollectiveWatchdog:
             if seq < entry.seq:
                 doing = f"in {rec['op']}" if rec.get("op") else "outside any collective"
                 where = f", last module/parameter {rec['label']}" if rec.get("label") else ""
-                absent.append(f"rank {r} (issued {seq} of {entry.seq} collectives on this group, now {doing}{where})")
+                absent.append(
+                    f"rank {r} (issued {seq} of {entry.seq} collectives on this group, now {doing}{where})"
+                )
             elif time.time() - rec.get("t", 0) > _STALE_POLLS * self.poll_s + self.timeout_s:
                 silent.append(f"rank {r} (arrived, then stopped responding)")
         if not absent and not silent:

@@ -247,7 +247,6 @@ def _destroy_at_exit(group: Any) -> None:
         logger.warning("init_distributed: destroying the process group at exit failed: %s", exc)
 
 
-
 def world_info() -> WorldInfo:
     """This process's place in the job.
 

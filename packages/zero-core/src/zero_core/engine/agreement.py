@@ -26,8 +26,8 @@ checkpoint instead of crashing in each other's staging directories.
 from __future__ import annotations
 
 import hashlib
-import json
 import itertools
+import json
 import warnings
 from datetime import timedelta
 from typing import Any
@@ -57,7 +57,9 @@ def _precision(cfg: Any) -> str:
 def _param_lines(model: torch.nn.Module) -> list[str]:
     lines = []
     for name, p in model.named_parameters():
-        shape = tuple(getattr(p, "zero_shape", None) or p.shape)  # stage-3 zero.Init keeps the full shape aside
+        shape = tuple(
+            getattr(p, "zero_shape", None) or p.shape
+        )  # stage-3 zero.Init keeps the full shape aside
         lines.append(f"{name} {list(shape)} {str(p.dtype).replace('torch.', '')}")
     return lines
 
@@ -106,7 +108,9 @@ def check_agreement(fields: list[tuple[str, Any]], group: Any, where: str) -> No
     ranks = comm.group_ranks(group)
     for i, (name, _) in enumerate(fields):
         if len({int(x) for x in rows[:, i].tolist()}) > 1:
-            raise RankMismatchError(f"{where}: ranks disagree on {name}: {_describe([v[i] for v in values], ranks)}")
+            raise RankMismatchError(
+                f"{where}: ranks disagree on {name}: {_describe([v[i] for v in values], ranks)}"
+            )
 
 
 def _describe(values: list[Any], ranks: tuple[int, ...]) -> str:
@@ -130,7 +134,9 @@ def _by_value(values: list[Any], ranks: tuple[int, ...]) -> str:
     groups: dict[str, list[int]] = {}
     for r, v in zip(ranks, values):
         groups.setdefault(str(v), []).append(r)
-    return "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {v}" for v, rs in groups.items())
+    return "; ".join(
+        f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {v}" for v, rs in groups.items()
+    )
 
 
 class SaveAgreement:
