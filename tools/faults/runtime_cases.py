@@ -208,6 +208,81 @@ def case_stalls(full: bool = False) -> list[Row]:
     return rows
 
 
+def _object_stall_body() -> str:
+    from zero_core import comm
+
+    comm.watchdog.set_collective_timeout(TIMEOUT_S / 2)
+    comm.barrier()  # starts the watchdog; both ranks have records
+    if comm.get_rank() == 1:
+        time.sleep(3600)
+    gathered: list = [None, None]
+    comm.all_gather_object(gathered, {"rank": comm.get_rank()})  # not waitable: the thread's case
+    return "gathered"
+
+
+def case_stall_unwaitable(full: bool = False) -> list[Row]:
+    """A collective the waiting thread cannot bound itself (an object collective; NCCL ops are
+    alike): the watchdog's thread diagnoses it at the timeout and ends both processes."""
+    text, took = _multirank(_object_stall_body)
+    limit = TIMEOUT_S / 2 + max(2.0, 0.1 * TIMEOUT_S / 2) + 60
+    msg = _line(text, "CollectiveTimeoutError: rank 0", width=10**6)
+    named = "did not arrive: rank 1" in msg and "all_gather_object" in msg
+    exited = "RankFailedError: 2 of 2 ranks failed" in text and "rank 1 exited with exit code 1" in text
+    ok = named and exited and took < limit
+    head = msg.split(" did not complete")[0].split("CollectiveTimeoutError: ")[-1]
+    observed = (
+        f"{head}; rank 1 named: {named}; {'both exited' if exited else 'NOT both exited'} [{took:.0f} s]"
+    )
+    return [
+        (
+            "stall: all_gather_object, rank 1 sleeps",
+            "error naming the collective and rank 1; all exit",
+            observed,
+            _verdict(ok),
+        )
+    ]
+
+
+def case_stall_real_exit(full: bool = False) -> list[Row]:
+    """Through ``zero run`` (real interpreter exit): a stage-3 stall ends the job with the error
+    naming the collective and rank 1, instead of hanging at exit until the group's 30-minute timeout."""
+    start = time.monotonic()
+    cmd = [
+        *_zero_cli(),
+        "run",
+        "--nproc",
+        "2",
+        str(TINY),
+        "--stage",
+        "3",
+        "--fault",
+        "stall",
+        "--comms-timeout",
+        "5",
+    ]
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=400
+        )
+        out, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        out, rc = str(exc.stdout or "") + str(exc.stderr or ""), "hung"
+    took = time.monotonic() - start
+    msg = _line(out, "CollectiveTimeoutError: rank 0", width=10**6)
+    named = "did not arrive: rank 1" in msg
+    ok = named and rc not in (0, "hung")
+    head = msg.split(" did not complete")[0].split("CollectiveTimeoutError: ")[-1]
+    observed = f"{head}; rank 1 named: {named}; job status {rc} after {took:.0f} s (incl. start-up)"
+    return [
+        (
+            "stall: zero run, stage 3, real exit",
+            "error naming rank 1, then the job ends",
+            observed,
+            _verdict(ok),
+        )
+    ]
+
+
 def _python() -> str:
     return sys.executable
 
@@ -291,4 +366,12 @@ def case_sigterm_nvme(full: bool = False) -> list[Row]:
     ]
 
 
-CASES = [case_mismatches, case_save_checkpoint, case_stalls, case_clean_exit, case_sigterm_nvme]
+CASES = [
+    case_mismatches,
+    case_save_checkpoint,
+    case_stalls,
+    case_stall_unwaitable,
+    case_stall_real_exit,
+    case_clean_exit,
+    case_sigterm_nvme,
+]

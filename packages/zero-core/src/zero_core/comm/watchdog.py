@@ -147,6 +147,8 @@ class CollectiveWatchdog:
         token = self.begin(op, group)
         try:
             yield
+        except Exception as exc:  # the op failed (a peer's watchdog ended it): say why
+            raise CollectiveTimeoutError(self.fired or self.diagnose(token, cause=exc)) from exc
         finally:
             self.end(token)
 
