@@ -75,7 +75,7 @@ def collect(full: bool, only: str = "") -> list[Row]:
             rows += [tuple(r) for r in module.cases(full)]
             continue
         for fn in _functions(module):
-            if only and only not in fn.__name__:
+            if only and not any(part and part in fn.__name__ for part in only.split(",")):
                 continue
             start = time.monotonic()
             got = _call(fn, full)
@@ -142,14 +142,19 @@ def _header(args: argparse.Namespace, seconds: float) -> str:
     return (
         f"machine: {platform.node()} ({platform.machine()}, {__import__('os').cpu_count()} CPUs), load average {' '.join(load)} "
         f"(shared with other jobs)\n\ntorch {torch.__version__}, Python {platform.python_version()}, commit {commit}\n\n"
-        f"command: python tools/faults/run_faults.py{' --full' if args.full else ''}; wall time {seconds:.0f} s\n"
+        f"command: python tools/faults/run_faults.py{' --full' if args.full else ''}"
+        f"{' --only ' + args.only if args.only else ''}; wall time {seconds:.0f} s\n"
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--full", action="store_true", help="the by-hand size (20 clean-exit runs)")
-    p.add_argument("--only", default="", help="run only the case functions whose name contains this")
+    p.add_argument(
+        "--only",
+        default="",
+        help="run only the case functions whose name contains one of these (comma-separated)",
+    )
     p.add_argument("--out", default="", help="also write the table as markdown to this file")
     args = p.parse_args(argv)
     start = time.monotonic()

@@ -298,6 +298,7 @@ def case_clean_exit(full: bool = False) -> list[Row]:
     """
     stages = [0, 1, 2, 3] * 5 if full else [1, 3]
     results: dict[int, list[str]] = {s: [] for s in sorted(set(stages))}
+    evidence: list[str] = []
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for stage in stages:
         proc = subprocess.run(
@@ -312,6 +313,9 @@ def case_clean_exit(full: bool = False) -> list[Row]:
         results[stage].append(
             "abort" if aborted else ("ok" if proc.returncode == 0 else f"rc {proc.returncode}")
         )
+        if aborted or proc.returncode:
+            marker = "terminate called" if aborted else "Error"
+            evidence.append(f"stage {stage}: rc {proc.returncode}: " + _line(out, marker, 160))
     rows = []
     for stage, outcomes in results.items():
         good = outcomes.count("ok")
@@ -319,7 +323,8 @@ def case_clean_exit(full: bool = False) -> list[Row]:
             (
                 f"exit: {len(outcomes)} x zero run --nproc 4, stage {stage}",
                 "every run exits 0, no SIGABRT",
-                f"{good} ok, {outcomes.count('abort')} aborts, others {[o for o in outcomes if o not in ('ok', 'abort')]}",
+                f"{good} ok, {outcomes.count('abort')} aborts, others {[o for o in outcomes if o not in ('ok', 'abort')]}"
+                + "".join(f"; {e}" for e in evidence if e.startswith(f"stage {stage}:")),
                 _verdict(good == len(outcomes)),
             )
         )

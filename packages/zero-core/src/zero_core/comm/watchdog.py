@@ -43,6 +43,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -99,7 +100,9 @@ class CollectiveWatchdog:
     def __init__(self, timeout_s: float, *, store: Any = None, rank: int = 0, pg: Any = None) -> None:
         self.timeout_s = check_timeout(timeout_s, "CollectiveWatchdog")
         self.rank = rank
-        self.pg = pg
+        # Weakly: a watchdog kept alive by atexit or a Work must not keep the process group
+        # alive past destroy_process_group (see [Note: process group teardown at exit]).
+        self._pg = weakref.ref(pg) if pg is not None else None
         self.fired: str | None = None
         self._store = store
         self._lock = threading.Lock()
@@ -112,6 +115,11 @@ class CollectiveWatchdog:
         self._published = ""
 
     # -- configuration -------------------------------------------------------------------
+    @property
+    def pg(self) -> Any:
+        """The process group watched (None once it is gone)."""
+        return self._pg() if self._pg is not None else None
+
     @property
     def poll_s(self) -> float:
         return min(1.0, max(0.05, self.timeout_s / 20))
@@ -250,6 +258,9 @@ class CollectiveWatchdog:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
+        with self._lock:
+            self._inflight.clear()  # drop the Work handles, so nothing outlives the group
+        self._store = None
 
     def _publish(self, force: bool = False) -> None:
         if self._store is None:
@@ -348,7 +359,7 @@ def get_watchdog() -> CollectiveWatchdog | None:
         return None
     wd = _current[0]
     pg = dist.group.WORLD
-    if wd is not None and wd.pg is pg:
+    if wd is not None and wd.pg is pg and pg is not None:
         return wd
     if wd is not None:
         wd.close()

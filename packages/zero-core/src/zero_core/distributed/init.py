@@ -12,11 +12,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import os
 import socket
 import sys
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -35,7 +37,7 @@ from zero_core.distributed.world_info import (
 
 logger = logging.getLogger(__name__)
 
-# The world this process joined through init_distributed, with the default group it created:
+# The world this process joined through init_distributed, with (a weak reference to) the default group it created:
 # the info is only trusted while that very group is the default one (it may be destroyed and
 # replaced by other code, or this module state inherited by a forked child).
 _joined: tuple[WorldInfo, Any] | None = None
@@ -216,11 +218,11 @@ def init_distributed(
             f"{info.world_size} processes were started, agree on the master address and port, and can reach "
             f"it. Cause: {type(exc).__name__}: {exc}"
         ) from exc
-    _joined = (info, dist.group.WORLD)
-    atexit.register(_destroy_at_exit, dist.group.WORLD)
+    _joined = (info, weakref.ref(dist.group.WORLD))  # weakly: see [Note: process group teardown at exit]
+    atexit.register(_destroy_at_exit, weakref.ref(dist.group.WORLD))
 
 
-def _destroy_at_exit(group: Any) -> None:
+def _destroy_at_exit(group_ref: Any) -> None:
     """Tear down the process group this module formed, in order, before the interpreter does.
 
     [Note: process group teardown at exit]
@@ -233,7 +235,7 @@ def _destroy_at_exit(group: Any) -> None:
     and a fired watchdog ends the process before this runs (see [Note: collective watchdog]).
     """
     try:
-        if not dist.is_initialized() or dist.group.WORLD is not group:
+        if not dist.is_initialized() or dist.group.WORLD is not group_ref():
             return  # destroyed already, or replaced by someone else's group
         from zero_core import comm
 
@@ -243,6 +245,8 @@ def _destroy_at_exit(group: Any) -> None:
                 work = dist.barrier(async_op=True)
                 work.wait(timedelta(seconds=comm.watchdog.collective_timeout()))
         comm.destroy_process_group()
+        # Free what only reference cycles still hold (Work handles, engines) while Python is intact.
+        gc.collect()
     except Exception as exc:  # never turn a finished job into a failed exit
         logger.warning("init_distributed: destroying the process group at exit failed: %s", exc)
 
@@ -256,7 +260,7 @@ def world_info() -> WorldInfo:
     an MPI job's rendezvous is not known yet).
     """
     initialised = dist.is_available() and dist.is_initialized()
-    if _joined is not None and initialised and _joined[1] is dist.group.WORLD:
+    if _joined is not None and initialised and _joined[1]() is dist.group.WORLD:
         return _joined[0]
     env_info = discover_world()
     if not initialised:
