@@ -7,7 +7,7 @@ concurrent jobs sharing one NVMe never collide. Each file is created with its *f
 front (``posix_fallocate``: real blocks, not a sparse hole), so a full or unwritable disk is a
 clear error at ``initialize`` naming the path, never a failed write in the middle of training.
 Files are removed on normal exit: by ``close()`` (the engine's ``destroy()``) or, failing
-that, by an ``atexit`` hook. A swap file that disappears while training (deleted by a cleanup
+that, by an ``atexit`` hook, and on SIGTERM (see [Note: cleanup on SIGTERM]). A swap file that disappears while training (deleted by a cleanup
 job, a remounted disk) is reported by name before it is read, instead of reading zeros or
 garbage.
 """
@@ -19,6 +19,8 @@ import os
 import shutil
 import weakref
 from pathlib import Path
+
+from zero_core.utils.termination import forget, on_termination
 
 
 class SwapFileError(OSError):
@@ -81,6 +83,8 @@ class SwapDirectory:
         # atexit holds only a weak reference: a closed or collected directory does nothing.
         ref = weakref.ref(self)
         atexit.register(lambda: (d := ref()) is not None and d.close())
+        # SIGTERM runs no atexit hook: see [Note: cleanup on SIGTERM] in zero_core.utils.termination.
+        self._termination_key = on_termination(self.close)
 
     def allocate(self, name: str, nbytes: int) -> Path:
         """Create swap file ``name`` with its final size ``nbytes`` (raises SwapFileError naming it)."""
@@ -138,6 +142,7 @@ class SwapDirectory:
         if self._closed:
             return
         self._closed = True
+        forget(self._termination_key)
         shutil.rmtree(self.path, ignore_errors=True)
         try:
             self.job_dir.rmdir()  # only succeeds once every rank of this job has cleaned up

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 from zero_core.engine.data_parallel import DataParallelStrategy
-from zero_core.engine.loss_scaler import LossScaler
+from zero_core.engine.loss_scaler import LossScaler, warn_static_overflow
 from zero_core.zero.stage_1_and_2 import PartitionedOptimizerStrategy
 
 from zero_pipe import _dist
@@ -145,7 +145,14 @@ class StageOptimizer:
         self.strategy.after_backward(True)
 
     def _global_overflow(self) -> bool:
-        flag = torch.tensor([1 if self.strategy.local_overflow() else 0], dtype=torch.uint8)
+        from zero_core.accelerator import get_accelerator
+
+        acc = get_accelerator()  # the flag lives where the backend's collectives run (NCCL: the GPU)
+        flag = torch.tensor(
+            [1 if self.strategy.local_overflow() else 0],
+            dtype=torch.uint8,
+            device=acc.device(acc.current_device()),
+        )
         _dist.all_reduce(flag, op=_dist.ReduceOp.MAX)  # every rank of every stage decides alike
         return bool(flag.item())
 
@@ -160,9 +167,13 @@ class StageOptimizer:
         """Clip and apply the gradients; returns False when an fp16 overflow (or, with bf16's
         check_grad_overflow, a non-finite gradient norm) skipped the step."""
         inv_scale = 1.0 / self.loss_scaler.loss_scale
-        if self.loss_scaler.dynamic and self._global_overflow():
+        if self.loss_scaler.checks_overflow and self._global_overflow():
+            # fp16 skips an overflowing step whatever the scaler (see [Note: loss scaling])
             self.loss_scaler.update_scale(True)
-            return self._skip_step()
+            skipped = self._skip_step()
+            if not self.loss_scaler.dynamic and _dist.get_rank() == 0:
+                warn_static_overflow(self.loss_scaler.loss_scale, None, self.skipped_steps)
+            return skipped
         norm_sq = self.strategy.grad_norm_sq().float()
         group = self.strategy.norm_group()
         if group is not None:

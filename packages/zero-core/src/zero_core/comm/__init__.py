@@ -10,6 +10,7 @@ This module satisfies ``zero_core.protocols.CommBackend``.
 
 from __future__ import annotations
 
+from zero_core.comm import watchdog
 from zero_core.comm.collectives import (
     ReduceOp,
     all_gather,
@@ -38,6 +39,7 @@ from zero_core.comm.groups import (
 )
 from zero_core.comm.logger import OP_NAMES, CommsLogger, Stats, comms_logger
 from zero_core.comm.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
+from zero_core.comm.watchdog import CollectiveTimeoutError, CollectiveWatchdog
 from zero_core.comm.work import Work
 
 
@@ -47,6 +49,8 @@ def log_summary(print_fn=print) -> None:  # noqa: ANN001 (mirrors deepspeed.comm
 
 
 __all__ = [
+    "CollectiveTimeoutError",
+    "CollectiveWatchdog",
     "OP_NAMES",
     "CommsLogger",
     "P2POp",
@@ -82,4 +86,5 @@ __all__ = [
     "reduce",
     "reduce_scatter_tensor",
     "send",
+    "watchdog",
 ]

@@ -9,6 +9,7 @@ import torch
 
 from zero_core.comm.groups import group_ranks
 from zero_core.comm.logger import PendingRecord, comms_logger
+from zero_core.comm.watchdog import get_watchdog
 from zero_core.comm.work import Work
 
 
@@ -42,19 +43,34 @@ def issue(
     group: Any,
     size: int,
     device: torch.device | None,
-    call: Callable[[], Any],
+    call: Callable[[bool], Any],
     *,
     async_op: bool,
     finalize: Callable[[], None] | None = None,
+    waitable: bool = True,
 ) -> Work | None:
-    """Run ``call`` (the torch op, given ``async_op``), record it, post-process on completion.
+    """Run ``call(async_op)`` (the torch op), record it, post-process on completion.
 
-    Returns a ``Work`` for ``async_op=True``; otherwise finishes the op and returns None.
+    Returns a ``Work`` for ``async_op=True``; otherwise finishes the op and returns None. Every
+    op runs under the collective watchdog: a synchronous ``waitable`` op is issued
+    asynchronously and waited on with the watchdog's deadline; the others are watched by its
+    thread (see [Note: collective watchdog]).
     """
     record = begin(op, group, size, device)
-    handle = call()
+    wd = get_watchdog()
     if async_op:
-        return Work(handle, finalize=finalize, record=record)
+        handle = call(True)
+        token = wd.begin(op, group_ranks(group), handle) if wd is not None else None
+        return Work(handle, finalize=finalize, record=record, watchdog=wd, token=token)
+    if wd is None:
+        call(False)
+    elif waitable:
+        token = wd.begin(op, group_ranks(group))
+        handle = call(True)
+        wd.wait(handle, token)
+    else:
+        with wd.watch(op, group_ranks(group)):
+            call(False)
     if finalize is not None:
         finalize()
     if record is not None:

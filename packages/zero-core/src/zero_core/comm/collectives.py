@@ -140,7 +140,7 @@ def all_reduce(
         group,
         nbytes(tensor),
         tensor.device,
-        lambda: dist.all_reduce(red.buffer, op=red.op, group=group, async_op=async_op),
+        lambda a: dist.all_reduce(red.buffer, op=red.op, group=group, async_op=a),
         async_op=async_op,
         finalize=red.finalize,
     )
@@ -165,7 +165,7 @@ def reduce(
         group,
         nbytes(tensor),
         tensor.device,
-        lambda: dist.reduce(red.buffer, dst, op=red.op, group=group, async_op=async_op),
+        lambda a: dist.reduce(red.buffer, dst, op=red.op, group=group, async_op=a),
         async_op=async_op,
         finalize=finalize,
     )
@@ -202,7 +202,7 @@ def reduce_scatter_tensor(
         group,
         nbytes(input),
         input.device,
-        lambda: _reduce_scatter(flat_out, flat_in, op=red.op, group=group, async_op=async_op),
+        lambda a: _reduce_scatter(flat_out, flat_in, op=red.op, group=group, async_op=a),
         async_op=async_op,
         finalize=lambda: red.finalize(flat_out),
     )
@@ -227,7 +227,7 @@ def all_gather_into_tensor(
         group,
         nbytes(output),
         output.device,
-        lambda: _all_gather(flat_out, flat_in, group=group, async_op=async_op),
+        lambda a: _all_gather(flat_out, flat_in, group=group, async_op=a),
         async_op=async_op,
         finalize=finalize,
     )
@@ -257,7 +257,7 @@ def all_gather(
             group,
             size,
             tensor.device,
-            lambda: dist.all_gather(list(tensor_list), tensor, group=group, async_op=async_op),
+            lambda a: dist.all_gather(list(tensor_list), tensor, group=group, async_op=a),
             async_op=async_op,
         )
     # Uneven sizes (or bool): pad to the largest, gather flat, trim. See [Note: backend workarounds].
@@ -276,7 +276,7 @@ def all_gather(
         group,
         size,
         tensor.device,
-        lambda: _all_gather(gathered, padded, group=group, async_op=async_op),
+        lambda a: _all_gather(gathered, padded, group=group, async_op=a),
         async_op=async_op,
         finalize=finalize,
     )
@@ -292,7 +292,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool 
         group,
         nbytes(tensor),
         tensor.device,
-        lambda: dist.broadcast(tensor, src, group=group, async_op=async_op),
+        lambda a: dist.broadcast(tensor, src, group=group, async_op=a),
         async_op=async_op,
     )
 
@@ -333,8 +333,8 @@ def all_to_all_single(
         group,
         nbytes(input),
         input.device,
-        lambda: dist.all_to_all_single(
-            output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
+        lambda a: dist.all_to_all_single(
+            output, input, output_split_sizes, input_split_sizes, group=group, async_op=a
         ),
         async_op=async_op,
     )
@@ -355,8 +355,9 @@ def broadcast_object_list(
         group,
         0,
         None,
-        lambda: dist.broadcast_object_list(object_list, src, group=group, device=device),
+        lambda _a: dist.broadcast_object_list(object_list, src, group=group, device=device),
         async_op=False,
+        waitable=False,
     )
 
 
@@ -372,15 +373,16 @@ def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> No
         group,
         0,
         None,
-        lambda: dist.all_gather_object(object_list, obj, group=group),
+        lambda _a: dist.all_gather_object(object_list, obj, group=group),
         async_op=False,
+        waitable=False,
     )
 
 
 def barrier(group: Any = None) -> None:
     """Block until every member of ``group`` reaches the barrier."""
     _prepare("barrier", group)
-    issue("barrier", group, 0, None, lambda: dist.barrier(group=group), async_op=False)
+    issue("barrier", group, 0, None, lambda a: dist.barrier(group=group, async_op=a), async_op=False)
 
 
 def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bool = False) -> None:
@@ -395,6 +397,7 @@ def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bo
         group,
         0,
         None,
-        lambda: dist.monitored_barrier(group=group, timeout=td, wait_all_ranks=wait_all_ranks),
+        lambda _a: dist.monitored_barrier(group=group, timeout=td, wait_all_ranks=wait_all_ranks),
         async_op=False,
+        waitable=False,
     )

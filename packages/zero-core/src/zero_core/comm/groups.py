@@ -120,6 +120,10 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     """Destroy ``group``, or every group including the default one when None."""
     require_initialized("destroy_process_group")
     check_group(group, "destroy_process_group")
+    if group is None:
+        from zero_core.comm.watchdog import close_watchdog
+
+        close_watchdog()  # its thread must not poll a store that is going away
     dist.destroy_process_group(group)
 
 

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from zero_core.comm._issue import begin, check_tensor, issue, nbytes
-from zero_core.comm.groups import check_group, check_member_rank, require_initialized
+from zero_core.comm.groups import check_group, check_member_rank, group_ranks, require_initialized
+from zero_core.comm.watchdog import get_watchdog
 from zero_core.comm.work import Work
 
 
@@ -67,11 +68,11 @@ def _transfer(
     _check_args(op, tensor, peer, group, tag, peer_name)
     returned: list[Any] = []
 
-    def call() -> Any:
+    def call(_async: bool) -> Any:  # isend/irecv are asynchronous by name, send/recv block
         returned.append(getattr(dist, op)(tensor, peer, group=group, tag=tag))
         return returned[0]
 
-    work = issue(op, group, nbytes(tensor), tensor.device, call, async_op=async_op)
+    work = issue(op, group, nbytes(tensor), tensor.device, call, async_op=async_op, waitable=False)
     return work if async_op else returned[0]
 
 
@@ -121,4 +122,10 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
     works = dist.batch_isend_irecv(torch_ops)
     if record is not None:
         record.pending = len(works)
-    return [Work(w, record=record) for w in works]
+    # each handle is bounded by the collective watchdog (see [Note: collective watchdog])
+    wd = get_watchdog()
+    ranks = group_ranks(first.group)
+    return [
+        Work(w, record=record, watchdog=wd, token=wd.begin("batch_isend_irecv", ranks, w) if wd else None)
+        for w in works
+    ]

@@ -25,8 +25,13 @@ class Work:
         inner: Any,
         finalize: Callable[[], None] | None = None,
         record: PendingRecord | None = None,
+        watchdog: Any = None,
+        token: int | None = None,
     ) -> None:
         self._inner = inner
+        # the collective watchdog bounding this op (see [Note: collective watchdog])
+        self._watchdog = watchdog
+        self._token = token
         self._finalize = finalize
         self._record = record
         self._done = False
@@ -43,10 +48,18 @@ class Work:
             self._record.finish()
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        """Block until the op is complete (raises the backend's error on failure or timeout)."""
+        """Block until the op is complete (raises the backend's error on failure or timeout).
+
+        Without ``timeout`` the collective watchdog's deadline applies, and a failure raises
+        :class:`~zero_core.comm.watchdog.CollectiveTimeoutError` naming the missing ranks.
+        """
         if self._done:
             return True
-        ok = self._inner.wait() if timeout is None else self._inner.wait(timeout)
+        if self._watchdog is not None and self._token is not None:
+            self._watchdog.wait(self._inner, self._token, timeout)
+            ok = None
+        else:
+            ok = self._inner.wait() if timeout is None else self._inner.wait(timeout)
         self._complete()
         return True if ok is None else bool(ok)
 

@@ -75,6 +75,9 @@ class ZeroConfig(ConfigModel):
     gradient_predivide_factor: PosFloat = 1.0
     sparse_gradients: bool = False
     communication_data_type: DataType | None = None
+    #: zero's own key: seconds any collective may wait before the collective watchdog names the
+    #: missing ranks and ends the job (None: ZERO_COLLECTIVE_TIMEOUT, else 300). See [Note: collective watchdog].
+    comms_timeout: PosFloat | None = None
     seq_parallel_communication_data_type: DataType = "fp32"
     sequence_parallel_size: PosInt = 1
     zero_allow_untested_optimizer: bool = False

@@ -19,14 +19,16 @@ import torch
 
 from zero_core import comm
 from zero_core.engine.accessors import DeepSpeedAccessors
+from zero_core.engine.agreement import SaveAgreement
 from zero_core.engine.data import cast_floating
 from zero_core.engine.eval_only import is_eval_only, require_optimizer
-from zero_core.engine.loss_scaler import LossScaler
+from zero_core.engine.loss_scaler import LossScaler, warn_static_overflow
 from zero_core.engine.model_states import ModelStatesMixin
 from zero_core.engine.module_attrs import ForwardToModule
 from zero_core.engine.no_sync import NoSyncMixin
 from zero_core.engine.strategy import TrainingStrategy
 from zero_core.engine.timers import Timers
+from zero_core.utils import termination
 
 
 class ZeroEngine(ForwardToModule, NoSyncMixin, ModelStatesMixin, DeepSpeedAccessors, torch.nn.Module):
@@ -97,6 +99,7 @@ class ZeroEngine(ForwardToModule, NoSyncMixin, ModelStatesMixin, DeepSpeedAccess
         # (see [Note: single-pass load] in checkpoint/single_pass.py), and whether it touched the optimizer
         self._invalid_state: str | None = None
         self._invalid_state_optimizer = False
+        self._save_agreement = SaveAgreement()
 
     # -- the strategy's parts -----------------------------------------------------------
     @property
@@ -218,7 +221,9 @@ class ZeroEngine(ForwardToModule, NoSyncMixin, ModelStatesMixin, DeepSpeedAccess
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError("engine.backward expects a scalar loss tensor")
         self._require_states_on_device("backward")
-        reduce = self._reduce_in_this_backward(self.is_gradient_accumulation_boundary())
+        boundary = self.is_gradient_accumulation_boundary()
+        self._note(f"engine.backward of micro-step {self.micro_steps}")
+        reduce = self._reduce_in_this_backward(boundary)
         self._losses.append(float(loss.detach().float().item()))
         gas_scaled = loss
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
@@ -250,6 +255,7 @@ class ZeroEngine(ForwardToModule, NoSyncMixin, ModelStatesMixin, DeepSpeedAccess
             return
         if self._wall_clock:
             self.timers.start("step")
+        self._note(f"engine.step (optimizer step {self.global_steps})")
         self._boundary_step(lr_kwargs)
         if self._wall_clock:
             self.timers.stop("step")
@@ -258,6 +264,13 @@ class ZeroEngine(ForwardToModule, NoSyncMixin, ModelStatesMixin, DeepSpeedAccess
             self.profiler.on_step_end(self.global_steps - 1)
         for hook in self._step_hooks:
             hook(self)
+
+    @staticmethod
+    def _note(label: str) -> None:
+        """Tell the collective watchdog where training is (named when a collective times out)."""
+        wd = comm.watchdog.get_watchdog()
+        if wd is not None:
+            wd.note(label)
 
     def _global_flag(self, flag: bool) -> bool:
         if not comm.is_initialized() or comm.get_world_size() == 1:
@@ -275,12 +288,15 @@ class ZeroEngine(ForwardToModule, NoSyncMixin, ModelStatesMixin, DeepSpeedAccess
         self.global_steps += 1
 
     def _boundary_step(self, lr_kwargs: dict[str, Any] | None) -> None:
-        overflow = self._global_flag(self.strategy.local_overflow()) if self.loss_scaler.dynamic else False
-        inv_scale = 1.0 / self.loss_scaler.loss_scale
+        scaler = self.loss_scaler
+        overflow = self._global_flag(self.strategy.local_overflow()) if scaler.checks_overflow else False
+        inv_scale = 1.0 / scaler.loss_scale
         self._step_applied = not overflow
         if overflow:
-            self.loss_scaler.update_scale(True)
+            scaler.update_scale(True)
             self._skip_step()
+            if not scaler.dynamic and self.global_rank == 0:
+                warn_static_overflow(scaler.loss_scale, self.global_steps, self.skipped_steps)
             return
         norm_sq = self.strategy.grad_norm_sq()
         group = self.strategy.norm_group()
@@ -327,14 +343,26 @@ class ZeroEngine(ForwardToModule, NoSyncMixin, ModelStatesMixin, DeepSpeedAccess
         from zero_core.checkpoint.saver import save_checkpoint
 
         self._require_valid_state("save_checkpoint")
-        return save_checkpoint(
-            self,
-            save_dir,
-            tag,
-            client_state if client_state is not None else {},
-            save_latest,
-            exclude_frozen_parameters,
-        )
+        # Every rank calls, with one tag, or a clear error within the timeout (see [Note: rank agreement]).
+        from zero_core.checkpoint.format import validate_tag
+
+        effective = validate_tag(f"global_step{self.global_steps}" if tag is None else tag)
+        mode = str(getattr(getattr(self.config, "checkpoint", None), "tag_validation", "Warn"))
+        tag = self._save_agreement.agree(effective, mode, self.dp_group)
+        # A SIGTERM during the save removes the staging directory (see [Note: cleanup on SIGTERM]).
+        key = _remove_on_termination(save_dir, tag) if self.global_rank == 0 else None
+        try:
+            return save_checkpoint(
+                self,
+                save_dir,
+                tag,
+                client_state if client_state is not None else {},
+                save_latest,
+                exclude_frozen_parameters,
+            )
+        finally:
+            if key is not None:
+                termination.forget(key)
 
     def load_checkpoint(
         self,
@@ -396,7 +424,7 @@ class ZeroEngine(ForwardToModule, NoSyncMixin, ModelStatesMixin, DeepSpeedAccess
                 f"[zero] step {step} | loss {loss:.4f} | lr {self.get_lr()[0]:.3e} | "
                 f"samples/s {self._samples_per_sec:.1f} | model states {max(mem_per_rank):.1f} MB/rank (max)"
             )
-            if self.loss_scaler.dynamic:
+            if self.loss_scaler.checks_overflow:
                 line += f" | loss scale {self.loss_scaler.loss_scale:g} | skipped {self.skipped_steps}"
             if self._wall_clock:
                 line += " | " + ", ".join(f"{k} {v:.1f} ms" for k, v in self.timers.means_ms().items())
@@ -424,6 +452,18 @@ class ZeroEngine(ForwardToModule, NoSyncMixin, ModelStatesMixin, DeepSpeedAccess
     def last_loss(self) -> float | None:
         """Mean loss over the micro-batches of the last optimizer step."""
         return self._last_loss
+
+
+def _remove_on_termination(save_dir: Any, tag: str) -> int | None:
+    """Register the removal of ``tag``'s staging directory under ``save_dir`` for SIGTERM."""
+    import shutil
+
+    from zero_core.checkpoint.format import staging_dir_name
+
+    if not isinstance(save_dir, (str, os.PathLike)):
+        return None  # the saver reports the bad argument
+    staging = os.path.join(os.fspath(save_dir), staging_dir_name(tag))
+    return termination.on_termination(lambda: shutil.rmtree(staging, ignore_errors=True))
 
 
 def _expert_groups(module: torch.nn.Module) -> list[tuple[Any, list[torch.nn.Parameter]]]:

@@ -16,6 +16,7 @@ import torch
 
 from zero_core import comm
 from zero_core.engine.accessors import COMM_DTYPES
+from zero_core.engine.agreement import check_agreement, initialize_fields
 from zero_core.engine.data import ZeroDataLoader
 from zero_core.engine.engine import ZeroEngine
 from zero_core.engine.eval_only import is_eval_only
@@ -126,6 +127,14 @@ def _build_scheduler(lr_scheduler: Any, optimizer: torch.optim.Optimizer, cfg: A
 def _explicit(cfg: Any, name: str) -> bool:
     """Whether the user's config gave section ``name`` (not just its defaults)."""
     return name in getattr(cfg, "model_fields_set", ())
+
+
+def _apply_comms_timeout(cfg: Any) -> None:
+    """``comms_timeout`` bounds every collective (see [Note: collective watchdog])."""
+    seconds = getattr(cfg, "comms_timeout", None)
+    if seconds is not None:
+        comm.watchdog.set_collective_timeout(float(seconds))
+    comm.watchdog.get_watchdog()  # started now, so its records exist before the first step
 
 
 def _configure_side_systems(cfg: Any) -> None:
@@ -325,6 +334,9 @@ def initialize(
         world_size_source=info.source,
     )
 
+    _apply_comms_timeout(cfg)
+    # The first collective of the engine: every rank reaches it (see [Note: rank agreement]).
+    check_agreement(initialize_fields(cfg, model, pipeline=model_engine is not None), group, "initialize")
     _configure_side_systems(cfg)
     _check_compressed_optimizer(cfg, optimizer, model_engine is not None)
 

@@ -10,10 +10,16 @@ overflow (inf/nan in any gradient on any rank) skips the step on every rank and,
 doubles. ``consecutive_hysteresis`` refills the hysteresis budget after every clean step
 instead of only when the scale grows. The overflow decision must be global: every rank
 reduces its local flag with MAX before deciding, or ranks would diverge.
+
+A *static* fp16 scale (``fp16.loss_scale > 0``) never changes, but an overflowing step is
+still skipped (``checks_overflow``): applying it would write inf/NaN into the fp32 master
+weights for good. DeepSpeed's fp16 optimizers skip the step whatever the scaler; the engine
+counts it in ``skipped_steps`` and warns, naming the static scale.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -30,14 +36,19 @@ class LossScalerState:
 
 
 class LossScaler:
-    """A static loss scale (1.0 means no scaling, used for fp32 and bf16)."""
+    """A static loss scale (1.0 means no scaling, used for fp32 and bf16).
+
+    ``check_overflow``: whether a step with inf/NaN gradients is skipped (fp16, whatever the
+    scale; see [Note: loss scaling]).
+    """
 
     dynamic = False
 
-    def __init__(self, scale: float = 1.0) -> None:
+    def __init__(self, scale: float = 1.0, *, check_overflow: bool = False) -> None:
         if not scale > 0:
             raise ValueError(f"loss scale must be > 0, got {scale}")
         self.state = LossScalerState(cur_scale=float(scale))
+        self.checks_overflow = bool(check_overflow) or self.dynamic
 
     @property
     def loss_scale(self) -> float:
@@ -109,6 +120,18 @@ class DynamicLossScaler(LossScaler):
         s.cur_iter += 1
 
 
+def warn_static_overflow(scale: float, step: int | None, skipped: int) -> None:
+    """Tell the user a step was dropped although the fp16 loss scale is fixed (it will not adapt)."""
+    at = f" at step {step}" if step is not None else ""
+    warnings.warn(
+        f"fp16: gradients overflowed (inf/NaN){at} with the static loss scale {scale:g}; "
+        f"the step was skipped ({skipped} skipped so far). A static scale never lowers itself: "
+        "set fp16.loss_scale to a smaller value, or to 0 for dynamic loss scaling, if this repeats",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
 def build_loss_scaler(fp16_enabled: bool, fp16_section: Any | None) -> LossScaler:
     """The scaler the config asks for: dynamic when ``fp16.loss_scale`` is 0, else static."""
     if not fp16_enabled:
@@ -116,7 +139,7 @@ def build_loss_scaler(fp16_enabled: bool, fp16_section: Any | None) -> LossScale
     get = (lambda k, d: getattr(fp16_section, k, d)) if fp16_section is not None else (lambda k, d: d)
     static = float(get("loss_scale", 0) or 0)
     if static > 0:
-        return LossScaler(static)
+        return LossScaler(static, check_overflow=True)
     return DynamicLossScaler(
         init_scale=2.0 ** int(get("initial_scale_power", 16)),
         scale_window=int(get("loss_scale_window", 1000)),

@@ -46,8 +46,9 @@ rank skipped. With *collective checks* on, every stage-3 collective (one per gat
 or gradient bucket, not per parameter) is preceded by a 32-byte all-gather of a header (kind,
 first parameter id, parameter count, payload bytes) that all ranks compare, turning both
 failures into a clear error naming the parameters on each side. Every wait is bounded by
-:func:`collective_timeout` (:func:`set_collective_timeout` or the
-``ZERO_STAGE3_COLLECTIVE_TIMEOUT`` environment variable, default 300 s) whether or not checks
+:func:`collective_timeout`, the collective watchdog's (:func:`set_collective_timeout`, the
+config's ``comms_timeout``, ``ZERO_COLLECTIVE_TIMEOUT`` or ``ZERO_STAGE3_COLLECTIVE_TIMEOUT``,
+default 300 s; see [Note: collective watchdog]) whether or not checks
 are on, so a rank that never joins gives a :class:`Stage3CollectiveError` naming the
 collective's parameters on the waiting rank instead of a hang.
 
@@ -74,6 +75,7 @@ from typing import Any
 import torch
 
 from zero_core import comm
+from zero_core.comm import watchdog as _watchdog
 
 _ALIGN = 16  # bytes; every shard starts at an address aligned for any dtype view
 
@@ -91,14 +93,12 @@ class Stage3CollectiveError(RuntimeError):
 _NEXT_ID = [0]
 _NAMES: dict[int, str] = {}
 _LOCK = threading.Lock()
-_TIMEOUT: list[float | None] = [None]
 
 
 def set_collective_timeout(seconds: float) -> None:
-    """Bound every stage-3 collective wait to ``seconds`` (see [Note: stage 3 collective agreement])."""
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
-        raise ValueError(f"set_collective_timeout: seconds must be a positive number, got {seconds!r}")
-    _TIMEOUT[0] = float(seconds)
+    """Bound every collective wait to ``seconds``: the collective watchdog's timeout (see
+    [Note: collective watchdog] in ``zero_core.comm.watchdog``), which stage 3 shares."""
+    _watchdog.set_collective_timeout(seconds)
 
 
 _CHECKS: list[bool | None] = [None]
@@ -121,19 +121,7 @@ def collective_checks() -> bool:
 
 
 def collective_timeout() -> float:
-    if _TIMEOUT[0] is not None:
-        return _TIMEOUT[0]
-    env = os.environ.get("ZERO_STAGE3_COLLECTIVE_TIMEOUT")
-    if env:
-        try:
-            value = float(env)
-        except ValueError as exc:
-            raise ValueError(
-                f"ZERO_STAGE3_COLLECTIVE_TIMEOUT must be a number of seconds, got {env!r}"
-            ) from exc
-        if value > 0:
-            return value
-    return 300.0
+    return _watchdog.collective_timeout()
 
 
 def set_param_name(param: torch.nn.Parameter, name: str) -> None:
@@ -304,6 +292,9 @@ def _aligned(nbytes: int) -> int:
 
 
 def _wait(work: Any, what: str) -> None:
+    wd = _watchdog.get_watchdog()
+    if wd is not None:
+        wd.note(what)  # the parameters of this collective, for the watchdog's diagnosis
     try:
         work.wait(timeout=datetime.timedelta(seconds=collective_timeout()))
     except Exception as exc:

@@ -1,0 +1,394 @@
+"""``CollectiveWatchdog``: every blocking collective of the library has a deadline and a culprit.
+
+[Note: collective watchdog]
+A rank that never joins a collective (stuck in a data loader, dead, or on another code path)
+used to be found only by the process group's own timeout (30 minutes by default) with a
+message naming no rank, and a rank whose collective had timed out could then hang at exit
+while torch tore down the group under an op that would never finish. The watchdog bounds
+every collective issued through ``zero_core.comm`` and names the missing ranks:
+
+* **Deadline.** Synchronous collectives are issued asynchronously and waited on with the
+  watchdog's timeout (``Work.wait`` of gloo honours it and raises); ``zero_core.comm.Work``
+  waits with the same deadline when its caller gives none. Either failure becomes a
+  :class:`CollectiveTimeoutError`. Backends whose ``wait`` does not block the host (NCCL
+  without blocking wait) and ops that cannot be issued asynchronously (object collectives,
+  send/recv) are covered by the watchdog's thread, which polls what is in flight; if an op is
+  still pending ``timeout + grace`` seconds after it was issued, the thread prints the same
+  diagnosis and ends the process (status 1), as NCCL's own watchdog does.
+* **Culprit.** Each rank counts the collectives it issued per group. The thread publishes
+  those counts, the op it is in and the last module/parameter it was told about
+  (:meth:`CollectiveWatchdog.note`) to the process group's store every ``poll`` seconds. On a
+  timeout the waiting rank reads its peers' records: a peer whose count for the group is below
+  this rank's did not arrive (it is named with what it was last doing); a peer whose record
+  stopped changing for many polls is named as not responding.
+* **Exit.** A fired watchdog writes an abort record to the store; the peers' threads read it
+  and end their processes too (a stalled peer otherwise sleeps on). At interpreter exit a
+  fired watchdog ends the process with status 1 before torch destroys the process group, so
+  nothing waits on the op that never finished.
+
+The timeout comes from ``comms_timeout`` in the config (seconds; ``initialize`` applies it),
+else the ``ZERO_COLLECTIVE_TIMEOUT`` environment variable, else 300 s. The stage-3 collective
+timeout (``ZERO_STAGE3_COLLECTIVE_TIMEOUT``, ``set_collective_timeout``) is the same setting.
+One watchdog exists per default process group (:func:`get_watchdog` starts it on first use);
+:meth:`CollectiveWatchdog.close` ends its thread (``destroy_process_group`` does).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import json
+import os
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 300.0
+ENV_TIMEOUT = "ZERO_COLLECTIVE_TIMEOUT"
+_KEY = "zero_watchdog"
+_STALE_POLLS = 20  # a peer record unchanged this many polls (while we wait) counts as not responding
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective did not complete within the watchdog's timeout; the message names the
+    collective, the group, the ranks that did not arrive and the last module/parameter."""
+
+
+def timeout_from_env() -> float | None:
+    """``ZERO_COLLECTIVE_TIMEOUT`` (or the older ``ZERO_STAGE3_COLLECTIVE_TIMEOUT``) in seconds."""
+    for name in (ENV_TIMEOUT, "ZERO_STAGE3_COLLECTIVE_TIMEOUT"):
+        raw = os.environ.get(name, "").strip()
+        if not raw:
+            continue
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"{name} must be a positive number of seconds, got {raw!r}") from None
+        if not value > 0:
+            raise ValueError(f"{name} must be a positive number of seconds, got {raw!r}")
+        return value
+    return None
+
+
+def check_timeout(seconds: Any, where: str) -> float:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ValueError(
+            f"{where}: the collective timeout must be a positive number of seconds, got {seconds!r}"
+        )
+    return float(seconds)
+
+
+class _InFlight:
+    __slots__ = ("op", "group", "seq", "start", "work", "reported")
+
+    def __init__(self, op: str, group: tuple[int, ...], seq: int, work: Any) -> None:
+        self.op, self.group, self.seq, self.work = op, group, seq, work
+        self.start = time.monotonic()
+        self.reported = False
+
+
+class CollectiveWatchdog:
+    """Deadlines and diagnosis for the collectives of one process group. See [Note: collective watchdog]."""
+
+    def __init__(self, timeout_s: float, *, store: Any = None, rank: int = 0, pg: Any = None) -> None:
+        self.timeout_s = check_timeout(timeout_s, "CollectiveWatchdog")
+        self.rank = rank
+        # Weakly: a watchdog kept alive by atexit or a Work must not keep the process group
+        # alive past destroy_process_group (see [Note: process group teardown at exit]).
+        self._pg = weakref.ref(pg) if pg is not None else None
+        self.fired: str | None = None
+        self._store = store
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._inflight: dict[int, _InFlight] = {}
+        self._seq: dict[str, int] = {}
+        self._label = ""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._published = ""
+
+    # -- configuration -------------------------------------------------------------------
+    @property
+    def pg(self) -> Any:
+        """The process group watched (None once it is gone)."""
+        return self._pg() if self._pg is not None else None
+
+    @property
+    def poll_s(self) -> float:
+        return min(1.0, max(0.05, self.timeout_s / 20))
+
+    @property
+    def grace_s(self) -> float:
+        """How long after the deadline the thread lets the waiting thread raise before ending the process."""
+        return max(2.0, 0.1 * self.timeout_s)
+
+    def set_timeout(self, seconds: float) -> None:
+        self.timeout_s = check_timeout(seconds, "set_timeout")
+
+    def note(self, label: str) -> None:
+        """Remember what the library is working on (module, parameter), for the diagnosis."""
+        self._label = label
+
+    # -- bracketing ops ------------------------------------------------------------------
+    def begin(self, op: str, group: tuple[int, ...], work: Any = None) -> int:
+        key = _group_key(group)
+        with self._lock:
+            seq = self._seq.get(key, 0) + 1
+            self._seq[key] = seq
+            token = next(self._ids)
+            self._inflight[token] = _InFlight(op, group, seq, work)
+        return token
+
+    def end(self, token: int) -> None:
+        with self._lock:
+            self._inflight.pop(token, None)
+
+    @contextlib.contextmanager
+    def watch(self, op: str, group: tuple[int, ...]) -> Iterator[None]:
+        token = self.begin(op, group)
+        try:
+            yield
+        except Exception as exc:  # the op failed (a peer's watchdog ended it): say why
+            raise CollectiveTimeoutError(self.fired or self.diagnose(token, cause=exc)) from exc
+        finally:
+            self.end(token)
+
+    def remaining(self, token: int) -> timedelta:
+        entry = self._inflight.get(token)
+        left = self.timeout_s if entry is None else self.timeout_s - (time.monotonic() - entry.start)
+        return timedelta(seconds=max(left, 0.001))
+
+    def wait(self, work: Any, token: int, timeout: timedelta | None = None) -> None:
+        """Wait for ``work`` (a torch Work) until the deadline (or ``timeout``); raise the diagnosis on failure."""
+        try:
+            work.wait(self.remaining(token) if timeout is None else timeout)
+        except Exception as exc:
+            raise CollectiveTimeoutError(self.diagnose(token, cause=exc)) from exc
+        finally:
+            self.end(token)
+
+    # -- diagnosis -----------------------------------------------------------------------
+    def diagnose(self, token: int, cause: BaseException | None = None) -> str:
+        """The message for the op of ``token`` that failed or ran out of time; marks the watchdog fired."""
+        entry = self._inflight.get(token)
+        if entry is None:
+            msg = f"rank {self.rank}: a collective failed: {cause}"
+        else:
+            waited = time.monotonic() - entry.start
+            msg = (
+                f"rank {self.rank}: collective {entry.op} (#{entry.seq} on the group of global ranks "
+                f"{list(entry.group)}) did not complete: waited {waited:.1f} s (timeout {self.timeout_s:g} s, "
+                f"set by the config's comms_timeout or {ENV_TIMEOUT}). {self._missing(entry)}"
+            )
+            if self._label:
+                msg += f" Last module/parameter on rank {self.rank}: {self._label}."
+            if cause is not None:
+                msg += f" Backend said: {cause}"
+        self._fire(msg)
+        return msg
+
+    def _missing(self, entry: _InFlight) -> str:
+        records = self._peer_records(entry.group)
+        if records is None:
+            return "Which rank is missing is unknown (no store to ask)."
+        key = _group_key(entry.group)
+        absent, silent = [], []
+        for r in entry.group:
+            if r == self.rank:
+                continue
+            rec = records.get(r)
+            if rec is None:
+                silent.append(f"rank {r} (no record: not started or dead)")
+                continue
+            seq = rec.get("seq", {}).get(key, 0)
+            if seq < entry.seq:
+                doing = f"in {rec['op']}" if rec.get("op") else "outside any collective"
+                where = f", last module/parameter {rec['label']}" if rec.get("label") else ""
+                absent.append(
+                    f"rank {r} (issued {seq} of {entry.seq} collectives on this group, now {doing}{where})"
+                )
+            elif time.time() - rec.get("t", 0) > _STALE_POLLS * self.poll_s + self.timeout_s:
+                silent.append(f"rank {r} (arrived, then stopped responding)")
+        if not absent and not silent:
+            return "Every rank of the group reports having issued it (a backend or network failure?)."
+        return "Rank(s) that did not arrive: " + "; ".join(absent + silent) + "."
+
+    def _peer_records(self, group: tuple[int, ...]) -> dict[int, dict[str, Any]] | None:
+        if self._store is None:
+            return None
+        self._publish(force=True)
+        out: dict[int, dict[str, Any]] = {}
+        for r in group:
+            try:
+                if self._store.check([f"{_KEY}/{r}"]):
+                    out[r] = json.loads(self._store.get(f"{_KEY}/{r}").decode())
+            except Exception:  # a dead store host: report what we have
+                continue
+        return out
+
+    def _fire(self, msg: str) -> None:
+        if self.fired is None:
+            self.fired = msg
+            if self._store is not None:
+                try:
+                    self._store.set(f"{_KEY}/abort", json.dumps({"rank": self.rank, "msg": msg}))
+                except Exception:
+                    return
+                # This process may host the store and exit right after raising: give the
+                # peers' threads a few polls to read the abort record first.
+                time.sleep(min(2.0, 3 * self.poll_s))
+
+    # -- the thread ----------------------------------------------------------------------
+    def start(self) -> CollectiveWatchdog:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="zero-collective-watchdog", daemon=True)
+            self._thread.start()
+            atexit.register(self._at_exit)
+        return self
+
+    def close(self) -> None:
+        """Stop the thread (idempotent); a fired watchdog still ends the process at exit."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        with self._lock:
+            self._inflight.clear()  # drop the Work handles, so nothing outlives the group
+        self._store = None
+
+    def _publish(self, force: bool = False) -> None:
+        if self._store is None:
+            return
+        with self._lock:
+            ops = [e.op for e in self._inflight.values()]
+            record = {"seq": dict(self._seq), "op": ops[0] if ops else "", "label": self._label}
+        text = json.dumps(record, sort_keys=True)
+        if text == self._published and not force:
+            return
+        record["t"] = time.time()
+        try:
+            self._store.set(f"{_KEY}/{self.rank}", json.dumps(record))
+            self._published = text
+        except Exception:  # the store's host is gone (the end of a job): stop asking it
+            self._store = None
+
+    def _peer_abort(self) -> str | None:
+        if self._store is None:
+            return None
+        try:
+            if self._store.check([f"{_KEY}/abort"]):
+                rec = json.loads(self._store.get(f"{_KEY}/abort").decode())
+                if rec.get("rank") != self.rank:
+                    return f"rank {rec.get('rank')}'s collective watchdog fired: {rec.get('msg')}"
+        except Exception:
+            self._store = None
+        return None
+
+    def _overdue(self) -> tuple[int, _InFlight] | None:
+        now = time.monotonic()
+        with self._lock:
+            for token, e in list(self._inflight.items()):
+                if e.work is not None and _completed(e.work):
+                    self._inflight.pop(token, None)
+                elif now - e.start > self.timeout_s:
+                    return token, e
+        return None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self._publish()
+            peer = self._peer_abort()
+            if peer is not None:
+                _die(f"[zero] rank {self.rank}: ending this process: {peer}")
+            overdue = self._overdue()
+            if overdue is None:
+                continue
+            token, entry = overdue
+            if not entry.reported:
+                # Name the culprit and tell the peers now, unless the waiting thread already did.
+                entry.reported = True
+                if self.fired is None:
+                    msg = self.diagnose(token)
+                    print(f"[zero] CollectiveTimeoutError: {msg}", file=sys.stderr, flush=True)
+            elif time.monotonic() - entry.start > self.timeout_s + self.grace_s:
+                _die(f"[zero] rank {self.rank}: ending this process: the collective above is still pending")
+
+    def _at_exit(self) -> None:
+        if self.fired is not None:
+            # Do not let torch tear down a process group with an op that will never finish.
+            time.sleep(min(2.0, 4 * self.poll_s))
+            _die(None)
+        self.close()
+
+
+def _completed(work: Any) -> bool:
+    try:
+        return bool(work.is_completed())
+    except Exception:
+        return True
+
+
+def _group_key(group: tuple[int, ...]) -> str:
+    return ",".join(map(str, group))
+
+
+def _die(message: str | None) -> None:
+    if message:
+        print(message, file=sys.stderr, flush=True)
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(1)
+
+
+# The watchdog of the current default process group (one per group, like torch's default group).
+_current: list[CollectiveWatchdog | None] = [None]
+_pending_timeout: list[float | None] = [None]
+
+
+def get_watchdog() -> CollectiveWatchdog | None:
+    """The running watchdog of the default process group (started on first use), or None when
+    torch.distributed is not initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    wd = _current[0]
+    pg = dist.group.WORLD
+    if wd is not None and wd.pg is pg and pg is not None:
+        return wd
+    if wd is not None:
+        wd.close()
+    timeout = _pending_timeout[0] or timeout_from_env() or DEFAULT_TIMEOUT_S
+    store = None
+    with contextlib.suppress(Exception):
+        store = dist.distributed_c10d._get_default_store()
+    wd = CollectiveWatchdog(timeout, store=store, rank=dist.get_rank(), pg=pg).start()
+    _current[0] = wd
+    return wd
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """Bound every collective of the library to ``seconds`` (see [Note: collective watchdog])."""
+    seconds = check_timeout(seconds, "set_collective_timeout")
+    _pending_timeout[0] = seconds
+    if _current[0] is not None:
+        _current[0].set_timeout(seconds)
+
+
+def collective_timeout() -> float:
+    """The timeout in force, in seconds."""
+    if _current[0] is not None:
+        return _current[0].timeout_s
+    return _pending_timeout[0] or timeout_from_env() or DEFAULT_TIMEOUT_S
+
+
+def close_watchdog() -> None:
+    """Stop the current watchdog's thread (before the process group is destroyed)."""
+    wd, _current[0] = _current[0], None
+    if wd is not None:
+        wd.close()

@@ -1,0 +1,172 @@
+"""Fault injection for issue 25: run the cases, print the table and the totals.
+
+    python tools/faults/run_faults.py            # small mode (CI: a few minutes)
+    python tools/faults/run_faults.py --full     # by hand: 20 clean-exit runs instead of 2
+    python tools/faults/run_faults.py --out tools/bench/results/faults.md
+
+Runtime cases live in ``runtime_cases.py`` next to this file; the checkpoint cases (kills during
+saves, corruptions, forged files) in ``checkpoint_cases.py`` when it is there. A case module
+offers ``cases(full)`` returning rows, or ``CASES`` (functions), or functions named ``case_*``;
+a function returns one row ``(case, expected, observed, verdict)`` or a list of them. The exit
+status is 1 when any verdict is not ``ok``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+MODULES = ("runtime_cases", "checkpoint_cases")
+Row = tuple[str, str, str, str]
+
+
+def _load(name: str) -> Any | None:
+    path = HERE / f"{name}.py"
+    if not path.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location(f"zero_faults_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _functions(module: Any) -> list[Callable[..., Any]]:
+    if hasattr(module, "CASES"):
+        return list(module.CASES)
+    return [
+        getattr(module, n)
+        for n in sorted(dir(module))
+        if n.startswith("case_") and callable(getattr(module, n))
+    ]
+
+
+def _call(fn: Callable[..., Any], full: bool) -> list[Row]:
+    try:
+        try:
+            out = fn(full=full)
+        except TypeError:
+            out = fn()
+    except Exception as exc:  # a case that crashes is a failed case, not a crashed run
+        return [
+            (getattr(fn, "__name__", "case"), "runs", f"crashed: {type(exc).__name__}: {exc}"[:230], "FAIL")
+        ]
+    if isinstance(out, tuple):
+        return [out]
+    return [tuple(r) for r in out]
+
+
+def collect(full: bool, only: str = "") -> list[Row]:
+    rows: list[Row] = []
+    for name in MODULES:
+        module = _load(name)
+        if module is None:
+            continue
+        if hasattr(module, "cases") and not only:
+            rows += [tuple(r) for r in module.cases(full)]
+            continue
+        for fn in _functions(module):
+            if only and not any(part and part in fn.__name__ for part in only.split(",")):
+                continue
+            start = time.monotonic()
+            got = _call(fn, full)
+            print(
+                f"  {fn.__name__}: {len(got)} row(s) in {time.monotonic() - start:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+            rows += got
+    return rows
+
+
+def totals(rows: list[Row]) -> list[str]:
+    def count(prefix: str) -> tuple[int, int]:
+        mine = [r for r in rows if r[0].startswith(prefix)]
+        return len(mine), sum(r[3] == "ok" for r in mine)
+
+    lines = []
+    n, ok = count("mismatch")
+    s, s_ok = count("save_checkpoint")
+    t, t_ok = count("different tags")
+    lines.append(
+        f"{n + s + t} mismatches, {ok + s_ok + t_ok} named (or handled per tag_validation) within the timeout"
+    )
+    exits = [r for r in rows if r[0].startswith("exit:")]
+    runs = sum(int(r[0].split(" x ")[0].split()[-1]) for r in exits)
+    aborts = sum(int(r[2].split(" aborts")[0].split()[-1]) for r in exits if " aborts" in r[2])
+    lines.append(f"{runs} exits of 4-rank runs, {aborts} aborts")
+    n, ok = count("stall")
+    lines.append(f"{n} stalls, {ok} named with the collective and the rank, all processes exited")
+    n, ok = count("SIGTERM")
+    lines.append(f"{n} SIGTERM runs, {ok} left no swap files")
+    other = [
+        r
+        for r in rows
+        if not r[0].startswith(("mismatch", "save_checkpoint", "different tags", "exit:", "stall", "SIGTERM"))
+    ]
+    if other:
+        lines.append(f"{len(other)} other cases (checkpoints), {sum(r[3] == 'ok' for r in other)} ok")
+    bad = [r for r in rows if r[3] != "ok"]
+    lines.append(f"TOTAL: {len(rows)} rows, {len(rows) - len(bad)} ok, {len(bad)} failed")
+    return lines
+
+
+def table(rows: list[Row]) -> str:
+    def esc(s: str) -> str:
+        return str(s).replace("|", "\\|").replace("\n", " ")
+
+    out = ["| case | expected | observed | verdict |", "|---|---|---|---|"]
+    out += [f"| {esc(a)} | {esc(b)} | {esc(c)} | {esc(d)} |" for a, b, c, d in rows]
+    return "\n".join(out)
+
+
+def _header(args: argparse.Namespace, seconds: float) -> str:
+    import torch
+
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
+    ).stdout.strip()
+    try:
+        load = open("/proc/loadavg").read().split()[:3]
+    except OSError:
+        load = ["?"]
+    return (
+        f"machine: {platform.node()} ({platform.machine()}, {__import__('os').cpu_count()} CPUs), load average {' '.join(load)} "
+        f"(shared with other jobs)\n\ntorch {torch.__version__}, Python {platform.python_version()}, commit {commit}\n\n"
+        f"command: python tools/faults/run_faults.py{' --full' if args.full else ''}"
+        f"{' --only ' + args.only if args.only else ''}; wall time {seconds:.0f} s\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--full", action="store_true", help="the by-hand size (20 clean-exit runs)")
+    p.add_argument(
+        "--only",
+        default="",
+        help="run only the case functions whose name contains one of these (comma-separated)",
+    )
+    p.add_argument("--out", default="", help="also write the table as markdown to this file")
+    args = p.parse_args(argv)
+    start = time.monotonic()
+    rows = collect(args.full, args.only)
+    text = table(rows) + "\n\n" + "\n".join(f"- {line}" for line in totals(rows)) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        body = "# Fault injection (issue 25)\n\n" + _header(args, time.monotonic() - start) + "\n" + text
+        Path(args.out).write_text(body)
+    return 0 if all(r[3] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
