@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from zero_core.testing import run_multirank
-from zero_core.testing.memory import SavedForBackward, StorageBaseline, live_storages
+from zero_core.testing.memory import SavedForBackward, StorageBaseline, live_storages, measure_until_equal
 from zero_core.testing.models import MLPClassifier, classification_batch
 
 CASES = [
@@ -44,13 +44,18 @@ def _one_case(stage: int, precision: str, offload: dict) -> list[tuple]:
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     out = []
 
-    def measure(phase: str, held: list, saved: set = frozenset()) -> None:
+    def once(held: list, saved: set) -> tuple[int, int, dict]:
         live = live_storages(held, before)
         params = {(str(p.device), p.untyped_storage().data_ptr()) for p in model.parameters()}
         activations = sum(live[k] for k in saved if k in live and k not in params)
         bd = engine.memory_breakdown()
         reported = sum(v for k, v in bd.items() if "nvme" not in k)
-        out.append((stage, precision, sorted(offload), phase, sum(live.values()) - activations, reported, bd))
+        return sum(live.values()) - activations, reported, bd
+
+    def measure(phase: str, held: list, saved: set = frozenset()) -> None:
+        # See [Note: collective buffers outlive wait()] in zero_core/testing/memory.py
+        live, reported, bd = measure_until_equal(lambda: once(held, saved))
+        out.append((stage, precision, sorted(offload), phase, live, reported, bd))
 
     for i in range(2):
         x, y = classification_batch(i, 4, 32, 8)

@@ -7,15 +7,32 @@ lives, including tensors saved by autograd), reduced to distinct storages, minus
 that existed before the engine was built and those the test holds itself. Activations saved for
 backward are found with ``torch.autograd.graph.saved_tensors_hooks`` so a forward-phase check
 can set them apart from model states.
+
+[Note: collective buffers outlive wait()]
+A finished collective's tensors can stay alive for a moment after ``work.wait()`` returns, even
+when nothing of ours refers to them any more: the process group's worker thread marks the work
+complete (which releases ``wait()``) and only then drops its own reference to the work, whose
+tensors go with it (gloo; NCCL's watchdog holds finished work similarly). Measured with gloo on
+2 ranks, after ``all_gather_into_tensor(...).wait()`` and deleting the work and both tensors,
+the output tensor was still alive in 115 and 136 of 300 tries, and gone in all of them 10 ms
+later. The garbage collector then finds stage 3's all-gather send/recv buffers, the 32/64-byte
+headers of its agreement check or a stage-1/2 reduce bucket, which no breakdown should report
+(the engine does not hold them). :func:`measure_until_equal` therefore compares again after
+short pauses: these storages go within milliseconds, memory really kept alive stays and still
+fails the comparison.
 """
 
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def _key(t: torch.Tensor) -> tuple[str, int] | None:
@@ -58,6 +75,20 @@ def live_storages(
         if key is not None and key not in skip:
             out[key] = obj.untyped_storage().nbytes()
     return out
+
+
+def measure_until_equal(
+    measure: Callable[[], tuple[int, int, T]], timeout: float = 2.0, pause: float = 0.01
+) -> tuple[int, int, T]:
+    """Call ``measure() -> (live, reported, detail)`` until ``live == reported`` or ``timeout``
+    seconds have passed; returns the last measurement. See [Note: collective buffers outlive
+    wait()] for why a first mismatch is not yet a failure."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = measure()
+        if result[0] == result[1] or time.monotonic() > deadline:
+            return result
+        time.sleep(pause)
 
 
 class SavedForBackward:
