@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> dict:
     cfg_path = args.zero_config or args.deepspeed_config
     if cfg_path is None:
         raise SystemExit("train_gpt.py: --zero_config PATH is required (see examples/configs/)")
+    if not os.path.isfile(cfg_path):
+        raise SystemExit(f"train_gpt.py: --zero_config {cfg_path!r} is not a file (see examples/configs/)")
     with open(cfg_path) as f:
         config = json.load(f)
     # Logs go under --out_dir unless the config says otherwise.
