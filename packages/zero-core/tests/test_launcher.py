@@ -315,6 +315,8 @@ def test_config_paths_found_in_script_arguments():
         ("--deepspeed", "ds.json")
     ]
     assert config_paths(["--deepspeed", "--lr", "1", "--zero_config"]) == []
+    # a repeated flag: argparse keeps the last (`hatch run demo --zero_config other.json`)
+    assert config_paths(["--zero_config", "a.json", "--zero_config=b.json"]) == [("--zero_config", "b.json")]
 
 
 def test_rank_error_prints_once_naming_the_script(tmp_path):

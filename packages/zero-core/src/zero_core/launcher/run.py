@@ -105,12 +105,13 @@ CONFIG_FLAGS = ("--zero_config", "--deepspeed_config", "--deepspeed")
 
 
 def config_paths(script_args: list[str]) -> list[tuple[str, str]]:
-    """(flag, path) for every config file the script's arguments name.
+    """(flag, path) for every config file the script's arguments name (the last of a repeated
+    flag, which is the one argparse keeps).
 
     ``--deepspeed`` is a boolean flag in DeepSpeed's own parser and a path in HF's: it counts as
     a path only when its value ends in ``.json``. JSON text (``{...}``) is not a path.
     """
-    found = []
+    found: dict[str, str] = {}
     for i, arg in enumerate(script_args):
         flag, eq, value = arg.partition("=")
         if flag not in CONFIG_FLAGS:
@@ -121,8 +122,8 @@ def config_paths(script_args: list[str]) -> list[tuple[str, str]]:
             value = script_args[i + 1]
         if value.lstrip().startswith("{") or (flag == "--deepspeed" and not value.endswith(".json")):
             continue
-        found.append((flag, value))
-    return found
+        found[flag] = value
+    return list(found.items())
 
 
 def _check_common(args: argparse.Namespace) -> None:
