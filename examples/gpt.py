@@ -120,7 +120,9 @@ class ByteDataset(torch.utils.data.Dataset):
 
 
 def num_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    """Parameters of ``model``, each tied parameter once, at full size also under ZeRO stage 3
+    (which keeps 1/N of each parameter per rank and the full count as ``p.zero_numel``)."""
+    return sum(getattr(p, "zero_numel", p.numel()) for p in {id(p): p for p in model.parameters()}.values())
 
 
 def ideal_loss() -> float:

@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> dict:
     cfg_path = args.zero_config or args.deepspeed_config
     if cfg_path is None:
         raise SystemExit("train_gpt.py: --zero_config PATH is required (see examples/configs/)")
+    if not os.path.isfile(cfg_path):
+        raise SystemExit(f"train_gpt.py: --zero_config {cfg_path!r} is not a file (see examples/configs/)")
     with open(cfg_path) as f:
         config = json.load(f)
     # Logs go under --out_dir unless the config says otherwise.
@@ -53,12 +55,13 @@ def main(argv: list[str] | None = None) -> dict:
         seq_len=args.seq_len, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads
     )
     model = GPT(model_cfg)
+    n_params = num_params(model)  # the model's size, counted before ZeRO partitions it
     dataset = ByteDataset(stdlib_corpus(args.corpus_bytes), args.seq_len)
     engine, _, loader, _ = zero.initialize(model=model, config=config, training_data=dataset)
     rank = zero.comm.get_rank()
     if rank == 0:
         print(
-            f"[train_gpt] {num_params(model) / 1e6:.2f}M parameters, {len(dataset)} windows of {args.seq_len} bytes, "
+            f"[train_gpt] {n_params / 1e6:.2f}M parameters, {len(dataset)} windows of {args.seq_len} bytes, "
             f"world size {zero.comm.get_world_size()}, global batch {engine.train_batch_size()}, "
             f"config {cfg_path}",
             flush=True,
@@ -86,7 +89,13 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"[train_gpt] TensorBoard logs: {config['tensorboard']['output_path']}", flush=True)
         if not args.no_save:
             print(f"[train_gpt] checkpoint: {ckpt_dir}", flush=True)
-    return {"losses": losses, "elapsed": elapsed}
+    return {
+        "losses": losses,
+        "elapsed": elapsed,
+        "params": n_params,
+        "params_after_initialize": num_params(model),
+        "memory": engine.memory_breakdown(),
+    }
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ Model-state bytes come from live tensors (``engine.memory_breakdown()``; for DDP
 parameters, gradients and Adam states). A second pass at 4 ranks reports model-state bytes
 only (bf16 + Adam, the setting of the ZeRO paper's formulas, and fp32).
 
-DeepSpeed side by side: when ``--ds-python`` (default /tmp/dsvenv/bin/python, the bench venv
-of /work/shared/notes/baselines.md) exists, the same script runs there with ``--deepspeed-worker``
+DeepSpeed side by side: when ``--ds-python`` (default /tmp/dsvenv/bin/python: a virtual
+environment holding DeepSpeed 0.19.8 and the same torch) exists, the same script runs there with ``--deepspeed-worker``
 in its own 2-rank launch: torch DDP, DeepSpeed stage 1 and stage 2 (fp32, client torch Adam,
 ``gradient_clipping: 0``), interleaved twice; its ratios are against the DDP of that launch.
 Model states there are the bytes of all live tensors (gc) after backward, for DDP too.

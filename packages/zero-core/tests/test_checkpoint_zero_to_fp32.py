@@ -12,6 +12,7 @@ import torch
 import torch._dynamo  # noqa: F401  (imported once here, not ~4 s in every forked rank)
 import torch.nn as nn
 import zero_core.engine  # noqa: F401
+from safetensors import safe_open
 from safetensors.torch import load_file
 from zero_core.testing import run_multirank
 
@@ -233,8 +234,24 @@ def test_tied_weights_load_strictly(tmp_path):
     assert index["metadata"]["total_size"] == sum(
         v.numel() * 4 for k, v in merged.items() if k != "head.weight"
     )
+    # safetensors: the alias is its own copy (safetensors cannot share storage), recorded as tied in
+    # the metadata, so the plain strict load the README shows works and keeps the tie.
     z.convert_zero_checkpoint_to_fp32_state_dict(ckpt, tmp_path / "m.safetensors", progress=False)
-    assert set(load_file(str(tmp_path / "m.safetensors"))) == set(sd) - {"head.weight"}
+    flat = load_file(str(tmp_path / "m.safetensors"))
+    assert set(flat) == set(sd) and torch.equal(flat["head.weight"], masters["emb.weight"])
+    with safe_open(str(tmp_path / "m.safetensors"), "pt") as f:
+        assert json.loads(f.metadata()["tied_parameters"]) == [["head.weight", "emb.weight"]]
+    model = Tied()
+    model.load_state_dict(load_file(str(tmp_path / "m.safetensors")))
+    assert model.head.weight is model.emb.weight and torch.equal(model.head.weight, masters["emb.weight"])
+    # sharded safetensors: every name in the index, each shard a plain safetensors file
+    z.convert_zero_checkpoint_to_fp32_state_dict(ckpt, tmp_path / "s" / "m.safetensors", max_shard_size=300)
+    index = json.load(open(tmp_path / "s" / "m.safetensors.index.json"))
+    assert set(index["weight_map"]) == set(sd)
+    merged = {}
+    for f in sorted(set(index["weight_map"].values())):
+        merged.update(load_file(str(tmp_path / "s" / f)))
+    Tied().load_state_dict(merged)
 
 
 def test_output_directory_suffixes_and_deepspeed_flags(trained, tmp_path):

@@ -1,4 +1,4 @@
-"""Every example config of the reference documents (the seeds) parses, with the values it states.
+"""Every example config of DeepSpeed's config documentation parses, with the values it states.
 
 The examples are transcribed verbatim from the documents (000: ZeRO config reference, 001: quick
 start, 004: API reference, memory-usage chapter). The documentation examples are not strict JSON

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from zero_core.engine.engine import model_state_bytes
 from zero_core.testing import run_multirank
 
 VOCAB, MICRO, WORLD, STEPS, EVERY = 16, 2, 2, 4, 2
@@ -91,7 +92,7 @@ def test_engine_writes_tensorboard_csv_and_wandb(tmp_path):
     assert all(v > 0 for _, v in tb["Train/Samples/samples_per_sec"])
 
     # per-rank model-state memory at steps_per_print, measured on each rank
-    mem_mb = [sum(r["mem"].values()) / 2**20 for r in results]
+    mem_mb = [model_state_bytes(r["mem"]) / 2**20 for r in results]
     for r in range(WORLD):
         series = tb[f"Train/Memory/model_states_MB_rank{r}"]
         assert [s for s, _ in series] == printed_at

@@ -116,11 +116,28 @@ def test_torchrun_argv_single_node_is_standalone(tmp_path):
     shim = ["--module", "zero_core.launcher.local_rank_arg"]
     assert argv == ["--nproc-per-node", "3", "--standalone", *shim, str(script), "--x", "1"]
     argv = torchrun_argv(_parse(["--nproc", "3", "--no_local_rank", str(script), "--x", "1"]))
-    assert argv == ["--nproc-per-node", "3", "--standalone", str(script), "--x", "1"]
+    assert argv == [
+        "--nproc-per-node",
+        "3",
+        "--standalone",
+        *shim,
+        "--no-local-rank",
+        str(script),
+        "--x",
+        "1",
+    ]
     argv = torchrun_argv(_parse(["--nproc", "3", "-m", "pkg.train", "--x", "1"]))
     assert argv == ["--nproc-per-node", "3", "--standalone", *shim, "--module", "pkg.train", "--x", "1"]
     argv = torchrun_argv(_parse(["--no-local-rank", "-m", "pkg.train"]))
-    assert argv == ["--nproc-per-node", "1", "--standalone", "--module", "pkg.train"]
+    assert argv == [
+        "--nproc-per-node",
+        "1",
+        "--standalone",
+        *shim,
+        "--no-local-rank",
+        "--module",
+        "pkg.train",
+    ]
 
 
 def test_torchrun_argv_multi_node_flags(tmp_path):
@@ -136,7 +153,8 @@ def test_torchrun_argv_multi_node_flags(tmp_path):
         "--rdzv-backend c10d --rdzv-endpoint node0:29400 --rdzv-id job7 --max-restarts 2"
     )
     argv = torchrun_argv(_parse([*ours.split(), "--no_local_rank", str(script)]))
-    assert argv == [*theirs.split(), str(script)]
+    shim = ["--module", "zero_core.launcher.local_rank_arg", "--no-local-rank"]
+    assert argv == [*theirs.split(), *shim, str(script)]
 
 
 def test_mpiexec_command(tmp_path):
@@ -148,7 +166,8 @@ def test_mpiexec_command(tmp_path):
     assert cmd[3:6] == ["-genv", "OMP_NUM_THREADS", "1"]  # the venv's mpiexec is MPICH's hydra
     assert cmd[6:] == ["-v", sys.executable, "-m", "zero_core.launcher.local_rank_arg", str(script), "a"]
     cmd = mpiexec_command(_parse(["--launcher", "mpi", "--no_local_rank", "-m", "pkg.train", "a"]), env)
-    assert cmd[-4:] == [sys.executable, "-m", "pkg.train", "a"]
+    shim = [sys.executable, "-m", "zero_core.launcher.local_rank_arg", "--no-local-rank"]
+    assert cmd[-7:] == [*shim, "--module", "pkg.train", "a"]
     assert env["OMP_NUM_THREADS"] == "1"
     env = {"OMP_NUM_THREADS": "2"}
     mpiexec_command(_parse(["--launcher", "mpi", str(script)]), env)
@@ -273,3 +292,41 @@ def test_local_rank_shim_usage_and_argv(tmp_path, monkeypatch):
     )
     local_rank_arg.main([str(script), "--lr", "1"])
     assert seen == {"argv": [str(script), "--local_rank=1", "--lr", "1"], "path0": str(tmp_path)}
+
+
+def test_config_file_is_checked_before_any_rank_starts(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text("raise AssertionError('no rank may start')\n")
+    for args in (["--zero_config", "does_not_exist.json"], ["--deepspeed_config=missing.json"]):
+        assert cli.main(["run", "--nproc", "2", str(script), *args]) == 2
+        err = capsys.readouterr().err
+        flag, _, path = args[0].partition("=") if "=" in args[0] else (args[0], "", args[1])
+        assert f"{flag} {path!r} (an argument of {script}) is not a file" in err, err
+        assert "no process was started" in err and err.count("\n") == 1, err
+
+
+def test_config_paths_found_in_script_arguments():
+    from zero_core.launcher.run import config_paths
+
+    args = ["--zero_config", "a.json", "--deepspeed", "--deepspeed_config=b.json", "--x", "1"]
+    assert config_paths(args) == [("--zero_config", "a.json"), ("--deepspeed_config", "b.json")]
+    # HF's --deepspeed takes a path; DeepSpeed's is a boolean flag; JSON text is not a path.
+    assert config_paths(["--deepspeed", "ds.json", "--zero_config", '{"train_batch_size": 1}']) == [
+        ("--deepspeed", "ds.json")
+    ]
+    assert config_paths(["--deepspeed", "--lr", "1", "--zero_config"]) == []
+    # a repeated flag: argparse keeps the last (`hatch run demo --zero_config other.json`)
+    assert config_paths(["--zero_config", "a.json", "--zero_config=b.json"]) == [("--zero_config", "b.json")]
+
+
+def test_rank_error_prints_once_naming_the_script(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import os\nraise ValueError('bad value ' + 'in train.py')\n")
+    proc = _run_zero(["run", "--nproc", "2", str(script)], tmp_path)
+    assert proc.returncode == 1
+    err = proc.stderr
+    assert err.count("ValueError: bad value in train.py") == 1, err  # not once per rank
+    assert f'File "{script}", line 2' in err and "runpy" not in err, err  # the user's frames only
+    assert f"zero run: {script} failed on rank" in err, err
+    assert "local_rank_arg" not in err and "OMP_NUM_THREADS" not in err, err  # no shim, no banner
+    assert len(err.strip().splitlines()) <= 6, err

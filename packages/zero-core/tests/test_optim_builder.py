@@ -77,7 +77,7 @@ def test_cpu_adam_without_zero_ops_names_the_package(monkeypatch):
         plugins.MissingPackageError, match=r"optimizer type CPUAdam needs the 'zero-ops' package"
     ):
         build_optimizer(_params(), "CPUAdam", {"lr": 1e-3})
-    with pytest.raises(plugins.MissingPackageError, match="pip install zero-ops"):
+    with pytest.raises(plugins.MissingPackageError, match=r"pip install packages/zero-ops \(from a clone"):
         build_optimizer(_params(), "DeepSpeedCPUAdam", {"lr": 1e-3})
 
 

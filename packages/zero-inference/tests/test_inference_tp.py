@@ -204,6 +204,8 @@ def test_codegen_grouped_qkv_plan_and_error() -> None:
     plan = discover_plan(M.hf_causal_lm("codegen"), tp_size=2)
     assert plan.column["transformer.h.0.attn.qkv_proj"] == 12  # 4 groups x [q | v | k]
     assert plan.row_blocks == {f"transformer.h.{i}.attn.out_proj": 4 for i in range(2)}
+    # transformers >= 5.24 derives the group width from embed_dim: it must become per-rank.
+    assert ("transformer.h.0.attn", "embed_dim") in plan.head_attrs
     # 4 heads make groups of one head: no tp_size > 1 keeps whole heads in every group.
     cfg = t.CodeGenConfig(
         vocab_size=61, n_positions=64, n_ctx=64, n_embd=32, n_layer=1, n_head=4, rotary_dim=2

@@ -1,4 +1,4 @@
-"""Memory estimators against the seed's worked examples and the ZeRO paper's figure."""
+"""Memory estimators against the worked examples of DeepSpeed's memory-requirements docs and the ZeRO paper's figure."""
 
 from __future__ import annotations
 

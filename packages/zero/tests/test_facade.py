@@ -68,9 +68,9 @@ def test_missing_package_names_distribution(monkeypatch):
         return real(name, *args)
 
     monkeypatch.setattr(lazy.importlib.util, "find_spec", fake)
-    with pytest.raises(ImportError, match=r"pip install zero-pipe"):
+    with pytest.raises(ImportError, match=r"pip install packages/zero-pipe \(from a clone"):
         zero.pipe.PipelineModule  # noqa: B018
-    with pytest.raises(ImportError, match=r"pip install zero-pipe"):
+    with pytest.raises(ImportError, match=r"pip install packages/zero-pipe \(from a clone"):
         zero.PipelineModule  # noqa: B018
 
 

@@ -25,6 +25,26 @@ FAMILY: dict[str, str] = {
 }
 
 
+# distribution -> the family members it depends on besides zero-core (its pyproject's dependencies)
+FAMILY_DEPENDENCIES: dict[str, tuple[str, ...]] = {"zero-offload": ("zero-ops",)}
+
+
+def install_hint(dist: str) -> str:
+    """The command that installs ``dist`` (and its missing family members) from a clone.
+
+    [Note: install hints]
+    The packages of the family are installed from a clone of the repository (``pip install
+    packages/zero-pipe``); a bare ``pip install zero-pipe`` would look the name up in an index,
+    where no such package of ours is published (and a package someone else registered under
+    that name would be installed instead). pip resolves a local folder's dependencies from the
+    index, so the folders of missing family members it depends on (zero-offload needs
+    zero-ops) go on the same command line.
+    """
+    missing = [d for d in FAMILY_DEPENDENCIES.get(dist, ()) if not is_available(d.replace("-", "_"))]
+    folders = " ".join(f"packages/{d}" for d in (*missing, dist))
+    return f"pip install {folders} (from a clone of the zero repository)"
+
+
 class MissingPackageError(ImportError):
     """A feature was asked for whose package of the zero family is not installed."""
 
@@ -45,7 +65,7 @@ def require(module: str, feature: str) -> ModuleType:
     if importlib.util.find_spec(top) is None:
         dist = FAMILY.get(top, top.replace("_", "-"))
         raise MissingPackageError(
-            f"{feature} needs the '{dist}' package, which is not installed: pip install {dist}"
+            f"{feature} needs the '{dist}' package, which is not installed: {install_hint(dist)}"
         )
     return importlib.import_module(module)
 

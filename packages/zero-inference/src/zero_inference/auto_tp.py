@@ -63,8 +63,12 @@ REPLICATED_NAMES = {
 }  # and any leaf ending in "_gate" (Qwen2-MoE's shared_expert_gate)
 FUSED_BLOCKS = {"c_attn": 3, "qkv_proj": 3, "Wqkv": 3, "gate_up_proj": 2}
 #: attention classes whose fused q/k/v is cut into head groups of [q | v | k] (CodeGen's forward
-#: reshapes it to 4 groups, ``mp_num = 4``): class name -> groups. See [Note: grouped fused q/k/v]
+#: reshapes it to 4 groups): class name -> groups, used only when the module does not state its
+#: groups itself as ``mp_num``. See [Note: grouped fused q/k/v]
 GROUPED_QKV = {"CodeGenAttention": 4}
+#: attributes of a grouped q/k/v attention that hold its full attention width; the forward may
+#: derive the group width from them, so they become per-rank. See [Note: grouped fused q/k/v]
+GROUPED_WIDTH_ATTRS = ("embed_dim",)
 #: fused q/k/v whose rows are grouped per head (or per key/value group): see [Note: auto TP discovery]
 HEAD_MAJOR_QKV = {"query_key_value"}
 #: attention classes whose fused ``c_attn`` is head-major unless multi-query (GPT-BigCode)
@@ -200,6 +204,8 @@ def discover_plan(model: nn.Module, tp_size: int, injection_policy: dict | None 
             kv_whole = _keeps_kv_whole(owner)
             before = len(plan.head_attrs)
             always, multi_query_only = CLASS_HEAD_ATTRS.get(type(owner).__name__, ((), ()))
+            if _qkv_groups(owner, tp_size) > 1:  # See [Note: grouped fused q/k/v]
+                always = (*always, *GROUPED_WIDTH_ATTRS)
             for attr in (*HEAD_ATTRS, *always, *(multi_query_only if kv_whole else ())):
                 value = getattr(owner, attr, None)
                 if not isinstance(value, int) or isinstance(value, bool):
@@ -232,8 +238,21 @@ def _qkv_groups(owner: nn.Module, tp_size: int) -> int:
     [q | v | k] with ``H/(4 tp)`` heads, so the unchanged forward still finds its groups; those
     heads are ``g H/4 + r H/(4 tp) + j``, not a contiguous range, so ``out_proj`` takes, from each
     of 4 equal blocks of its input features, the rank's part (``TPPlan.row_blocks``).
+
+    The layout is read from the module given, because it changed between transformers releases
+    while the weights did not: 5.17 hard-codes ``mp_num = 4`` in the forward and computes the
+    group width from ``num_attention_heads`` (divided per rank like every head count), whereas
+    5.24 stores ``self.mp_num`` and computes the width as ``self.embed_dim // self.mp_num``. So
+    the groups are the module's ``mp_num`` when it has one (the class table otherwise), and the
+    module's full-width attributes (``GROUPED_WIDTH_ATTRS``) are divided like the head counts;
+    a width that stayed whole would fold the rank's 4 groups into ``4 / tp`` wrong ones and
+    give wrong logits without any error.
     """
-    groups = GROUPED_QKV.get(type(owner).__name__, 1)
+    declared = getattr(owner, "mp_num", None)
+    if isinstance(declared, int) and not isinstance(declared, bool) and declared > 1:
+        groups = declared
+    else:
+        groups = GROUPED_QKV.get(type(owner).__name__, 1)
     heads = _config_int(owner, "num_attention_heads")
     if groups > 1 and heads is not None and (heads % groups or (heads // groups) % tp_size):
         raise ValueError(

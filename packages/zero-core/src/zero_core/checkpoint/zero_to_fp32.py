@@ -606,19 +606,21 @@ class _Progress:
 class _Out:
     """One output tensor: its name, shape and dtype name, and where its value comes from."""
 
-    def __init__(self, ckpt: _Checkpoint, name: str, kind: str) -> None:
-        self.ckpt, self.name, self.kind = ckpt, name, kind
-        self.shape, self.src_dtype = ckpt.shape_dtype(name, kind)
-        self.dtype = _out_dtype(ckpt, name, kind)
+    def __init__(self, ckpt: _Checkpoint, name: str, kind: str, source: str | None = None) -> None:
+        # ``source``: the checkpoint entry holding the values, when ``name`` is a tied parameter's
+        # second name (see [Note: tied weights in converted files])
+        self.ckpt, self.name, self.kind, self.source = ckpt, name, kind, source or name
+        self.shape, self.src_dtype = ckpt.shape_dtype(self.source, kind)
+        self.dtype = _out_dtype(ckpt, self.source, kind)
         self.nbytes = math.prod(self.shape) * _DTYPES[self.dtype][1]
 
     def value(self) -> torch.Tensor:
-        return _value(self.ckpt, self.name, self.kind)
+        return _value(self.ckpt, self.source, self.kind)
 
     def write(self, fd: int) -> None:
         """Append the value's bytes to ``fd``: copied as stored, or converted with torch when the dtype changes."""
         if self.src_dtype == self.dtype:
-            self.ckpt.copy_to(self.name, self.kind, fd)  # no tensor: see [Note: streaming conversion]
+            self.ckpt.copy_to(self.source, self.kind, fd)  # no tensor: see [Note: streaming conversion]
             return
         t = self.value()
         if t.numel():
@@ -661,9 +663,36 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
+def _with_tied_copies(ckpt: _Checkpoint, entries: list[_Out]) -> list[_Out]:
+    """``entries`` with each tied parameter's second name right after its owner, as a copy.
+
+    [Note: tied weights in converted files]
+    A checkpoint records tied parameters (``head.weight`` is ``emb.weight``) once, under the
+    owner's name, with the pairs in its metadata (``shared_parameters``). A converted file must
+    load into the model with a plain, strict ``model.load_state_dict(load_file(path))``, which
+    needs every name of the model's state dict. safetensors cannot store two names for one
+    storage, so the second name is written as its own copy of the owner's values (the file
+    grows by that tensor's size), and the file's ``__metadata__["tied_parameters"]`` lists the
+    ``[alias, owner]`` pairs so a reader can tell (loading both names into the model keeps the
+    tie: ``load_state_dict`` copies into the one shared parameter). ``.bin`` files and the
+    in-memory state dict hold the alias as the same tensor, as ``torch.save`` does.
+    """
+    owners: dict[str, list[str]] = {}
+    for alias, owner in _aliases(ckpt, [e.name for e in entries]):
+        owners.setdefault(owner, []).append(alias)
+    out: list[_Out] = []
+    for e in entries:
+        out.append(e)
+        out += [_Out(ckpt, alias, e.kind, source=e.name) for alias in owners.get(e.name, [])]
+    return out
+
+
 def _write_safetensors(path: str, shard: list[_Out], progress: _Progress) -> None:
     """A standard safetensors file: header first, then each tensor streamed (see [Note: streaming conversion])."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    tied = [[e.name, e.source] for e in shard if e.source != e.name]
+    if tied:  # See [Note: tied weights in converted files]
+        header["__metadata__"]["tied_parameters"] = json.dumps(tied)
     off = 0
     for e in shard:
         header[e.name] = {
@@ -727,8 +756,8 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     or a string like ``"5GB"``) is that form's ``tag``.
 
     Streams tensor by tensor (see [Note: streaming conversion]). Returns the files written.
-    A tied parameter's second name (``lm_head.weight``) is written to ``.bin`` files only:
-    safetensors cannot share storage, and ``from_pretrained`` re-ties it, as for Hugging Face's own files.
+    A tied parameter's second name (``lm_head.weight``) is in the output too, so the file loads
+    strictly into the model: see [Note: tied weights in converted files].
     """
     if not isinstance(output_dir, (str, os.PathLike)):
         raise TypeError(f"output_dir must be a path, got {type(output_dir).__name__}")
@@ -758,6 +787,8 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     ckpt = _Checkpoint(checkpoint_dir, tag)
     try:
         entries = [_Out(ckpt, name, kind) for name, kind in _plan(ckpt, exclude_frozen_parameters)]
+        if safe_serialization:
+            entries = _with_tied_copies(ckpt, entries)
         shards = list(_shards(entries, limit))
         out_dir = os.path.dirname(os.path.abspath(output_file))
         os.makedirs(out_dir, exist_ok=True)

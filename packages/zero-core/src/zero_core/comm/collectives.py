@@ -1,7 +1,8 @@
 """Collectives over ``torch.distributed``, validated, logged and patched for backend gaps.
 
 [Note: backend workarounds]
-Measured with torch 2.13 on gloo (see /work/shared/notes/packaging-facts.md section 4):
+Measured with torch 2.13 on gloo, two processes on one host (each case below was run and its
+result or error checked):
 
 * ``reduce_scatter_tensor``/``all_gather_into_tensor`` are deprecated in favour of
   ``reduce_scatter_single``/``all_gather_single`` (FutureWarning): the new names are used

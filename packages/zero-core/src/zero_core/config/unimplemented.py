@@ -14,7 +14,7 @@ see [Note: unknown config keys]) downgrades the errors to warnings, for users wh
 difference.
 
 A few keys of newer DeepSpeed releases (``torch_autocast``, ``comet``, ``tensor_parallel``, ...)
-are not in the seeds' key set; they are taken out of the raw config here, checked the same way,
+are not in the key set of DeepSpeed's config documentation; they are taken out of the raw config here, checked the same way,
 and never reach the validated model.
 """
 
@@ -67,7 +67,7 @@ UNIMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str, bool]] = {
     "elasticity": (_enabled, "elastic training (batch sizes over a range of GPU counts)", True),
     "nebula": (_enabled, "the Nebula checkpoint service", True),
     "compile": (_flag("deepcompile"), "DeepCompile", True),
-    # Newer DeepSpeed keys, outside the seeds' key set (removed from the config before validation).
+    # Newer DeepSpeed keys, outside DeepSpeed's documented key set (removed from the config before validation).
     "torch_autocast": (_enabled, "torch.autocast mixed precision (use the bf16 or fp16 sections)", True),
     "comet": (_enabled, "the Comet monitor (use tensorboard, wandb or csv_monitor)", True),
     "weight_quantization": (_truthy, "weight quantization (see zero.init_inference's int8 dtype)", True),

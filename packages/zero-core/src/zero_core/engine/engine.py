@@ -438,9 +438,11 @@ class ZeroEngine(ForwardToModule, NoSyncMixin, ModelStatesMixin, DeepSpeedAccess
         different amounts on different ranks, so at ``steps_per_print`` every rank contributes
         its own measurement: the monitors get one scalar per rank
         (``Train/Memory/model_states_MB_rank{r}``) plus their maximum, and the progress line
-        prints the maximum (the figure that decides whether a job fits).
+        prints the maximum (the figure that decides whether a job fits). Only the model states
+        count (see :func:`model_state_bytes`), not working memory such as stage 3's gathered
+        parameters, which would make stage 3 look larger than stage 2.
         """
-        mine = sum(self.memory_breakdown().values()) / 2**20
+        mine = model_state_bytes(self.memory_breakdown()) / 2**20
         if not comm.is_initialized() or comm.get_world_size() == 1:
             return [mine]
         world = comm.get_world_size()
@@ -464,6 +466,29 @@ def _remove_on_termination(save_dir: Any, tag: str) -> int | None:
         return None  # the saver reports the bad argument
     staging = os.path.join(os.fspath(save_dir), staging_dir_name(tag))
     return termination.on_termination(lambda: shutil.rmtree(staging, ignore_errors=True))
+
+
+#: the categories of ``memory_breakdown()`` that are model states in the ZeRO paper's sense
+#: (parameters, gradients, fp32 master weights, optimizer states), on the device or offloaded to
+#: host memory. The other categories are working memory: communication buckets ("buffers"),
+#: stage 3's gathered parameters and their peak, swap and copy buffers, files on NVMe.
+MODEL_STATE_KEYS = (
+    "parameters",
+    "persistent_parameters",
+    "gradients",
+    "master_weights",
+    "optimizer_states",
+    "host_parameters",
+    "host_low_precision_params",
+    "host_gradients",
+    "host_master_weights",
+    "host_optimizer_states",
+)
+
+
+def model_state_bytes(breakdown: dict[str, int]) -> int:
+    """Model-state bytes of an engine's ``memory_breakdown()`` (what the progress line reports)."""
+    return sum(breakdown.get(k, 0) for k in MODEL_STATE_KEYS)
 
 
 def _expert_groups(module: torch.nn.Module) -> list[tuple[Any, list[torch.nn.Parameter]]]:

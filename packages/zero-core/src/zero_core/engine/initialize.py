@@ -137,6 +137,24 @@ def _apply_comms_timeout(cfg: Any) -> None:
     comm.watchdog.get_watchdog()  # started now, so its records exist before the first step
 
 
+#: config sections that only another package of the family acts on: section -> (import name, what)
+OWNED_SECTIONS = {
+    "pipeline": ("zero_pipe", "pipeline parallelism"),
+    "moe": ("zero_moe", "Mixture-of-Experts"),
+}
+
+
+def _require_section_owners(cfg: Any) -> None:
+    """A section the user gave whose package is missing is an error naming that package.
+
+    zero-core validates these sections (a config file stays checkable with zero-core alone),
+    but nothing in zero-core acts on them: training with one would silently ignore it.
+    """
+    for name, (module, what) in OWNED_SECTIONS.items():
+        if _explicit(cfg, name):
+            require(module, f"the config's '{name}' section ({what})")
+
+
 def _configure_side_systems(cfg: Any) -> None:
     """Communication logging and activation checkpointing read their config sections here."""
     if _explicit(cfg, "comms_logger"):
@@ -159,7 +177,7 @@ def _build_profiler(model: torch.nn.Module, cfg: Any, engine: ZeroEngine) -> Any
 
         warnings.warn(
             "flops_profiler.enabled is set but the 'zero-profiler' package is not installed "
-            "(pip install zero-profiler); training continues without the profile",
+            "(pip install packages/zero-profiler from a clone); training continues without the profile",
             stacklevel=3,
         )
         return None
@@ -334,6 +352,7 @@ def initialize(
         world_size_source=info.source,
     )
 
+    _require_section_owners(cfg)
     _apply_comms_timeout(cfg)
     # The first collective of the engine: every rank reaches it (see [Note: rank agreement]).
     check_agreement(initialize_fields(cfg, model, pipeline=model_engine is not None), group, "initialize")

@@ -7,6 +7,7 @@ No process management of our own: the torch launcher is ``torch.distributed.run.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import subprocess
@@ -107,11 +108,47 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
 
+#: the script's flags that name a config file (DeepSpeed's and ours), checked before any rank starts
+CONFIG_FLAGS = ("--zero_config", "--deepspeed_config", "--deepspeed")
+
+
+def config_paths(script_args: list[str]) -> list[tuple[str, str]]:
+    """(flag, path) for every config file the script's arguments name (the last of a repeated
+    flag, which is the one argparse keeps).
+
+    ``--deepspeed`` is a boolean flag in DeepSpeed's own parser and a path in HF's: it counts as
+    a path only when its value ends in ``.json``. JSON text (``{...}``) is not a path.
+    """
+    found: dict[str, str] = {}
+    for i, arg in enumerate(script_args):
+        flag, eq, value = arg.partition("=")
+        if flag not in CONFIG_FLAGS:
+            continue
+        if not eq:
+            if i + 1 >= len(script_args) or script_args[i + 1].startswith("-"):
+                continue
+            value = script_args[i + 1]
+        if value.lstrip().startswith("{") or (flag == "--deepspeed" and not value.endswith(".json")):
+            continue
+        found[flag] = value
+    return list(found.items())
+
+
 def _check_common(args: argparse.Namespace) -> None:
+    """Checks that need no rank: they fail here, once, before torchrun or mpiexec starts any."""
     if args.nproc is not None and args.nproc < 1:
         raise LaunchError(f"zero run: --nproc must be >= 1, got {args.nproc}")
     if not args.module and not Path(args.script).is_file():
-        raise LaunchError(f"zero run: script {args.script!r} does not exist (use -m to run a module)")
+        raise LaunchError(
+            f"zero run: script {args.script!r} does not exist (relative to {os.getcwd()}; use -m to run "
+            "a module); no process was started"
+        )
+    for flag, path in config_paths(args.script_args):
+        if not Path(path).is_file():
+            raise LaunchError(
+                f"zero run: {flag} {path!r} (an argument of {args.script}) is not a file "
+                f"(relative to {os.getcwd()}); no process was started"
+            )
 
 
 def torchrun_argv(args: argparse.Namespace) -> list[str]:
@@ -138,14 +175,14 @@ LOCAL_RANK_SHIM = "zero_core.launcher.local_rank_arg"
 
 
 def _program(args: argparse.Namespace, for_torchrun: bool) -> list[str]:
-    """What each rank runs: the script (or module) and its arguments, through the --local_rank shim
-    unless --no_local_rank. torchrun takes ``--module NAME`` for ``python -m NAME``."""
+    """What each rank runs: the script (or module) and its arguments, through the shim that adds
+    --local_rank (unless --no_local_rank) and prints an error common to the ranks once (see
+    [Note: errors printed once]). torchrun takes ``--module NAME`` for ``python -m NAME``."""
     module_flag = "--module" if for_torchrun else "-m"
-    if args.no_local_rank:
-        return [*([module_flag] if args.module else []), args.script, *args.script_args]
     return [
         module_flag,
         LOCAL_RANK_SHIM,
+        *(["--no-local-rank"] if args.no_local_rank else []),
         *(["--module"] if args.module else []),
         args.script,
         *args.script_args,
@@ -217,21 +254,72 @@ def run_job(args: argparse.Namespace) -> int:
             return autotune(args)
         except AutotuningError as exc:
             raise LaunchError(str(exc)) from None
-    if args.launcher == "mpi":
-        env = dict(os.environ)
-        cmd = mpiexec_command(args, env)
-        proc = subprocess.Popen(cmd, env=env)
-        try:
-            return proc.wait()
-        except KeyboardInterrupt:  # mpiexec got the same SIGINT; let it shut the ranks down
-            return proc.wait()
-    argv = torchrun_argv(args)
+    import tempfile
+
+    from zero_core.launcher.rank_errors import ERROR_DIR_ENV
+
+    with tempfile.TemporaryDirectory(prefix="zero-run-") as errors:  # See [Note: errors printed once]
+        if args.launcher == "mpi":
+            env = {**os.environ, ERROR_DIR_ENV: errors}
+            cmd = mpiexec_command(args, env)
+            proc = subprocess.Popen(cmd, env=env)
+            try:
+                code = proc.wait()
+            except KeyboardInterrupt:  # mpiexec got the same SIGINT; let it shut the ranks down
+                code = proc.wait()
+            if code:
+                print(f"zero run: {args.script} failed (mpiexec exit code {code})", file=sys.stderr)
+            return code
+        argv = torchrun_argv(args)
+        return _run_torchrun(argv, args.script, errors)
+
+
+def failure_summary(script: str, failures: dict) -> str:
+    """One line: which ranks of ``script`` failed, and which torchrun stopped because of them.
+
+    ``failures`` maps a global rank to torchrun's record of it (``exitcode``; negative when
+    the process was ended by a signal, as torchrun ends the others once one rank fails).
+    """
+
+    def ranks(rs: list[int]) -> str:
+        return f"rank{'s' if len(rs) > 1 else ''} {', '.join(str(r) for r in rs)}"
+
+    failed = sorted(r for r, f in failures.items() if f.exitcode >= 0)
+    stopped = sorted(r for r, f in failures.items() if f.exitcode < 0)
+    if not failed:
+        return f"{script}: {ranks(stopped)} ended by a signal"
+    codes = ", ".join(str(c) for c in sorted({failures[r].exitcode for r in failed}))
+    line = f"{script} failed on {ranks(failed)} (exit code {codes})"
+    return line + (f"; {ranks(stopped)} stopped by the launcher" if stopped else "")
+
+
+def _run_torchrun(argv: list[str], script: str, errors: str) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
+    from zero_core.launcher.rank_errors import ERROR_DIR_ENV
+
+    saved = {k: os.environ.get(k) for k in (ERROR_DIR_ENV, "OMP_NUM_THREADS")}
+    os.environ[ERROR_DIR_ENV] = errors
+    # torchrun sets OMP_NUM_THREADS=1 itself when it is unset, with a banner saying so; we set
+    # the same default (documented in `zero run --help`), so the banner has nothing to say.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # Its per-rank "failed (exitcode ...) of binary: python" and "closing signal" lines repeat,
+    # less clearly, what failure_summary prints.
+    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    level = agent_log.level
+    agent_log.setLevel(logging.CRITICAL)
     try:
         torchrun_main(argv)
     except ChildFailedError as exc:
-        print(f"zero run: the job failed\n{exc}", file=sys.stderr)
+        # The ranks printed the error (once); torchrun's own summary would name our shim.
+        print(f"zero run: {failure_summary(script, exc.failures)}", file=sys.stderr)
         return 1
+    finally:
+        agent_log.setLevel(level)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return 0

@@ -3,8 +3,8 @@
 [Note: stage 3 hooks]
 * forward pre-hook: the root's starts an iteration (see [Note: stage 3 parameter coordinator]);
   every module's gathers its parameters (and its external ones).
-* forward post-hook: releases them, except a parameter the module returns (the seed's second
-  external-parameter pattern: it is registered as external to the enclosing module, so it
+* forward post-hook: releases them, except a parameter the module returns (the second pattern of
+  DeepSpeed's external-parameter docs: it is registered as external to the enclosing module, so it
   stays gathered while that module runs and is gathered again for its backward). With grad
   enabled it also puts a multi-grad hook on the outputs: it fires before the module's backward
   and gathers the parameters again (this also covers recomputation under activation
@@ -16,7 +16,7 @@
   rest; the engine's ``after_backward`` waits for the reductions.
 * ``module._parameters`` becomes a :class:`ZeroParamDict`: reading a released parameter as a
   module attribute inside some module's forward gathers it and registers it as external to
-  that module (the seed's first pattern: ``compute_logits(x, self.embeddings.weight)``).
+  that module (the first pattern of DeepSpeed's docs: ``compute_logits(x, self.embeddings.weight)``).
 """
 
 from __future__ import annotations

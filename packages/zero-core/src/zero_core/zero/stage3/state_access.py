@@ -8,7 +8,7 @@ where a parameter has a local partition: they are defined here and dispatch thro
 owner. Local values are this rank's partition as 1-D fp32 tensors of ``param.zero_shard``'s
 length (the padded shard: the last rank's tail beyond the parameter's end is padding).
 
-Semantics per the seed: getters of the full form are collective (every rank of the
+Semantics per DeepSpeed's debugging-API docs: getters of the full form are collective (every rank of the
 data-parallel group calls them with the same parameter, in the same order); local getters
 and all setters are not. Gradients are valid after ``engine.backward`` (reduced, averaged,
 still multiplied by the fp16 loss scale) until ``engine.step``; fp32 values and optimizer
