@@ -157,9 +157,9 @@ def case_save_checkpoint(full: bool = False) -> list[Row]:
         for mode in ("Warn", "Fail", "Ignore"):
             text, took = _multirank(_save_body, mode, os.path.join(tmp, mode))
             if mode == "Fail":
-                msg = _line(text, "RankMismatchError: save_checkpoint")
+                msg = _line(text, "TagMismatchError: save_checkpoint")
                 ok = "ranks passed different tags" in msg and "'other'" not in msg and "other" in msg
-                expected = "RankMismatchError naming both tags"
+                expected = "TagMismatchError naming both tags"
             else:
                 msg = text[:230]
                 want_warn = mode == "Warn"

@@ -159,54 +159,6 @@ def test_memory_pruning_launches_only_stage_3(tmp_path: Path) -> None:
     assert optimal["zero_optimization"]["stage"] == 3 and "autotuning" not in optimal
 
 
-def test_gpt_search_writes_results_and_runs_the_best(tmp_path: Path) -> None:
-    cfg = _write(
-        tmp_path / "cfg.json",
-        {
-            "train_micro_batch_size_per_gpu": "auto",
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-            "zero_optimization": {"stage": [0, 1]},
-            "autotuning": {
-                "enabled": True,
-                **PROFILE,
-                "min_train_micro_batch_size_per_gpu": 2,
-                "max_train_micro_batch_size_per_gpu": 4,
-                "num_tuning_micro_batch_sizes": 2,
-                "tuner_type": "gridsearch",
-            },
-        },
-    )
-    gpt = ["--steps", "4", "--seq_len", "16", "--d_model", "16", "--n_layers", "1", "--n_heads", "2"]
-    gpt += ["--corpus_bytes", "20000", "--no_save", "--out_dir", str(tmp_path / "out")]
-    out = _zero(
-        "--autotuning", "run", "--nproc", "2", str(REPO / "examples" / "train_gpt.py"), "--zero_config", str(cfg), *gpt,
-        cwd=tmp_path,
-    )  # fmt: skip
-    results = tmp_path / "autotuning_results"
-    records = _records(tmp_path / "autotuning_exps")
-    assert sorted(r["result"]["stage"] * 10 + r["result"]["mbs"] for r in records.values()) == [2, 4, 12, 14]
-    statuses = {n: (r["result"]["status"], r["result"]["reason"]) for n, r in records.items()}
-    assert all(r["result"]["status"] == "ok" and r["result"]["metric"] > 0 for r in records.values()), (
-        statuses
-    )
-    assert json.loads((results / "profile_model_info" / "model_info.json").read_text())["num_params"] > 0
-    optimal = json.loads((results / "ds_config_optimal.json").read_text())
-    best = max(records.values(), key=lambda r: r["result"]["metric"])["result"]
-    assert optimal["zero_optimization"]["stage"] == best["stage"]
-    assert optimal["train_micro_batch_size_per_gpu"] == best["mbs"]
-    command = (results / "cmd_optimal.txt").read_text()
-    assert (
-        command.startswith("zero run --launcher torch --nproc 2 ")
-        and str(results / "ds_config_optimal.json") in command
-    )
-    summary = (results / "summary.md").read_text()
-    assert all(name in summary for name in records) and "Best: **" in summary
-    assert (results / "metric_vs_micro_batch.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "[autotuning] [" in out  # the progress bar
-    # --autotuning run: the job itself then ran with the best config, to the end
-    assert "launching the job with" in out and "[train_gpt] done: 4 steps" in out
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -36,11 +36,17 @@ import torch
 import torch.distributed as dist
 
 from zero_core import comm
+from zero_core.checkpoint.format import CheckpointError
 from zero_core.comm import watchdog as _watchdog
 
 
 class RankMismatchError(RuntimeError):
     """Ranks disagree on something they must agree on; the message names the field and the ranks."""
+
+
+class TagMismatchError(RankMismatchError, CheckpointError):
+    """``save_checkpoint`` got different tags on different ranks under ``tag_validation: "Fail"``:
+    a rank disagreement and a checkpoint error (what DeepSpeed users catch around a save)."""
 
 
 def _digest(text: str) -> int:
@@ -178,7 +184,7 @@ class SaveAgreement:
             return tag
         msg = f"save_checkpoint: ranks passed different tags: {_by_value(tags, ranks)}"
         if mode.lower() == "fail":
-            raise RankMismatchError(msg + " (checkpoint.tag_validation is Fail)")
+            raise TagMismatchError(msg + ' (checkpoint.tag_validation is "Fail")')
         if mode.lower() == "warn":
             warnings.warn(f"{msg}; saving under rank {ranks[0]}'s tag {tags[0]!r}", stacklevel=3)
         return tags[0]
