@@ -31,6 +31,13 @@ from zero_core.zero.stage_1_and_2 import PartitionedOptimizerStrategy
 from zero_pipe import _dist
 
 
+def _backend_device() -> torch.device:
+    """The device of the backend's collectives: the accelerator's current one (NCCL: the GPU)."""
+    from zero_core.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().current_device_name())
+
+
 class PipelineConfigError(ValueError):
     """The configuration cannot drive a pipeline."""
 
@@ -114,7 +121,7 @@ class StageOptimizer:
         self.lr_scheduler = lr_scheduler
         self.global_grad_norm: float | None = None
         self.skipped_steps = 0
-        self._dup_norm_sq = torch.zeros((), dtype=torch.float32)
+        self._dup_norm_sq = torch.zeros((), dtype=torch.float32, device=_backend_device())
 
     def before_backward(self) -> None:
         """Called before every micro-batch backward: accumulate, do not reduce yet."""
@@ -122,11 +129,15 @@ class StageOptimizer:
 
     def reduce_tied(self) -> None:
         self.module.allreduce_tied_weight_gradients()
-        self._dup_norm_sq = self._duplicate_tied_norm_sq() if self.gradient_clipping > 0 else torch.zeros(())
+        self._dup_norm_sq = (
+            self._duplicate_tied_norm_sq()
+            if self.gradient_clipping > 0
+            else torch.zeros((), dtype=torch.float32, device=_backend_device())
+        )
 
     def _duplicate_tied_norm_sq(self) -> torch.Tensor:
         """Squared norm of the data-parallel-averaged tied gradients this stage holds a second copy of."""
-        total = torch.zeros((), dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float32, device=_backend_device())
         for key, stages in self.module.tied_owner_stages().items():
             if len(stages) < 2 or self.grid.stage_id == stages[0] or key not in self.module.tied_modules:
                 continue
@@ -136,7 +147,7 @@ class StageOptimizer:
                 if self.grid.data_parallel_size > 1:
                     _dist.all_reduce(g, group=self.grid.dp_group)
                     g.div_(self.grid.data_parallel_size)
-                total += g.pow(2).sum()
+                total += g.pow(2).sum().to(total.device)
         return total
 
     def reduce_data_parallel(self) -> None:
@@ -145,14 +156,9 @@ class StageOptimizer:
         self.strategy.after_backward(True)
 
     def _global_overflow(self) -> bool:
-        from zero_core.accelerator import get_accelerator
-
-        acc = get_accelerator()  # the flag lives where the backend's collectives run (NCCL: the GPU)
-        flag = torch.tensor(
-            [1 if self.strategy.local_overflow() else 0],
-            dtype=torch.uint8,
-            device=acc.device(acc.current_device()),
-        )
+        # the flag stays a device tensor where the backend's collectives run (NCCL: the GPU)
+        flag = torch.as_tensor(self.strategy.local_overflow())
+        flag = flag.to(device=_backend_device(), dtype=torch.uint8).reshape(1)
         _dist.all_reduce(flag, op=_dist.ReduceOp.MAX)  # every rank of every stage decides alike
         return bool(flag.item())
 
@@ -174,7 +180,7 @@ class StageOptimizer:
             if not self.loss_scaler.dynamic and _dist.get_rank() == 0:
                 warn_static_overflow(self.loss_scaler.loss_scale, None, self.skipped_steps)
             return skipped
-        norm_sq = self.strategy.grad_norm_sq().float()
+        norm_sq = self.strategy.grad_norm_sq().float().to(_backend_device())
         group = self.strategy.norm_group()
         if group is not None:
             _dist.all_reduce(norm_sq, group=group)

@@ -312,8 +312,11 @@ def check_agreement(
     if world == 1 or not collective_checks():
         return
     first = params[0].zero_state.id if params else -1
-    mine = torch.tensor([kind, first, len(params), nbytes], dtype=torch.int64)
-    every = torch.empty(4 * world, dtype=torch.int64)
+    from zero_core.accelerator import get_accelerator
+
+    device = get_accelerator().current_device_name()  # the backend's device (NCCL: the GPU)
+    mine = torch.tensor([kind, first, len(params), nbytes], dtype=torch.int64, device=device)
+    every = torch.empty(4 * world, dtype=torch.int64, device=device)
     work = comm.all_gather_into_tensor(every, mine, group=group, async_op=True)
     _wait(work, f"the agreement check before {what}")
     rows = every.view(world, 4)
