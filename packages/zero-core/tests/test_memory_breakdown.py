@@ -49,7 +49,7 @@ def _phases_rank(stage: int, precision: str) -> list[tuple[str, int, int, dict[s
     out = []
 
     def measure(phase: str, held: list[torch.Tensor], activations: set = frozenset()) -> None:
-        live = live_storages(held, before)
+        live = live_storages([*held, *engine.held_step_scalars()], before)
         params = {(str(p.device), p.untyped_storage().data_ptr()) for p in model.parameters()}
         saved = sum(live[k] for k in activations if k in live and k not in params)
         breakdown = engine.memory_breakdown()

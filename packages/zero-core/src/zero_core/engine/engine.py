@@ -452,6 +452,12 @@ class ZeroEngine(ForwardToModule, NoSyncMixin, ModelStatesMixin, DeepSpeedAccess
         comm.all_gather_into_tensor(gathered, torch.tensor([mine], dtype=torch.float64, device=self.device))
         return gathered.tolist()
 
+    def held_step_scalars(self) -> list[torch.Tensor]:
+        """The 0-dim device tensors the engine keeps until they are read (the micro-steps' losses,
+        the last loss, the gradient norm); not model states, so ``memory_breakdown()`` leaves them out."""
+        held = [t for t in (self._last_loss, self._global_grad_norm) if isinstance(t, torch.Tensor)]
+        return [*self._losses, *held]
+
     @property
     def last_loss(self) -> float | None:
         """Mean loss over the micro-batches of the last optimizer step (read from the device on
