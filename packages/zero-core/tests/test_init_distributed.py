@@ -433,3 +433,24 @@ def test_default_backend_follows_the_accelerator(monkeypatch):
     assert default_backend() == "nccl"
     monkeypatch.setattr(zero_accelerator, "get_accelerator", lambda: zero_accelerator.CpuAccelerator())
     assert default_backend() == "gloo"
+
+
+def test_initialize_that_initialises_sets_the_device_too(clean_env):
+    """``zero_core.initialize`` forms the group through init_distributed: the same binding."""
+    import zero_core
+
+    fake = _RecordingGpuAccelerator()
+    clean_env.setattr(zero_accelerator, "get_accelerator", lambda: fake)
+
+    def fake_init_process_group(backend, **kwargs):
+        fake.calls.append(("init_process_group", backend))
+        raise _StopBeforeForming
+
+    clean_env.setattr(dist, "init_process_group", fake_init_process_group)
+    clean_env.setattr(fake, "communication_backend_name", lambda: "gloo")
+    for var, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+        clean_env.setenv(var, value)
+    clean_env.setenv("MASTER_PORT", "29998")
+    with pytest.raises(_StopBeforeForming):
+        zero_core.initialize(model=torch.nn.Linear(2, 2), config={"train_micro_batch_size_per_gpu": 1})
+    assert fake.calls == [("set_device", 1), ("init_process_group", "gloo")]
