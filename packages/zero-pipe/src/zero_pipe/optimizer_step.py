@@ -20,11 +20,11 @@ reduction do not support (as in DeepSpeed): they are rejected with a config erro
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from zero_core.engine.data_parallel import DataParallelStrategy
+from zero_core.engine.grad_norm import clip_coefficient
 from zero_core.engine.loss_scaler import LossScaler, warn_static_overflow
 from zero_core.zero.stage_1_and_2 import PartitionedOptimizerStrategy
 
@@ -119,7 +119,8 @@ class StageOptimizer:
         self.loss_scaler = loss_scaler
         self.gradient_clipping = float(gradient_clipping)
         self.lr_scheduler = lr_scheduler
-        self.global_grad_norm: float | None = None
+        # a device tensor until read (See [Note: scalars stay on the device in the step])
+        self.global_grad_norm: float | torch.Tensor | None = None
         self.skipped_steps = 0
         self._dup_norm_sq = torch.zeros((), dtype=torch.float32, device=_backend_device())
 
@@ -187,14 +188,14 @@ class StageOptimizer:
         norm_sq = norm_sq - self._dup_norm_sq
         if self.grid.pipe_parallel_size > 1:
             _dist.all_reduce(norm_sq, group=self.grid.pp_group)
-        norm = math.sqrt(max(float(norm_sq), 0.0)) * inv_scale
-        if self.skip_nonfinite and not math.isfinite(norm):
+        norm = norm_sq.clamp(min=0.0).sqrt() * inv_scale
+        if self.skip_nonfinite and not bool(torch.isfinite(norm)):
             # reduced over the stages and the replicas above: every rank skips alike
             return self._skip_step()
         self.global_grad_norm = norm
-        grad_scale = inv_scale
-        if self.gradient_clipping > 0 and norm > self.gradient_clipping:
-            grad_scale *= self.gradient_clipping / (norm + 1e-6)
+        grad_scale: float | torch.Tensor = inv_scale
+        if self.gradient_clipping > 0:  # a device coefficient, no host read
+            grad_scale = clip_coefficient(norm, self.gradient_clipping) * inv_scale
         self.strategy.step(grad_scale)
         self.loss_scaler.update_scale(False)
         self.strategy.zero_grad()
