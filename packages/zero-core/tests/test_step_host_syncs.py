@@ -193,3 +193,23 @@ def test_device_check_on_a_collective_and_off_by_default():
     assert run_multirank(_direct_checks, WORLD, timeout=120)[0] == [4.0, 4.0, 4.0]
     with pytest.raises(TypeError, match="enabled must be a bool"):
         comm.set_device_check("yes")
+
+
+def test_fused_statistics_match_the_per_tensor_ones_without_host_reads():
+    from zero_core.engine.grad_norm import any_nonfinite, clip_coefficient, sum_of_squares
+    from zero_core.testing.host_syncs import count_host_syncs
+
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(n, generator=g) for n in (3, 17, 1, 64)] + [torch.randn(5, generator=g).bfloat16()]
+    with count_host_syncs() as c:
+        total = sum_of_squares(grads)
+        finite = any_nonfinite(grads)
+        coef = clip_coefficient(total.sqrt(), 0.5)
+    assert c.total == 0, c
+    expected = sum(float(t.float().pow(2).sum()) for t in grads)
+    assert abs(float(total) - expected) <= 1e-5 * expected and not bool(finite)
+    assert abs(float(coef) - 0.5 / (expected**0.5 + 1e-6)) < 1e-6
+    assert float(clip_coefficient(torch.tensor(0.1), 0.5)) == 1.0  # never scales up
+    for bad in (float("inf"), float("nan")):
+        assert bool(any_nonfinite([*grads, torch.tensor([1.0, bad])]))
+    assert float(sum_of_squares([])) == 0.0 and not bool(any_nonfinite([torch.empty(0)]))

@@ -16,6 +16,7 @@ or asked for (``engine.last_loss``, ``get_global_grad_norm()``). Tests count the
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -30,6 +31,21 @@ def _device_of(tensors: Sequence[torch.Tensor], device: torch.device | str | Non
     return torch.device(get_accelerator().current_device_name())
 
 
+def _by_device(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` grouped by device, first device first (partial offload mixes host and GPU)."""
+    groups: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.device, []).append(t)
+    return list(groups.values())
+
+
+def _combine(partials: list[torch.Tensor], reduce: Any) -> torch.Tensor:
+    """One 0-dim result on the first group's device: one copy per extra device, not per tensor."""
+    if len(partials) == 1:
+        return partials[0]
+    return reduce(torch.stack([p.to(partials[0].device) for p in partials]))
+
+
 def sum_of_squares(tensors: Sequence[torch.Tensor], device: torch.device | str | None = None) -> torch.Tensor:
     """Σ‖t‖² over ``tensors`` in fp32, as a 0-dim tensor on their device (no host sync).
 
@@ -39,8 +55,13 @@ def sum_of_squares(tensors: Sequence[torch.Tensor], device: torch.device | str |
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return torch.zeros((), dtype=torch.float32, device=_device_of(tensors, device))
-    norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
-    return torch.linalg.vector_norm(torch.stack(norms)).square()
+    return _combine(
+        [
+            torch.linalg.vector_norm(torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float32))).square()
+            for ts in _by_device(tensors)
+        ],
+        torch.sum,
+    )
 
 
 def any_nonfinite(tensors: Sequence[torch.Tensor], device: torch.device | str | None = None) -> torch.Tensor:
@@ -52,7 +73,13 @@ def any_nonfinite(tensors: Sequence[torch.Tensor], device: torch.device | str | 
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return torch.zeros((), dtype=torch.bool, device=_device_of(tensors, device))
-    amax = torch.stack(torch._foreach_norm(tensors, float("inf"), dtype=torch.float32)).max()
+    amax = _combine(
+        [
+            torch.stack(torch._foreach_norm(ts, float("inf"), dtype=torch.float32)).max()
+            for ts in _by_device(tensors)
+        ],
+        torch.max,
+    )
     return ~torch.isfinite(amax)
 
 
