@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import zero_core.accelerator as zero_accelerator
 from zero_core.distributed import (
     DistributedInitError,
     WorldDiscoveryError,
@@ -27,6 +28,7 @@ from zero_core.distributed import (
     world_info,
 )
 from zero_core.distributed import mpi as mpi_mod
+from zero_core.distributed.init import default_backend
 from zero_core.testing import run_multirank
 
 WORLD_VARS = (
@@ -371,3 +373,84 @@ def test_mpiexec_job(tmp_path):
     for r, o in enumerate(outs):
         assert (o["rank"], o["world"], o["source"], o["sum"]) == (r, 2, "MPI", 3.0)
     assert outs[0]["port"] == outs[1]["port"] and outs[0]["addr"] == outs[1]["addr"] == "127.0.0.1"
+
+
+# ---- the device of the local rank --------------------------------------------------------
+
+
+class _RecordingGpuAccelerator(zero_accelerator.CpuAccelerator):
+    """A CPU accelerator that presents itself as a GPU one and records ``set_device``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, object]] = []
+
+    def device_name(self, index=None):
+        return "cuda" if index is None else f"cuda:{index}"
+
+    def set_device(self, index):
+        self.calls.append(("set_device", index))
+
+
+class _StopBeforeForming(Exception):
+    pass
+
+
+def test_init_distributed_sets_the_device_of_the_local_rank(clean_env):
+    """On a GPU accelerator, rank 3 of a node binds to device 3 (LOCAL_RANK) before the group
+    forms (NCCL needs it then); nothing would otherwise move it off device 0."""
+    fake = _RecordingGpuAccelerator()
+    clean_env.setattr(zero_accelerator, "get_accelerator", lambda: fake)
+
+    def fake_init_process_group(backend, **kwargs):
+        fake.calls.append(("init_process_group", backend))
+        raise _StopBeforeForming
+
+    clean_env.setattr(dist, "init_process_group", fake_init_process_group)
+    clean_env.setenv("RANK", "7")
+    clean_env.setenv("WORLD_SIZE", "8")
+    clean_env.setenv("LOCAL_RANK", "3")
+    clean_env.setenv("MASTER_ADDR", "127.0.0.1")
+    clean_env.setenv("MASTER_PORT", "29999")
+    with pytest.raises(_StopBeforeForming):
+        init_distributed(dist_backend="gloo", verbose=False)
+    assert fake.calls == [("set_device", 3), ("init_process_group", "gloo")]
+
+
+def test_init_distributed_leaves_a_cpu_accelerator_alone(clean_env):
+    calls = []
+    cpu = zero_accelerator.CpuAccelerator()
+    clean_env.setattr(cpu, "set_device", lambda index: calls.append(index))
+    clean_env.setattr(zero_accelerator, "get_accelerator", lambda: cpu)
+    init_distributed(rank=0, world_size=1, verbose=False)
+    assert dist.get_backend() == "gloo" and calls == []
+
+
+def test_default_backend_follows_the_accelerator(monkeypatch):
+    gpu = _RecordingGpuAccelerator()
+    monkeypatch.setattr(gpu, "communication_backend_name", lambda: "nccl")
+    monkeypatch.setattr(zero_accelerator, "get_accelerator", lambda: gpu)
+    assert default_backend() == "nccl"
+    monkeypatch.setattr(zero_accelerator, "get_accelerator", lambda: zero_accelerator.CpuAccelerator())
+    assert default_backend() == "gloo"
+
+
+def test_initialize_that_initialises_sets_the_device_too(clean_env):
+    """``zero_core.initialize`` forms the group through init_distributed: the same binding."""
+    import zero_core
+
+    fake = _RecordingGpuAccelerator()
+    clean_env.setattr(zero_accelerator, "get_accelerator", lambda: fake)
+
+    def fake_init_process_group(backend, **kwargs):
+        fake.calls.append(("init_process_group", backend))
+        raise _StopBeforeForming
+
+    clean_env.setattr(dist, "init_process_group", fake_init_process_group)
+    clean_env.setattr(fake, "communication_backend_name", lambda: "gloo")
+    for var, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+        clean_env.setenv(var, value)
+    clean_env.setenv("MASTER_PORT", "29998")
+    with pytest.raises(_StopBeforeForming):
+        zero_core.initialize(model=torch.nn.Linear(2, 2), config={"train_micro_batch_size_per_gpu": 1})
+    assert fake.calls == [("set_device", 1), ("init_process_group", "gloo")]

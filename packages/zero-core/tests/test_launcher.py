@@ -330,3 +330,29 @@ def test_rank_error_prints_once_naming_the_script(tmp_path):
     assert f"zero run: {script} failed on rank" in err, err
     assert "local_rank_arg" not in err and "OMP_NUM_THREADS" not in err, err  # no shim, no banner
     assert len(err.strip().splitlines()) <= 6, err
+
+
+def test_env_report_cuda_devices_nccl_and_compute_capability(capsys, monkeypatch):
+    """With GPUs, ``zero env`` names each device with its compute capability and the NCCL version
+    (faked here: the CPU build has neither); without, it says so."""
+    import torch
+
+    assert cli.main(["env", "--json"]) == 0
+    cuda = json.loads(capsys.readouterr().out)["cuda_devices"]
+    assert cuda["available"] is torch.cuda.is_available()
+    assert cuda["device_count"] == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (9, 0) if i == 0 else (8, 6))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: f"Fake GPU {i}")
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 21, 5))
+    assert cli.main(["env", "--json"]) == 0
+    cuda = json.loads(capsys.readouterr().out)["cuda_devices"]
+    assert cuda["device_count"] == 2 and cuda["nccl_version"] == "2.21.5"
+    assert cuda["devices"][1] == {"index": 1, "name": "Fake GPU 1", "compute_capability": "8.6"}
+    assert cli.main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "NCCL version ..." in out and "2.21.5" in out
+    assert "cuda:0" in out and "Fake GPU 0 (compute capability 9.0)" in out

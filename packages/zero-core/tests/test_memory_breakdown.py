@@ -54,7 +54,7 @@ def _phases_rank(stage: int, precision: str) -> list[tuple[str, int, int, dict[s
     out = []
 
     def once(held: list[torch.Tensor], activations: set) -> tuple[int, int, dict[str, int]]:
-        live = live_storages(held, before)
+        live = live_storages([*held, *engine.held_step_scalars()], before)
         params = {(str(p.device), p.untyped_storage().data_ptr()) for p in model.parameters()}
         saved = sum(live[k] for k in activations if k in live and k not in params)
         breakdown = engine.memory_breakdown()

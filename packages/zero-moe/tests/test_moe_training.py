@@ -232,3 +232,37 @@ def test_stage3_gradient_clipping_uses_the_global_norm_over_experts():
     # norm of the whole model's gradient (the single-process reference's clip_grad_norm_).
     losses = run_multirank(_engine_worker, 2, args=(3, 0.05), timeout=180)
     assert losses[0] != losses[1]
+
+
+def _sync_counts() -> list[tuple[int, int]]:
+    import zero_core
+    from zero_core import comm
+    from zero_core.testing.host_syncs import count_host_syncs
+
+    comm.set_device_check(True)
+    torch.manual_seed(0)
+    cfg = {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "steps_per_print": 10**6,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 1},
+    }
+    engine, *_ = zero_core.initialize(model=TinyMoEModel((2, 1)), config=cfg)
+    out = []
+    for _ in range(2):
+        tokens, labels = torch.randint(0, V, (BATCH, SEQ)), torch.randint(0, V, (BATCH, SEQ))
+        with count_host_syncs() as micro:
+            engine.backward(engine(tokens, labels))
+        with count_host_syncs() as step:
+            engine.step()
+        out.append((micro.total, step.total))
+    comm.set_device_check(False)
+    return out
+
+
+def test_moe_step_has_no_host_syncs():
+    """Gating, the all-to-alls and the ZeRO-1 step of an MoE model read nothing back to the host
+    (See [Note: scalars stay on the device in the step]); collective tensors on the backend's device."""
+    for counts in run_multirank(_sync_counts, 2, timeout=200):
+        assert counts == [(0, 0), (0, 0)], counts

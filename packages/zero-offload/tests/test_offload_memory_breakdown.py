@@ -45,7 +45,7 @@ def _one_case(stage: int, precision: str, offload: dict) -> list[tuple]:
     out = []
 
     def once(held: list, saved: set) -> tuple[int, int, dict]:
-        live = live_storages(held, before)
+        live = live_storages([*held, *engine.held_step_scalars()], before)
         params = {(str(p.device), p.untyped_storage().data_ptr()) for p in model.parameters()}
         activations = sum(live[k] for k in saved if k in live and k not in params)
         bd = engine.memory_breakdown()

@@ -149,7 +149,9 @@ def topk_gating(
         valid = used_token.reshape(-1).to(device) != 0
 
     # Load-balancing loss from the first choice of the used tokens.
-    first_mask = F.one_hot(first, num_experts).float() * valid[:, None].float()
+    # scatter, not F.one_hot: one_hot reads the index range back to the host (a device sync per layer)
+    first_mask = torch.zeros(num_tokens, num_experts, dtype=torch.float32, device=device)
+    first_mask.scatter_(1, first[:, None], valid[:, None].float())
     l_aux = (gates.mean(dim=0) * first_mask.mean(dim=0)).sum() * num_experts
 
     # Slot of every assignment: one sort keyed by (expert, choice rank, token priority).

@@ -41,8 +41,11 @@ class OffloadStepMixin:
         return runs
 
     @torch.no_grad()
-    def step(self, optimizer: torch.optim.Optimizer, grad_scale: float = 1.0) -> None:
-        """One Adam step of every staged master, on the CPU (see [Note: optimizer offload hook])."""
+    def step(self, optimizer: torch.optim.Optimizer, grad_scale: float | torch.Tensor = 1.0) -> None:
+        """One Adam step of every staged master, on the CPU (see [Note: optimizer offload hook]).
+
+        ``grad_scale`` may be a device tensor (the engine's clip coefficient): it is brought to
+        the host once here, where the update runs anyway."""
         if not self._finalized:
             self.finalize(optimizer)
         if self.compute_device.type == "cuda":
@@ -64,7 +67,9 @@ class OffloadStepMixin:
             runs = self._ranges(optimizer, grp)
             if not runs:
                 continue
-            if grad_scale != 1.0:
+            if isinstance(grad_scale, torch.Tensor):
+                grad_scale = grad_scale.to(grp.grad.device)  # one copy per step, not per range
+            if isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
                 for lo, hi, _, _ in runs:
                     grp.grad[lo:hi].mul_(grad_scale)
 

@@ -178,8 +178,12 @@ class PipelineEngine:
         self.executor.trace = value
 
     def get_global_grad_norm(self) -> float | None:
-        """The global gradient norm (all stages) of the last step, before clipping."""
-        return self.stage_optimizer.global_grad_norm
+        """The global gradient norm (all stages) of the last step, before clipping (kept on the
+        device by the step, read to the host here)."""
+        norm = self.stage_optimizer.global_grad_norm
+        if isinstance(norm, torch.Tensor):
+            norm = self.stage_optimizer.global_grad_norm = float(norm)
+        return norm
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]

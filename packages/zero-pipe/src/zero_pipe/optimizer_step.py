@@ -20,15 +20,22 @@ reduction do not support (as in DeepSpeed): they are rejected with a config erro
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from zero_core.engine.data_parallel import DataParallelStrategy
+from zero_core.engine.grad_norm import clip_coefficient
 from zero_core.engine.loss_scaler import LossScaler, warn_static_overflow
 from zero_core.zero.stage_1_and_2 import PartitionedOptimizerStrategy
 
 from zero_pipe import _dist
+
+
+def _backend_device() -> torch.device:
+    """The device of the backend's collectives: the accelerator's current one (NCCL: the GPU)."""
+    from zero_core.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().current_device_name())
 
 
 class PipelineConfigError(ValueError):
@@ -112,9 +119,10 @@ class StageOptimizer:
         self.loss_scaler = loss_scaler
         self.gradient_clipping = float(gradient_clipping)
         self.lr_scheduler = lr_scheduler
-        self.global_grad_norm: float | None = None
+        # a device tensor until read (See [Note: scalars stay on the device in the step])
+        self.global_grad_norm: float | torch.Tensor | None = None
         self.skipped_steps = 0
-        self._dup_norm_sq = torch.zeros((), dtype=torch.float32)
+        self._dup_norm_sq = torch.zeros((), dtype=torch.float32, device=_backend_device())
 
     def before_backward(self) -> None:
         """Called before every micro-batch backward: accumulate, do not reduce yet."""
@@ -122,11 +130,15 @@ class StageOptimizer:
 
     def reduce_tied(self) -> None:
         self.module.allreduce_tied_weight_gradients()
-        self._dup_norm_sq = self._duplicate_tied_norm_sq() if self.gradient_clipping > 0 else torch.zeros(())
+        self._dup_norm_sq = (
+            self._duplicate_tied_norm_sq()
+            if self.gradient_clipping > 0
+            else torch.zeros((), dtype=torch.float32, device=_backend_device())
+        )
 
     def _duplicate_tied_norm_sq(self) -> torch.Tensor:
         """Squared norm of the data-parallel-averaged tied gradients this stage holds a second copy of."""
-        total = torch.zeros((), dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float32, device=_backend_device())
         for key, stages in self.module.tied_owner_stages().items():
             if len(stages) < 2 or self.grid.stage_id == stages[0] or key not in self.module.tied_modules:
                 continue
@@ -136,7 +148,7 @@ class StageOptimizer:
                 if self.grid.data_parallel_size > 1:
                     _dist.all_reduce(g, group=self.grid.dp_group)
                     g.div_(self.grid.data_parallel_size)
-                total += g.pow(2).sum()
+                total += g.pow(2).sum().to(total.device)
         return total
 
     def reduce_data_parallel(self) -> None:
@@ -145,14 +157,9 @@ class StageOptimizer:
         self.strategy.after_backward(True)
 
     def _global_overflow(self) -> bool:
-        from zero_core.accelerator import get_accelerator
-
-        acc = get_accelerator()  # the flag lives where the backend's collectives run (NCCL: the GPU)
-        flag = torch.tensor(
-            [1 if self.strategy.local_overflow() else 0],
-            dtype=torch.uint8,
-            device=acc.device(acc.current_device()),
-        )
+        # the flag stays a device tensor where the backend's collectives run (NCCL: the GPU)
+        flag = torch.as_tensor(self.strategy.local_overflow())
+        flag = flag.to(device=_backend_device(), dtype=torch.uint8).reshape(1)
         _dist.all_reduce(flag, op=_dist.ReduceOp.MAX)  # every rank of every stage decides alike
         return bool(flag.item())
 
@@ -174,21 +181,21 @@ class StageOptimizer:
             if not self.loss_scaler.dynamic and _dist.get_rank() == 0:
                 warn_static_overflow(self.loss_scaler.loss_scale, None, self.skipped_steps)
             return skipped
-        norm_sq = self.strategy.grad_norm_sq().float()
+        norm_sq = self.strategy.grad_norm_sq().float().to(_backend_device())
         group = self.strategy.norm_group()
         if group is not None:
             _dist.all_reduce(norm_sq, group=group)
         norm_sq = norm_sq - self._dup_norm_sq
         if self.grid.pipe_parallel_size > 1:
             _dist.all_reduce(norm_sq, group=self.grid.pp_group)
-        norm = math.sqrt(max(float(norm_sq), 0.0)) * inv_scale
-        if self.skip_nonfinite and not math.isfinite(norm):
+        norm = norm_sq.clamp(min=0.0).sqrt() * inv_scale
+        if self.skip_nonfinite and not bool(torch.isfinite(norm)):
             # reduced over the stages and the replicas above: every rank skips alike
             return self._skip_step()
         self.global_grad_norm = norm
-        grad_scale = inv_scale
-        if self.gradient_clipping > 0 and norm > self.gradient_clipping:
-            grad_scale *= self.gradient_clipping / (norm + 1e-6)
+        grad_scale: float | torch.Tensor = inv_scale
+        if self.gradient_clipping > 0:  # a device coefficient, no host read
+            grad_scale = clip_coefficient(norm, self.gradient_clipping) * inv_scale
         self.strategy.step(grad_scale)
         self.loss_scaler.update_scale(False)
         self.strategy.zero_grad()

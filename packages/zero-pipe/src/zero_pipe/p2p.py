@@ -96,13 +96,21 @@ def as_tensors(value: object, where: str) -> tuple[tuple[torch.Tensor, ...], boo
     )
 
 
-def _encode(tensors: tuple[torch.Tensor, ...], is_tuple: bool) -> torch.Tensor:
+def _device() -> torch.device:
+    """Where stages exchange tensors: the accelerator's current device (NCCL sends GPU tensors
+    only; gloo: the CPU). See [Note: collective tensors live on the backend's device]."""
+    from zero_core.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().current_device_name())
+
+
+def _encode(tensors: tuple[torch.Tensor, ...], is_tuple: bool) -> list[int]:
     desc = [len(tensors), int(is_tuple)]
     for t in tensors:
         if t.dtype not in _CODE:
             raise TypeError(f"p2p: dtype {t.dtype} cannot be sent between stages; supported: {_DTYPES}")
         desc += [_CODE[t.dtype], t.dim(), *t.shape]
-    return torch.tensor(desc, dtype=torch.int64)
+    return desc
 
 
 def _decode(desc: list[int]) -> Payload:
@@ -171,7 +179,8 @@ def post_send(
 def post_recv(payload: Payload, peer: int, tag: int) -> PendingRecv:
     """Post receives for a message described by ``payload`` from global rank ``peer`` on ``tag``."""
     bufs = [
-        torch.empty(m.shape, dtype=torch.uint8 if m.dtype == torch.bool else m.dtype) for m in payload.metas
+        torch.empty(m.shape, dtype=torch.uint8 if m.dtype == torch.bool else m.dtype, device=_device())
+        for m in payload.metas
     ]
     return PendingRecv([_dist.irecv(b, peer, tag=tag) for b in bufs], bufs, payload)
 
@@ -196,9 +205,12 @@ class P2PChannel:
         tensors, is_tuple = as_tensors(value, "SendActivation")
         preamble: tuple[torch.Tensor, ...] = ()
         if self.payload is None or self.dynamic:
-            desc = _encode(tensors, is_tuple)
-            preamble = (torch.tensor([desc.numel()], dtype=torch.int64), desc)
-            self.payload = _decode(desc.tolist())
+            desc = _encode(tensors, is_tuple)  # built on the host: decoded without a device read
+            preamble = (
+                torch.tensor([len(desc)], dtype=torch.int64, device=_device()),
+                torch.tensor(desc, dtype=torch.int64, device=_device()),
+            )
+            self.payload = _decode(desc)
         elif len(tensors) != len(self.payload.metas) or any(
             t.dtype != m.dtype or tuple(t.shape) != m.shape for t, m in zip(tensors, self.payload.metas)
         ):
@@ -217,9 +229,10 @@ class P2PChannel:
         """Post the receive of the next value; shakes hands (blocking) on first use, or on every
         use for a dynamic channel."""
         if self.payload is None or self.dynamic:
-            length = torch.zeros(1, dtype=torch.int64)
+            # the handshake's two host reads happen once per channel (every transfer if dynamic)
+            length = torch.zeros(1, dtype=torch.int64, device=_device())
             _dist.recv(length, self.peer, tag=self.tag)
-            desc = torch.zeros(int(length.item()), dtype=torch.int64)
+            desc = torch.zeros(int(length.item()), dtype=torch.int64, device=_device())
             _dist.recv(desc, self.peer, tag=self.tag)
             self.payload = _decode(desc.tolist())
         return post_recv(self.payload, self.peer, self.tag)

@@ -26,6 +26,7 @@ from zero_core.comm.collectives import (
     reduce_scatter_tensor,
 )
 from zero_core.comm.compressed import compressed_all_reduce, padded_numel
+from zero_core.comm.device_check import CommDeviceError, device_check_enabled, set_device_check
 from zero_core.comm.groups import (
     ProcessGroup,
     destroy_process_group,
@@ -49,6 +50,9 @@ def log_summary(print_fn=print) -> None:  # noqa: ANN001 (mirrors deepspeed.comm
 
 
 __all__ = [
+    "CommDeviceError",
+    "device_check_enabled",
+    "set_device_check",
     "CollectiveTimeoutError",
     "CollectiveWatchdog",
     "OP_NAMES",

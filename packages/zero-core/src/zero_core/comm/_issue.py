@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from zero_core.comm.device_check import check_device
 from zero_core.comm.groups import group_ranks
 from zero_core.comm.logger import PendingRecord, comms_logger
 from zero_core.comm.watchdog import get_watchdog
@@ -16,6 +17,9 @@ from zero_core.comm.work import Work
 def check_tensor(tensor: Any, name: str, where: str) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"zero_core.comm.{where}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+    check_device(
+        tensor, name, where
+    )  # debug mode only: See [Note: collective tensors live on the backend's device]
 
 
 def nbytes(tensor: torch.Tensor) -> int:

@@ -118,6 +118,21 @@ def _apply_comm_config(config: Any) -> None:
         comms_logger.configure(section)
 
 
+def _set_local_device(info: WorldInfo) -> None:
+    """Bind this process to the accelerator device of its local rank, before the group forms.
+
+    Without it every rank of a node computes (and NCCL communicates) on device 0. A CPU
+    accelerator has one device and nothing to bind; a local rank with no device of its own is
+    an error from the accelerator's ``set_device`` naming the visible count.
+    """
+    from zero_core.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu":
+        return
+    accelerator.set_device(info.local_rank)
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -141,7 +156,8 @@ def init_distributed(
     Works under torchrun / ``zero run`` (env://), ``mpiexec``/``mpirun`` (rank and size from
     mpi4py, rendezvous agreed over MPI), Slurm ``srun`` (SLURM_* variables), with an explicit
     ``rank``/``world_size``, or as a single process. ``dist_backend`` defaults to the
-    accelerator's (gloo on CPU, nccl on CUDA). ``dist_init_required=False`` skips
+    accelerator's (gloo on CPU, nccl on CUDA). On a GPU accelerator the process's device is set
+    to its local rank (``set_device(local_rank)``) before the group forms. ``dist_init_required=False`` skips
     initialisation; an already initialised group makes this a no-op. ``config`` (dict, JSON
     path or config object) may carry a ``comms_logger`` section, which is applied.
 
@@ -200,6 +216,7 @@ def init_distributed(
                 "MASTER_PORT": str(info.master_port),
             }
         )
+    _set_local_device(info)
     if verbose:
         logger.info("init_distributed: backend %s, %s", backend, info.describe())
     try:

@@ -49,7 +49,11 @@ class DeepSpeedAccessors:
         return [g["lr"] for g in self.optimizer.param_groups]  # type: ignore[attr-defined]
 
     def get_global_grad_norm(self) -> float | None:
-        """The global gradient norm of the last step (before clipping), or None before any step."""
+        """The global gradient norm of the last step (before clipping), or None before any step.
+
+        Kept on the device by the step and read to the host here, on first access."""
+        if isinstance(self._global_grad_norm, torch.Tensor):
+            self._global_grad_norm = float(self._global_grad_norm)
         return self._global_grad_norm
 
     # -- ZeRO -------------------------------------------------------------------------------

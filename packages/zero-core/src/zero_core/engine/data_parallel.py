@@ -18,6 +18,7 @@ import torch
 
 from zero_core import comm
 from zero_core.engine.grad_buckets import BucketedAllReduce
+from zero_core.engine.grad_norm import any_nonfinite, needs_scaling, sum_of_squares
 from zero_core.engine.param_groups import reduction_groups
 from zero_core.utils.storage_bytes import StorageLedger
 
@@ -103,24 +104,19 @@ class DataParallelStrategy:
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.params if p.grad is not None]
 
-    def local_overflow(self) -> bool:
-        for g in self._grads():
-            if not torch.isfinite(g).all():
-                return True
-        return False
+    def local_overflow(self) -> torch.Tensor:
+        """A device flag (0-dim bool): does any gradient hold an inf or a NaN?"""
+        return any_nonfinite(self._grads())
 
     def grad_norm_sq(self) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32)
-        for g in self._grads():
-            # fp32 accumulation without a full-size temporary (g.float().pow(2) would allocate two)
-            total += torch.linalg.vector_norm(g, dtype=torch.float32).square().cpu()
-        return total
+        # fused, in fp32, on the device: See [Note: scalars stay on the device in the step]
+        return sum_of_squares(self._grads())
 
     def norm_group(self) -> Any:
         return None
 
     @torch.no_grad()
-    def step(self, grad_scale: float) -> None:
+    def step(self, grad_scale: float | torch.Tensor) -> None:
         if self.master:
             for p, m in self.master.items():
                 m.grad = None if p.grad is None else p.grad.float().mul_(grad_scale)
@@ -128,7 +124,7 @@ class DataParallelStrategy:
             for p, m in self.master.items():
                 p.copy_(m)
         else:
-            if grad_scale != 1.0:
+            if needs_scaling(grad_scale):
                 for g in self._grads():
                     g.mul_(grad_scale)
             self.optimizer.step()

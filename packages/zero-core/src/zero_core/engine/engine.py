@@ -9,7 +9,6 @@ stage itself.
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from zero_core.engine.accessors import DeepSpeedAccessors
 from zero_core.engine.agreement import SaveAgreement
 from zero_core.engine.data import cast_floating
 from zero_core.engine.eval_only import is_eval_only, require_optimizer
+from zero_core.engine.grad_norm import clip_coefficient
 from zero_core.engine.loss_scaler import LossScaler, warn_static_overflow
 from zero_core.engine.model_states import ModelStatesMixin
 from zero_core.engine.module_attrs import ForwardToModule
@@ -77,9 +77,10 @@ class ZeroEngine(ForwardToModule, NoSyncMixin, ModelStatesMixin, DeepSpeedAccess
         self.global_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0
-        self._global_grad_norm: float | None = None
-        self._losses: list[float] = []
-        self._last_loss: float | None = None
+        # Device tensors until someone asks: See [Note: scalars stay on the device in the step]
+        self._global_grad_norm: float | torch.Tensor | None = None
+        self._losses: list[torch.Tensor] = []
+        self._last_loss: float | torch.Tensor | None = None
         self._step_hooks = list(step_hooks or [])
         # zero-profiler's StepProfiler (the ``flops_profiler`` section), or None
         self.profiler = profiler
@@ -224,7 +225,7 @@ class ZeroEngine(ForwardToModule, NoSyncMixin, ModelStatesMixin, DeepSpeedAccess
         boundary = self.is_gradient_accumulation_boundary()
         self._note(f"engine.backward of micro-step {self.micro_steps}")
         reduce = self._reduce_in_this_backward(boundary)
-        self._losses.append(float(loss.detach().float().item()))
+        self._losses.append(loss.detach().float().reshape(()))  # on the device: no host sync
         gas_scaled = loss
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             gas_scaled = loss / self.gradient_accumulation_steps()
@@ -272,12 +273,12 @@ class ZeroEngine(ForwardToModule, NoSyncMixin, ModelStatesMixin, DeepSpeedAccess
         if wd is not None:
             wd.note(label)
 
-    def _global_flag(self, flag: bool) -> bool:
-        if not comm.is_initialized() or comm.get_world_size() == 1:
-            return flag
-        t = torch.tensor([1 if flag else 0], dtype=torch.uint8, device=self.device)
-        comm.all_reduce(t, op=comm.ReduceOp.MAX)
-        return bool(t.item())
+    def _global_flag(self, flag: torch.Tensor | bool) -> bool:
+        """OR of a per-rank flag over the world: one all-reduce of one device byte, one host read."""
+        t = torch.as_tensor(flag).to(device=self.device, dtype=torch.uint8).reshape(1)
+        if comm.is_initialized() and comm.get_world_size() > 1:
+            comm.all_reduce(t, op=comm.ReduceOp.MAX)
+        return bool(t.item())  # the one host read of an fp16 step: skip or apply
 
     def _skip_step(self) -> None:
         """End an optimizer boundary without applying the update (non-finite gradients)."""
@@ -298,22 +299,23 @@ class ZeroEngine(ForwardToModule, NoSyncMixin, ModelStatesMixin, DeepSpeedAccess
             if not scaler.dynamic and self.global_rank == 0:
                 warn_static_overflow(scaler.loss_scale, self.global_steps, self.skipped_steps)
             return
-        norm_sq = self.strategy.grad_norm_sq()
+        # One fused sum on the device, one all-reduce (See [Note: scalars stay on the device in the step])
+        norm_sq = self.strategy.grad_norm_sq().to(self.device)
         group = self.strategy.norm_group()
         if group is not None:
             comm.all_reduce(norm_sq, group=group)
-        norm = math.sqrt(float(norm_sq)) * inv_scale
-        if self._skip_nonfinite_bf16 and not math.isfinite(norm):
+        norm = norm_sq.clamp(min=0.0).sqrt() * inv_scale
+        if self._skip_nonfinite_bf16 and not bool(torch.isfinite(norm)):
             # bf16 has fp32's range, so there is no loss scale to lower: as DeepSpeed does with
             # bf16.check_grad_overflow, drop the step rather than write inf/nan into the masters.
             # The norm was reduced over every rank holding gradients, so all ranks agree.
             self._skip_step()
             return
         self._global_grad_norm = norm
-        grad_scale = inv_scale
+        grad_scale: float | torch.Tensor = inv_scale
         clip = self.gradient_clipping()
-        if clip > 0 and norm > clip:
-            grad_scale *= clip / (norm + 1e-6)
+        if clip > 0:
+            grad_scale = clip_coefficient(norm, clip) * inv_scale
         self.strategy.step(grad_scale)
         self.loss_scaler.update_scale(False)
         self.strategy.zero_grad()
@@ -394,20 +396,21 @@ class ZeroEngine(ForwardToModule, NoSyncMixin, ModelStatesMixin, DeepSpeedAccess
         elapsed = max(now - self._last_boundary_time, 1e-9)
         self._last_boundary_time = now
         self._samples_per_sec = self.train_batch_size() / elapsed
-        loss = sum(self._losses) / max(len(self._losses), 1) if self._losses else float("nan")
-        self._last_loss = loss
+        loss_t = torch.stack(self._losses).mean() if self._losses else None
+        self._last_loss = loss_t
         self._losses.clear()
         step = self.global_steps
         events: list[tuple[str, float, int]] = []
         if self.monitor is not None and getattr(self.monitor, "enabled", False):
+            loss = self.last_loss
             events = [
                 ("Train/Samples/train_loss", loss, self.global_samples),
                 ("Train/Samples/lr", self.get_lr()[0], self.global_samples),
                 ("Train/Samples/loss_scale", self.loss_scaler.loss_scale, self.global_samples),
                 ("Train/Samples/samples_per_sec", self._samples_per_sec, self.global_samples),
             ]
-            if self._global_grad_norm is not None:
-                events.append(("Train/Samples/grad_norm", self._global_grad_norm, self.global_samples))
+            if self.get_global_grad_norm() is not None:
+                events.append(("Train/Samples/grad_norm", self.get_global_grad_norm(), self.global_samples))
         every = int(getattr(self.config, "steps_per_print", 10) or 10)
         # collective: every rank is at the same step, so every rank takes this branch
         mem_per_rank = self._model_state_mb_per_rank() if step % every == 0 else None
@@ -420,6 +423,7 @@ class ZeroEngine(ForwardToModule, NoSyncMixin, ModelStatesMixin, DeepSpeedAccess
                 ]
             self.monitor.write_events(events)
         if mem_per_rank is not None and self.global_rank == 0:
+            loss = self.last_loss
             line = (
                 f"[zero] step {step} | loss {loss:.4f} | lr {self.get_lr()[0]:.3e} | "
                 f"samples/s {self._samples_per_sec:.1f} | model states {max(mem_per_rank):.1f} MB/rank (max)"
@@ -450,9 +454,20 @@ class ZeroEngine(ForwardToModule, NoSyncMixin, ModelStatesMixin, DeepSpeedAccess
         comm.all_gather_into_tensor(gathered, torch.tensor([mine], dtype=torch.float64, device=self.device))
         return gathered.tolist()
 
+    def held_step_scalars(self) -> list[torch.Tensor]:
+        """The 0-dim device tensors the engine keeps until they are read (the micro-steps' losses,
+        the last loss, the gradient norm); not model states, so ``memory_breakdown()`` leaves them out."""
+        held = [t for t in (self._last_loss, self._global_grad_norm) if isinstance(t, torch.Tensor)]
+        return [*self._losses, *held]
+
     @property
     def last_loss(self) -> float | None:
-        """Mean loss over the micro-batches of the last optimizer step."""
+        """Mean loss over the micro-batches of the last optimizer step (read from the device on
+        first access: See [Note: scalars stay on the device in the step])."""
+        if self._last_loss is None:
+            return float("nan") if self.global_steps > 0 else None
+        if isinstance(self._last_loss, torch.Tensor):
+            self._last_loss = float(self._last_loss)
         return self._last_loss
 
 

@@ -54,6 +54,7 @@ class _Bucket:
     launched: bool = False
     buffer: torch.Tensor | None = None
     work: Any = None
+    had_grad: list[bool] = field(default_factory=list)  # this rank's, at the last launch
 
 
 class BucketedAllReduce:
@@ -145,7 +146,8 @@ class BucketedAllReduce:
                 dst.zero_()
             elif g.data_ptr() != dst.data_ptr():  # not already this slot (see finish())
                 dst.copy_(g.reshape(-1))
-        buf[bucket.numel :] = torch.tensor([g is not None for g in grads], dtype=dtype)
+        bucket.had_grad = [g is not None for g in grads]
+        buf[bucket.numel :] = torch.tensor(bucket.had_grad, dtype=dtype)
         if self.predivide_factor != 1.0:
             buf[: bucket.numel].div_(self.predivide_factor)
         bucket.launched = True
@@ -164,7 +166,11 @@ class BucketedAllReduce:
             buf = bucket.buffer
             assert buf is not None
             buf[: bucket.numel].div_(post)
-            counts = buf[bucket.numel :].tolist()
+            # Which parameters got a gradient on some rank: a host read, needed only when this
+            # rank lacks one (with a local gradient the count is >= 1), so the usual step has none.
+            # See [Note: scalars stay on the device in the step].
+            local = bucket.had_grad
+            counts = [1] * len(bucket.params) if all(local) else buf[bucket.numel :].tolist()
             for p, off, count in zip(bucket.params, bucket.offsets, counts):
                 if count == 0:
                     p.grad = None

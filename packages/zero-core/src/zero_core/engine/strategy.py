@@ -40,7 +40,7 @@ class TrainingStrategy(Protocol):
     def norm_group(self) -> Any:
         """Process group over which ``grad_norm_sq`` shares are summed (None: no reduction)."""
 
-    def step(self, grad_scale: float) -> None:
+    def step(self, grad_scale: float | torch.Tensor) -> None:
         """Apply the optimizer: gradients are multiplied by ``grad_scale`` first (unscale+clip)."""
 
     def zero_grad(self) -> None: ...

@@ -63,6 +63,29 @@ def _backends() -> dict[str, bool]:
     }
 
 
+def _cuda() -> dict[str, Any]:
+    """CUDA devices as torch sees them: count, name and compute capability of each, and the
+    NCCL version torch was built with (what a GPU job needs to know before it launches)."""
+    import torch
+
+    out: dict[str, Any] = {"available": False, "device_count": 0, "devices": [], "nccl_version": None}
+    try:
+        if not torch.cuda.is_available():
+            return out
+        out["available"] = True
+        out["device_count"] = torch.cuda.device_count()
+        for i in range(out["device_count"]):
+            major, minor = torch.cuda.get_device_capability(i)
+            out["devices"].append(
+                {"index": i, "name": torch.cuda.get_device_name(i), "compute_capability": f"{major}.{minor}"}
+            )
+        nccl = torch.cuda.nccl.version() if torch.distributed.is_nccl_available() else None
+        out["nccl_version"] = ".".join(str(v) for v in nccl) if isinstance(nccl, tuple) else nccl
+    except Exception as exc:  # a broken driver is worth reporting, not crashing on
+        out["error"] = repr(exc)
+    return out
+
+
 def _mpi() -> dict[str, Any]:
     from zero_core.launcher.run import LaunchError, find_mpiexec
 
@@ -108,6 +131,7 @@ def collect_report() -> dict[str, Any]:
         "native_ops": _native_ops(),
         "accelerator": _accelerator(),
         "distributed_backends": _backends(),
+        "cuda_devices": _cuda(),
         "mpi": _mpi(),
     }
 
@@ -145,6 +169,15 @@ def format_report(report: dict[str, Any]) -> str:
     lines += [rule, "distributed", rule]
     for name, ok in report["distributed_backends"].items():
         lines.append(_line(f"backend {name}", "available" if ok else "not available"))
+    cuda = report["cuda_devices"]
+    lines.append(_line("NCCL version", cuda["nccl_version"] or "none"))
+    lines.append(_line("CUDA devices", cuda["device_count"] if cuda["available"] else "none"))
+    for dev in cuda["devices"]:
+        lines.append(
+            _line(f"  cuda:{dev['index']}", f"{dev['name']} (compute capability {dev['compute_capability']})")
+        )
+    if "error" in cuda:
+        lines.append(_line("CUDA error", cuda["error"]))
     mpi = report["mpi"]
     lines.append(_line("mpi4py", mpi.get("mpi4py") or "not installed (pip install mpi4py mpich)"))
     lines.append(_line("MPI library", mpi.get("mpi_library") or "none"))

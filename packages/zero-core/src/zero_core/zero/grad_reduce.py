@@ -336,14 +336,19 @@ class PartitionedGradReducer:
 
     def _check_unused(self) -> None:
         """Raise on every rank, naming them, if some rank produced no gradient for parameters."""
+        from zero_core.accelerator import get_accelerator
+
+        # Built on the host, then moved to the backend's device (NCCL reduces GPU tensors only);
+        # read back with one copy, not one .item() per parameter.
         flags = torch.tensor(
             [1 if id(p) in self._got_grad else 0 for gg in self.groups for p in gg.params], dtype=torch.uint8
-        )
+        ).to(get_accelerator().current_device_name())
         if flags.numel() == 0:
             return
         comm.all_reduce(flags, op=comm.ReduceOp.MIN, group=self.group)
         names = [n for gg in self.groups for n in gg.names]
-        missing = [names[k] for k in range(len(names)) if flags[k].item() == 0]
+        got = flags.tolist()
+        missing = [names[k] for k in range(len(names)) if got[k] == 0]
         if missing:
             raise RuntimeError(
                 "ZeRO gradient reduction: these parameters received no gradient on at least one rank in this "

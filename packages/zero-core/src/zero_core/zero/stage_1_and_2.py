@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from zero_core import comm
+from zero_core.engine.grad_norm import any_nonfinite, needs_scaling, sum_of_squares
 from zero_core.engine.param_groups import reduction_groups
 from zero_core.utils.storage_bytes import StorageLedger, state_tensors
 from zero_core.zero.flat_partition import FlatPartition
@@ -340,22 +341,19 @@ class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedGradWrite,
     def _shard_grads(self) -> list[torch.Tensor]:
         return [self.reducer.shard_grad(g) for g in range(len(self.groups))]
 
-    def local_overflow(self) -> bool:
-        return any(not bool(torch.isfinite(s).all()) for s in self._shard_grads() if s.numel())
+    def local_overflow(self) -> torch.Tensor:
+        """A device flag (0-dim bool): does this rank's gradient shard hold an inf or a NaN?"""
+        return any_nonfinite(self._shard_grads())
 
     def grad_norm_sq(self) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32)
-        for s in self._shard_grads():
-            if s.numel():
-                f = s.float()
-                total += torch.dot(f, f).cpu()
-        return total
+        # fused, in fp32, on the device: See [Note: scalars stay on the device in the step]
+        return sum_of_squares(self._shard_grads())
 
     def norm_group(self) -> Any:
         return self.group if self.group is not None else dist.GroupMember.WORLD
 
     @torch.no_grad()
-    def step(self, grad_scale: float) -> None:
+    def step(self, grad_scale: float | torch.Tensor) -> None:
         if self.offload is not None:
             for g, m in enumerate(self.masters):
                 if not self.offload.is_staged(m):  # not already copied during backward
@@ -366,7 +364,7 @@ class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedGradWrite,
         for g, m in enumerate(self.masters):
             # fp32 gradients are scaled in place: they are zeroed right after the step anyway
             grad = self.reducer.shard_grad(g).float()
-            if grad_scale != 1.0:
+            if needs_scaling(grad_scale):
                 grad.mul_(grad_scale)
             m.grad = grad
         self.optimizer.step()

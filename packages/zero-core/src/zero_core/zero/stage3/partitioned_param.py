@@ -52,7 +52,9 @@ default 300 s; see [Note: collective watchdog]) whether or not checks
 are on, so a rank that never joins gives a :class:`Stage3CollectiveError` naming the
 collective's parameters on the waiting rank instead of a hang.
 
-Checks are on by default. Their cost is one small collective per data collective: the data
+Checks are on by default. Their cost is one small collective per data collective, and one host
+read to compare the headers (a device sync on a GPU; the host-sync counts of [Note: scalars stay
+on the device in the step] are measured with checks off): the data
 collectives are coalesced (a module's parameters or a prefetch bucket per all-gather,
 ``reduce_bucket_size`` per reduce-scatter), so a step of the 21M-parameter benchmark GPT makes
 a few dozen of them; ``tools/bench/results/bench_zero3.md`` measures the step with checks on
@@ -312,8 +314,11 @@ def check_agreement(
     if world == 1 or not collective_checks():
         return
     first = params[0].zero_state.id if params else -1
-    mine = torch.tensor([kind, first, len(params), nbytes], dtype=torch.int64)
-    every = torch.empty(4 * world, dtype=torch.int64)
+    from zero_core.accelerator import get_accelerator
+
+    device = get_accelerator().current_device_name()  # the backend's device (NCCL: the GPU)
+    mine = torch.tensor([kind, first, len(params), nbytes], dtype=torch.int64, device=device)
+    every = torch.empty(4 * world, dtype=torch.int64, device=device)
     work = comm.all_gather_into_tensor(every, mine, group=group, async_op=True)
     _wait(work, f"the agreement check before {what}")
     rows = every.view(world, 4)

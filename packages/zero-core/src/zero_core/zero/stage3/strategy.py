@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from zero_core import comm
+from zero_core.engine.grad_norm import any_nonfinite, needs_scaling, sum_of_squares
 from zero_core.engine.param_groups import is_expert_param
 from zero_core.utils.storage_bytes import StorageLedger, state_tensors
 from zero_core.zero.stage3.expert_partition import partition_group
@@ -228,14 +229,13 @@ class Stage3Strategy(Stage3Checkpointing):
     def _grad_shards(self) -> list[torch.Tensor]:
         return [p.zero_state.grad_shard for p in self.params if p.zero_state.grad_shard is not None]
 
-    def local_overflow(self) -> bool:
-        return any(not bool(torch.isfinite(g).all()) for g in self._grad_shards())
+    def local_overflow(self) -> torch.Tensor:
+        """A device flag (0-dim bool): does this rank's gradient shard hold an inf or a NaN?"""
+        return any_nonfinite(self._grad_shards())
 
     def grad_norm_sq(self) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32)
-        for g in self._grad_shards():
-            total += g.float().pow(2).sum().cpu()
-        return total
+        # fused, in fp32, on the device: See [Note: scalars stay on the device in the step]
+        return sum_of_squares(self._grad_shards())
 
     def norm_group(self) -> Any:
         # The engine reads None as "nothing to reduce": name the default group explicitly.
@@ -244,7 +244,7 @@ class Stage3Strategy(Stage3Checkpointing):
         return self.group if self.group is not None else torch.distributed.GroupMember.WORLD
 
     @torch.no_grad()
-    def step(self, grad_scale: float) -> None:
+    def step(self, grad_scale: float | torch.Tensor) -> None:
         self.wait_reductions()
         self.coordinator.release_all()
         for p in self.params:
@@ -260,7 +260,7 @@ class Stage3Strategy(Stage3Checkpointing):
             elif g is None:
                 m.grad = None
             elif g.dtype == torch.float32 and shares_shard(m, st):
-                m.grad = g.mul_(grad_scale) if grad_scale != 1.0 else g
+                m.grad = g.mul_(grad_scale) if needs_scaling(grad_scale) else g
             else:
                 m.grad = g.float().mul_(grad_scale)
         self.optimizer.step()  # device-side masters (all of them without offload; 1 - ratio with it)
