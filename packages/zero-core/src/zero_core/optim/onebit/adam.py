@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from zero_core.optim.onebit.base import CompressedOptimizer, check_int
+from zero_core.optim.onebit.base import FreezeStepOptimizer, check_int
 
 
 def adam_moments(state: dict[str, Any], p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +53,7 @@ def adam_apply(
     p.addcdiv_(m, denom, value=-step_size)
 
 
-class OnebitAdam(CompressedOptimizer):
+class OnebitAdam(FreezeStepOptimizer):
     """DeepSpeed's ``OnebitAdam(params, deepspeed, lr, freeze_step, bias_correction, betas, eps,
     eps_inside_sqrt, weight_decay, max_grad_norm, amsgrad, cuda_aware, comm_backend_name)``.
 
@@ -94,31 +94,6 @@ class OnebitAdam(CompressedOptimizer):
             amsgrad=amsgrad,
             max_grad_norm=max_grad_norm,
         )
-
-    def communicates_gradients(self) -> bool:
-        return self.phase("compression_step") >= self.freeze_step
-
-    def _has_rank_state(self) -> bool:
-        return self.phase("compression_step") > self.freeze_step
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        done = self.phase("compression_step")
-        compressed = done >= self.freeze_step
-        if not compressed:
-            self.average_dense_gradients()
-        step = done + 1
-        for index, group in enumerate(self.param_groups):
-            if compressed:
-                self._compressed_step(index, group, step)
-            else:
-                self._warmup_step(group, step)
-        self.set_phase("compression_step", step)
-        return loss
 
     def _warmup_step(self, group: dict[str, Any], step: int) -> None:
         beta1, beta2 = group["betas"]

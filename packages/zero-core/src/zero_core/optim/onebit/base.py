@@ -228,3 +228,37 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     def _has_rank_state(self) -> bool:
         return self.phase("compression_step") > 0
+
+
+class FreezeStepOptimizer(CompressedOptimizer):
+    """1-bit Adam's and 1-bit LAMB's phases: dense gradient averaging and the plain update for the
+    first ``freeze_step`` steps, then each parameter group's compressed step. Subclasses set
+    ``freeze_step`` and implement ``_warmup_step(group, step)`` and
+    ``_compressed_step(index, group, step)``."""
+
+    freeze_step: int
+
+    def communicates_gradients(self) -> bool:
+        return self.phase("compression_step") >= self.freeze_step
+
+    def _has_rank_state(self) -> bool:
+        return self.phase("compression_step") > self.freeze_step
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        done = self.phase("compression_step")
+        compressed = done >= self.freeze_step
+        if not compressed:
+            self.average_dense_gradients()
+        step = done + 1
+        for index, group in enumerate(self.param_groups):
+            if compressed:
+                self._compressed_step(index, group, step)
+            else:
+                self._warmup_step(group, step)
+        self.set_phase("compression_step", step)
+        return loss

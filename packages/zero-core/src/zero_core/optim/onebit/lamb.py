@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from zero_core.optim.onebit.base import CompressedOptimizer, check_int, check_number
+from zero_core.optim.onebit.base import FreezeStepOptimizer, check_int, check_number
 
 
 def _lamb_update(
@@ -51,7 +51,7 @@ def _trust_ratio(w: torch.Tensor, update: torch.Tensor, group: dict[str, Any]) -
     return torch.where((w_norm > 0) & (u_norm > 0), ratio, torch.ones_like(ratio))
 
 
-class OnebitLamb(CompressedOptimizer):
+class OnebitLamb(FreezeStepOptimizer):
     """DeepSpeed's ``OnebitLamb(params, deepspeed, lr, freeze_step, bias_correction, betas, eps,
     eps_inside_sqrt, weight_decay, max_grad_norm, max_coeff, min_coeff, amsgrad, cuda_aware,
     comm_backend_name, coeff_beta, factor_max, factor_min, factor_threshold)``.
@@ -110,31 +110,6 @@ class OnebitLamb(CompressedOptimizer):
             amsgrad=amsgrad,
             max_grad_norm=max_grad_norm,
         )
-
-    def communicates_gradients(self) -> bool:
-        return self.phase("compression_step") >= self.freeze_step
-
-    def _has_rank_state(self) -> bool:
-        return self.phase("compression_step") > self.freeze_step
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        done = self.phase("compression_step")
-        compressed = done >= self.freeze_step
-        if not compressed:
-            self.average_dense_gradients()
-        step = done + 1
-        for index, group in enumerate(self.param_groups):
-            if compressed:
-                self._compressed_step(index, group, step)
-            else:
-                self._warmup_step(group, step)
-        self.set_phase("compression_step", step)
-        return loss
 
     def _state(self, p: torch.Tensor) -> dict[str, Any]:
         state = self.state[p]
