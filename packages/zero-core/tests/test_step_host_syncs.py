@@ -132,15 +132,6 @@ def test_step_syncs_and_devices_stages_0_to_3(layers):
         assert max(step) == (0 if case[1] == "fp32" else 1), (case, step)
 
 
-def _offload_case():
-    return _count_step_syncs(2, "fp32", True, 2)
-
-
-def test_step_syncs_with_cpu_optimizer_offload():
-    micro, step = run_multirank(_offload_case, WORLD, timeout=300)[0]
-    assert micro == [0] * len(micro) and max(step) <= 1, (micro, step)
-
-
 def _growth():
     cases = [(1, "fp16", False), (3, "fp32", False)]
     return [(_count_step_syncs(*c, 2), _count_step_syncs(*c, 24)) for c in cases]
