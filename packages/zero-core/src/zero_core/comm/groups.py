@@ -121,9 +121,11 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     require_initialized("destroy_process_group")
     check_group(group, "destroy_process_group")
     if group is None:
+        from zero_core.comm.topology import reset_groups
         from zero_core.comm.watchdog import close_watchdog
 
         close_watchdog()  # its thread must not poll a store that is going away
+        reset_groups()  # cached node/block groups die with the default group
     dist.destroy_process_group(group)
 
 
