@@ -207,6 +207,15 @@ class ZeroOptimizationConfig(ConfigModel):
                 f"zero_optimization.zero_hpz_partition_size: hierarchical partitioning (ZeRO++ hpZ) needs "
                 f"stage 3, got stage {self.stage}"
             )
+        for key in (
+            "zero_quantized_weights",
+            "zero_quantized_nontrainable_weights",
+            "zero_quantized_gradients",
+        ):
+            if getattr(self, key) and self.stage != 3:  # ZeRO++ qwZ / qgZ quantize stage 3's collectives
+                problems.append(
+                    f"zero_optimization.{key}: ZeRO++ quantization needs stage 3, got stage {self.stage}"
+                )
         if problems:
             raise ValueError("\n".join(problems))
         if self.overlap_comm is None:

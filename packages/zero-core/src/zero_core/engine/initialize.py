@@ -301,6 +301,9 @@ def _build_strategy(module: torch.nn.Module, optimizer: torch.optim.Optimizer, c
             param_offload=_param_offload(cfg, group),
             comm_dtype=comm_dtype,
             masters=not eval_only,
+            quantized_weights=bool(zc.zero_quantized_weights),
+            quantized_nontrainable_weights=bool(zc.zero_quantized_nontrainable_weights),
+            quantized_gradients=bool(zc.zero_quantized_gradients),
         )
     raise NotImplementedError(f"zero_optimization.stage {stage} is not available in this build")
 

@@ -92,6 +92,19 @@ class ParamCoordinator:
         self.extra_bytes = 0  # full-size gradients not yet reduced (reported by the strategy)
         self.fallbacks = 0
         self.prefetched = 0
+        # ZeRO++ qwZ: forward gathers of trainable weights (and every gather of frozen ones, with
+        # ``zero_quantized_nontrainable_weights``) travel int8-quantized; backward gathers and
+        # on-demand ones stay full precision. See [Note: quantized weight all-gather (qwZ)].
+        self.quantize_weights = False
+        self.quantize_nontrainable = False
+
+    def _quantize_for(self, phase: str) -> Any:
+        """The ``quantize`` predicate of :func:`gather_params` for a gather of ``phase``."""
+        qw = self.quantize_weights and phase == "forward"
+        qf = self.quantize_nontrainable
+        if not (qw or qf):
+            return None
+        return lambda p: qf if not p.requires_grad else qw
 
     # -- iteration boundaries ----------------------------------------------------------
     def begin_iteration(self, mode: tuple[bool, bool]) -> None:
@@ -124,7 +137,7 @@ class ParamCoordinator:
         params = module_params(module)
         event = (self.index.get(id(module), -1), phase)
         self._advance(event)
-        self._ensure(params, f"{phase} of module {type(module).__name__}#{event[0]}")
+        self._ensure(params, f"{phase} of module {type(module).__name__}#{event[0]}", phase)
         for p in params:
             p.zero_state.active += 1
         self._prefetch()
@@ -134,14 +147,14 @@ class ParamCoordinator:
         """Gather ``params`` now, outside the trace (on-demand access from model code)."""
         self._ensure(params, what)
 
-    def _ensure(self, params: list[torch.nn.Parameter], what: str) -> None:
+    def _ensure(self, params: list[torch.nn.Parameter], what: str, phase: str = "") -> None:
         for p in params:
             h = self.inflight.get(p.zero_state.id)
             if h is not None:
                 h.wait()
                 for q in h.params:
                     self.inflight.pop(q.zero_state.id, None)
-        handle = gather_params(params, what=what)
+        handle = gather_params(params, what=what, quantize=self._quantize_for(phase) if phase else None)
         if handle is not None:
             handle.wait()
             self._track(handle.params)
@@ -211,9 +224,14 @@ class ParamCoordinator:
         )
         bucket: list[torch.nn.Parameter] = []
         seen: set[int] = set()
-        for idx, _phase in self.trace[self.pos :]:
+        first_phase = None
+        for idx, phase in self.trace[self.pos :]:
             if idx < 0:
                 continue
+            if first_phase is None:
+                first_phase = phase
+            elif phase != first_phase and (self.quantize_weights or self.quantize_nontrainable):
+                break  # forward (quantized) and backward (full precision) gathers never share a bucket
             for p in module_params(self.modules[idx]):
                 st = p.zero_state
                 if st.status is not ParamStatus.NOT_AVAILABLE or st.id in seen:
@@ -229,7 +247,7 @@ class ParamCoordinator:
                 break
         if not bucket:
             return
-        handle = gather_params(bucket, what="prefetch")
+        handle = gather_params(bucket, what="prefetch", quantize=self._quantize_for(first_phase or ""))
         if handle is None:
             return
         self.prefetched += len(bucket)

@@ -352,10 +352,13 @@ class GatherHandle:
         offsets: list[int],
         chunk: int,
         what: str,
+        unpack: Any = None,
     ) -> None:
         self.params = params
         self._work = work
         self._recv = recv
+        # qwZ: ``unpack(i, full)`` dequantizes param i (See [Note: quantized weight all-gather (qwZ)])
+        self._unpack = unpack
         self._offsets = offsets
         self._chunk = chunk
         self._what = what
@@ -367,10 +370,12 @@ class GatherHandle:
         self.done = True
         if self._work is not None:
             _wait(self._work, self._what)
-        for p, off in zip(self.params, self._offsets):
+        for i, (p, off) in enumerate(zip(self.params, self._offsets)):
             st = p.zero_state
             st.full.untyped_storage().resize_(st.padded_numel * st.full.element_size())
-            if self._recv is None:
+            if self._unpack is not None:
+                self._unpack(i, st.full)
+            elif self._recv is None:
                 st.full.copy_(st.shard)
                 if st.offload is not None:
                     st.offload.release(p)
@@ -401,27 +406,35 @@ class GroupedGatherHandle:
 
 
 def gather_params(
-    params: Iterable[torch.nn.Parameter], what: str = ""
+    params: Iterable[torch.nn.Parameter], what: str = "", quantize: Any = None
 ) -> GatherHandle | GroupedGatherHandle | None:
     """Start gathering the released parameters among ``params`` (one collective per group).
 
     Each parameter is gathered over the group it is partitioned over: one all-gather for the
     bucket, or one per group when it mixes dense and expert parameters (launched in order of
-    first appearance; see [Note: stage 3 expert parameters]). All ranks must call this with the
-    same parameters in the same order. Returns None when nothing needed gathering.
+    first appearance; see [Note: stage 3 expert parameters]). ``quantize(p)`` (ZeRO++ qwZ, None:
+    never) says which parameters travel int8-quantized; those get a collective of their own.
+    All ranks must call this with the same parameters in the same order. Returns None when
+    nothing needed gathering.
     """
     todo = [p for p in params if p.zero_state.status is ParamStatus.NOT_AVAILABLE]
     if not todo:
         return None
-    by_group: dict[int, list[torch.nn.Parameter]] = {}
+    by_group: dict[tuple[int, bool], list[torch.nn.Parameter]] = {}
     for p in todo:
-        by_group.setdefault(id(p.zero_state.group), []).append(p)
+        q = bool(quantize(p)) if quantize is not None else False
+        by_group.setdefault((id(p.zero_state.group), q), []).append(p)
     if len(by_group) == 1:
-        return _gather_group(todo, todo[0].zero_state.group, what)
-    return GroupedGatherHandle([_gather_group(ps, ps[0].zero_state.group, what) for ps in by_group.values()])
+        ((_, q),) = by_group
+        return _gather_group(todo, todo[0].zero_state.group, what, q)
+    return GroupedGatherHandle(
+        [_gather_group(ps, ps[0].zero_state.group, what, key[1]) for key, ps in by_group.items()]
+    )
 
 
-def _gather_group(todo: list[torch.nn.Parameter], group: Any, what: str) -> GatherHandle:
+def _gather_group(
+    todo: list[torch.nn.Parameter], group: Any, what: str, quantized: bool = False
+) -> GatherHandle:
     label = f"all-gather of {[param_name(p) for p in todo[:4]]}" + (f" ({what})" if what else "")
     world = todo[0].zero_state.world
     offsets, chunk = [], 0
@@ -436,6 +449,14 @@ def _gather_group(todo: list[torch.nn.Parameter], group: Any, what: str) -> Gath
         return GatherHandle(todo, None, None, offsets, chunk, label)
     check_agreement(0, todo, chunk, group, label)
     device = todo[0].zero_state.shard.device
+    if quantized:  # ZeRO++ qwZ: See [Note: quantized weight all-gather (qwZ)]
+        from zero_core.comm.quantized_collectives import quantized_all_gather
+
+        work, unpack = quantized_all_gather([p.zero_state.shard for p in todo], group)
+        for p in todo:
+            if p.zero_state.offload is not None:
+                p.zero_state.offload.release(p)
+        return GatherHandle(todo, work, None, offsets, chunk, label + " (int8)", unpack=unpack)
     send = torch.empty(chunk, dtype=torch.uint8, device=device)
     for p, off in zip(todo, offsets):
         sh = p.zero_state.shard

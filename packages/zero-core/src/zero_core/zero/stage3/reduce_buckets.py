@@ -103,6 +103,10 @@ class GradBucketReducer:
         # ``grad_shard`` (optimizer offload stages them to host memory there, overlapped with the
         # rest of backward; See [Note: gradient staging] in zero_offload). None: nothing to do.
         self.on_reduced: Any = None
+        # ZeRO++ qgZ: ``qgz(out, rows, group)`` starts a quantized reduce-scatter instead (a
+        # ``zero_core.comm.quantized_collectives.QgzReducer``). See [Note: quantized gradient
+        # reduce-scatter (qgZ)]. None: plain reduce-scatter.
+        self.qgz: Any = None
 
     # -- filling --------------------------------------------------------------------------
     def add(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
@@ -156,7 +160,10 @@ class GradBucketReducer:
             check_agreement(1, b.params, buf.numel() * buf.element_size(), st0.group, b.what)
             b.out = torch.empty(b.total, dtype=dtype, device=device)
             b.buffer = buf
-            b.work = comm.reduce_scatter_tensor(b.out, buf.view(-1), group=st0.group, async_op=True)
+            if self.qgz is not None:
+                b.work = self.qgz(b.out, buf, st0.group)
+            else:
+                b.work = comm.reduce_scatter_tensor(b.out, buf.view(-1), group=st0.group, async_op=True)
         self._in_flight.append(b)
         if not self.overlap or len(self._in_flight) > self.max_in_flight:
             self._complete(self._in_flight.popleft())

@@ -80,6 +80,9 @@ class Stage3Strategy(Stage3Checkpointing):
         param_offload: Any = None,
         comm_dtype: torch.dtype | None = None,
         masters: bool = True,
+        quantized_weights: bool = False,
+        quantized_nontrainable_weights: bool = False,
+        quantized_gradients: bool = False,
     ) -> None:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"Stage3Strategy: module must be a torch.nn.Module, got {type(module).__name__}")
@@ -123,11 +126,18 @@ class Stage3Strategy(Stage3Checkpointing):
             max_live_parameters=int(max_live_parameters),
             max_reuse_distance=int(max_reuse_distance),
         )
+        # ZeRO++ qwZ (See [Note: quantized weight all-gather (qwZ)])
+        self.coordinator.quantize_weights = bool(quantized_weights)
+        self.coordinator.quantize_nontrainable = bool(quantized_nontrainable_weights)
         for po in self._param_offloads():
             po.follow(self.coordinator)  # read ahead in the recorded module order
         self.reducer = GradBucketReducer(
             int(reduce_bucket_size), overlap=bool(overlap_comm), comm_dtype=comm_dtype
         )
+        if quantized_gradients:  # ZeRO++ qgZ (See [Note: quantized gradient reduce-scatter (qgZ)])
+            from zero_core.comm.quantized_collectives import QgzReducer
+
+            self.reducer.qgz = QgzReducer(group)
         self.hooks = Stage3Hooks(
             module,
             self.coordinator,
