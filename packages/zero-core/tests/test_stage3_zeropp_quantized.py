@@ -169,3 +169,136 @@ def test_training_tracks_plain_stage3(world, env, dtype, top, names):
         worst = max(abs(a - b) / b for a, b in zip(got, plain))
         assert worst < 0.02, (name, worst, got, plain)
         assert got != plain  # the switch changed what travelled
+
+
+# -- bytes per step against the formulas --------------------------------------------------------
+def _step_bytes(q: dict) -> dict:
+    import zero_core
+    from zero_core import comm
+    from zero_core.zero.stage3.partitioned_param import set_collective_checks
+
+    set_collective_checks(False)  # only the data collectives in the counts
+    cfg = _config(q, "bf16")
+    # no prefetch: backward's gathers then happen in backward, not during forward
+    cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = 0
+    engine, *_ = zero_core.initialize(model=_model(), config=cfg)
+    log = comm.comms_logger
+    out = {}
+    for step in range(2):  # the second step follows the recorded trace (prefetching)
+        x, y = _batch(step, comm.get_rank(), torch.bfloat16)
+        log.reset()
+        log.enable()
+        loss = (engine(x).float() - y).pow(2).mean()
+        out["fwd_ag"] = log.bytes_for("all_gather_into_tensor")
+        engine.backward(loss)
+        engine.step()
+        log.disable()
+        out["bwd_ag"] = log.bytes_for("all_gather_into_tensor") - out["fwd_ag"]
+        out["rs"] = log.bytes_for("reduce_scatter_tensor")
+        out["a2a"] = {str(k[1]): v.bytes for k, v in log.summary().items() if k[0] == "all_to_all_single"}
+    set_collective_checks(True)
+    return out
+
+
+def _bytes_of_each() -> list[dict]:
+    return [_step_bytes(q) for q in ({}, QW, QG)]
+
+
+def test_bytes_per_step_match_the_formulas():
+    """2 nodes x 2, bf16, Ψ weights: plain stage 3 gathers 2Ψ bytes in forward and again in
+    backward and reduce-scatters 2Ψ. qwZ: forward ~Ψ (int8 + a 4-byte scale per 256), backward
+    2Ψ. qgZ: no reduce-scatter; Ψ/2 (int4) inside the node, Ψ/2 x nodes/N across, plus scales."""
+    psi = 3 * D * D + D * 8
+    plain, qw, qg = run_multirank(_bytes_of_each, 4, env=TWO_NODES, timeout=300)[0]
+    assert plain["fwd_ag"] == plain["bwd_ag"] == plain["rs"] == 2 * psi
+    assert plain["a2a"] == {}
+    assert abs(qw["fwd_ag"] / plain["fwd_ag"] - 0.5) <= 0.05 * 0.5
+    assert qw["bwd_ag"] == plain["bwd_ag"] and qw["rs"] == plain["rs"]
+    assert qg["rs"] == 0 and qg["fwd_ag"] == qg["bwd_ag"] == 2 * psi
+    intra, inter = qg["a2a"]["(0, 1)"], qg["a2a"]["(0, 2)"]
+    assert abs(intra / plain["rs"] - 0.25) <= 0.05 * 0.25
+    assert abs(inter / plain["rs"] - 0.25 * 2 / 4) <= 0.05 * 0.25 * 2 / 4
+
+
+# -- full precision where it must be ----------------------------------------------------------
+def _full_precision_checks(tmp: str) -> dict:
+    import zero_core
+    from zero_core import comm
+
+    rank = comm.get_rank()
+    engine, *_ = zero_core.initialize(model=_model(), config=_config(BOTH, "bf16"))
+    seen = {}
+    first = engine.module[0]
+    first.register_forward_hook(lambda m, i, o: seen.__setitem__("fwd", m.weight.detach().clone()))
+    for step in range(2):
+        x, y = _batch(step, rank, torch.bfloat16)
+        engine.backward((engine(x).float() - y).pow(2).mean())
+        engine.step()
+    x, _ = _batch(5, rank, torch.bfloat16)
+    engine(x)
+    st = first.weight.zero_state
+    exact = torch.empty(st.padded_numel, dtype=st.shard.dtype)
+    comm.all_gather_into_tensor(exact, st.shard)
+    exact = exact[: st.numel].view(st.shape)
+    master = engine.strategy.master[st.id]
+    with zero_core.GatheredParameters([first.weight]):
+        gathered = first.weight.detach().clone()
+    fwd = seen["fwd"].float()
+    err = (fwd - exact.float()).abs().max()
+    # int8 rounding (absmax / 254 per block) plus bf16's rounding of the dequantized value
+    bound = exact.float().abs().max() * (1 / 254 + 2**-8)
+    engine.save_checkpoint(tmp, tag="q")
+    # the checkpoint is plain stage 3's: a plain engine loads it and holds the same weights
+    plain, *_ = zero_core.initialize(model=_model(), config=_config({}, "bf16"))
+    plain.load_checkpoint(tmp, tag="q")
+    with zero_core.GatheredParameters([plain.module[0].weight]):
+        reloaded = plain.module[0].weight.detach().clone()
+    return {
+        "gathered_exact": torch.equal(gathered, exact),
+        "fwd_quantized": (bool(err > 0) and bool(err <= bound)) or (float(err), float(bound)),
+        "master_fp32": master.dtype == torch.float32
+        and torch.equal(master.detach().to(st.shard.dtype), st.shard),
+        "reloaded": torch.equal(reloaded, exact),
+    }
+
+
+def test_gathered_parameters_masters_and_checkpoints_stay_full_precision(tmp_path):
+    for r in run_multirank(_full_precision_checks, 2, args=(str(tmp_path),), timeout=240):
+        assert r == {"gathered_exact": True, "fwd_quantized": True, "master_fp32": True, "reloaded": True}
+
+
+def _init_and_frozen() -> list[float]:
+    import zero_core
+    from zero_core import comm
+
+    cfg = _config({**BOTH, "zero_quantized_nontrainable_weights": True}, "bf16")
+    with zero_core.Init(config_dict_or_path=cfg):
+        model = _model()
+    model[0].weight.requires_grad_(False)  # frozen: gathered int8 in forward and backward
+    engine, *_ = zero_core.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=cfg
+    )
+    out = []
+    for step in range(6):
+        x, y = _batch(step, comm.get_rank(), torch.bfloat16)
+        loss = (engine(x).float() - y).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        out.append(float(loss))
+    return out
+
+
+def test_zero_init_and_frozen_weights():
+    losses = run_multirank(_init_and_frozen, 2, timeout=240)[0]
+    assert losses[-1] < losses[0]
+
+
+def test_quantization_needs_stage_3():
+    from zero_core.config import load_config
+
+    for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients"):
+        cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2, key: True}}
+        with pytest.raises(
+            ValueError, match=f"zero_optimization.{key}: ZeRO\\+\\+ quantization needs stage 3"
+        ):
+            load_config(cfg)
