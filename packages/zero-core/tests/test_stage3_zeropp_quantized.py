@@ -267,30 +267,48 @@ def test_gathered_parameters_masters_and_checkpoints_stay_full_precision(tmp_pat
         assert r == {"gathered_exact": True, "fwd_quantized": True, "master_fp32": True, "reloaded": True}
 
 
-def _init_and_frozen() -> list[float]:
+def _init_and_frozen() -> dict:
     import zero_core
     from zero_core import comm
 
     cfg = _config({**BOTH, "zero_quantized_nontrainable_weights": True}, "bf16")
     with zero_core.Init(config_dict_or_path=cfg):
         model = _model()
-    model[0].weight.requires_grad_(False)  # frozen: gathered int8 in forward and backward
+    frozen = model[0].weight
+    frozen.requires_grad_(False)  # stored int8, gathered int8 in forward and backward
+    with zero_core.GatheredParameters([frozen]):
+        before = frozen.detach().clone().to(torch.bfloat16)
     engine, *_ = zero_core.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=cfg
     )
-    out = []
+    st = frozen.zero_state
+    losses = []
     for step in range(6):
         x, y = _batch(step, comm.get_rank(), torch.bfloat16)
         loss = (engine(x).float() - y).pow(2).mean()
         engine.backward(loss)
         engine.step()
-        out.append(float(loss))
-    return out
+        losses.append(float(loss))
+    with zero_core.GatheredParameters([frozen]):
+        after = frozen.detach().clone()
+    err = (after.float() - before.float()).abs().max()
+    return {
+        "losses": losses,
+        "shard_bytes": st.shard.untyped_storage().nbytes(),
+        "quantized_bytes": engine.strategy.memory_breakdown().get("quantized_parameters"),
+        "shard_numel": st.shard_numel,
+        "stored_quantized": bool(err > 0)
+        and float(err) <= float(before.float().abs().max()) * (1 / 254 + 2**-8),
+    }
 
 
-def test_zero_init_and_frozen_weights():
-    losses = run_multirank(_init_and_frozen, 2, timeout=240)[0]
-    assert losses[-1] < losses[0]
+def test_zero_init_and_frozen_weights_stored_quantized():
+    r = run_multirank(_init_and_frozen, 2, timeout=240)[0]
+    assert r["losses"][-1] < r["losses"][0]
+    assert r["shard_bytes"] == 0  # the 16-bit shard holds no memory between gathers
+    n = r["shard_numel"]  # 32768, a multiple of the block: int8 + a 4-byte scale per 256
+    assert r["quantized_bytes"] == n + 4 * n // 256
+    assert r["stored_quantized"]
 
 
 def test_quantization_needs_stage_3():

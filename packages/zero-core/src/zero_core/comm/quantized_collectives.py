@@ -76,20 +76,28 @@ def _unpack(packed: torch.Tensor, cols: int, bits: int, block: int) -> torch.Ten
 
 # -- qwZ ------------------------------------------------------------------------------------
 def quantized_all_gather(
-    shards: list[torch.Tensor], group: Any = None, *, bits: int = WEIGHT_BITS, block_size: int = WEIGHT_BLOCK
+    shards: list[torch.Tensor],
+    group: Any = None,
+    *,
+    bits: int = WEIGHT_BITS,
+    block_size: int = WEIGHT_BLOCK,
+    aligned: bool = False,
 ) -> tuple[Any, Callable[[int, torch.Tensor], None]]:
     """Start an all-gather of ``shards`` (this rank's, same sizes on every rank) quantized.
 
     Returns ``(work, unpack)``: after ``work.wait()``, ``unpack(i, full)`` writes the gathered,
     dequantized values of shard ``i`` from every rank (rank order, ``world * shard.numel()``
-    elements) into the flat tensor ``full`` in its dtype. See [Note: quantized weight all-gather (qwZ)].
+    elements) into the flat tensor ``full`` in its dtype. ``aligned`` starts every shard on a block
+    boundary (the blocks of shards stored quantized; see [Note: quantized frozen shards]). See
+    [Note: quantized weight all-gather (qwZ)].
     """
     if not shards:
         raise ValueError("quantized_all_gather: no shards to gather")
     world = comm.get_world_size(group)
     sizes = [s.numel() for s in shards]
-    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-    cols = num_blocks(sum(sizes), block_size) * block_size
+    step = [num_blocks(n, block_size) * block_size if aligned else n for n in sizes]
+    offsets = [sum(step[:i]) for i in range(len(step))]
+    cols = num_blocks(sum(step), block_size) * block_size
     stream = torch.zeros(1, cols, dtype=torch.float32, device=shards[0].device)
     for s, off in zip(shards, offsets):
         stream[0, off : off + s.numel()].copy_(s.reshape(-1))

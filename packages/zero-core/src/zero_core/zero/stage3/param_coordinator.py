@@ -104,7 +104,8 @@ class ParamCoordinator:
         qf = self.quantize_nontrainable
         if not (qw or qf):
             return None
-        return lambda p: qf if not p.requires_grad else qw
+        # frozen shards are stored quantized (See [Note: quantized frozen shards]): send their blocks
+        return lambda p: ("aligned" if qf else False) if not p.requires_grad else qw
 
     # -- iteration boundaries ----------------------------------------------------------
     def begin_iteration(self, mode: tuple[bool, bool]) -> None:

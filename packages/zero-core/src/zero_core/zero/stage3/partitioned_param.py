@@ -413,16 +413,17 @@ def gather_params(
     Each parameter is gathered over the group it is partitioned over: one all-gather for the
     bucket, or one per group when it mixes dense and expert parameters (launched in order of
     first appearance; see [Note: stage 3 expert parameters]). ``quantize(p)`` (ZeRO++ qwZ, None:
-    never) says which parameters travel int8-quantized; those get a collective of their own.
+    never) says which parameters travel int8-quantized (True, or ``"aligned"`` for shards stored
+    quantized); those get a collective of their own.
     All ranks must call this with the same parameters in the same order. Returns None when
     nothing needed gathering.
     """
     todo = [p for p in params if p.zero_state.status is ParamStatus.NOT_AVAILABLE]
     if not todo:
         return None
-    by_group: dict[tuple[int, bool], list[torch.nn.Parameter]] = {}
+    by_group: dict[tuple[int, Any], list[torch.nn.Parameter]] = {}
     for p in todo:
-        q = bool(quantize(p)) if quantize is not None else False
+        q = (quantize(p) or False) if quantize is not None else False
         by_group.setdefault((id(p.zero_state.group), q), []).append(p)
     if len(by_group) == 1:
         ((_, q),) = by_group
@@ -433,7 +434,7 @@ def gather_params(
 
 
 def _gather_group(
-    todo: list[torch.nn.Parameter], group: Any, what: str, quantized: bool = False
+    todo: list[torch.nn.Parameter], group: Any, what: str, quantized: Any = False
 ) -> GatherHandle:
     label = f"all-gather of {[param_name(p) for p in todo[:4]]}" + (f" ({what})" if what else "")
     world = todo[0].zero_state.world
@@ -452,7 +453,8 @@ def _gather_group(
     if quantized:  # ZeRO++ qwZ: See [Note: quantized weight all-gather (qwZ)]
         from zero_core.comm.quantized_collectives import quantized_all_gather
 
-        work, unpack = quantized_all_gather([p.zero_state.shard for p in todo], group)
+        shards = [p.zero_state.shard for p in todo]
+        work, unpack = quantized_all_gather(shards, group, aligned=quantized == "aligned")
         for p in todo:
             if p.zero_state.offload is not None:
                 p.zero_state.offload.release(p)

@@ -113,6 +113,10 @@ class Stage3Strategy(Stage3Checkpointing):
         self._partition_and_make_masters()
         if param_offload is not None:
             param_offload.adopt(self.params)
+        if quantized_nontrainable_weights:  # See [Note: quantized frozen shards]
+            from zero_core.zero.stage3.quantized_shards import QuantizedShardStore
+
+            QuantizedShardStore().adopt(self.params)
         self.offload = optimizer_offload  # See [Note: optimizer offload hook] in zero_offload
         if self.offload is not None:
             self._offload_masters(float(offload_ratio))
