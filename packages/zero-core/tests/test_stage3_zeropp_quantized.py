@@ -320,3 +320,18 @@ def test_quantization_needs_stage_3():
             ValueError, match=f"zero_optimization.{key}: ZeRO\\+\\+ quantization needs stage 3"
         ):
             load_config(cfg)
+
+
+def test_loco_is_refused():
+    from zero_core.config import load_config
+
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {
+            "stage": 3,
+            "zero_quantized_gradients": True,
+            "zeropp_loco_param": {"err_beta": 0.8},
+        },
+    }
+    with pytest.raises(ValueError, match="zeropp_loco_param: LoCo error feedback .* is not implemented"):
+        load_config(cfg)

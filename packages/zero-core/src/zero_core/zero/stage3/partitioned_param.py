@@ -386,7 +386,7 @@ class GatherHandle:
                 st.full.view(torch.uint8).view(st.world, nb).copy_(src)
             p.data = _full_view(st)
             st.status = ParamStatus.AVAILABLE
-        self._recv = None
+        self._recv = self._unpack = None
 
 
 class GroupedGatherHandle:
