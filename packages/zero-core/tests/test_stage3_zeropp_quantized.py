@@ -162,9 +162,9 @@ def test_training_tracks_plain_stage3(world, env, dtype, top, names):
 
     fp32 training is supported: the weights travel int8 instead of fp32 (a quarter of the bytes).
     """
-    res = run_multirank(_all_losses, world, args=(dtype, 16, top, names), env=env, timeout=300)[0]
+    res = run_multirank(_all_losses, world, args=(dtype, 12, top, names), env=env, timeout=300)[0]
     plain = res.pop("plain")
-    assert sum(plain[-4:]) < 0.85 * sum(plain[:4])  # it learns
+    assert sum(plain[-3:]) < 0.9 * sum(plain[:3])  # it learns
     for name, got in res.items():
         worst = max(abs(a - b) / b for a, b in zip(got, plain))
         assert worst < 0.02, (name, worst, got, plain)
@@ -204,17 +204,22 @@ def _bytes_of_each() -> list[dict]:
     return [_step_bytes(q) for q in ({}, QW, QG)]
 
 
-def test_bytes_per_step_match_the_formulas():
-    """2 nodes x 2, bf16, Ψ weights: plain stage 3 gathers 2Ψ bytes in forward and again in
-    backward and reduce-scatters 2Ψ. qwZ: forward ~Ψ (int8 + a 4-byte scale per 256), backward
-    2Ψ. qgZ: no reduce-scatter; Ψ/2 (int4) inside the node, Ψ/2 x nodes/N across, plus scales."""
+@pytest.mark.parametrize("world,env", [(2, None), (4, TWO_NODES)])
+def test_bytes_per_step_match_the_formulas(world, env):
+    """bf16, Ψ weights: plain stage 3 gathers 2Ψ bytes in forward and again in backward and
+    reduce-scatters 2Ψ. qwZ: forward ~Ψ (int8 + a 4-byte scale per 256), backward 2Ψ. qgZ: no
+    reduce-scatter; Ψ/2 (int4) inside the node and, with 2 nodes x 2, Ψ/2 x nodes/N across."""
     psi = 3 * D * D + D * 8
-    plain, qw, qg = run_multirank(_bytes_of_each, 4, env=TWO_NODES, timeout=300)[0]
+    plain, qw, qg = run_multirank(_bytes_of_each, world, env=env, timeout=300)[0]
     assert plain["fwd_ag"] == plain["bwd_ag"] == plain["rs"] == 2 * psi
     assert plain["a2a"] == {}
     assert abs(qw["fwd_ag"] / plain["fwd_ag"] - 0.5) <= 0.05 * 0.5
     assert qw["bwd_ag"] == plain["bwd_ag"] and qw["rs"] == plain["rs"]
     assert qg["rs"] == 0 and qg["fwd_ag"] == qg["bwd_ag"] == 2 * psi
+    if world == 2:  # one node: one hop
+        assert set(qg["a2a"]) == {"(0, 1)"}
+        assert abs(qg["a2a"]["(0, 1)"] / plain["rs"] - 0.25) <= 0.05 * 0.25
+        return
     intra, inter = qg["a2a"]["(0, 1)"], qg["a2a"]["(0, 2)"]
     assert abs(intra / plain["rs"] - 0.25) <= 0.05 * 0.25
     assert abs(inter / plain["rs"] - 0.25 * 2 / 4) <= 0.05 * 0.25 * 2 / 4
