@@ -73,13 +73,16 @@ def quantize_blocks(x: torch.Tensor, bits: int = 8, block_size: int = 256) -> Qu
     flat = x.reshape(-1)
     n = flat.numel()
     nb = num_blocks(n, block_size)
-    blocks = torch.zeros(nb * block_size, dtype=torch.float32, device=x.device)
-    blocks[:n].copy_(flat)
-    blocks = blocks.view(nb, block_size)
+    if n == nb * block_size:  # whole blocks: no padded copy (large gradient buckets)
+        blocks = flat.view(nb, block_size)
+    else:
+        blocks = torch.zeros(nb * block_size, dtype=torch.float32, device=x.device)
+        blocks[:n].copy_(flat)
+        blocks = blocks.view(nb, block_size)
     qmax = QMAX[bits]
-    scales = blocks.abs().amax(dim=1) / qmax
+    scales = blocks.abs().amax(dim=1).float() / qmax
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round(blocks / safe.unsqueeze(1)).clamp_(-qmax, qmax).to(torch.int8)
+    q = torch.round(blocks.float() / safe.unsqueeze(1)).clamp_(-qmax, qmax).to(torch.int8)
     if bits == 8:
         payload = q.view(torch.uint8).reshape(-1)
     else:

@@ -146,8 +146,11 @@ class QuantizedReduceScatter:
                 f"quantized_reduce_scatter: {n} rows but the groups hold {self.local} x {self.nodes} ranks"
             )
         self.cols = num_blocks(s, block) * block
-        padded = rows.new_zeros(n, self.cols, dtype=torch.float32)
-        padded[:, :s].copy_(rows)
+        if self.cols == s:  # whole blocks: no padded copy
+            padded = rows
+        else:
+            padded = rows.new_zeros(n, self.cols)
+            padded[:, :s].copy_(rows)
         # peer j (local index) receives rows m * L + j for every node m: (L, M * cols)
         by_peer = padded.view(self.nodes, self.local, self.cols).transpose(0, 1).reshape(-1, self.cols)
         send = _pack(by_peer, bits, block).view(self.local, -1)
