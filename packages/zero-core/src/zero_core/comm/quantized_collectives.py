@@ -8,7 +8,11 @@ about half of a 16-bit gather, a quarter of an fp32 one, plus 4 bytes of scale p
 Blocks may span two parameters of the bucket, as in DeepSpeed's flat-buffer quantization;
 padding is per bucket, not per parameter. On arrival every rank's stream is dequantized into
 the parameters' full buffers in their dtype. Only the gathered copy is approximate: the shard
-and the fp32 master are never quantized.
+and the fp32 master are never quantized. Stage 3 quantizes the gathers of the forward pass only
+(the coordinator knows the phase; a prefetch bucket never spans forward and backward): backward,
+``GatheredParameters`` and other on-demand gathers are full precision. A weight still gathered
+from forward when it is used again (``max_reuse_distance``, or code inside that module's forward)
+is the quantized copy, as the forward computed with it.
 
 [Note: quantized gradient reduce-scatter (qgZ)]
 A gradient bucket is a ``(N, S)`` buffer whose row r is what rank r must receive summed (see
