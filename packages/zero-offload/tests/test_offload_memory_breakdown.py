@@ -2,8 +2,8 @@
 
 Device-side categories and the offload's ``host_*`` pools together equal the distinct storages
 of every live tensor (found by the garbage collector), after forward (activations saved for
-backward set apart), backward and step; at stages 2 and 3, fp32 and bf16, optimizer offload to
-CPU and NVMe and, at stage 3, parameter offload to CPU. Keys naming NVMe bytes are file bytes,
+backward set apart), backward and step; at stages 1, 2 and 3, fp32, bf16 and fp16, optimizer
+offload to CPU and NVMe and, at stage 3, parameter offload to CPU. Keys naming NVMe bytes are file bytes,
 not memory, and are left out of the sum. See [Note: memory breakdown counts storages] in
 zero_core/utils/storage_bytes.py.
 """
@@ -22,7 +22,14 @@ CASES = [
     (3, "fp32", {"offload_optimizer": {"device": "cpu"}}),
     (3, "bf16", {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}),
     (3, "fp32", {"offload_optimizer": {"device": "nvme", "nvme_path": None, "buffer_count": 3}}),
+    # the remaining stage / precision / offload combinations
+    (1, "bf16", {"offload_optimizer": {"device": "cpu"}}),
+    (2, "fp16", {"offload_optimizer": {"device": "cpu"}}),
+    (2, "bf16", {"offload_optimizer": {"device": "nvme", "nvme_path": None, "buffer_count": 3}}),
+    (3, "fp32", {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}),
+    (3, "fp16", {"offload_optimizer": {"device": "cpu"}}),
 ]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _one_case(stage: int, precision: str, offload: dict) -> list[tuple]:
@@ -38,10 +45,12 @@ def _one_case(stage: int, precision: str, offload: dict) -> list[tuple]:
     }
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
+    elif precision == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 4}
     engine, *_ = zero_core.initialize(
         model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-3), config=cfg
     )
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    dtype = DTYPES[precision]
     out = []
 
     def once(held: list, saved: set) -> tuple[int, int, dict]:
@@ -76,7 +85,7 @@ def _case_rank(nvme: str) -> list[tuple]:
     rows = []
     for stage, precision, offload in CASES:
         if "nvme_path" in offload["offload_optimizer"]:
-            offload = {"offload_optimizer": {**offload["offload_optimizer"], "nvme_path": nvme}}
+            offload = {**offload, "offload_optimizer": {**offload["offload_optimizer"], "nvme_path": nvme}}
         rows += _one_case(stage, precision, offload)
     return rows
 

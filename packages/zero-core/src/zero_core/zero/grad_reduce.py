@@ -138,6 +138,20 @@ class PartitionedGradReducer:
                 slots = [self._slot[(g, c.index)] for c, _ in gg.layout.chunks_of_param(i)]
                 self._where[id(p)] = (g, i, slots)
         self._needed = [len(self.groups[g].layout.chunks[c].slices) for g, c in self.order]
+        # param id -> [(slot, chunk_lo, param_lo, numel)]: where the hook copies a gradient into
+        # buckets, computed once (the hook runs for every parameter on every micro-step)
+        self._copies: dict[int, list[tuple[int, int, int, int]]] = {}
+        for g, gg in enumerate(self.groups):
+            for i, p in enumerate(gg.params):
+                self._copies[id(p)] = [
+                    (self._slot[(g, c.index)], s.chunk_lo, s.param_lo, s.numel)
+                    for c, _ in gg.layout.chunks_of_param(i)
+                    for s in c.slices
+                    if s.param_index == i
+                ]
+        # Spent bucket buffers kept for the next chunks (see _bucket): at most _MAX_IN_FLIGHT + 1
+        # are alive at once, so reusing them saves an allocation (and its page faults) per chunk.
+        self._spare: list[torch.Tensor] = []
 
         # Gradient storage (see the Note): stage 1 full flat buffers, stage 2 shards.
         self.flat_grads: list[torch.Tensor] = []
@@ -184,10 +198,11 @@ class PartitionedGradReducer:
         self._got_grad: set[int] = set()
 
     def live_buffers(self) -> list[torch.Tensor]:
-        """Bucket buffers alive right now (none between backward passes); some may be views of
+        """Bucket buffers alive right now (between backward passes only the few spare ones kept
+        for reuse, stage 2); some may be views of
         the flat gradients, which the caller's ledger counts once. See [Note: memory breakdown
         counts storages] in zero_core/utils/storage_bytes.py."""
-        return list(self._buffers.values()) + [t for p in self._pending for t in (p.inp, p.out)]
+        return [*self._buffers.values(), *self._spare, *(t for p in self._pending for t in (p.inp, p.out))]
 
     # -- the round --------------------------------------------------------------------------
     def arm(self, is_boundary: bool) -> None:
@@ -222,13 +237,8 @@ class PartitionedGradReducer:
         self._got_grad.add(id(param))
         if self.partition_grads and self.contiguous:
             flat = param.grad.reshape(-1)
-            for slot in slots:
-                g2, c = self.order[slot]
-                chunk = self.groups[g2].layout.chunks[c]
-                buf = self._bucket(slot)
-                for s in chunk.slices:
-                    if s.param_index == i:
-                        buf[s.chunk_lo : s.chunk_lo + s.numel].copy_(flat[s.param_lo : s.param_hi])
+            for slot, chunk_lo, param_lo, numel in self._copies[id(param)]:
+                self._bucket(slot)[chunk_lo : chunk_lo + numel].copy_(flat[param_lo : param_lo + numel])
             param.grad = None
         for slot in slots:
             self._ready[slot] += 1
@@ -239,8 +249,13 @@ class PartitionedGradReducer:
         buf = self._buffers.get(slot)
         if buf is None:
             g, c = self.order[slot]
-            chunk = self.groups[g].layout.chunks[c]
-            buf = torch.zeros(chunk.padded, dtype=self._dtype(g), device=self._device(g))
+            n, dtype = self.groups[g].layout.chunks[c].padded, self._dtype(g)
+            spare = next((t for t in self._spare if t.numel() >= n and t.dtype == dtype), None)
+            if spare is not None:
+                self._spare.remove(spare)
+                buf = spare[:n].zero_()  # zeros where no gradient lands (padding, unused parameters)
+            else:
+                buf = torch.zeros(n, dtype=dtype, device=self._device(g))
             self._buffers[slot] = buf
         return buf
 
@@ -314,6 +329,8 @@ class PartitionedGradReducer:
             dst.copy_(pend.out)
         if self.on_reduced is not None:
             self.on_reduced(pend.g, lo, dst)
+        if self.partition_grads and len(self._spare) <= _MAX_IN_FLIGHT:  # a bucket buffer: reuse it
+            self._spare.append(pend.inp if pend.inp._base is None else pend.inp._base)
 
     def finish(self) -> None:
         """Launch what is left in order, wait for everything, and check for unused parameters."""
