@@ -71,7 +71,6 @@ def _measure_rank(precisions: list[str]) -> dict:
     from zero_core import comm
     from zero_core.comm.logger import bus_bandwidth_factor
 
-    n = comm.get_world_size()
     out: dict = {}
     for precision in precisions:
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
