@@ -295,6 +295,7 @@ def main() -> None:
         _memory_only(args, run_multirank)
         return
     names = ["ddp", "stage0", "stage1", "stage2"] + (["ds1", "ds2"] if args.deepspeed_path else [])
+    commit = git_commit("packages/zero-core", "tools/bench")  # the code measured: read before the run
     load = _timing.LoadLog()
     t_start = time.perf_counter()
     res = run_multirank(
@@ -322,7 +323,7 @@ def main() -> None:
         f"- machine: {os.cpu_count()} CPUs ({cpu_model()}), {platform.platform()}; shared with other jobs",
         f"- load: {load.describe()}",
         f"- versions: {versions}",
-        f"- git commit: {git_commit('packages/zero-core', 'tools/bench')}",
+        f"- git commit: {commit}",
         f"- command: `OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_zero12.py --passes {args.passes} "
         f"--steps {args.steps}{ds_flag}`",
         f"- model: examples/gpt.py GPT d_model 256, 4 layers, seq 128, Ψ = {res[0]['params']:,} parameters; "

@@ -313,6 +313,7 @@ def main() -> None:
 
         names.append("deepspeed3")
         versions += f", deepspeed {deepspeed.__version__} (DS_ACCELERATOR={os.environ['DS_ACCELERATOR']})"
+    commit = git_commit("packages/zero-core", "tools/bench")  # the code measured: read before the run
     load = _timing.LoadLog()
     t0 = time.perf_counter()
     res = {}
@@ -335,7 +336,7 @@ def main() -> None:
         f"- machine: {os.cpu_count()} CPUs ({cpu_model()}), {platform.platform()}; shared with other jobs",
         f"- load: {load.describe()}",
         f"- versions: {versions}",
-        f"- git commit: {git_commit('packages/zero-core', 'tools/bench')}",
+        f"- git commit: {commit}",
         f"- command: `OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_zero3.py --passes {a.passes} "
         f"--steps {a.steps}{flag}`",
         f"- model: examples/gpt.py GPT d_model 512, 6 layers, 8 heads, seq 128, Ψ = {psi:,}; micro-batch {MICRO} "

@@ -149,8 +149,9 @@ class PartitionedGradReducer:
                     for s in c.slices
                     if s.param_index == i
                 ]
-        # Spent bucket buffers kept for the next chunks (see _bucket): at most _MAX_IN_FLIGHT + 1
-        # are alive at once, so reusing them saves an allocation (and its page faults) per chunk.
+        # Spent bucket buffers kept for the next chunks of the same backward (see _bucket): at most
+        # _MAX_IN_FLIGHT + 1 are alive at once, so reusing them saves an allocation (and its page
+        # faults) per chunk. finish() drops them: no bucket outlives the backward pass.
         self._spare: list[torch.Tensor] = []
 
         # Gradient storage (see the Note): stage 1 full flat buffers, stage 2 shards.
@@ -198,8 +199,7 @@ class PartitionedGradReducer:
         self._got_grad: set[int] = set()
 
     def live_buffers(self) -> list[torch.Tensor]:
-        """Bucket buffers alive right now (between backward passes only the few spare ones kept
-        for reuse, stage 2); some may be views of
+        """Bucket buffers alive right now (none between backward passes); some may be views of
         the flat gradients, which the caller's ledger counts once. See [Note: memory breakdown
         counts storages] in zero_core/utils/storage_bytes.py."""
         return [*self._buffers.values(), *self._spare, *(t for p in self._pending for t in (p.inp, p.out))]
@@ -250,12 +250,14 @@ class PartitionedGradReducer:
         if buf is None:
             g, c = self.order[slot]
             n, dtype = self.groups[g].layout.chunks[c].padded, self._dtype(g)
-            spare = next((t for t in self._spare if t.numel() >= n and t.dtype == dtype), None)
-            if spare is not None:
-                self._spare.remove(spare)
-                buf = spare[:n].zero_()  # zeros where no gradient lands (padding, unused parameters)
+            k = next((k for k, t in enumerate(self._spare) if t.numel() >= n and t.dtype == dtype), None)
+            if k is not None:
+                buf = self._spare.pop(k)[:n]
             else:
-                buf = torch.zeros(n, dtype=dtype, device=self._device(g))
+                buf = torch.empty(n, dtype=dtype, device=self._device(g))
+            # Only the padding is zeroed here: every parameter slice is overwritten by its gradient,
+            # or zeroed at launch if its parameter produced none (see _input).
+            buf[self.groups[g].layout.chunks[c].numel :].zero_()
             self._buffers[slot] = buf
         return buf
 
@@ -275,11 +277,19 @@ class PartitionedGradReducer:
             inp = self.flat_grads[g][chunk.start : chunk.start + chunk.padded]
             return inp.to(self.comm_dtype) if self.comm_dtype is not None else inp
         buf = self._bucket(slot)
-        if not self.contiguous:
+        if self.contiguous:
+            if self._ready[slot] < self._needed[slot]:  # some parameters produced no gradient: zeros
+                for s in chunk.slices:
+                    if id(gg.params[s.param_index]) not in self._got_grad:
+                        buf[s.chunk_lo : s.chunk_lo + s.numel].zero_()
+        else:
             for s in chunk.slices:
                 p = gg.params[s.param_index]
+                dst = buf[s.chunk_lo : s.chunk_lo + s.numel]
                 if p.grad is not None:
-                    buf[s.chunk_lo : s.chunk_lo + s.numel].copy_(p.grad.reshape(-1)[s.param_lo : s.param_hi])
+                    dst.copy_(p.grad.reshape(-1)[s.param_lo : s.param_hi])
+                else:
+                    dst.zero_()
                 done = self._launched_chunks.get(id(p), 0) + 1
                 self._launched_chunks[id(p)] = done
                 if done == len(self._where[id(p)][2]):
@@ -342,6 +352,7 @@ class PartitionedGradReducer:
         while self._pending:
             self._complete(self._pending.popleft())
         self._buffers.clear()
+        self._spare.clear()
         if self.partition_grads:
             self._shard_has_grad = True
             for gg in self.groups:
