@@ -149,9 +149,10 @@ def _plot(rows: dict, worlds: list[int], precisions: list[str], path: Path) -> N
             ax.set_xticks(worlds, [str(n) for n in worlds])
             ax.set_xlabel("ranks N")
             ax.set_ylabel("bytes / Ψ")
-            ax.set_title(f"{precision}: {title} (dots measured, dashes ZeRO formula)")
+            ax.set_title(f"{precision}: {title}")
             ax.grid(alpha=0.3)
             ax.legend()
+    fig.suptitle("dots: measured; dashes: ZeRO formula (stages 0-2 move the same bytes: their dots coincide)")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
