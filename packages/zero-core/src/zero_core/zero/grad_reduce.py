@@ -149,9 +149,11 @@ class PartitionedGradReducer:
                     for s in c.slices
                     if s.param_index == i
                 ]
-        # Spent bucket buffers kept for the next chunks of the same backward (see _bucket): at most
-        # _MAX_IN_FLIGHT + 1 are alive at once, so reusing them saves an allocation (and its page
-        # faults) per chunk. finish() drops them: no bucket outlives the backward pass.
+        # Spent bucket buffers kept for the next chunks (see _bucket): at most _MAX_IN_FLIGHT + 1
+        # are alive at once, so reusing them saves an allocation (and its page faults) per chunk.
+        # finish() keeps one for the next backward, as DDP keeps its buckets and DeepSpeed its
+        # reduce buffer: a fresh bucket per step cost stage 2 about 7% of the bench's step CPU
+        # time (tools/bench/results/bench_zero12.md). It is listed under "buffers".
         self._spare: list[torch.Tensor] = []
 
         # Gradient storage (see the Note): stage 1 full flat buffers, stage 2 shards.
@@ -199,7 +201,7 @@ class PartitionedGradReducer:
         self._got_grad: set[int] = set()
 
     def live_buffers(self) -> list[torch.Tensor]:
-        """Bucket buffers alive right now (none between backward passes); some may be views of
+        """Bucket buffers alive right now (between backward passes: stage 2's one spare bucket); some may be views of
         the flat gradients, which the caller's ledger counts once. See [Note: memory breakdown
         counts storages] in zero_core/utils/storage_bytes.py."""
         return [*self._buffers.values(), *self._spare, *(t for p in self._pending for t in (p.inp, p.out))]
@@ -352,7 +354,7 @@ class PartitionedGradReducer:
         while self._pending:
             self._complete(self._pending.popleft())
         self._buffers.clear()
-        self._spare.clear()
+        del self._spare[1:]  # one bucket buffer stays for the next backward (see __init__)
         if self.partition_grads:
             self._shard_has_grad = True
             for gg in self.groups:
