@@ -227,7 +227,7 @@ def _launch(args: tuple, world: int = 2) -> list[dict]:
         p.start()
     out: dict[int, dict] = {}
     for _ in procs:
-        rank, res = q.get(timeout=900)
+        rank, res = q.get(timeout=3600)
         if not isinstance(res, dict):
             for p in procs:
                 p.kill()
@@ -294,17 +294,20 @@ PHASE_LEGEND = (
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=2, help="steps of each variant per pass")
+    ap.add_argument("--steps", type=int, default=1, help="steps of each variant per pass")
     ap.add_argument("--passes", type=int, default=5)
     ap.add_argument("--precisions", default="fp32,bf16")
     ap.add_argument("--deepspeed-path", default=None, help="folder holding deepspeed (pip --target)")
     ap.add_argument("--check", action="store_true", help="compare the README's quoted ratios with a new run")
+    ap.add_argument(
+        "--ddp", action="store_true", help="also torch DDP (off by default: a long run on 2 cores)"
+    )
     ap.add_argument("--out", default=str(OUT))
     a = ap.parse_args()
     precisions = a.precisions.split(",")
     if a.steps < 1 or a.passes < 5 or not set(precisions) <= {"fp32", "bf16"}:
         raise SystemExit("--steps must be >= 1, --passes >= 5, --precisions a subset of fp32,bf16")
-    names = ["ddp", "fsdp2", "zero3"]
+    names = ["fsdp2", "zero3"] + (["ddp"] if a.ddp else [])
     versions = f"python {platform.python_version()}, torch {torch.__version__}"
     if a.deepspeed_path:
         sys.path.insert(0, a.deepspeed_path)  # the forked ranks inherit it
@@ -338,7 +341,7 @@ def main() -> None:
         f"- versions: {versions}",
         f"- git commit: {commit}",
         f"- command: `OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_zero3.py --passes {a.passes} "
-        f"--steps {a.steps}{flag}`",
+        f"--steps {a.steps}{flag}{' --ddp' if a.ddp else ''}`",
         f"- model: examples/gpt.py GPT d_model 512, 6 layers, 8 heads, seq 128, Ψ = {psi:,}; micro-batch {MICRO} "
         f"per rank; Adam lr 1e-4, no clipping; zero_optimization {ZERO} (same for zero3 and deepspeed3)",
         "- FSDP2: fully_shard per block then root, MixedPrecisionPolicy(param_dtype, reduce_dtype) = the precision;"
