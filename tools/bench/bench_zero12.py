@@ -1,19 +1,25 @@
-"""Step time and per-rank memory of ZeRO stages 0, 1, 2 against torch DDP (2 ranks, gloo, CPU).
+"""Step time and per-rank memory of ZeRO stages 0, 1, 2 against torch DDP and DeepSpeed (2 ranks, gloo, CPU).
 
-Same GPT (examples/gpt.py), same micro-batch, same Adam, every variant in its own pair of
-forked ranks (so peak RSS is per variant). Step time = forward + backward + optimizer step,
-median over the timed steps after warm-up; ratios are against DDP measured in the same run.
-Model-state bytes come from live tensors (``engine.memory_breakdown()``; for DDP the
-parameters, gradients and Adam states). A second pass at 4 ranks reports model-state bytes
-only (bf16 + Adam, the setting of the ZeRO paper's formulas, and fp32).
+Same GPT (examples/gpt.py), same micro-batch, same Adam for every variant. All variants are built
+in the same 2 forked ranks of one launch and take turns, a few steps each, over ``--passes``
+passes (see [Note: interleaved step-time ratios] in _timing.py): each pass gives one ratio
+variant/DDP, for wall time and for the ranks' process CPU time; the tables give the median of
+those ratios with their interquartile range, the 1-min load average, a per-phase breakdown
+(forward, backward, optimizer step: wall and main-thread CPU; collectives' time on gloo's thread
+from one profiled step) and model-state bytes (``engine.memory_breakdown()``; for DDP parameters,
+gradients and Adam states).
 
-DeepSpeed side by side: when ``--ds-python`` (default /tmp/dsvenv/bin/python: a virtual
-environment holding DeepSpeed 0.19.8 and the same torch) exists, the same script runs there with ``--deepspeed-worker``
-in its own 2-rank launch: torch DDP, DeepSpeed stage 1 and stage 2 (fp32, client torch Adam,
-``gradient_clipping: 0``), interleaved twice; its ratios are against the DDP of that launch.
-Model states there are the bytes of all live tensors (gc) after backward, for DDP too.
+DeepSpeed in the same launch: ``--deepspeed-path DIR`` (a folder holding DeepSpeed 0.19.8
+installed with ``pip install --no-deps --target DIR deepspeed==0.19.8 hjson py-cpuinfo ninja
+msgpack``, on this env's torch) adds DeepSpeed stages 1 and 2 (fp32, client torch Adam,
+``gradient_clipping: 0``, same buckets) to the turns, so their ratios are against the same DDP.
 
-Run: OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_zero12.py [--steps 5] [--out PATH]
+``--check``: re-run and say whether the README's quoted ratios (its "Step time" table) lie inside
+the new interquartile ranges (exit status 1 if not). ``--memory-only``: model-state bytes at N = 2
+and 4, deterministic.
+
+Run: OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_zero12.py [--passes 7] [--steps 3]
+     [--deepspeed-path /tmp/ds] [--check]
 """
 
 from __future__ import annotations
@@ -21,16 +27,14 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
-import json
 import os
 import platform
 import resource
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+import _timing
 import torch
 from bench_env import cpu_model, git_commit
 
@@ -42,6 +46,8 @@ _spec.loader.exec_module(gpt)
 
 MICRO = 4
 BUCKET = 50_000_000
+STATES = ("parameters", "gradients", "master_weights", "optimizer_states")
+LABELS = {"ds1": "DeepSpeed stage 1", "ds2": "DeepSpeed stage 2"}
 
 
 def _model() -> torch.nn.Module:
@@ -59,187 +65,114 @@ def _bytes(ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
-def _variant(name: str, steps: int, precision: str = "fp32", time_it: bool = True) -> dict:
-    import zero_core
+def _ddp(model: torch.nn.Module, rank: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(model, bucket_cap_mb=BUCKET * 4 / 2**20)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+
+    def step(clock, s: int) -> None:
+        x, y = _batch(s, rank)
+        with clock.phase("forward"):
+            loss = ddp(x, y)
+        with clock.phase("backward"):
+            loss.backward()
+        with clock.phase("step"):
+            opt.step()
+            opt.zero_grad(set_to_none=False)  # keep gradients: they are part of DDP's model states
+
+    def states() -> int:
+        st = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+        return _bytes(model.parameters()) + _bytes(p.grad for p in model.parameters()) + _bytes(st)
+
+    return {"step": step, "states": states}
+
+
+def _build(name: str, precision: str = "fp32") -> dict:
+    """One variant in this rank: ``step(clock, s)`` (phases timed) and ``states()`` (model-state bytes).
+
+    ``name``: ``ddp``, ``stage0``-``stage2`` (zero_core) or ``ds1``/``ds2`` (DeepSpeed stages 1/2, fp32,
+    client torch Adam, ``gradient_clipping: 0``).
+    """
     from zero_core import comm
 
     rank = comm.get_rank()
     model = _model()
+    params = sum(p.numel() for p in model.parameters())
     if name == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
+        return {**_ddp(model, rank), "params": params}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "steps_per_print": 10**9,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {
+            "stage": int(name[-1]),
+            "reduce_bucket_size": BUCKET,
+            "allgather_bucket_size": BUCKET,
+            "overlap_comm": True,
+        },
+    }
+    if name.startswith("ds"):
+        import deepspeed
 
-        ddp = DDP(model, bucket_cap_mb=BUCKET * 4 / 2**20)
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-
-        def step_fn(s: int) -> None:
-            x, y = _batch(s, rank)
-            ddp(x, y).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=False)  # keep gradients: they are part of DDP's model states
-
-        def states() -> int:
-            st = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
-            return _bytes(model.parameters()) + _bytes(p.grad for p in model.parameters()) + _bytes(st)
+        engine = deepspeed.initialize(model=model, optimizer=opt, config=cfg)[0]
     else:
-        stage = int(name[-1])
-        cfg = {
-            "train_micro_batch_size_per_gpu": MICRO,
-            "steps_per_print": 10**9,
-            "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "adam_w_mode": False}},
-            "zero_optimization": {
-                "stage": stage,
-                "reduce_bucket_size": BUCKET,
-                "allgather_bucket_size": BUCKET,
-                "overlap_comm": True,
-            },
-        }
+        import zero_core
+
+        cfg["optimizer"] = {"type": "Adam", "params": {"lr": 1e-4, "adam_w_mode": False}}
         if precision != "fp32":
             cfg[precision] = {"enabled": True}
         engine = zero_core.initialize(model=model, config=cfg)[0]
-        peak = {"states": 0}
+    peak = {"states": 0}
 
-        def step_fn(s: int) -> None:
-            x, y = _batch(s, rank)
-            engine.backward(engine(x, y))
-            peak["states"] = max(peak["states"], sum(engine.memory_breakdown().values()))
+    def step(clock, s: int) -> None:
+        x, y = _batch(s, rank)
+        with clock.phase("forward"):
+            loss = engine(x, y)
+        with clock.phase("backward"):
+            engine.backward(loss)
+        if s >= 10_000 and not name.startswith("ds"):  # model states after backward, in the profiled step
+            m = engine.memory_breakdown()  # model states as the ZeRO paper counts them; buckets apart
+            peak["states"] = max(peak["states"], sum(m[k] for k in STATES))
+        with clock.phase("step"):
             engine.step()
 
-        def states() -> int:
-            return peak["states"]
+    return {"step": step, "states": lambda: peak["states"], "params": params}
 
-    times = []
-    for s in range(steps + 2):
+
+def _variant(name: str, steps: int, precision: str = "fp32", time_it: bool = False) -> dict:
+    """Model-state bytes of one variant over ``steps`` + 1 steps (no timing: see ``_timed_rank``)."""
+    v = _build(name, precision)
+    clock = _timing.PhaseClock()
+    for s in [*range(steps), 10_000]:  # the last step records the states (see _build)
+        clock.run(lambda c, s=s: v["step"](c, s))
+    return {"states": v["states"](), "params": v["params"]}
+
+
+def _timed_rank(names: list[str], passes: int, steps: int, ds_path: str | None) -> dict:
+    """Every variant built in these ranks, then run in turn (see [Note: interleaved step-time ratios])."""
+    from zero_core import comm
+
+    if ds_path:
+        sys.path.insert(0, ds_path)
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    built = {name: _build(name) for name in names}
+    records = _timing.interleave({n: v["step"] for n, v in built.items()}, passes, steps, comm.barrier)
+    comm_s = {}
+    for name, v in built.items():  # one profiled step each: the collectives' time on gloo's thread
         comm.barrier()
-        t = time.perf_counter()
-        step_fn(s)
-        if s >= 2:
-            times.append(time.perf_counter() - t)
-        if not time_it and s >= 1:
-            break
+        clock = _timing.PhaseClock()
+        comm_s[name] = _timing.collective_seconds(
+            lambda v=v, c=clock: c.run(lambda cc: v["step"](cc, 10_000))
+        )
     return {
-        "times": times,
-        "states": states(),
+        "records": records,
+        "comm": comm_s,
+        "states": {n: v["states"]() for n, v in built.items()},
+        "params": built["ddp"]["params"],
         "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "params": sum(p.numel() for p in model.parameters()),
     }
-
-
-def _live_tensor_bytes() -> int:
-    """Bytes of the distinct storages of every live tensor (model states once activations are freed)."""
-    seen, total = set(), 0
-    for obj in gc.get_objects():
-        try:
-            if not torch.is_tensor(obj) or obj.device.type != "cpu" or obj.numel() == 0:
-                continue
-            st = obj.untyped_storage()
-        except Exception:  # noqa: BLE001 - some tensor subclasses refuse storage access
-            continue
-        if st.data_ptr() not in seen:
-            seen.add(st.data_ptr())
-            total += st.nbytes()
-    return total
-
-
-def _ds_variant(name: str, steps: int, rank: int) -> dict:
-    """One DeepSpeed-venv variant in this rank: 'ddp', 'ds1' or 'ds2' (fp32)."""
-    model = _model()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    if name == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        ddp = DDP(model, bucket_cap_mb=BUCKET * 4 / 2**20)
-
-        def fwd_bwd(s: int) -> None:
-            ddp(*_batch(s, rank)).backward()
-
-        def finish() -> None:
-            opt.step()
-            opt.zero_grad(set_to_none=False)
-    else:
-        import deepspeed
-
-        cfg = {
-            "train_micro_batch_size_per_gpu": MICRO,
-            "gradient_clipping": 0,
-            "steps_per_print": 10**9,
-            "zero_optimization": {
-                "stage": int(name[-1]),
-                "reduce_bucket_size": BUCKET,
-                "allgather_bucket_size": BUCKET,
-                "overlap_comm": True,
-            },
-        }
-        engine = deepspeed.initialize(model=model, optimizer=opt, config=cfg)[0]
-
-        def fwd_bwd(s: int) -> None:
-            engine.backward(engine(*_batch(s, rank)))
-
-        def finish() -> None:
-            engine.step()
-
-    times, states = [], 0
-    for s in range(steps + 2):
-        torch.distributed.barrier()
-        t = time.perf_counter()
-        fwd_bwd(s)
-        if s == 1:
-            states = _live_tensor_bytes()
-        finish()
-        if s >= 2:
-            times.append(time.perf_counter() - t)
-    return {"times": times, "states": states}
-
-
-def _ds_rank(rank: int, steps: int, port: int, queue) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank)
-    )
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
-    import deepspeed
-
-    out = {"deepspeed": deepspeed.__version__, "torch": torch.__version__, "rows": {}}
-    for _rep in range(2):
-        for name in ("ddp", "ds1", "ds2"):
-            res = _ds_variant(name, steps, rank)
-            row = out["rows"].setdefault(name, {"times": [], "states": 0})
-            row["times"] += res["times"]
-            row["states"] = max(row["states"], res["states"])
-            gc.collect()
-    queue.put(out)
-    torch.distributed.destroy_process_group()
-
-
-def _deepspeed_worker(steps: int) -> None:
-    """Entry point inside the DeepSpeed venv: 2 forked ranks, JSON of both ranks on stdout."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    port = 29500 + os.getpid() % 1000
-    procs = [ctx.Process(target=_ds_rank, args=(r, steps, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = [queue.get(timeout=900) for _ in procs]
-    for p in procs:
-        p.join()
-    print("BENCH_JSON " + json.dumps(results))
-
-
-def _run_deepspeed(ds_python: str, steps: int) -> list | None:
-    if not Path(ds_python).exists():
-        return None
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [ds_python, __file__, "--deepspeed-worker", "--steps", str(steps)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith("BENCH_JSON "):
-            return json.loads(line[len("BENCH_JSON ") :])
-    raise RuntimeError(f"DeepSpeed side failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
 def _mem_sweep() -> dict:
@@ -297,12 +230,58 @@ def _memory_only(args: argparse.Namespace, run_multirank) -> None:
     print("\n".join(lines))
 
 
+def _time_tables(res: list[dict], names: list[str]) -> tuple[list[str], dict]:
+    """Ratio table, per-phase table; and the measured ratio quartiles keyed as the README quotes them."""
+    recs = _timing.merge_ranks([r["records"] for r in res])
+    base = recs["ddp"]
+    states = {n: max(r["states"][n] for r in res) for n in names}
+    lines = [
+        "| variant | wall step ms, median (IQR) | CPU step ms, median (IQR) | wall ratio vs DDP, median (IQR) "
+        "| CPU ratio vs DDP, median (IQR) | model states/rank (MiB, buckets apart) |",
+        "|---|---|---|---|---|---|",
+    ]
+    measured = {}
+    for n in names:
+        wall_r = _timing.ratio_quartiles(recs[n], base, "wall")
+        cpu_r = _timing.ratio_quartiles(recs[n], base, "cpu")
+        if n != "ddp":
+            measured[f"{n}/ddp fp32"] = (wall_r, cpu_r)
+        st = f"{states[n] / 2**20:.1f}" if states[n] else "-"
+        lines.append(
+            f"| {LABELS.get(n, n)} | {_timing.fmt_iqr(_timing.step_quartiles(recs[n], 'wall'), 1e3, 0)} "
+            f"| {_timing.fmt_iqr(_timing.step_quartiles(recs[n], 'cpu'), 1e3, 0)} "
+            f"| {_timing.fmt_iqr(wall_r)} | {_timing.fmt_iqr(cpu_r)} | {st} |"
+        )
+    lines += [
+        "",
+        "## Where the time goes (median ms per step, both ranks)",
+        "",
+        "wall = the phase's wall time; cpu = the main thread's CPU time in it; wait = wall - cpu (blocked on a "
+        "collective or on a core). reduce / gather = time gloo's thread spent in reduce (all-reduce, "
+        "reduce-scatter) and gather (all-gather, broadcast) collectives over one profiled step, overlapped or not.",
+        "",
+        "| variant | forward wall | backward cpu (compute + hooks) | backward wait | step cpu | step wait "
+        "| reduce (gloo) | gather (gloo) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for n in names:
+        ph = _timing.phase_medians(recs[n])
+        comm = {k: sorted(r["comm"][n][k] for r in res)[len(res) // 2] for k in ("reduce", "gather")}
+        fw, (bw, bc), (sw, sc) = ph["forward"][0], ph["backward"], ph["step"]
+        lines.append(
+            f"| {LABELS.get(n, n)} | {fw * 1e3:.0f} | {bc * 1e3:.0f} | {(bw - bc) * 1e3:.0f} | {sc * 1e3:.0f} "
+            f"| {(sw - sc) * 1e3:.0f} | {comm['reduce'] * 1e3:.0f} | {comm['gather'] * 1e3:.0f} |"
+        )
+    return lines, measured
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--passes", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=3, help="steps of each variant per pass")
     ap.add_argument("--out", default=str(ROOT / "tools" / "bench" / "results" / "bench_zero12.md"))
-    ap.add_argument("--ds-python", default="/tmp/dsvenv/bin/python")
-    ap.add_argument("--deepspeed-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--deepspeed-path", default=None, help="folder holding deepspeed (pip --target)")
+    ap.add_argument("--check", action="store_true", help="compare the README's quoted ratios with a new run")
     ap.add_argument(
         "--memory-only",
         action="store_true",
@@ -310,102 +289,59 @@ def main() -> None:
         "tools/bench/results/bench_zero12_memory.md unless --out is given",
     )
     args = ap.parse_args()
-    if args.steps < 1:
-        raise SystemExit("--steps must be >= 1")
-    if args.deepspeed_worker:
-        _deepspeed_worker(args.steps)
-        return
-    from zero_core.testing import run_multirank  # not in the DeepSpeed venv: imported here
+    if args.steps < 1 or args.passes < 5:
+        raise SystemExit("--steps must be >= 1 and --passes >= 5 (quartiles of fewer ratios mean little)")
+    from zero_core.testing import run_multirank
 
     if args.memory_only:
         _memory_only(args, run_multirank)
         return
+    names = ["ddp", "stage0", "stage1", "stage2"] + (["ds1", "ds2"] if args.deepspeed_path else [])
+    commit = git_commit("packages/zero-core", "tools/bench")  # the code measured: read before the run
+    load = _timing.LoadLog()
     t_start = time.perf_counter()
-
-    rows = {}
-    for _rep in range(2):  # interleave two passes: the machine is shared and noisy
-        for name in ("ddp", "stage0", "stage1", "stage2"):
-            res = run_multirank(_variant, 2, args=(name, args.steps), timeout=600)
-            r = rows.setdefault(name, {"times": [], "states": 0, "rss": 0, "params": res[0]["params"]})
-            for rr in res:
-                r["times"] += rr["times"]
-                r["states"] = max(r["states"], rr["states"])
-                r["rss"] = max(r["rss"], rr["rss"])
-    mem = {n: run_multirank(_mem_sweep, n, timeout=600) for n in (2, 4)}
-    ds = _run_deepspeed(args.ds_python, args.steps)
+    res = run_multirank(
+        _timed_rank, 2, args=(names, args.passes, args.steps, args.deepspeed_path), timeout=1800
+    )
     elapsed = time.perf_counter() - t_start
+    load.sample()
+    table, measured = _time_tables(res, names)
+    if args.check:
+        lines, ok = _timing.check_lines(_timing.readme_quotes(ROOT / "README.md", "bench_zero12"), measured)
+        print("\n".join(lines + [f"load: {load.describe()}", "check: " + ("ok" if ok else "FAILED")]))
+        sys.exit(0 if ok else 1)
+    versions = f"python {platform.python_version()}, torch {torch.__version__}"
+    if args.deepspeed_path:
+        sys.path.insert(0, args.deepspeed_path)
+        import deepspeed
 
-    psi = rows["ddp"]["params"]
-    base = statistics.median(rows["ddp"]["times"])
+        versions += f", deepspeed {deepspeed.__version__} (DS_ACCELERATOR=cpu)"
+    ds_flag = f" --deepspeed-path {args.deepspeed_path}" if args.deepspeed_path else ""
     lines = [
-        "# bench_zero12: ZeRO stages 0/1/2 vs torch DDP (CPU, gloo)",
+        "# bench_zero12: ZeRO stages 0/1/2 vs torch DDP"
+        + (" and DeepSpeed" if ds_flag else "")
+        + " (CPU, gloo)",
         "",
-        f"- machine: {os.cpu_count()} CPUs ({cpu_model()}), {platform.platform()}",
-        f"- versions: python {platform.python_version()}, torch {torch.__version__}",
-        f"- git commit: {git_commit('packages/zero-core', 'tools/bench/bench_zero12.py')}",
-        f"- command: `OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_zero12.py --steps {args.steps}`",
-        f"- model: examples/gpt.py GPT d_model 256, 4 layers, seq 128, Ψ = {psi:,} parameters; micro-batch {MICRO} "
-        f"per rank; Adam; buckets {BUCKET:,} elements; overlap_comm on; fp32",
-        "- each variant ran twice (interleaved) on 2 forked ranks; times pooled over ranks and passes",
+        f"- machine: {os.cpu_count()} CPUs ({cpu_model()}), {platform.platform()}; shared with other jobs",
+        f"- load: {load.describe()}",
+        f"- versions: {versions}",
+        f"- git commit: {commit}",
+        f"- command: `OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_zero12.py --passes {args.passes} "
+        f"--steps {args.steps}{ds_flag}`",
+        f"- model: examples/gpt.py GPT d_model 256, 4 layers, seq 128, Ψ = {res[0]['params']:,} parameters; "
+        f"micro-batch {MICRO} per rank; Adam lr 1e-4; no clipping; buckets {BUCKET:,} elements; overlap_comm on; fp32",
+        f"- every variant built in the same 2 forked ranks; {args.passes} passes, each running every variant "
+        f"for {args.steps} steps in turn (after 1 warm-up step each); a ratio per pass (median step of the "
+        "pass over both ranks / DDP's in that pass); tables give the median and interquartile range "
+        "of those ratios. CPU = process CPU time of a rank (all its threads)",
         f"- benchmark wall time: {elapsed:.0f} s",
         "",
-        "## 2 ranks, fp32: step time and memory per rank",
+        "## 2 ranks, fp32: step time per rank and ratios vs DDP",
         "",
-        "| variant | median step (ms) | p10-p90 (ms) | ratio vs DDP | model states/rank (MiB) | ratio | peak RSS/rank (MiB) |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for name, r in rows.items():
-        t = sorted(r["times"])
-        med = statistics.median(t)
-        p10, p90 = t[int(0.1 * (len(t) - 1))], t[int(0.9 * (len(t) - 1))]
-        lines.append(
-            f"| {name} | {med * 1e3:.1f} | {p10 * 1e3:.1f}-{p90 * 1e3:.1f} | {med / base:.2f} | "
-            f"{r['states'] / 2**20:.1f} | {r['states'] / rows['ddp']['states']:.2f} | {r['rss'] / 2**20:.0f} |"
-        )
-    lines += [
-        "",
-        "## Model-state bytes per rank at N = 2 and N = 4 (engine.memory_breakdown(), max over ranks)",
-        "",
-        "Adam; bucket buffers included. DDP: parameters + gradients + Adam states (fp32).",
-        "",
-        "| variant | precision | N=2 (MiB) | ratio vs DDP | N=4 (MiB) | ratio vs DDP |",
-        "|---|---|---|---|---|---|",
-    ]
-    lines += _memory_table(mem)
-    lines += [
-        "",
-        "## DeepSpeed side by side (its own 2-rank launch, fp32, ratios vs the DDP of that launch)",
+        *table,
         "",
     ]
-    if ds is None:
-        lines.append(f"DeepSpeed venv not found at {args.ds_python}: not run.")
-    else:
-        lines += [
-            f"- venv: {args.ds_python}; deepspeed {ds[0]['deepspeed']}, torch {ds[0]['torch']}; "
-            "DS_ACCELERATOR=cpu, gloo; client torch.optim.Adam; gradient_clipping 0; overlap_comm on; same buckets",
-            "- model states = bytes of all live tensors (gc) after backward, max over ranks",
-            "",
-            "| variant | median step (ms) | p10-p90 (ms) | ratio vs DDP | model states/rank (MiB) | ratio |",
-            "|---|---|---|---|---|---|",
-        ]
-        ds_rows = {
-            name: {
-                "times": [t for r in ds for t in r["rows"][name]["times"]],
-                "states": max(r["rows"][name]["states"] for r in ds),
-            }
-            for name in ds[0]["rows"]
-        }
-        ds_base = statistics.median(ds_rows["ddp"]["times"])
-        labels = {"ddp": "ddp", "ds1": "DeepSpeed stage 1", "ds2": "DeepSpeed stage 2"}
-        for name, r in ds_rows.items():
-            t = sorted(r["times"])
-            med = statistics.median(t)
-            p10, p90 = t[int(0.1 * (len(t) - 1))], t[int(0.9 * (len(t) - 1))]
-            lines.append(
-                f"| {labels[name]} | {med * 1e3:.1f} | {p10 * 1e3:.1f}-{p90 * 1e3:.1f} | {med / ds_base:.2f} | "
-                f"{r['states'] / 2**20:.1f} | {r['states'] / ds_rows['ddp']['states']:.2f} |"
-            )
-    text = "\n".join(lines) + "\n"
+    text = "\n".join(lines)
     Path(args.out).write_text(text)
     print(text)
 

@@ -1,23 +1,21 @@
-"""ZeRO stage 3 step time and per-rank memory against torch FSDP2 and DeepSpeed stage 3 (2 ranks, gloo, CPU).
+"""ZeRO stage 3 step time and per-rank memory against torch FSDP2, DDP and DeepSpeed stage 3 (2 ranks, gloo, CPU).
 
-Same GPT (examples/gpt.py), micro-batch and Adam for every variant; each variant runs in its own
-pair of forked ranks (so peak RSS is per variant), variants alternate within a pass and the
-passes repeat (the machine is shared and noisy: compare ratios from one launch only).
+Same GPT (examples/gpt.py), micro-batch and Adam for every variant. One launch of 2 forked ranks
+per precision (fp32, bf16) builds every variant (DDP, FSDP2 ``fully_shard`` per block then the
+root, zero stage 3, and with ``--deepspeed-path DIR`` DeepSpeed stage 3 with the same
+zero_optimization settings); the variants take turns, a few steps each, over ``--passes`` passes
+(see [Note: interleaved step-time ratios] in _timing.py). Each pass gives a ratio variant/FSDP2
+for wall time and for the ranks' process CPU time; the tables give their median and interquartile
+range, the load average, a per-phase breakdown (forward, backward, optimizer step: wall and
+main-thread CPU; collectives' time on gloo's thread from one profiled step) and model-state bytes
+(``engine.memory_breakdown()``) against the ZeRO formula 16Ψ/N ((4+4+8)Ψ/N fp32, (2+2+12)Ψ/N bf16).
 
-* default launch (project venv): torch DDP, FSDP2 (``fully_shard`` per block, then the root) and
-  zero stage 3 (agreement checks on, the default, and off), fp32 and bf16.
-* ``--deepspeed`` (run with a venv that has deepspeed and zero-core, e.g. /tmp/dsvenv after
-  ``pip install --no-deps -e packages/zero-core``): DDP, FSDP2, zero stage 3 and DeepSpeed stage 3
-  with the same zero_optimization settings, all interleaved in one launch so every ratio is taken
-  within one run.
+``--check``: re-run and say whether the README's quoted ratios (its "Step time" table) lie inside
+the new interquartile ranges (exit status 1 if not). DeepSpeed: ``pip install --no-deps --target
+DIR deepspeed==0.19.8 hjson py-cpuinfo ninja msgpack`` on this env's torch.
 
-Step time = forward + backward + optimizer step, median over timed steps (after 1 warm-up) of
-every rank and pass. Model states per rank come from live tensors after backward
-(``engine.memory_breakdown()``: parameter, gradient, master and optimizer-state shards), against
-the ZeRO formula (4+4+8)Ψ/N for fp32 Adam and (2+2+12)Ψ/N for bf16 Adam.
-
-Run: OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_zero3.py [--steps 3] [--passes 2]
-     OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu /tmp/dsvenv/bin/python tools/bench/bench_zero3.py --deepspeed
+Run: OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_zero3.py [--passes 5] [--steps 2]
+     [--deepspeed-path /tmp/ds] [--check]
 """
 
 from __future__ import annotations
@@ -29,11 +27,11 @@ import os
 import platform
 import resource
 import socket
-import statistics
 import sys
 import time
 from pathlib import Path
 
+import _timing
 import torch
 from bench_env import cpu_model, git_commit
 
@@ -87,7 +85,8 @@ def _deepspeed_state_bytes(opt: object) -> int:
     return sum(seen.values())
 
 
-def _variant(name: str, precision: str, steps: int) -> dict:
+def _build(name: str, precision: str) -> dict:
+    """One variant in this rank: ``step(clock, s)`` (phases timed) and ``states()`` (model-state bytes)."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -95,11 +94,7 @@ def _variant(name: str, precision: str, steps: int) -> dict:
     psi = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     low = torch.bfloat16 if precision == "bf16" else torch.float32
     states = {"bytes": 0}
-    if name in ("zero3", "zero3_nocheck"):
-        import zero_core
-        from zero_core.zero.stage3 import set_collective_checks
-
-        set_collective_checks(name == "zero3")
+    if name in ("zero3", "deepspeed3"):
         cfg = {
             "train_micro_batch_size_per_gpu": MICRO,
             "steps_per_print": 10**9,
@@ -109,76 +104,92 @@ def _variant(name: str, precision: str, steps: int) -> dict:
         }
         if precision == "bf16":
             cfg["bf16"] = {"enabled": True}
-        engine = zero_core.initialize(model=model, config=cfg)[0]
+        if name == "zero3":
+            import zero_core
 
-        def step_fn(s: int) -> None:
-            x, y = _batch(s, rank)
-            engine.backward(engine(x, y))
-            m = engine.memory_breakdown()
-            states["bytes"] = max(
-                states["bytes"],
-                m["parameters"] + m["gradients"] + m["master_weights"] + m["optimizer_states"],
-            )
+            engine = zero_core.initialize(model=model, config=cfg)[0]
+
+            def measure() -> int:
+                m = engine.memory_breakdown()
+                return m["parameters"] + m["gradients"] + m["master_weights"] + m["optimizer_states"]
+        else:
+            import deepspeed
+
+            engine = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())[0]
+
+            def measure() -> int:
+                return _deepspeed_state_bytes(engine.optimizer)
+
+        def fwd(x, y):
+            return engine(x, y)
+
+        def bwd(loss) -> None:
+            engine.backward(loss)
+
+        def opt_step() -> None:
             engine.step()
-    elif name == "deepspeed3":
-        import deepspeed
-
-        cfg = {
-            "train_micro_batch_size_per_gpu": MICRO,
-            "steps_per_print": 10**9,
-            "gradient_clipping": 0.0,
-            "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "adam_w_mode": False}},
-            "zero_optimization": ZERO,
-        }
-        if precision == "bf16":
-            cfg["bf16"] = {"enabled": True}
-        engine = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())[0]
-
-        def step_fn(s: int) -> None:
-            x, y = _batch(s, rank)
-            engine.backward(engine(x, y))
-            states["bytes"] = max(states["bytes"], _deepspeed_state_bytes(engine.optimizer))
-            engine.step()
-    elif name == "fsdp2":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        mp_policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=low)
-        for blk in model.blocks:
-            fully_shard(blk, mp_policy=mp_policy)
-        fully_shard(model, mp_policy=mp_policy)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-
-        def step_fn(s: int) -> None:
-            x, y = _batch(s, rank)
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
-    elif name == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        if precision == "bf16":
-            model.to(torch.bfloat16)
-        ddp = DDP(model)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-
-        def step_fn(s: int) -> None:
-            x, y = _batch(s, rank)
-            ddp(x, y).backward()
-            opt.step()
-            opt.zero_grad()
     else:
-        raise ValueError(name)
-    times = []
-    for s in range(steps + 1):
+        if name == "fsdp2":
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            mp_policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=low)
+            for blk in model.blocks:
+                fully_shard(blk, mp_policy=mp_policy)
+            fully_shard(model, mp_policy=mp_policy)
+            run = model
+        elif name == "ddp":
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            if precision == "bf16":
+                model.to(torch.bfloat16)
+            run = DDP(model)
+        else:
+            raise ValueError(f"unknown variant {name!r}: ddp, fsdp2, zero3 or deepspeed3")
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+        measure = None
+
+        def fwd(x, y):
+            return run(x, y)
+
+        def bwd(loss) -> None:
+            loss.backward()
+
+        def opt_step() -> None:
+            opt.step()
+            opt.zero_grad()
+
+    def step(clock, s: int) -> None:
+        x, y = _batch(s, rank)
+        with clock.phase("forward"):
+            loss = fwd(x, y)
+        with clock.phase("backward"):
+            bwd(loss)
+        if measure is not None and s >= 10_000:  # the profiled last step, outside the timed steps
+            states["bytes"] = max(states["bytes"], measure())
+        with clock.phase("step"):
+            opt_step()
+
+    return {"step": step, "states": lambda: states["bytes"], "psi": psi}
+
+
+def _timed_rank(names: list[str], precision: str, passes: int, steps: int) -> dict:
+    """Every variant built in these ranks, then run in turn (see [Note: interleaved step-time ratios])."""
+    import torch.distributed as dist
+
+    built = {name: _build(name, precision) for name in names}
+    records = _timing.interleave({n: v["step"] for n, v in built.items()}, passes, steps, dist.barrier)
+    comm_s = {}
+    for name, v in built.items():  # one profiled step each: the collectives' time on gloo's thread
         dist.barrier()
-        t = time.perf_counter()
-        step_fn(s)
-        if s >= 1:
-            times.append(time.perf_counter() - t)
+        clock = _timing.PhaseClock()
+        comm_s[name] = _timing.collective_seconds(
+            lambda v=v, c=clock: c.run(lambda cc: v["step"](cc, 10_000))
+        )
     return {
-        "times": times,
-        "states": states["bytes"],
-        "psi": psi,
+        "records": records,
+        "comm": comm_s,
+        "states": {n: v["states"]() for n, v in built.items()},
+        "psi": built[names[0]]["psi"],
         "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
 
@@ -196,7 +207,7 @@ def _child(fn_args: tuple, rank: int, world: int, port: int, q: mp.Queue) -> Non
     )
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        q.put((rank, _variant(*fn_args)))
+        q.put((rank, _timed_rank(*fn_args)))
     except BaseException as exc:  # report, do not hang the parent
         q.put((rank, repr(exc)))
         raise
@@ -216,7 +227,7 @@ def _launch(args: tuple, world: int = 2) -> list[dict]:
         p.start()
     out: dict[int, dict] = {}
     for _ in procs:
-        rank, res = q.get(timeout=900)
+        rank, res = q.get(timeout=3600)
         if not isinstance(res, dict):
             for p in procs:
                 p.kill()
@@ -227,100 +238,126 @@ def _launch(args: tuple, world: int = 2) -> list[dict]:
     return [out[r] for r in range(world)]
 
 
-def _run(names: list[str], steps: int, passes: int) -> tuple[dict, list[float]]:
-    """Every (variant, precision) once per pass, interleaved; also the 1-min load average before each launch."""
-    rows: dict = {}
-    loads: list[float] = []
-    for _ in range(passes):
-        for precision in ("fp32", "bf16"):
-            for name in names:
-                loads.append(os.getloadavg()[0])
-                res = _launch((name, precision, steps))
-                med = statistics.median(t for rr in res for t in rr["times"])
-                print(f"{name} {precision}: median step {med * 1e3:.0f} ms", file=sys.stderr, flush=True)
-                r = rows.setdefault(
-                    (name, precision), {"times": [], "states": 0, "rss": 0, "psi": res[0]["psi"]}
-                )
-                for rr in res:
-                    r["times"] += rr["times"]
-                    r["states"] = max(r["states"], rr["states"])
-                    r["rss"] = max(r["rss"], rr["rss"])
-    loads.append(os.getloadavg()[0])
-    return rows, loads
-
-
-def _table(rows: dict) -> list[str]:
+def _tables(res: dict[str, list[dict]], names: list[str]) -> tuple[list[str], dict]:
+    """Ratio table, per-phase table (per precision); measured ratio quartiles keyed as the README quotes them."""
     lines = [
-        "| variant | precision | median step (ms) | min-max (ms) | ratio vs fsdp2 | ratio vs ddp "
-        "| peak RSS/rank (MiB) | model states/rank (MiB) | vs theory |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| variant | precision | wall step ms, median (IQR) | CPU step ms, median (IQR) "
+        "| wall ratio vs FSDP2, median (IQR) | CPU ratio vs FSDP2, median (IQR) | model states/rank (MiB) "
+        "| vs 16Ψ/N |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for (name, precision), r in sorted(rows.items(), key=lambda kv: kv[0][1] != "fp32"):
-        t = r["times"]
-        med = statistics.median(t)
-        ratios = []
-        for base_name in ("fsdp2", "ddp"):
-            base = rows.get((base_name, precision))
-            ratios.append(f"{med / statistics.median(base['times']):.2f}" if base else "-")
-        theory = 16 * r["psi"] / 2
-        st = f"{r['states'] / 2**20:.1f} | {r['states'] / theory:.3f}" if r["states"] else "- | -"
-        lines.append(
-            f"| {name} | {precision} | {med * 1e3:.0f} | {min(t) * 1e3:.0f}-{max(t) * 1e3:.0f} "
-            f"| {ratios[0]} | {ratios[1]} | {r['rss'] / 2**20:.0f} | {st} |"
-        )
-    return lines
+    phases = [
+        "| variant | precision | forward wall | forward wait | backward cpu (compute + hooks) | backward wait "
+        "| step cpu | step wait | reduce (gloo) | gather (gloo) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    measured = {}
+    for precision, rr in res.items():
+        recs = _timing.merge_ranks([r["records"] for r in rr])
+        psi = rr[0]["psi"]
+        for n in names:
+            wall_r = _timing.ratio_quartiles(recs[n], recs["fsdp2"], "wall")
+            cpu_r = _timing.ratio_quartiles(recs[n], recs["fsdp2"], "cpu")
+            if n != "fsdp2":
+                measured[f"{n}/fsdp2 {precision}"] = (wall_r, cpu_r)
+            st = max(r["states"][n] for r in rr)
+            st_cells = f"{st / 2**20:.1f} | {st / (16 * psi / 2):.3f}" if st else "- | -"
+            lines.append(
+                f"| {n} | {precision} | {_timing.fmt_iqr(_timing.step_quartiles(recs[n], 'wall'), 1e3, 0)} "
+                f"| {_timing.fmt_iqr(_timing.step_quartiles(recs[n], 'cpu'), 1e3, 0)} "
+                f"| {_timing.fmt_iqr(wall_r)} | {_timing.fmt_iqr(cpu_r)} | {st_cells} |"
+            )
+            ph = _timing.phase_medians(recs[n])
+            comm = {k: sorted(r["comm"][n][k] for r in rr)[len(rr) // 2] for k in ("reduce", "gather")}
+            (fw, fc), (bw, bc), (sw, sc) = ph["forward"], ph["backward"], ph["step"]
+            phases.append(
+                f"| {n} | {precision} | {fw * 1e3:.0f} | {(fw - fc) * 1e3:.0f} | {bc * 1e3:.0f} | {(bw - bc) * 1e3:.0f} "
+                f"| {sc * 1e3:.0f} | {(sw - sc) * 1e3:.0f} | {comm['reduce'] * 1e3:.0f} | {comm['gather'] * 1e3:.0f} |"
+            )
+    return [
+        *lines,
+        "",
+        "## Where the time goes (median ms per step, both ranks)",
+        "",
+        PHASE_LEGEND,
+        "",
+        *phases,
+    ], measured
+
+
+PHASE_LEGEND = (
+    "wall = the phase's wall time; cpu = the main thread's CPU time in it; wait = wall - cpu (blocked on a "
+    "collective or on a core). reduce / gather = time gloo's thread spent in reduce (all-reduce, reduce-scatter) "
+    "and gather (all-gather, broadcast) collectives over one profiled step, overlapped or not."
+)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--passes", type=int, default=2)
-    ap.add_argument("--deepspeed", action="store_true")
+    ap.add_argument("--steps", type=int, default=1, help="steps of each variant per pass")
+    ap.add_argument("--passes", type=int, default=5)
+    ap.add_argument("--precisions", default="fp32,bf16")
+    ap.add_argument("--deepspeed-path", default=None, help="folder holding deepspeed (pip --target)")
+    ap.add_argument("--check", action="store_true", help="compare the README's quoted ratios with a new run")
+    ap.add_argument(
+        "--ddp", action="store_true", help="also torch DDP (off by default: a long run on 2 cores)"
+    )
     ap.add_argument("--out", default=str(OUT))
     a = ap.parse_args()
-    if a.steps < 1 or a.passes < 1:
-        raise SystemExit("--steps and --passes must be >= 1")
-    names = ["ddp", "fsdp2", "zero3"] + (["deepspeed3"] if a.deepspeed else ["zero3_nocheck"])
+    precisions = a.precisions.split(",")
+    if a.steps < 1 or a.passes < 5 or not set(precisions) <= {"fp32", "bf16"}:
+        raise SystemExit("--steps must be >= 1, --passes >= 5, --precisions a subset of fp32,bf16")
+    names = ["fsdp2", "zero3"] + (["ddp"] if a.ddp else [])
     versions = f"python {platform.python_version()}, torch {torch.__version__}"
-    if a.deepspeed:
+    if a.deepspeed_path:
+        sys.path.insert(0, a.deepspeed_path)  # the forked ranks inherit it
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed
 
-        versions += f", deepspeed {deepspeed.__version__} (DS_ACCELERATOR={os.environ.get('DS_ACCELERATOR')})"
-    prefix = "DS_ACCELERATOR=cpu /tmp/dsvenv/bin/python" if a.deepspeed else ".venv/bin/python"
-    flag = " --deepspeed" if a.deepspeed else ""
+        names.append("deepspeed3")
+        versions += f", deepspeed {deepspeed.__version__} (DS_ACCELERATOR={os.environ['DS_ACCELERATOR']})"
+    commit = git_commit("packages/zero-core", "tools/bench")  # the code measured: read before the run
+    load = _timing.LoadLog()
     t0 = time.perf_counter()
-    rows, loads = _run(names, a.steps, a.passes)
+    res = {}
+    for precision in precisions:  # one launch per precision, all variants interleaved in it
+        res[precision] = _launch((names, precision, a.passes, a.steps))
+        load.sample()
     wall = time.perf_counter() - t0
-    psi = next(iter(rows.values()))["psi"]
+    tables, measured = _tables(res, names)
+    if a.check:
+        lines, ok = _timing.check_lines(_timing.readme_quotes(ROOT / "README.md", "bench_zero3"), measured)
+        print("\n".join(lines + [f"load: {load.describe()}", "check: " + ("ok" if ok else "FAILED")]))
+        sys.exit(0 if ok else 1)
+    psi = next(iter(res.values()))[0]["psi"]
+    flag = f" --deepspeed-path {a.deepspeed_path}" if a.deepspeed_path else ""
     lines = [
         "# bench_zero3: ZeRO stage 3 vs torch DDP, FSDP2"
-        + (" and DeepSpeed stage 3" if a.deepspeed else "")
+        + (" and DeepSpeed stage 3" if flag else "")
         + " (CPU, gloo, 2 ranks)",
         "",
         f"- machine: {os.cpu_count()} CPUs ({cpu_model()}), {platform.platform()}; shared with other jobs",
-        f"- load average (1 min) before each launch: min {min(loads):.1f}, median {statistics.median(loads):.1f}, "
-        f"max {max(loads):.1f} ({len(loads)} samples over {wall:.0f} s)",
+        f"- load: {load.describe()}",
         f"- versions: {versions}",
-        f"- git commit: {git_commit('packages/zero-core', 'tools/bench/bench_zero3.py')}",
-        f"- command: `OMP_NUM_THREADS=1 {prefix} tools/bench/bench_zero3.py{flag} --steps {a.steps} "
-        f"--passes {a.passes}`",
+        f"- git commit: {commit}",
+        f"- command: `OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_zero3.py --passes {a.passes} "
+        f"--steps {a.steps}{flag}{' --ddp' if a.ddp else ''}`",
         f"- model: examples/gpt.py GPT d_model 512, 6 layers, 8 heads, seq 128, Ψ = {psi:,}; micro-batch {MICRO} "
         f"per rank; Adam lr 1e-4, no clipping; zero_optimization {ZERO} (same for zero3 and deepspeed3)",
         "- FSDP2: fully_shard per block then root, MixedPrecisionPolicy(param_dtype, reduce_dtype) = the precision;"
-        " DDP bf16 = model cast to bf16",
-        "- zero3 = collective agreement checks on (default)"
-        + ("" if a.deepspeed else ", zero3_nocheck = off")
-        + " (see [Note: stage 3 collective agreement])",
-        f"- {a.passes} passes; in each pass every variant and precision runs once, in turn, in its own pair of "
-        f"forked ranks; {a.steps} timed steps after 1 warm-up; times pooled over both ranks and passes",
-        "- model states: max over steps of live shard bytes after backward (engine.memory_breakdown()); "
-        "for deepspeed3 the same from its optimizer's live flat buffers (each storage once); "
-        "theory 16Ψ/N bytes (fp32: 4+4+8, bf16: 2+2+12); '-' where no live-tensor breakdown exists",
-        "- peak RSS includes the forked parent's torch import (same for all variants)",
+        " DDP bf16 = model cast to bf16; zero3 with its collective agreement checks on (the default)",
+        f"- one launch of 2 forked ranks per precision, every variant built in it; {a.passes} passes, each running "
+        f"every variant for {a.steps} steps in turn (after 1 warm-up step each); a ratio per pass (median step "
+        "over both ranks / FSDP2's in that pass); median and interquartile range of those ratios. "
+        "CPU = process CPU time of a rank (all its threads)",
+        "- model states: live shard bytes after backward (engine.memory_breakdown()); for deepspeed3 its "
+        "optimizer's live flat buffers (each storage once); theory 16Ψ/N bytes (fp32: 4+4+8, bf16: 2+2+12)",
+        f"- benchmark wall time: {wall:.0f} s",
         "",
-        *_table(rows),
+        *tables,
+        "",
     ]
-    text = "\n".join(lines) + "\n"
+    text = "\n".join(lines)
     Path(a.out).write_text(text)
     print(text)
 

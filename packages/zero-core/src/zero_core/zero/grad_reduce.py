@@ -138,6 +138,23 @@ class PartitionedGradReducer:
                 slots = [self._slot[(g, c.index)] for c, _ in gg.layout.chunks_of_param(i)]
                 self._where[id(p)] = (g, i, slots)
         self._needed = [len(self.groups[g].layout.chunks[c].slices) for g, c in self.order]
+        # param id -> [(slot, chunk_lo, param_lo, numel)]: where the hook copies a gradient into
+        # buckets, computed once (the hook runs for every parameter on every micro-step)
+        self._copies: dict[int, list[tuple[int, int, int, int]]] = {}
+        for g, gg in enumerate(self.groups):
+            for i, p in enumerate(gg.params):
+                self._copies[id(p)] = [
+                    (self._slot[(g, c.index)], s.chunk_lo, s.param_lo, s.numel)
+                    for c, _ in gg.layout.chunks_of_param(i)
+                    for s in c.slices
+                    if s.param_index == i
+                ]
+        # Spent bucket buffers kept for the next chunks (see _bucket): at most _MAX_IN_FLIGHT + 1
+        # are alive at once, so reusing them saves an allocation (and its page faults) per chunk.
+        # finish() keeps one for the next backward, as DDP keeps its buckets and DeepSpeed its
+        # reduce buffer: a fresh bucket per step cost stage 2 about 7% of the bench's step CPU
+        # time (tools/bench/results/bench_zero12.md). It is listed under "buffers".
+        self._spare: list[torch.Tensor] = []
 
         # Gradient storage (see the Note): stage 1 full flat buffers, stage 2 shards.
         self.flat_grads: list[torch.Tensor] = []
@@ -184,10 +201,10 @@ class PartitionedGradReducer:
         self._got_grad: set[int] = set()
 
     def live_buffers(self) -> list[torch.Tensor]:
-        """Bucket buffers alive right now (none between backward passes); some may be views of
+        """Bucket buffers alive right now (between backward passes: stage 2's one spare bucket); some may be views of
         the flat gradients, which the caller's ledger counts once. See [Note: memory breakdown
         counts storages] in zero_core/utils/storage_bytes.py."""
-        return list(self._buffers.values()) + [t for p in self._pending for t in (p.inp, p.out)]
+        return [*self._buffers.values(), *self._spare, *(t for p in self._pending for t in (p.inp, p.out))]
 
     # -- the round --------------------------------------------------------------------------
     def arm(self, is_boundary: bool) -> None:
@@ -222,13 +239,8 @@ class PartitionedGradReducer:
         self._got_grad.add(id(param))
         if self.partition_grads and self.contiguous:
             flat = param.grad.reshape(-1)
-            for slot in slots:
-                g2, c = self.order[slot]
-                chunk = self.groups[g2].layout.chunks[c]
-                buf = self._bucket(slot)
-                for s in chunk.slices:
-                    if s.param_index == i:
-                        buf[s.chunk_lo : s.chunk_lo + s.numel].copy_(flat[s.param_lo : s.param_hi])
+            for slot, chunk_lo, param_lo, numel in self._copies[id(param)]:
+                self._bucket(slot)[chunk_lo : chunk_lo + numel].copy_(flat[param_lo : param_lo + numel])
             param.grad = None
         for slot in slots:
             self._ready[slot] += 1
@@ -239,8 +251,15 @@ class PartitionedGradReducer:
         buf = self._buffers.get(slot)
         if buf is None:
             g, c = self.order[slot]
-            chunk = self.groups[g].layout.chunks[c]
-            buf = torch.zeros(chunk.padded, dtype=self._dtype(g), device=self._device(g))
+            n, dtype = self.groups[g].layout.chunks[c].padded, self._dtype(g)
+            k = next((k for k, t in enumerate(self._spare) if t.numel() >= n and t.dtype == dtype), None)
+            if k is not None:
+                buf = self._spare.pop(k)[:n]
+            else:
+                buf = torch.empty(n, dtype=dtype, device=self._device(g))
+            # Only the padding is zeroed here: every parameter slice is overwritten by its gradient,
+            # or zeroed at launch if its parameter produced none (see _input).
+            buf[self.groups[g].layout.chunks[c].numel :].zero_()
             self._buffers[slot] = buf
         return buf
 
@@ -260,11 +279,19 @@ class PartitionedGradReducer:
             inp = self.flat_grads[g][chunk.start : chunk.start + chunk.padded]
             return inp.to(self.comm_dtype) if self.comm_dtype is not None else inp
         buf = self._bucket(slot)
-        if not self.contiguous:
+        if self.contiguous:
+            if self._ready[slot] < self._needed[slot]:  # some parameters produced no gradient: zeros
+                for s in chunk.slices:
+                    if id(gg.params[s.param_index]) not in self._got_grad:
+                        buf[s.chunk_lo : s.chunk_lo + s.numel].zero_()
+        else:
             for s in chunk.slices:
                 p = gg.params[s.param_index]
+                dst = buf[s.chunk_lo : s.chunk_lo + s.numel]
                 if p.grad is not None:
-                    buf[s.chunk_lo : s.chunk_lo + s.numel].copy_(p.grad.reshape(-1)[s.param_lo : s.param_hi])
+                    dst.copy_(p.grad.reshape(-1)[s.param_lo : s.param_hi])
+                else:
+                    dst.zero_()
                 done = self._launched_chunks.get(id(p), 0) + 1
                 self._launched_chunks[id(p)] = done
                 if done == len(self._where[id(p)][2]):
@@ -314,6 +341,8 @@ class PartitionedGradReducer:
             dst.copy_(pend.out)
         if self.on_reduced is not None:
             self.on_reduced(pend.g, lo, dst)
+        if self.partition_grads and len(self._spare) <= _MAX_IN_FLIGHT:  # a bucket buffer: reuse it
+            self._spare.append(pend.inp if pend.inp._base is None else pend.inp._base)
 
     def finish(self) -> None:
         """Launch what is left in order, wait for everything, and check for unused parameters."""
@@ -325,6 +354,7 @@ class PartitionedGradReducer:
         while self._pending:
             self._complete(self._pending.popleft())
         self._buffers.clear()
+        del self._spare[1:]  # one bucket buffer stays for the next backward (see __init__)
         if self.partition_grads:
             self._shard_has_grad = True
             for gg in self.groups:
