@@ -102,8 +102,16 @@ def _fmt_key(key: tuple) -> str:
 
 def _rounds(args: argparse.Namespace) -> list[dict]:
     """Every search, tuner and grid interleaved, with the load average around each."""
-    runs = []
-    for r in range(args.rounds):
+    runs: list[dict] = []
+    saved = os.path.join(args.work, "runs.json")
+    if args.resume and os.path.isfile(saved):  # continue an earlier run's rounds (complete ones only)
+        with open(saved) as f:
+            runs = json.load(f)
+        for x in runs:
+            x["load"] = tuple(x["load"])
+        done = {x["round"] for x in runs if sum(y["round"] == x["round"] for y in runs) == 2}
+        runs = [x for x in runs if x["round"] in done]
+    for r in range(len({x["round"] for x in runs}), args.rounds):
         order = ["model_based", "gridsearch"] if r % 2 == 0 else ["gridsearch", "model_based"]
         for tuner in order:
             side = "grid" if tuner == "gridsearch" else "tuner"
@@ -111,7 +119,7 @@ def _rounds(args: argparse.Namespace) -> list[dict]:
             found = _search(os.path.join(args.work, f"round{r}", side), tuner, args)
             found.update(round=r, side=side, load=(load0, os.getloadavg()[0]), best=_best(found["records"]))
             runs.append(found)
-            with open(os.path.join(args.work, "runs.json"), "w") as f:  # kept for --report_only
+            with open(saved, "w") as f:  # kept for --report_only and --resume
                 json.dump(runs, f)
             b = found["best"]
             print(
@@ -182,8 +190,8 @@ def _report(args: argparse.Namespace, runs: list[dict], began: float) -> list[st
         f"{args.d_model}, 2 layers, seq 64; samples/s measured by the engine between optimizer steps "
         f"{args.start} and {args.end}; each experiment is a fresh 2-rank launch",
         f"- tuner: model_based, tuner_early_stopping {args.early_stopping}, stage early stopping; grid: gridsearch, "
-        f"no early stopping; {args.rounds} rounds, interleaved (tuner first in even rounds); bench wall "
-        f"{time.perf_counter() - began:.0f} s",
+        f"no early stopping; {len(tuners)} rounds, interleaved (tuner first in even rounds); the searches' "
+        f"total wall {sum(x['wall'] for x in runs):.0f} s (this invocation {time.perf_counter() - began:.0f} s)",
         "",
         *rows,
         "",
@@ -216,6 +224,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="interleaved tuner/grid rounds (>= 2 for medians)")
     p.add_argument(
         "--report_only", action="store_true", help="write the report from the searches saved in --work"
+    )
+    p.add_argument(
+        "--resume", action="store_true", help="keep the complete rounds saved in --work, run the rest"
     )
     p.add_argument("--work", default="/tmp/bench_autotune")
     p.add_argument("--out", default=os.path.join(ROOT, "tools", "bench", "results", "bench_autotune.md"))
