@@ -32,15 +32,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_env import ROOT, cpu_model, git_commit  # noqa: E402
 
 
-def _search(work: str, tuner: str, args: argparse.Namespace) -> dict:
+def _search(work: str, tuner: str, args: argparse.Namespace, point: tuple | None = None) -> dict:
+    """One ``zero run --autotuning tune`` over the space (or over the single ``point``: one launch)."""
     shutil.rmtree(work, ignore_errors=True)  # fresh: nothing reused from an earlier run
     os.makedirs(work)
+    stages, mbs, buckets = (
+        ([point[0]], [point[1]], [point[2]]) if point else ([0, 1, 2, 3], args.mbs, args.buckets)
+    )
     config = {
         "train_micro_batch_size_per_gpu": "auto",
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {
-            "stage": [0, 1, 2, 3],
-            "reduce_bucket_size": args.buckets,
+            "stage": stages,
+            "reduce_bucket_size": buckets,
             "allgather_bucket_size": 500_000_000,
             "stage3_prefetch_bucket_size": 500_000_000,
             "overlap_comm": True,
@@ -50,9 +54,9 @@ def _search(work: str, tuner: str, args: argparse.Namespace) -> dict:
             "fast": False,
             "start_profile_step": args.start,
             "end_profile_step": args.end,
-            "min_train_micro_batch_size_per_gpu": min(args.mbs),
-            "max_train_micro_batch_size_per_gpu": max(args.mbs),
-            "num_tuning_micro_batch_sizes": len(args.mbs),
+            "min_train_micro_batch_size_per_gpu": min(mbs),
+            "max_train_micro_batch_size_per_gpu": max(mbs),
+            "num_tuning_micro_batch_sizes": len(mbs),
             "tuner_type": tuner,
             "tuner_early_stopping": 1000 if tuner == "gridsearch" else args.early_stopping,
             "model_info": {"num_params": args.num_params},
@@ -130,6 +134,23 @@ def _rounds(args: argparse.Namespace) -> list[dict]:
     return runs
 
 
+def _confirm(args: argparse.Namespace, runs: list[dict]) -> dict[str, list[float]]:
+    """Each config a search picked, measured again ``--confirm`` times (configs interleaved): what
+    a search delivers is its pick's throughput, not its own luckiest measurement (the grid's best
+    is the largest of 24 noisy runs, a winner's curse the tuner's few runs have less of)."""
+    picks = sorted({_key(x["best"]) for x in runs})
+    measured: dict[str, list[float]] = {str(k): [] for k in picks}
+    for i in range(args.confirm):
+        for k in picks:
+            found = _search(os.path.join(args.work, "confirm", f"{i}"), "gridsearch", args, point=k)
+            ok = [r["metric"] for r in found["records"] if r["status"] == "ok"]
+            measured[str(k)] += ok
+            print(f"confirm {i} {_fmt_key(k)}: {ok} (load {os.getloadavg()[0]:.1f})", flush=True)
+    with open(os.path.join(args.work, "confirm.json"), "w") as f:
+        json.dump(measured, f)
+    return measured
+
+
 def _grid_medians(grids: list[dict]) -> dict[tuple, list[float]]:
     """Every grid point's measurements over the grid runs (failed runs left out)."""
     points: dict[tuple, list[float]] = {}
@@ -140,7 +161,35 @@ def _grid_medians(grids: list[dict]) -> dict[tuple, list[float]]:
     return points
 
 
-def _report(args: argparse.Namespace, runs: list[dict], began: float) -> list[str]:
+def _confirmed_lines(runs: list[dict], confirmed: dict[str, list[float]]) -> list[str]:
+    """The picks' re-measurements and, per round, tuner's pick / grid's pick (medians)."""
+    if not confirmed:
+        return []
+    med = statistics.median
+    lines = ["", "Every search's pick measured again (configs interleaved, fresh launches):", ""]
+    lines += ["| config (stage, mbs, bucket) | samples/s (each run) | median |", "|---|---|---|"]
+    for k, vals in confirmed.items():
+        lines.append(f"| {k} | {', '.join(f'{v:.1f}' for v in vals)} | {med(vals):.1f} |")
+    ratios = []
+    for r in sorted({x["round"] for x in runs}):
+        t, g = (
+            str(_key(x["best"]))
+            for side in ("tuner", "grid")
+            for x in runs
+            if x["round"] == r and x["side"] == side
+        )
+        ratios.append(med(confirmed[t]) / med(confirmed[g]))
+    lines += [
+        "",
+        f"- **the tuner's pick / the grid's pick, each re-measured (median): {med(ratios):.3f}** (target >= 0.95); "
+        "per round: " + ", ".join(f"{x:.3f}" for x in ratios),
+    ]
+    return lines
+
+
+def _report(
+    args: argparse.Namespace, runs: list[dict], began: float, confirmed: dict[str, list[float]]
+) -> list[str]:
     grids = [x for x in runs if x["side"] == "grid"]
     tuners = [x for x in runs if x["side"] == "tuner"]
     med = statistics.median
@@ -202,6 +251,7 @@ def _report(args: argparse.Namespace, runs: list[dict], began: float) -> list[st
         f"- the grids' median measurement of each config the tuner picked / the grids' best config "
         f"{_fmt_key(best_key)} (median {best_med:.1f}): "
         + ", ".join(f"{_fmt_key(k)} **{r:.3f}**" for k, r in zip(picks, pick_ratios, strict=True)),
+        *_confirmed_lines(runs, confirmed),
         "",
         "Every grid point (best median first):",
         "",
@@ -228,6 +278,9 @@ def main() -> None:
     p.add_argument(
         "--resume", action="store_true", help="keep the complete rounds saved in --work, run the rest"
     )
+    p.add_argument(
+        "--confirm", type=int, default=3, help="re-measure every search's pick this many times (0: not)"
+    )
     p.add_argument("--work", default="/tmp/bench_autotune")
     p.add_argument("--out", default=os.path.join(ROOT, "tools", "bench", "results", "bench_autotune.md"))
     args = p.parse_args()
@@ -244,7 +297,8 @@ def main() -> None:
             x["load"] = tuple(x["load"])
     else:
         runs = _rounds(args)
-    lines = _report(args, runs, began)
+    confirmed = _confirm(args, runs) if args.confirm else {}
+    lines = _report(args, runs, began, confirmed)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")
