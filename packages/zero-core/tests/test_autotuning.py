@@ -127,6 +127,82 @@ def test_tuners_find_the_best_and_stop_early(tuner: str) -> None:
     assert len(seen) < len(cands) - 1
 
 
+def test_model_based_tuner_carries_what_earlier_stages_taught() -> None:
+    # throughput: a level per stage, x1.5 per doubling of the micro-batch, the larger bucket 20%
+    # faster at every stage (a shared effect, as the cost model assumes)
+    level = {0: 100.0, 1: 90.0, 2: 120.0}
+
+    def score(c: Candidate) -> float:
+        return (
+            level[c.stage]
+            * 1.5 ** (c.mbs.bit_length())
+            * (1.2 if c.knob_dict()["reduce_bucket_size"] > 10 else 1.0)
+        )
+
+    def cands(stage: int) -> list[Candidate]:
+        return [Candidate(stage, m, (("reduce_bucket_size", b),)) for m in (8, 4, 2) for b in (10, 1000)]
+
+    seen: list[Candidate] = []
+
+    def evaluate(c: Candidate) -> float:
+        seen.append(c)
+        return score(c)
+
+    # stage 0 from its probe at the largest micro-batch: one knob step, then no predicted gain
+    probe0 = Candidate(0, 8, (("reduce_bucket_size", 10),))
+    TUNERS["model_based"](cands(0), {probe0: score(probe0)}, 50, 5).run(evaluate)
+    assert seen == [Candidate(0, 8, (("reduce_bucket_size", 1000),))]
+    prior = {probe0: score(probe0), seen[0]: score(seen[0])}
+    # stage 2, probed with the knob stage 0 found best: the model (fitted on stage 0 too) expects
+    # nothing better, so the stage costs its probe alone
+    seen.clear()
+    probe2 = Candidate(2, 8, (("reduce_bucket_size", 1000),))
+    TUNERS["model_based"](cands(2), {probe2: score(probe2)}, 50, 5, prior=prior).run(evaluate)
+    assert seen == []
+    # probed with the other knob instead, it measures the one candidate predicted to be better
+    probe2 = Candidate(2, 8, (("reduce_bucket_size", 10),))
+    TUNERS["model_based"](cands(2), {probe2: score(probe2)}, 50, 5, prior=prior).run(evaluate)
+    assert seen == [Candidate(2, 8, (("reduce_bucket_size", 1000),))]
+
+
+def test_probes_take_the_best_knobs_so_far() -> None:
+    from zero_core.autotuning.autotuner import Autotuner
+
+    tuner = Autotuner.__new__(Autotuner)
+    tuner.scores = {
+        Candidate(0, 8, (("overlap_comm", True), ("reduce_bucket_size", 10))): 1.0,
+        Candidate(0, 8, (("overlap_comm", True), ("reduce_bucket_size", 1000))): 2.0,
+        Candidate(0, 4, (("overlap_comm", False), ("reduce_bucket_size", 1000))): None,
+    }
+    combos3 = [
+        (("overlap_comm", o), ("reduce_bucket_size", r), ("stage3_prefetch_bucket_size", p))
+        for o in (False, True)
+        for r in (10, 1000)
+        for p in (10, 1000)
+    ]
+    assert tuner._probe_knobs(combos3) == (
+        (("overlap_comm", True), ("reduce_bucket_size", 1000), ("stage3_prefetch_bucket_size", 10))
+    )
+    assert tuner._probe_knobs([()]) == ()  # fast mode: no knobs
+    tuner.scores = {}
+    assert tuner._probe_knobs(combos3) == combos3[0]
+
+
+def test_flops_metric_without_zero_profiler_names_the_package(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import argparse
+
+    import zero_core.plugins
+    from zero_core.autotuning.autotuner import Autotuner, AutotuningError
+
+    monkeypatch.setattr(zero_core.plugins, "is_available", lambda name: name != "zero_profiler")
+    cfg = _write(tmp_path / "cfg.json", {"autotuning": {"enabled": True, "metric": "flops"}})
+    args = argparse.Namespace(script_args=["--zero_config", str(cfg)], nproc=1, nnodes=None, launcher="torch")
+    with pytest.raises(AutotuningError, match="'zero-profiler' package, which is not installed"):
+        Autotuner(args)
+
+
 # -- real searches -----------------------------------------------------------------------------
 
 

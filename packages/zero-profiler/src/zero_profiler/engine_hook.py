@@ -111,7 +111,7 @@ class StepProfiler:
         )
         self.profiler.track_backward = True  # the engine runs backward inside the profiled step
         self.last_profile: str | None = None  # text of the last printed profile
-        # FLOPs of the last profiled step (read by the autotuner's metric, "flops")
+        # FLOPs of the last profiled step, forward and backward (the autotuner's metric "flops")
         self.last_step_flops: int | None = None
         self._optimizer_started: float | None = None
 
@@ -135,7 +135,7 @@ class StepProfiler:
         if self._optimizer_started is not None:
             self.profiler.step_latency = time.perf_counter() - self._optimizer_started
         self.profiler.stop_profile()
-        self.last_step_flops = int(self.profiler.get_total_flops())
+        self.last_step_flops = int(self.profiler.get_total_train_flops())  # forward + backward
         cfg = self.config
         self.last_profile = self.profiler.model_profile_text(
             step, cfg.module_depth, cfg.top_modules, cfg.detailed

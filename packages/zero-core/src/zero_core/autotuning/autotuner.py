@@ -19,9 +19,11 @@ The autotuner finds the fastest configuration that fits, as DeepSpeed's does, in
    the budget: see [Note: autotuning experiments]), the smallest, then a binary search between.
 4. **Tuning the stage.** ``num_tuning_micro_batch_sizes`` sizes up to that largest one, times the
    stage's knob values (see ``space.py``; with ``fast: true``, DeepSpeed's default, micro-batch
-   sizes only), explored by the ``tuner_type`` (see ``tuners.py``). Stages run from 0 up; except
-   with ``gridsearch``, a stage whose best is below the best of the stages before it ends the
-   search (higher stages only add communication), as DeepSpeed's fast mode does.
+   sizes only), explored by the ``tuner_type`` (see ``tuners.py``; ``model_based`` fits its
+   cost model on the experiments of the stages before too, see [Note: autotuning cost model]).
+   The probes of step 3 run with the knob values of the best experiment so far. Stages run from
+   0 up; except with ``gridsearch``, a stage whose best is below the best of the stages before
+   it ends the search (higher stages only add communication), as DeepSpeed's fast mode does.
 
 Every experiment's record is kept in ``exps_dir``; a restarted search with the same directories
 reuses every finished experiment (``overwrite: true`` reruns them). The best experiment's config
@@ -242,6 +244,18 @@ class Autotuner:
                 hi = mid
         return sizes[lo]
 
+    def _probe_knobs(self, combos: list[tuple]) -> tuple:
+        """The knobs a stage's micro-batch probes run with: those of the best experiment so far
+        where this stage tunes the same knobs (what earlier stages found carries over, so the
+        probe is likely the stage's best already), else the stage's first combination."""
+        ok = [(s, c) for c, s in self.scores.items() if s is not None]
+        if ok:
+            best = dict(max(ok, key=lambda p: p[0])[1].knobs)
+            for combo in combos:
+                if all(best.get(k, v) == v for k, v in combo) and any(k in best for k, _ in combo):
+                    return combo
+        return combos[0]
+
     def tune_stage(self, stage: int, offload: bool) -> float | None:
         combos = self.space.knob_combos(stage) or [()]
         sec = self.section
@@ -255,7 +269,7 @@ class Autotuner:
                 f"stage {stage}: no micro-batch size gives a train batch within the section's bounds"
             )
             return None
-        largest = self._largest_fitting(stage, offload, sizes, combos[0])
+        largest = self._largest_fitting(stage, offload, sizes, self._probe_knobs(combos))
         if largest is None:
             self.notes.append(f"stage {stage}: not even micro-batch {sizes[0]} ran (see the table)")
             return None
@@ -266,8 +280,9 @@ class Autotuner:
         ]
         cands = [Candidate(stage, m, k, offload) for m in sorted(mbs_list, reverse=True) for k in combos]
         measured = {c: self.scores[c] for c in cands if c in self.scores}
+        prior = {c: s for c, s in self.scores.items() if c.stage != stage}
         tuner = TUNERS[sec.tuner_type](
-            cands, measured, sec.tuner_num_trials, sec.tuner_early_stopping, seed=stage
+            cands, measured, sec.tuner_num_trials, sec.tuner_early_stopping, seed=stage, prior=prior
         )
         tuner.run(self.evaluate)
         scores = [s for c, s in self.scores.items() if c.stage == stage and s is not None]

@@ -10,6 +10,11 @@ with ``enabled: true`` and a ``metric_path``; as DeepSpeed's engine does, the en
   s/step, "FLOPS_per_gpu": ..., "memory": peak bytes, "mbs": ...}`` as JSON to ``metric_path``
   (rank 0, atomically), then ends the process (every rank, exit status 0), so the script's own
   loop never runs past the measurement;
+* with ``metric: flops``, takes the FLOPs of one training step (forward and backward) from
+  zero-profiler's flops profiler (the experiment's config profiles the step just before the
+  window, so the profiler's overhead is not timed) and reports ``FLOPS_per_gpu`` = those FLOPs /
+  the mean step time of the window; the autotuner refuses ``flops`` up front when zero-profiler
+  is not installed;
 * with ``model_info.profile: true`` (the autotuner's first launch), writes the model's parameter
   counts to ``model_info_path`` right after ``initialize`` and ends the process.
 

@@ -178,9 +178,12 @@ class ExperimentRunner:
         }
         exp_config = {**config, "autotuning": section}
         if self.section.metric == "flops":
+            # the step just before the measured window (same model and batch, so the same FLOPs):
+            # the profiler's own overhead stays out of the timed steps (see [Note: autotuning
+            # experiments])
             exp_config["flops_profiler"] = {
                 "enabled": True,
-                "profile_step": self.section.start_profile_step + 1,
+                "profile_step": self.section.start_profile_step - 1,
             }
         config_path = os.path.join(out_dir, "ds_config.json")
         write_json_atomic(config_path, exp_config)

@@ -183,13 +183,14 @@ def experiment_name(cand: Candidate, config: dict[str, Any]) -> str:
     return f"z{cand.stage}_mbs{cand.mbs}{'_offload' if cand.offload else ''}_{digest}"
 
 
+def knob_feature(value: Any) -> float:
+    """A knob value as a number for the cost model: 0/1 for a flag, log2 of a size."""
+    if isinstance(value, bool):
+        return 1.0 if value else 0.0
+    return math.log2(max(float(value), 1.0))
+
+
 def features(cand: Candidate) -> list[float]:
-    """Numeric features of a candidate for the model-based tuner: log2 of the micro-batch and of
-    every numeric knob, 0/1 for flags (knobs in name order)."""
-    out = [math.log2(cand.mbs)]
-    for _key, value in sorted(cand.knobs):
-        if isinstance(value, bool):
-            out.append(1.0 if value else 0.0)
-        else:
-            out.append(math.log2(max(float(value), 1.0)))
-    return out
+    """Numeric features of a candidate: log2 of the micro-batch, then every knob (in name order)
+    as :func:`knob_feature` gives it."""
+    return [math.log2(cand.mbs), *(knob_feature(v) for _k, v in sorted(cand.knobs))]
