@@ -3,6 +3,7 @@ summary lists every package of the matrix, failing when any failed or never repo
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -34,8 +35,35 @@ def test_summary_counts_every_package_and_fails_on_any_failure():
     ok = {"exit": 0, "counts": {"passed": 3, "skipped": 1}, "seconds": 2.0}
     bad = {"exit": 1, "counts": {"passed": 2, "failed": 1}, "seconds": 3.0}
     text, passed = r.summary(["a", "b"], {"a": ok, "b": ok})
-    assert passed and "total            ok     6 passed, 2 skipped" in text
+    assert passed and "total            ok     6 passed, 2 skipped (4 s of tests, 0 s CPU)" in text
     text, passed = r.summary(["a", "b", "c"], {"a": ok, "b": bad})
     assert not passed
     assert "b                FAILED 2 passed, 1 failed" in text
     assert "c                DID NOT RUN" in text
+
+
+def test_env_prefetch_creates_later_environments_in_order_and_reports_a_failure(tmp_path):
+    """The background creation runs ``<hatch prefix> env create NAME`` for each later environment
+    in order, and a runner waiting for one learns when it failed (hatch then creates it itself)."""
+    import env_prefetch
+
+    fake_hatch = tmp_path / "hatch"
+    calls = tmp_path / "calls.txt"
+    fake_hatch.write_text(
+        "import sys\n"
+        f"open({str(calls)!r}, 'a').write(' '.join(sys.argv[1:]) + '\\n')\n"
+        "sys.exit(3 if sys.argv[-1] == 'env-bad' else 0)\n"
+    )
+    folder = tmp_path / "run"
+    argv = [sys.executable, str(fake_hatch), "-v", "test", "--all"]
+    env_prefetch.start(folder, os.getpid(), argv, ["env-a", "env-bad", "env-c"])
+    assert env_prefetch.wait_for(folder, "env-a") is None
+    failure = env_prefetch.wait_for(folder, "env-bad")
+    assert failure and "env-bad" in failure
+    assert env_prefetch.wait_for(folder, "env-c") is None
+    assert calls.read_text().splitlines() == [
+        "-v env create env-a",
+        "-v env create env-bad",
+        "-v env create env-c",
+    ]
+    assert env_prefetch.wait_for(tmp_path / "never-started", "env-a") is None  # nothing to wait for

@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+import env_prefetch
 import pytest
 import tomllib
 
@@ -78,12 +82,18 @@ def _ancestors() -> list[tuple[int, list[str], str]]:
     return out
 
 
-def hatch_run_id() -> str | None:
-    """An id of the ``hatch test --all`` process this runs under, or None."""
+def hatch_test_all() -> tuple[int, list[str], str] | None:
+    """(pid, argv, start time) of the ``hatch test --all`` process this runs under, or None."""
     for pid, argv, started in _ancestors():
         if any(Path(a).name == "hatch" for a in argv[:3]) and "test" in argv:
-            return f"{pid}-{started}" if is_test_all(argv) else None
+            return (pid, argv, started) if is_test_all(argv) else None
     return None
+
+
+def hatch_run_id() -> str | None:
+    """An id of the ``hatch test --all`` process this runs under, or None."""
+    hatch = hatch_test_all()
+    return f"{hatch[0]}-{hatch[2]}" if hatch else None
 
 
 class _Counts:
@@ -110,39 +120,60 @@ def summary(packages: list[str], results: dict[str, dict]) -> tuple[str, bool]:
         passed = res["exit"] == 0
         ok &= passed
         counts = ", ".join(f"{n} {k}" for k, n in res["counts"].items()) or "no tests"
-        lines.append(f"{pkg:<16} {'ok    ' if passed else 'FAILED'} {counts} ({res['seconds']:.0f} s)")
+        cpu = f", {res['cpu_seconds']:.0f} s CPU" if "cpu_seconds" in res else ""
+        lines.append(f"{pkg:<16} {'ok    ' if passed else 'FAILED'} {counts} ({res['seconds']:.0f} s{cpu})")
     totals: dict[str, int] = {}
     for res in results.values():
         for k, n in res["counts"].items():
             totals[k] = totals.get(k, 0) + n
+    seconds = sum(res["seconds"] for res in results.values())
+    cpu = sum(res.get("cpu_seconds", 0.0) for res in results.values())
     lines.append(
-        f"{'total':<16} {'ok    ' if ok else 'FAILED'} " + ", ".join(f"{n} {k}" for k, n in totals.items())
+        f"{'total':<16} {'ok    ' if ok else 'FAILED'} "
+        + ", ".join(f"{n} {k}" for k, n in totals.items())
+        + f" ({seconds:.0f} s of tests, {cpu:.0f} s CPU)"
     )
     return "\n".join(lines), ok
 
 
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and its finished children (xdist workers, ranks, launches)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def main(args: list[str]) -> int:
-    import time
+    hatch = hatch_test_all()
+    packages = matrix_packages()
+    env_name = os.environ.get("HATCH_ENV_ACTIVE", "")
+    pkg = package_of_env(env_name, packages)
+    if hatch is None or pkg is None:
+        return int(pytest.main(args))
+    folder = Path(tempfile.gettempdir()) / "zero-hatch-test" / f"{hatch[0]}-{hatch[2]}"
+    folder.mkdir(parents=True, exist_ok=True)
+    env_of = {p: env_name[: -len(pkg)] + p for p in packages}  # hatch-test.py3.11-<pkg>
+    later = packages[packages.index(pkg) + 1 :]
+    if pkg == packages[0]:  # See [Note: a fresh hatch test --all in minutes]
+        env_prefetch.start(folder, hatch[0], hatch[1], [env_of[p] for p in later])
 
     counter = _Counts()
-    start = time.monotonic()
+    start, cpu = time.monotonic(), _cpu_seconds()
     status = int(pytest.main(args, plugins=[counter]))
-    run_id = hatch_run_id()
-    packages = matrix_packages()
-    pkg = package_of_env(os.environ.get("HATCH_ENV_ACTIVE", ""), packages)
-    if run_id is None or pkg is None:
-        return status
-    folder = Path(tempfile.gettempdir()) / "zero-hatch-test" / run_id
-    folder.mkdir(parents=True, exist_ok=True)
-    record = {"exit": status, "counts": counter.counts, "seconds": time.monotonic() - start}
+    record = {
+        "exit": status,
+        "counts": counter.counts,
+        "seconds": time.monotonic() - start,
+        "cpu_seconds": _cpu_seconds() - cpu,
+    }
     (folder / f"{pkg}.json").write_text(json.dumps(record))
-    if pkg != packages[-1]:
+    if later:
+        failure = env_prefetch.wait_for(folder, env_of[later[0]])
+        if failure:
+            print(failure)
         print(f"\n[{pkg}: exit status {status}; hatch test --all goes on, summary after {packages[-1]}]")
         return 0
     results = {p.stem: json.loads(p.read_text()) for p in folder.glob("*.json")}
-    for p in folder.glob("*.json"):
-        p.unlink()
-    folder.rmdir()
+    shutil.rmtree(folder, ignore_errors=True)
     text, ok = summary(packages, results)
     print(text)
     return 0 if ok else 1

@@ -17,6 +17,7 @@ Environment knobs:
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import shlex
@@ -80,6 +81,48 @@ def _libaio_available(cxx: str) -> bool:
         return proc.returncode == 0
 
 
+def build_key(root: str) -> str:
+    """What an editable build's library depends on: every source under csrc/, this hook, the
+    compiler (its ``--version``), the knobs above, pybind11 and the interpreter's ABI.
+
+    [Note: editable builds reuse the in-tree library]
+    An editable install compiles into ``src/zero_ops/`` of the checkout, so every environment
+    that installs zero-ops editable from one checkout (``hatch test --all`` makes four: zero-ops,
+    zero-offload, zero-inference, zero) writes the same file. The key of what it was built from
+    is stored next to it (``_C<suffix>.key``); an editable build whose key matches keeps that
+    library instead of compiling it again. Anything that changes the result (a source, a flag,
+    the compiler, the Python ABI) changes the key. Wheels are always compiled afresh.
+    """
+    import pybind11
+
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    except OSError:
+        version = "missing"
+    digest = hashlib.sha256()
+    for part in (
+        cxx,
+        version,
+        platform.machine(),
+        pybind11.__version__,
+        sysconfig.get_config_var("EXT_SUFFIX") or "",
+        sysconfig.get_paths()["include"],
+        *(
+            f"{k}={os.environ.get(k, '')}"
+            for k in ("ZERO_OPS_CXXFLAGS", "ZERO_OPS_NO_OPENMP", "ZERO_OPS_NO_LIBAIO")
+        ),
+    ):
+        digest.update(part.encode() + b"\0")
+    csrc = os.path.join(root, "csrc")
+    for name in sorted(os.listdir(csrc)):
+        with open(os.path.join(csrc, name), "rb") as f:
+            digest.update(name.encode() + b"\0" + f.read() + b"\0")
+    with open(__file__, "rb") as f:
+        digest.update(f.read())
+    return digest.hexdigest()
+
+
 def build_extension(root: str, out_path: str) -> None:
     """Compiles csrc/ into the shared library ``out_path``."""
     import pybind11
@@ -133,6 +176,21 @@ def build_extension(root: str, out_path: str) -> None:
         os.replace(tmp_out, out_path)  # atomic: a running interpreter never sees half a library
 
 
+def _holds(path: str, text: str) -> bool:
+    try:
+        with open(path) as f:
+            return f.read() == text
+    except OSError:
+        return False
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 class CustomBuildHook(BuildHookInterface):
     PLUGIN_NAME = "custom"
 
@@ -142,13 +200,20 @@ class CustomBuildHook(BuildHookInterface):
         ext = sysconfig.get_config_var("EXT_SUFFIX")
         if version == "editable":
             # In-tree, next to the sources the editable .pth points at.
+            # See [Note: editable builds reuse the in-tree library]
             out = os.path.join(self.root, "src", "zero_ops", f"_C{ext}")
+            key, key_path = build_key(self.root), out + ".key"
+            if not (_holds(key_path, key) and os.path.exists(out)):
+                if os.path.exists(key_path):
+                    os.unlink(key_path)  # no stale key for a library a failed build replaced
+                build_extension(self.root, out)
+                _write_atomic(key_path, key)
         else:
             # Built fresh for every wheel (never reuse an in-tree library built with other flags).
             self._tmpdir = tempfile.mkdtemp(prefix="zero_ops_build_")
             out = os.path.join(self._tmpdir, f"_C{ext}")
             build_data["force_include"][out] = f"zero_ops/_C{ext}"
-        build_extension(self.root, out)
+            build_extension(self.root, out)
         build_data["pure_python"] = False
         build_data["infer_tag"] = True
 
