@@ -191,16 +191,20 @@ def test_probes_take_the_best_knobs_so_far() -> None:
 def test_flops_metric_without_zero_profiler_names_the_package(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import argparse
-
     import zero_core.plugins
     from zero_core.autotuning.autotuner import Autotuner, AutotuningError
 
     monkeypatch.setattr(zero_core.plugins, "is_available", lambda name: name != "zero_profiler")
+    monkeypatch.chdir(tmp_path)  # the search makes its results and experiments directories here
     cfg = _write(tmp_path / "cfg.json", {"autotuning": {"enabled": True, "metric": "flops"}})
-    args = argparse.Namespace(script_args=["--zero_config", str(cfg)], nproc=1, nnodes=None, launcher="torch")
+    from zero_core.launcher.cli import build_parser
+
+    args = build_parser().parse_args(["run", "--autotuning", "tune", "job.py", "--zero_config", str(cfg)])
     with pytest.raises(AutotuningError, match="'zero-profiler' package, which is not installed"):
         Autotuner(args)
+    # a metric_path in the search's own config is the engine's key: the search says it is not used
+    _write(tmp_path / "cfg.json", {"autotuning": {"enabled": True, "metric_path": "m.json"}})
+    assert any("metric_path 'm.json' is not used" in n for n in Autotuner(args).notes)
 
 
 # -- real searches -----------------------------------------------------------------------------

@@ -143,6 +143,12 @@ class Autotuner:
         self.scores: dict[Candidate, float | None] = {}
         self.pruned: list[str] = []
         self.notes: list[str] = []
+        if self.section.metric_path:  # the engine's key: every experiment gets its own (see experiment.py)
+            self.notes.append(
+                f"autotuning.metric_path {self.section.metric_path!r} is not used by the search: each "
+                "experiment's engine writes results_dir/<experiment>/metrics.json"
+            )
+            print(f"[autotuning] note: {self.notes[-1]}", file=sys.stderr, flush=True)
         self.per_sample_bytes = 0.0
         self.progress = Progress(0)
 
