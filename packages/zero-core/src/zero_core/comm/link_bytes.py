@@ -37,9 +37,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-#: ops that carry no tensor payload
+#: ops that send no tensor payload of their own (``batch_isend_irecv``'s sends are added per op
+#: by ``p2p_sends``)
 _NO_PAYLOAD = frozenset(
-    {"broadcast_object_list", "all_gather_object", "barrier", "monitored_barrier", "recv", "irecv"}
+    {
+        "broadcast_object_list",
+        "all_gather_object",
+        "barrier",
+        "monitored_barrier",
+        "recv",
+        "irecv",
+        "batch_isend_irecv",
+    }
 )
 
 

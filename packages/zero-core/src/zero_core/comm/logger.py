@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 #: Every op name the comm layer reports (valid entries of ``prof_ops``).
@@ -76,8 +76,10 @@ class Stats:
     count: int = 0
     bytes: int = 0
     total_time_s: float = 0.0
-    intra_node_bytes: int = 0  # See [Note: bytes by link class] in link_bytes.py
-    inter_node_bytes: int = 0
+    # this rank's bytes sent by link class (See [Note: bytes by link class] in link_bytes.py);
+    # outside equality, so a Stats compares by what every op records
+    intra_node_bytes: int = field(default=0, compare=False)
+    inter_node_bytes: int = field(default=0, compare=False)
 
 
 def bus_bandwidth_factor(op: str, world_size: int) -> float:
