@@ -23,18 +23,29 @@ class MiCS_Init(Init):  # noqa: N801 (DeepSpeed's public name)
     whole world.
     """
 
-    def __init__(self, module: torch.nn.Module | None = None, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module | None = None,
+        data_parallel_group: Any = None,
+        *args: Any,
+        config_dict_or_path: Any = None,
+        config: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        from zero_core.zero.stage3.init_context import _load_cfg
         from zero_core.zero.stage3.shard_groups import build_route
 
-        # Convert after the route exists: Init converts ``module`` in its own __init__.
-        super().__init__(None, *args, **kwargs)
-        zc = getattr(self._cfg, "zero_optimization", None)
+        zc = getattr(_load_cfg(config_dict_or_path, config), "zero_optimization", None)
         shard = int(getattr(zc, "mics_shard_size", -1)) if zc is not None else -1
-        if shard < 1:
+        if shard < 1:  # checked before Init would start torch.distributed
             raise ValueError(
                 "zero.MiCS_Init: the config must set zero_optimization.mics_shard_size >= 1 "
                 "(pass it as config_dict_or_path=, the same config as zero.initialize's)"
             )
+        # Convert after the route exists: Init converts ``module`` in its own __init__.
+        super().__init__(
+            None, data_parallel_group, *args, config_dict_or_path=config_dict_or_path, config=config, **kwargs
+        )
         self.route = build_route(
             self.group, shard, bool(getattr(zc, "mics_hierarchical_params_gather", False))
         )
