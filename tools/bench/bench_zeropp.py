@@ -344,6 +344,9 @@ def main() -> None:
         "mics_hier 2·(2Ψ/S)·(M-1) for the two first hops + the reduce-scatter 2Ψ·(N-L)/N)",
         f"- {a.passes} passes; each variant runs once per pass in its own 4 forked ranks; {a.steps} timed "
         "steps after 1 warm-up; step times pooled over ranks and passes",
+        "- the 'nodes' share one machine, so their 'cross-node' link is as fast as the inside one: step times "
+        "here show each layout's extra work (copies, second hops, replica all-reduces), not the time a slow "
+        "cross-node link would save; the cross-node bytes are what carries over to a real cluster",
         "",
         *_table(rows),
     ]

@@ -215,7 +215,7 @@ def _modifier() -> list:
 
 
 def _checkpoint_roundtrip(tmp: str) -> list:
-    """MiCS saves, plain stage 3 loads and trains, saves; hpZ loads: the same as training straight on."""
+    """MiCS saves, plain stage 3 loads and trains, saves; hpZ and MiCS load: as if trained straight on."""
     from zero_core import comm
 
     rank = comm.get_rank()
@@ -240,7 +240,9 @@ def _checkpoint_roundtrip(tmp: str) -> list:
     b.save_checkpoint(tmp, tag="plain")
     c, _ = _engine(4, {"zero_hpz_partition_size": 2})
     c.load_checkpoint(tmp, tag="plain")
-    return [straight, via_plain + run(c, [3])]
+    d, _ = _engine(4, {"mics_shard_size": 4, "mics_hierarchical_params_gather": True})
+    d.load_checkpoint(tmp, tag="plain")
+    return [straight, via_plain + run(c, [3]), run(d, [3])]
 
 
 def _four(tmp: str) -> dict:
@@ -329,8 +331,9 @@ def test_gathered_parameters_modifier_reaches_every_replica(four) -> None:
 
 
 def test_checkpoint_reshards_between_mics_hpz_and_plain(four) -> None:
-    for straight, resumed in (g["checkpoint"] for g in four):
+    for straight, resumed, mics_resumed in (g["checkpoint"] for g in four):
         assert resumed == pytest.approx(straight, rel=1e-5)
+        assert mics_resumed == pytest.approx(straight[1:], rel=1e-5)
 
 
 def _two_ranks() -> list:

@@ -26,11 +26,15 @@ logical size the logger records for the op (see its Note) and ``c = B / n`` one 
 So for a group inside one node everything is ``intra_node``; for the whole world of ``N``
 ranks over nodes of ``L`` ranks, an all-gather of ``B`` bytes sends ``B (N - L) / N`` across
 nodes from each rank (``B/2`` for 2 nodes x 2), and a group holding one rank per node (the
-inter-node group of MiCS's hierarchical gather) sends everything across. Summed over the
-ranks this is the traffic the cross-node links must carry whatever the algorithm (a ring or
-tree moves at least the pieces that must change node), which is the quantity MiCS and ZeRO++
-reduce. It is an accounting model of the ops' logical sizes, not a capture of wire bytes:
-NCCL's ring forwards pieces through intermediate ranks, and its per-link load differs.
+inter-node group of MiCS's hierarchical gather) sends everything across.
+
+This is the load of a *flat* collective, where every piece crosses to every destination rank on
+another node on its own. A hierarchical algorithm that sends each piece across once per node
+and fans it out inside the node moves less across; zero makes such algorithms explicit as
+separate collectives (MiCS's two-hop gather is an all-gather over one rank per node, then one
+inside the node), so the model credits them exactly. It is an accounting model of the ops'
+logical sizes, not a capture of wire bytes: NCCL's rings and trees forward pieces through
+intermediate ranks, and their per-link load differs.
 """
 
 from __future__ import annotations

@@ -430,3 +430,4 @@ class Stage3Strategy(Stage3Checkpointing):
         self.coordinator.release_all(force=True)
         for p in self.params:
             release_param(p, force=True)
+        drop_secondary(self.params)  # hpZ copies are a cache too (See [Note: MiCS and hpZ shard groups])
