@@ -347,6 +347,16 @@ def main() -> None:
         "- the 'nodes' share one machine, so their 'cross-node' link is as fast as the inside one: step times "
         "here show each layout's extra work (copies, second hops, replica all-reduces), not the time a slow "
         "cross-node link would save; the cross-node bytes are what carries over to a real cluster",
+        *(
+            [
+                "- not run: the quantized switches ("
+                + ", ".join(q for q in QUANTIZED if q not in names)
+                + "); "
+                "`--variants all` runs every variant"
+            ]
+            if any(q not in names for q in QUANTIZED)
+            else []
+        ),
         "",
         *_table(rows),
     ]
