@@ -81,7 +81,7 @@ class ShardRoute:
         param.zero_state.route = self
 
 
-def _positive(name: str, value: Any) -> int:
+def _int_key(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"zero_optimization.{name} must be an int, got {value!r}")
     return value
@@ -96,8 +96,8 @@ def build_route(
     """
     from zero_core.comm.topology import block_groups, current_topology, nested_block_groups
 
-    shard = _positive("mics_shard_size", mics_shard_size)
-    hpz = _positive("zero_hpz_partition_size", hpz_size)
+    shard = _int_key("mics_shard_size", mics_shard_size)
+    hpz = _int_key("zero_hpz_partition_size", hpz_size)
     mics_on, hpz_on = shard > 0, hpz > 1
     if not mics_on and not hpz_on:
         if hierarchical:
