@@ -97,7 +97,8 @@ def _engine(
         cfg[dtype] = {"enabled": True, **({"initial_scale_power": 8} if dtype == "fp16" else {})}
     torch.manual_seed(0)
     if use_mics_init:
-        with zero_core.MiCS_Init(config_dict_or_path=cfg):
+        init = zero_core.MiCS_Init if "mics_shard_size" in zero_cfg else zero_core.Init
+        with init(config_dict_or_path=cfg):
             model = TinyLM()
     else:
         model = TinyLM()
@@ -166,13 +167,14 @@ def _psi_bytes() -> int:
     return sum(p.numel() for p in TinyLM().parameters()) * 4
 
 
-# name -> (zero_cfg, accum, use MiCS_Init, dtype, gradient_clipping)
+# name -> (zero_cfg, accum, build under zero.MiCS_Init / zero.Init, dtype, gradient_clipping)
 FOUR = {
     "plain": ({}, 1, False, "fp32", 0.0),
     "mics2": ({"mics_shard_size": 2}, 1, False, "fp32", 0.0),
     "mics4_hier": ({"mics_shard_size": 4, "mics_hierarchical_params_gather": True}, 1, True, "fp32", 0.0),
     "hpz2": ({"zero_hpz_partition_size": 2}, 1, False, "fp32", 0.0),
     "hpz2_accum": ({"zero_hpz_partition_size": 2}, 2, False, "fp32", 0.0),
+    "hpz2_init": ({"zero_hpz_partition_size": 2}, 1, True, "fp32", 0.0),  # built under zero.Init
     "mics2_clip": ({"mics_shard_size": 2}, 1, False, "fp32", 0.1),
     "hpz2_clip": ({"zero_hpz_partition_size": 2}, 1, False, "fp32", 0.1),
 }
