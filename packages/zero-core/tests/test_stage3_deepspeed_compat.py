@@ -305,11 +305,14 @@ def test_on_device_builds_on_meta_in_dtype_and_restores():
         zero.OnDevice(dtype=torch.int32)
 
 
-def test_mics_init_names_the_missing_feature():
+def test_mics_init_needs_the_shard_size():
     import zero_core as zero  # zero-core's own names: its tests run without the facade
 
-    with pytest.raises(NotImplementedError, match="MiCS .* is not implemented .* Use zero.Init"):
+    # MiCS itself: test_stage3_mics_hpz.py
+    with pytest.raises(ValueError, match="must set zero_optimization.mics_shard_size"):
         zero.MiCS_Init()
+    with pytest.raises(ValueError, match="must set zero_optimization.mics_shard_size"):
+        zero.MiCS_Init(config_dict_or_path={"train_batch_size": 2, "zero_optimization": {"stage": 3}})
 
 
 def test_set_random_seed_seeds_python_numpy_and_torch():

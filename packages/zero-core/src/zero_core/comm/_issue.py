@@ -36,10 +36,25 @@ def _device_sync(device: torch.device | None) -> Callable[[], None] | None:
     return lambda: acc.synchronize()
 
 
-def begin(op: str, group: Any, size: int, device: torch.device | None) -> PendingRecord | None:
+def links_of(op: str, ranks: tuple[int, ...], size: int, **where: Any) -> tuple[int, int]:
+    """This rank's (intra-node, inter-node) bytes for the op; see [Note: bytes by link class]."""
+    import torch.distributed as dist
+
+    from zero_core.comm.link_bytes import split_by_link
+    from zero_core.comm.topology import ranks_per_node
+
+    world = dist.get_world_size()
+    return split_by_link(op, ranks, dist.get_rank(), ranks_per_node(world), size, **where)
+
+
+def begin(op: str, group: Any, size: int, device: torch.device | None, **where: Any) -> PendingRecord | None:
+    """Record ``op`` if the logger wants it. ``where``: ``root``/``peer`` (global ranks) or
+    ``send_splits`` (bytes per member), for the link split of [Note: bytes by link class]."""
     if not comms_logger.should_log(op):
         return None
-    return comms_logger.begin(op, group_ranks(group), size, _device_sync(device))
+    ranks = group_ranks(group)
+    links = links_of(op, ranks, size, **where)
+    return comms_logger.begin(op, ranks, size, _device_sync(device), links)
 
 
 def issue(
@@ -52,6 +67,7 @@ def issue(
     async_op: bool,
     finalize: Callable[[], None] | None = None,
     waitable: bool = True,
+    where: dict[str, Any] | None = None,
 ) -> Work | None:
     """Run ``call(async_op)`` (the torch op), record it, post-process on completion.
 
@@ -60,7 +76,7 @@ def issue(
     asynchronously and waited on with the watchdog's deadline; the others are watched by its
     thread (see [Note: collective watchdog]).
     """
-    record = begin(op, group, size, device)
+    record = begin(op, group, size, device, **(where or {}))
     wd = get_watchdog()
     if async_op:
         handle = call(True)

@@ -169,6 +169,7 @@ def reduce(
         lambda a: dist.reduce(red.buffer, dst, op=red.op, group=group, async_op=a),
         async_op=async_op,
         finalize=finalize,
+        where={"root": dst},
     )
 
 
@@ -295,6 +296,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool 
         tensor.device,
         lambda a: dist.broadcast(tensor, src, group=group, async_op=a),
         async_op=async_op,
+        where={"root": src},
     )
 
 
@@ -338,7 +340,15 @@ def all_to_all_single(
             output, input, output_split_sizes, input_split_sizes, group=group, async_op=a
         ),
         async_op=async_op,
+        where={"send_splits": _split_bytes(input, input_split_sizes, n)},
     )
+
+
+def _split_bytes(input: torch.Tensor, splits: list[int] | None, n: int) -> list[int]:
+    """Bytes sent to each member by ``all_to_all_single`` (for [Note: bytes by link class])."""
+    row = nbytes(input) // max(input.shape[0], 1)
+    rows = list(splits) if splits is not None else [input.shape[0] // n] * n
+    return [r * row for r in rows]
 
 
 def broadcast_object_list(

@@ -20,6 +20,10 @@ size in bytes of:
 * ``broadcast_object_list``, ``all_gather_object``, ``barrier``, ``monitored_barrier``: 0
   (objects are pickled inside torch; only count and time are recorded).
 
+Each record also splits the bytes this rank *sends* by link class, inside a node or across
+nodes, with the direct-exchange model of [Note: bytes by link class] (``link_bytes.py``);
+:meth:`CommsLogger.bytes_by_link` sums them.
+
 So a ZeRO step over Ψ fp32 elements shows ``4Ψ`` bytes of ``reduce_scatter_tensor`` and
 ``4Ψ`` of ``all_gather_into_tensor``, whatever the world size. Bytes are the logical sizes the
 caller asked for, before any padding or dtype workaround of [Note: backend workarounds].
@@ -36,7 +40,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 #: Every op name the comm layer reports (valid entries of ``prof_ops``).
@@ -72,6 +76,10 @@ class Stats:
     count: int = 0
     bytes: int = 0
     total_time_s: float = 0.0
+    # this rank's bytes sent by link class (See [Note: bytes by link class] in link_bytes.py);
+    # outside equality, so a Stats compares by what every op records
+    intra_node_bytes: int = field(default=0, compare=False)
+    inter_node_bytes: int = field(default=0, compare=False)
 
 
 def bus_bandwidth_factor(op: str, world_size: int) -> float:
@@ -193,16 +201,31 @@ class CommsLogger:
         return self.enabled and (self.prof_all or op in self.prof_ops)
 
     def begin(
-        self, op: str, group_ranks: GroupKey, nbytes: int, sync: Callable[[], None] | None = None
+        self,
+        op: str,
+        group_ranks: GroupKey,
+        nbytes: int,
+        sync: Callable[[], None] | None = None,
+        links: tuple[int, int] = (0, 0),
     ) -> PendingRecord:
-        """Record one call of ``op`` now (count and bytes) and start its clock."""
+        """Record one call of ``op`` now (count, bytes, ``links`` = this rank's (intra-node,
+        inter-node) bytes sent; see [Note: bytes by link class]) and start its clock."""
         name = f"{op} [{_caller()}]" if self.debug else op
         key = (name, group_ranks)
         with self._lock:
             stats = self._stats.setdefault(key, Stats())
             stats.count += 1
             stats.bytes += nbytes
+            stats.intra_node_bytes += links[0]
+            stats.inter_node_bytes += links[1]
         return PendingRecord(self, key, nbytes, sync)
+
+    def add_links(self, key: tuple[str, GroupKey], intra: int, inter: int) -> None:
+        """Add link-class bytes to an existing record (``batch_isend_irecv``'s sends)."""
+        with self._lock:
+            stats = self._stats.setdefault(key, Stats())
+            stats.intra_node_bytes += intra
+            stats.inter_node_bytes += inter
 
     def _add_time(self, key: tuple[str, GroupKey], nbytes: int, seconds: float) -> None:
         with self._lock:
@@ -220,7 +243,20 @@ class CommsLogger:
     def summary(self) -> dict[tuple[str, GroupKey], Stats]:
         """A snapshot: ``{(op, group_ranks): Stats}``."""
         with self._lock:
-            return {k: Stats(v.count, v.bytes, v.total_time_s) for k, v in self._stats.items()}
+            return {
+                k: Stats(v.count, v.bytes, v.total_time_s, v.intra_node_bytes, v.inter_node_bytes)
+                for k, v in self._stats.items()
+            }
+
+    def bytes_by_link(self, op: str | None = None, group: GroupKey | None = None) -> dict[str, int]:
+        """Bytes this rank sent, ``{"intra_node": .., "inter_node": ..}``, over every op (or only
+        ``op``) and group (or only ``group``'s ranks tuple). See [Note: bytes by link class]."""
+        intra = inter = 0
+        for (name, ranks), s in self.summary().items():
+            if (op is None and group is None) or _match(name, ranks, op or name.split(" [", 1)[0], group):
+                intra += s.intra_node_bytes
+                inter += s.inter_node_bytes
+        return {"intra_node": intra, "inter_node": inter}
 
     def bytes_for(self, op: str, group: GroupKey | None = None) -> int:
         """Total bytes recorded for ``op`` (over every group, or only ``group``'s ranks tuple)."""

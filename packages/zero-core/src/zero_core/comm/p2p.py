@@ -72,7 +72,10 @@ def _transfer(
         returned.append(getattr(dist, op)(tensor, peer, group=group, tag=tag))
         return returned[0]
 
-    work = issue(op, group, nbytes(tensor), tensor.device, call, async_op=async_op, waitable=False)
+    where = {"peer": peer} if op in ("send", "isend") else {}
+    work = issue(
+        op, group, nbytes(tensor), tensor.device, call, async_op=async_op, waitable=False, where=where
+    )
     return work if async_op else returned[0]
 
 
@@ -119,6 +122,9 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
     record = begin(
         "batch_isend_irecv", first.group, sum(nbytes(p.tensor) for p in torch_ops), first.tensor.device
     )
+    if record is not None:  # only the sends count by link: See [Note: bytes by link class]
+        sends = [("isend" if p.op is dist.isend else "irecv", p.peer, nbytes(p.tensor)) for p in torch_ops]
+        _add_links(record, sends)
     works = dist.batch_isend_irecv(torch_ops)
     if record is not None:
         record.pending = len(works)
@@ -129,3 +135,12 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
         Work(w, record=record, watchdog=wd, token=wd.begin("batch_isend_irecv", ranks, w) if wd else None)
         for w in works
     ]
+
+
+def _add_links(record: Any, sends: list[tuple[str, int, int]]) -> None:
+    from zero_core.comm.link_bytes import p2p_sends
+    from zero_core.comm.logger import comms_logger
+    from zero_core.comm.topology import ranks_per_node
+
+    intra, inter = p2p_sends(sends, dist.get_rank(), ranks_per_node(dist.get_world_size()))
+    comms_logger.add_links(record.key, intra, inter)

@@ -151,6 +151,49 @@ def block_groups(block_size: int) -> tuple[Any, Any]:
     return _BLOCK_GROUPS[key]
 
 
+_NESTED_GROUPS: dict[tuple[int, int, int], tuple[Any, Any]] = {}
+
+
+def nested_block_groups(outer: int, inner: int) -> tuple[Any, Any]:
+    """Inside this rank's block of ``outer`` ranks: its block of ``inner`` ranks and its stride
+    group (the ranks at the same position in every ``inner`` block of the same ``outer`` block).
+
+    With ``outer`` = MiCS's shard size and ``inner`` = ranks per node these are the two hops of
+    MiCS's hierarchical gather: the shard group's ranks on this node, and this rank's peers on
+    the shard group's other nodes. ``inner`` must divide ``outer``, which must divide the world
+    size. Collective on first use, like :func:`block_groups`.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "zero_core.comm.topology.nested_block_groups: torch.distributed is not initialized"
+        )
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for name, v in (("outer", outer), ("inner", inner)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(
+                f"zero_core.comm.topology.nested_block_groups: {name} must be an int >= 1, got {v!r}"
+            )
+    if world % outer or outer % inner:
+        raise ValueError(
+            f"zero_core.comm.topology.nested_block_groups: need inner ({inner}) | outer ({outer}) | world "
+            f"size ({world})"
+        )
+    key = (world, outer, inner)
+    if key not in _NESTED_GROUPS:
+        from zero_core.comm.groups import new_group
+
+        mine: list[Any] = [None, None]
+        for start in range(0, world, outer):
+            layouts = [list(range(b, b + inner)) for b in range(start, start + outer, inner)]
+            layouts += [list(range(start + o, start + outer, inner)) for o in range(inner)]
+            for i, ranks in enumerate(layouts):
+                group = new_group(ranks)
+                if rank in ranks:
+                    mine[0 if i < outer // inner else 1] = group
+        _NESTED_GROUPS[key] = (mine[0], mine[1])
+    return _NESTED_GROUPS[key]
+
+
 def node_groups() -> tuple[Any, Any]:
     """This rank's ``(intra_node_group, inter_node_group)``. Collective on first use."""
     return block_groups(current_topology().ranks_per_node)
@@ -159,3 +202,4 @@ def node_groups() -> tuple[Any, Any]:
 def reset_groups() -> None:
     """Forget cached groups (called when the default process group is destroyed)."""
     _BLOCK_GROUPS.clear()
+    _NESTED_GROUPS.clear()

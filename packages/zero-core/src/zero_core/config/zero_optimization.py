@@ -129,6 +129,7 @@ class ZeroOptimizationConfig(ConfigModel):
     ignore_unused_parameters: bool = True
     legacy_stage1: bool = False
     round_robin_gradients: bool = False
+    # hpZ and MiCS: See [Note: MiCS and hpZ shard groups] (checked against the world at initialize)
     zero_hpz_partition_size: PosInt = 1
     zero_quantized_weights: bool = False
     zero_quantized_nontrainable_weights: bool = False

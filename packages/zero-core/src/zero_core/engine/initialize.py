@@ -281,8 +281,16 @@ def _build_strategy(module: torch.nn.Module, optimizer: torch.optim.Optimizer, c
         )
     if stage == 3:
         # Partitioning and the 16-bit cast of parameters are the strategy's business here.
+        from zero_core.zero.stage3.shard_groups import build_route
         from zero_core.zero.stage3.strategy import Stage3Strategy
 
+        # MiCS / hpZ groups, validated against the world before any step: See [Note: MiCS and hpZ shard groups]
+        route = build_route(
+            group,
+            int(zc.mics_shard_size),
+            bool(zc.mics_hierarchical_params_gather),
+            int(zc.zero_hpz_partition_size),
+        )
         return Stage3Strategy(
             module,
             optimizer,
@@ -304,6 +312,7 @@ def _build_strategy(module: torch.nn.Module, optimizer: torch.optim.Optimizer, c
             quantized_weights=bool(zc.zero_quantized_weights),
             quantized_nontrainable_weights=bool(zc.zero_quantized_nontrainable_weights),
             quantized_gradients=bool(zc.zero_quantized_gradients),
+            route=route,
         )
     raise NotImplementedError(f"zero_optimization.stage {stage} is not available in this build")
 

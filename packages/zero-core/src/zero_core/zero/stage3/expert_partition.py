@@ -97,6 +97,8 @@ def modifier_group_rank(param: torch.nn.Parameter, modifier_rank: int) -> int:
     ``{j, j + ep, j + 2 ep, ...}``) that member is group rank ``r // ep``.
     """
     st = param.zero_state
+    if getattr(st.route, "mics", False):  # broadcast over the world: See [Note: MiCS and hpZ shard groups]
+        return modifier_rank
     if st.world == 1 or st.group is None:
         return modifier_rank
     ranks = torch.distributed.get_process_group_ranks(st.group)

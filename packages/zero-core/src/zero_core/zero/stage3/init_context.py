@@ -182,12 +182,16 @@ class Init:
                 p.data = p.data.to("cpu")
             if self.pin_memory and torch.cuda.is_available():
                 p.data = p.data.pin_memory()
-            # experts over their expert-data-parallel group: See [Note: stage 3 expert parameters]
-            group, grad_divisor = partition_group(p, self.group)
-            partition_param(p, group, broadcast_from=0, grad_divisor=grad_divisor)
+            self._partition(p)
             if self.param_offload is not None:
                 self.param_offload.adopt([p])  # See [Note: parameter offload] in zero_offload
         install_param_dict(module)
+
+    def _partition(self, p: torch.nn.Parameter) -> None:
+        """Cut ``p`` to its shard (``zero.MiCS_Init`` cuts over its shard group instead)."""
+        # experts over their expert-data-parallel group: See [Note: stage 3 expert parameters]
+        group, grad_divisor = partition_group(p, self.group)
+        partition_param(p, group, broadcast_from=0, grad_divisor=grad_divisor)
 
     def _touch(self, p: torch.nn.Parameter) -> None:
         """Gather a parameter read during construction; re-partitioned by :meth:`_flush`."""

@@ -1,22 +1,59 @@
-"""``zero.MiCS_Init``: DeepSpeed's MiCS construction context, not implemented here.
+"""``zero.MiCS_Init``: ``zero.Init`` that partitions over MiCS's shard groups.
 
-MiCS (arXiv 2205.00119) partitions ZeRO-3 states over sub-groups of ``mics_shard_size`` ranks
-and replicates across them. This release partitions over the whole data-parallel group only
-(``zero.Init``). The name exists so a script that uses it fails at the call with what is
-missing and what to use instead, rather than with an AttributeError on the module.
+MiCS (arXiv 2205.00119) shards ZeRO-3 model states over groups of ``mics_shard_size`` ranks and
+replicates them across the groups (see [Note: MiCS and hpZ shard groups]). A model built under
+``zero.MiCS_Init`` is cut to those shards as it is constructed, so the engine, given the same
+config, uses the parameters as they are. Parameters take global rank 0's values on every rank.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 
-class MiCS_Init:  # noqa: N801 (DeepSpeed's public name)
-    """Raises :class:`NotImplementedError`: MiCS is not implemented; use ``zero.Init``."""
+from zero_core.zero.stage3.init_context import Init
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError(
-            "zero.MiCS_Init: MiCS (ZeRO-3 sharded over groups of mics_shard_size ranks, arXiv 2205.00119) "
-            "is not implemented in this release. Use zero.Init, which partitions over the whole "
-            "data-parallel group (the same training result, more communication across nodes)"
+
+class MiCS_Init(Init):  # noqa: N801 (DeepSpeed's public name)
+    """``zero.Init`` over the shard groups of ``zero_optimization.mics_shard_size``.
+
+    Takes ``zero.Init``'s arguments; ``config_dict_or_path`` (or ``config``) is required and must
+    set ``mics_shard_size`` (>= 1, dividing the world size). The data-parallel group must be the
+    whole world.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module | None = None,
+        data_parallel_group: Any = None,
+        *args: Any,
+        config_dict_or_path: Any = None,
+        config: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        from zero_core.zero.stage3.init_context import _load_cfg
+        from zero_core.zero.stage3.shard_groups import build_route
+
+        zc = getattr(_load_cfg(config_dict_or_path, config), "zero_optimization", None)
+        shard = int(getattr(zc, "mics_shard_size", -1)) if zc is not None else -1
+        if shard < 1:  # checked before Init would start torch.distributed
+            raise ValueError(
+                "zero.MiCS_Init: the config must set zero_optimization.mics_shard_size >= 1 "
+                "(pass it as config_dict_or_path=, the same config as zero.initialize's)"
+            )
+        # Convert after the route exists: Init converts ``module`` in its own __init__.
+        super().__init__(
+            None, data_parallel_group, *args, config_dict_or_path=config_dict_or_path, config=config, **kwargs
         )
+        self.route = build_route(
+            self.group, shard, bool(getattr(zc, "mics_hierarchical_params_gather", False))
+        )
+        if self.enabled and module is not None:
+            self._convert(module)
+
+    def _partition(self, param: torch.nn.Parameter) -> None:
+        if self.route is None:  # a world of one rank: plain partitioning
+            super()._partition(param)
+        else:
+            self.route.partition(param)

@@ -78,6 +78,7 @@ import torch
 
 from zero_core import comm
 from zero_core.comm import watchdog as _watchdog
+from zero_core.zero.stage3.shard_groups import broadcast_group, gather_source, keep_secondary, source_key
 
 _ALIGN = 16  # bytes; every shard starts at an address aligned for any dtype view
 
@@ -158,6 +159,8 @@ class PartitionState:
         "empty",
         "offload",
         "grad_divisor",
+        "route",
+        "secondary",
     )
 
     def __init__(self, param: torch.nn.Parameter, group: Any, grad_divisor: int | None = None) -> None:
@@ -183,6 +186,9 @@ class PartitionState:
         # The summed gradient is divided by this: the group size, or for an expert parameter the
         # whole data-parallel world size (see [Note: stage 3 expert parameters]).
         self.grad_divisor = self.world if grad_divisor is None else grad_divisor
+        # MiCS/hpZ groups and the hpZ secondary copy: See [Note: MiCS and hpZ shard groups]
+        self.route: Any = None
+        self.secondary: torch.Tensor | None = None
 
 
 def is_partitioned(param: Any) -> bool:
@@ -242,6 +248,7 @@ def partition_param(
 def set_shard_dtype(param: torch.nn.Parameter, dtype: torch.dtype) -> None:
     """Cast a released partitioned parameter's storage (shard, gather buffer) to ``dtype``."""
     st = param.zero_state
+    st.secondary = None
     if st.shard.dtype == dtype:
         return
     if st.status is not ParamStatus.NOT_AVAILABLE:
@@ -283,6 +290,7 @@ def shares_shard(master: torch.Tensor, st: PartitionState) -> bool:
 def write_shard(param: torch.nn.Parameter, values: torch.Tensor) -> None:
     """Set this rank's shard to ``values`` (flat, cast to the shard dtype), wherever it lives."""
     st = param.zero_state
+    st.secondary = None  # stale: See [Note: MiCS and hpZ shard groups]
     if st.offload is None:
         st.shard.copy_(values.reshape(-1)[: st.shard.numel()])
     else:
@@ -352,9 +360,11 @@ class GatherHandle:
         offsets: list[int],
         chunk: int,
         what: str,
+        source: Any = None,
         unpack: Any = None,
     ) -> None:
         self.params = params
+        self._source = source
         self._work = work
         self._recv = recv
         # qwZ: ``unpack(i, full)`` dequantizes param i (See [Note: quantized weight all-gather (qwZ)])
@@ -381,9 +391,12 @@ class GatherHandle:
                     st.offload.release(p)
             else:
                 # One strided copy: column block ``off`` of every rank's chunk -> row r of full.
-                nb = st.shard_numel * st.full.element_size()
-                src = self._recv.view(st.world, self._chunk)[:, off : off + nb]
-                st.full.view(torch.uint8).view(st.world, nb).copy_(src)
+                world = self._source.world
+                nb = st.padded_numel // world * st.full.element_size()
+                src = self._recv.view(world, self._chunk)[:, off : off + nb]
+                st.full.view(torch.uint8).view(world, nb).copy_(src)
+            if self._source is None or not self._source.secondary:
+                keep_secondary(st)  # See [Note: MiCS and hpZ shard groups]
             p.data = _full_view(st)
             st.status = ParamStatus.AVAILABLE
         self._recv = self._unpack = None
@@ -421,15 +434,15 @@ def gather_params(
     todo = [p for p in params if p.zero_state.status is ParamStatus.NOT_AVAILABLE]
     if not todo:
         return None
-    by_group: dict[tuple[int, Any], list[torch.nn.Parameter]] = {}
-    for p in todo:
+    by_group: dict[tuple[Any, ...], list[torch.nn.Parameter]] = {}
+    for p in todo:  # by group, primary/secondary and quantization: See [Note: MiCS and hpZ shard groups]
         q = (quantize(p) or False) if quantize is not None else False
-        by_group.setdefault((id(p.zero_state.group), q), []).append(p)
+        by_group.setdefault((*source_key(p.zero_state), q), []).append(p)
     if len(by_group) == 1:
-        ((_, q),) = by_group
+        ((*_, q),) = by_group
         return _gather_group(todo, todo[0].zero_state.group, what, q)
     return GroupedGatherHandle(
-        [_gather_group(ps, ps[0].zero_state.group, what, key[1]) for key, ps in by_group.items()]
+        [_gather_group(ps, ps[0].zero_state.group, what, key[-1]) for key, ps in by_group.items()]
     )
 
 
@@ -437,37 +450,42 @@ def _gather_group(
     todo: list[torch.nn.Parameter], group: Any, what: str, quantized: Any = False
 ) -> GatherHandle:
     label = f"all-gather of {[param_name(p) for p in todo[:4]]}" + (f" ({what})" if what else "")
-    world = todo[0].zero_state.world
+    source = gather_source(todo[0].zero_state)  # See [Note: MiCS and hpZ shard groups]
+    world = source.world
     offsets, chunk = [], 0
     for p in todo:
         offsets.append(chunk)
-        chunk += _aligned(p.zero_state.shard_numel * p.zero_state.shard.element_size())
+        chunk += _aligned(source.piece(p.zero_state).numel() * p.zero_state.shard.element_size())
+    fetch = not source.secondary
     for p in todo:
         p.zero_state.status = ParamStatus.INFLIGHT
-        if p.zero_state.offload is not None:
+        if fetch and p.zero_state.offload is not None:
             p.zero_state.offload.fetch(p)  # See [Note: offloaded shards]
     if world == 1:
-        return GatherHandle(todo, None, None, offsets, chunk, label)
-    check_agreement(0, todo, chunk, group, label)
+        return GatherHandle(todo, None, None, offsets, chunk, label, source)
+    check_agreement(0, todo, chunk, source.group, label)
     device = todo[0].zero_state.shard.device
-    if quantized:  # ZeRO++ qwZ: See [Note: quantized weight all-gather (qwZ)]
+    if quantized and fetch:  # ZeRO++ qwZ: See [Note: quantized weight all-gather (qwZ)]
         from zero_core.comm.quantized_collectives import quantized_all_gather
 
+        # From the primary shards over the source's group (MiCS: the shard group, flat even when
+        # the plain gather would take two hops); hpZ's secondary gathers stay inside the node in
+        # 16 bits, as they are not the cross-node traffic qwZ exists to halve.
         shards = [p.zero_state.shard for p in todo]
-        work, unpack = quantized_all_gather(shards, group, aligned=quantized == "aligned")
+        work, unpack = quantized_all_gather(shards, source.group, aligned=quantized == "aligned")
         for p in todo:
             if p.zero_state.offload is not None:
                 p.zero_state.offload.release(p)
-        return GatherHandle(todo, work, None, offsets, chunk, label + " (int8)", unpack=unpack)
+        return GatherHandle(todo, work, None, offsets, chunk, label + " (int8)", source, unpack=unpack)
     send = torch.empty(chunk, dtype=torch.uint8, device=device)
     for p, off in zip(todo, offsets):
-        sh = p.zero_state.shard
+        sh = source.piece(p.zero_state)
         send[off : off + sh.numel() * sh.element_size()].copy_(sh.view(torch.uint8))
-        if p.zero_state.offload is not None:
+        if fetch and p.zero_state.offload is not None:
             p.zero_state.offload.release(p)
     recv = torch.empty(chunk * world, dtype=torch.uint8, device=device)
-    work = comm.all_gather_into_tensor(recv, send, group=group, async_op=True)
-    return GatherHandle(todo, work, recv, offsets, chunk, label)
+    work = source.all_gather(recv, send)
+    return GatherHandle(todo, work, recv, offsets, chunk, label, source)
 
 
 def release_param(param: torch.nn.Parameter, force: bool = False, keep_outside_views: bool = True) -> bool:
@@ -524,9 +542,10 @@ def shard_from_full(param: torch.nn.Parameter) -> None:
 def broadcast_full(param: torch.nn.Parameter, src: int) -> None:
     """Broadcast a gathered parameter's value from group rank ``src`` (modifier semantics)."""
     st = param.zero_state
-    if st.world == 1:
+    group, world = broadcast_group(st)  # MiCS: over every replica, See [Note: MiCS and hpZ shard groups]
+    if world == 1:
         return
     what = f"broadcast of {param_name(param)} from rank {src}"
-    check_agreement(2, [param], st.padded_numel * st.full.element_size(), st.group, what)
-    src_global = comm.get_global_rank(st.group, src) if st.group is not None else src
-    _wait(comm.broadcast(st.full, src=src_global, group=st.group, async_op=True), what)
+    check_agreement(2, [param], st.padded_numel * st.full.element_size(), group, what)
+    src_global = comm.get_global_rank(group, src) if group is not None else src
+    _wait(comm.broadcast(st.full, src=src_global, group=group, async_op=True), what)

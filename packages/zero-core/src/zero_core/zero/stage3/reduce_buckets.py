@@ -38,6 +38,7 @@ import torch
 
 from zero_core import comm
 from zero_core.zero.stage3.partitioned_param import _wait, check_agreement, param_name
+from zero_core.zero.stage3.shard_groups import reduce_across_replicas
 
 
 def _copy_rows(dst: torch.Tensor, flat: torch.Tensor, shard: int) -> None:
@@ -174,6 +175,8 @@ class GradBucketReducer:
             _wait(b.work, b.what)
         out = b.out
         assert out is not None
+        # MiCS: the shard group's sum, then over the replicas (See [Note: MiCS and hpZ shard groups])
+        reduce_across_replicas(out, b.params[0].zero_state.route, b.what)
         for p, off in zip(b.params, b.offsets):
             st = p.zero_state
             piece = out[off : off + st.shard_numel]

@@ -39,6 +39,7 @@ from zero_core.zero.stage3.partitioned_param import (
     write_shard,
 )
 from zero_core.zero.stage3.reduce_buckets import GradBucketReducer
+from zero_core.zero.stage3.shard_groups import ShardRoute, drop_secondary
 from zero_core.zero.stage3.state_access import Stage3StateAccess
 from zero_core.zero.stage3.strategy_checkpoint import Stage3Checkpointing
 
@@ -83,6 +84,7 @@ class Stage3Strategy(Stage3Checkpointing):
         quantized_weights: bool = False,
         quantized_nontrainable_weights: bool = False,
         quantized_gradients: bool = False,
+        route: ShardRoute | None = None,
     ) -> None:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"Stage3Strategy: module must be a torch.nn.Module, got {type(module).__name__}")
@@ -101,6 +103,8 @@ class Stage3Strategy(Stage3Checkpointing):
         self.module = module
         self.optimizer = optimizer
         self.group = group
+        # MiCS or hpZ groups (None: plain stage 3); See [Note: MiCS and hpZ shard groups]
+        self.route = route
         self.dtype = dtype
         self.gather_16bit_weights_on_model_save = bool(gather_16bit_weights_on_model_save)
         self.params = _unique_params(module)
@@ -161,10 +165,7 @@ class Stage3Strategy(Stage3Checkpointing):
     @torch.no_grad()
     def _partition_and_make_masters(self) -> None:
         for p in self.params:
-            # experts over their expert-data-parallel group: See [Note: stage 3 expert parameters]
-            group, grad_divisor = partition_group(p, self.group)
-            if not is_partitioned(p):
-                partition_param(p, group, broadcast_from=0, grad_divisor=grad_divisor)
+            group, grad_divisor = self._partition_one(p)
             st = p.zero_state
             if (st.group is not group and comm.get_world_size(group) != st.world) or (
                 st.grad_divisor != grad_divisor
@@ -188,6 +189,32 @@ class Stage3Strategy(Stage3Checkpointing):
                 master = torch.nn.Parameter(read_shard(p).detach().float().clone())
                 set_shard_dtype(p, self.dtype)
             self.master[st.id] = master
+
+    def _partition_one(self, p: torch.nn.Parameter) -> tuple[Any, int]:
+        """Partition ``p`` (unless zero.Init did); returns the group and divisor it must have."""
+        if self.route is None:
+            # experts over their expert-data-parallel group: See [Note: stage 3 expert parameters]
+            group, grad_divisor = partition_group(p, self.group)
+            if not is_partitioned(p):
+                partition_param(p, group, broadcast_from=0, grad_divisor=grad_divisor)
+            return group, grad_divisor
+        if is_expert_param(p):
+            raise ValueError(
+                "Stage3Strategy: MiCS and hpZ do not support Mixture-of-Experts parameters; "
+                "turn off mics_shard_size / zero_hpz_partition_size"
+            )
+        route = self.route  # See [Note: MiCS and hpZ shard groups]
+        if not is_partitioned(p):
+            route.partition(p)
+        elif p.zero_state.route is None and route.mics:
+            raise ValueError(
+                "Stage3Strategy: a parameter was partitioned by zero.Init, but the config sets "
+                "mics_shard_size: build the model under zero.MiCS_Init with the same config"
+            )
+        p.zero_state.route = route
+        if route.mics:
+            return route.shard_group, route.world
+        return self.group, comm.get_world_size(self.group)
 
     def _choose_persistent(self, threshold: int, model_threshold: int) -> list[torch.nn.Parameter]:
         chosen, total = [], 0
@@ -253,6 +280,8 @@ class Stage3Strategy(Stage3Checkpointing):
 
     def norm_group(self) -> Any:
         # The engine reads None as "nothing to reduce": name the default group explicitly.
+        if self.route is not None and self.route.mics:  # shards are replicated across shard groups
+            return self.route.shard_group if self.route.shard_size > 1 else None
         if comm.get_world_size(self.group) == 1:
             return None
         return self.group if self.group is not None else torch.distributed.GroupMember.WORLD
@@ -292,6 +321,7 @@ class Stage3Strategy(Stage3Checkpointing):
 
     def refresh_persistent(self) -> None:
         """Re-gather persistent parameters after their shards changed."""
+        drop_secondary(self.params)  # stale hpZ copies: See [Note: MiCS and hpZ shard groups]
         for p in self.persistent:
             release_param(p, force=True)
         handle = gather_params(self.persistent, what="persistent parameters")
@@ -331,6 +361,8 @@ class Stage3Strategy(Stage3Checkpointing):
             (p.zero_state.full for p in self.persistent if p.zero_state.status is ParamStatus.AVAILABLE),
         )
         ledger.add("gathered_parameters", (p.zero_state.full for p in self.coordinator.gathered.values()))
+        secondary = (p.zero_state.secondary for p in self.params if p.zero_state.secondary is not None)
+        ledger.add("secondary_parameters", secondary)  # hpZ: See [Note: MiCS and hpZ shard groups]
         out = ledger.categories
         if off is not None:  # host-side pools, see [Note: optimizer offload hook] in zero_offload
             out.update(off.memory_breakdown())
@@ -412,3 +444,4 @@ class Stage3Strategy(Stage3Checkpointing):
         self.coordinator.release_all(force=True)
         for p in self.params:
             release_param(p, force=True)
+        drop_secondary(self.params)  # hpZ copies are a cache too (See [Note: MiCS and hpZ shard groups])

@@ -102,7 +102,10 @@ class Stage3Checkpointing:
         """Each parameter's shard range: fp32 master, optimizer states, and the 16-bit (or frozen) weight."""
         from zero_core.checkpoint.fragments import FP32, PARAM, Fragment, optimizer_state_fragments
 
-        out = []
+        out: list[Any] = []
+        route = getattr(self, "route", None)
+        if route is not None and route.mics and comm.get_rank() >= route.shard_size:
+            return out  # MiCS: the first shard group writes; the others hold copies of its shards
         for name, p in self.module.named_parameters():
             st = p.zero_state
             if exclude_frozen_parameters and not p.requires_grad:
