@@ -142,17 +142,25 @@ def _all_losses(dtype: str, steps: int, top: dict, names: tuple[str, ...]) -> di
     return {name: _losses(VARIANTS[name], dtype, steps, top) for name in names}
 
 
-VARIANTS = {"plain": {}, "qwZ": QW, "qgZ": QG, "qwZ+qgZ": BOTH}
+VARIANTS = {
+    "plain": {},
+    "qwZ": QW,
+    "qgZ": QG,
+    "qwZ+qgZ": BOTH,
+    # every switch together: ZeRO++ (hpZ + qwZ + qgZ), and MiCS with both quantizers
+    "ZeRO++": {"zero_hpz_partition_size": 2, **BOTH},
+    "MiCS+qwZ+qgZ": {"mics_shard_size": 2, **BOTH},
+}
 
 
-ALL = tuple(VARIANTS)
+ALL = ("plain", "qwZ", "qgZ", "qwZ+qgZ")
 
 
 @pytest.mark.parametrize(
     "world,env,dtype,top,names",
     [
         (2, None, "bf16", {}, ALL),
-        (4, TWO_NODES, "bf16", {"gradient_clipping": 0.5, "gradient_accumulation_steps": 2}, ALL),
+        (4, TWO_NODES, "bf16", {"gradient_clipping": 0.5, "gradient_accumulation_steps": 2}, tuple(VARIANTS)),
         (2, None, "fp16", {}, ("plain", "qwZ+qgZ")),
         (2, None, "fp32", {}, ("plain", "qwZ+qgZ")),
     ],
