@@ -5,6 +5,7 @@ made up, the arithmetic on them is what is checked."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("bench_timing", ROOT / "tools" / "bench" / "_timing.py")
 timing = importlib.util.module_from_spec(_spec)
+sys.modules["bench_timing"] = timing  # dataclasses look their module up
 _spec.loader.exec_module(timing)
 
 

@@ -1,9 +1,9 @@
 """ZeRO stage 3 step time and per-rank memory against torch FSDP2, DDP and DeepSpeed stage 3 (2 ranks, gloo, CPU).
 
 Same GPT (examples/gpt.py), micro-batch and Adam for every variant. One launch of 2 forked ranks
-per precision (fp32, bf16) builds every variant (DDP, FSDP2 ``fully_shard`` per block then the
-root, zero stage 3, and with ``--deepspeed-path DIR`` DeepSpeed stage 3 with the same
-zero_optimization settings); the variants take turns, a few steps each, over ``--passes`` passes
+per precision (fp32, bf16) builds every variant (FSDP2 ``fully_shard`` per block then the root,
+zero stage 3, with ``--deepspeed-path DIR`` DeepSpeed stage 3 with the same zero_optimization
+settings, with ``--ddp`` torch DDP); the variants take turns, a few steps each, over ``--passes`` passes
 (see [Note: interleaved step-time ratios] in _timing.py). Each pass gives a ratio variant/FSDP2
 for wall time and for the ranks' process CPU time; the tables give their median and interquartile
 range, the load average, a per-phase breakdown (forward, backward, optimizer step: wall and
@@ -14,8 +14,8 @@ main-thread CPU; collectives' time on gloo's thread from one profiled step) and 
 the new interquartile ranges (exit status 1 if not). DeepSpeed: ``pip install --no-deps --target
 DIR deepspeed==0.19.8 hjson py-cpuinfo ninja msgpack`` on this env's torch.
 
-Run: OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_zero3.py [--passes 5] [--steps 2]
-     [--deepspeed-path /tmp/ds] [--check]
+Run: OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_zero3.py [--passes 5] [--steps 1]
+     [--deepspeed-path /tmp/ds] [--ddp] [--check]
 """
 
 from __future__ import annotations

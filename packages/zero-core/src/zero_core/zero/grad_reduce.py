@@ -33,7 +33,8 @@ are launched strictly in one global order (by backward order of their parameters
 rank issues the same sequence of collectives; with ``overlap_comm`` a chunk is launched from
 the post-accumulate-grad hook as soon as it and all chunks before it are complete, and at
 most ``_MAX_IN_FLIGHT`` chunks are in flight (older ones are waited for), which bounds the
-bucket buffers to a few bucket sizes. Whatever is left is launched by ``finish()``. A
+bucket buffers to a few bucket sizes; stage 2 keeps one of them between backward passes (as DDP
+keeps its buckets), so a step does not pay for allocating and zero-filling a fresh bucket. Whatever is left is launched by ``finish()``. A
 parameter that produced no gradient contributes zeros, so unused parameters never hang;
 with ``ignore_unused_parameters: false`` they are reported instead (see ``finish``).
 """
