@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from zero_core import comm
 from zero_core.checkpoint.format import CheckpointError
+from zero_core.checkpoint.tag_validation import parse_mode
 from zero_core.comm import watchdog as _watchdog
 
 
@@ -156,7 +157,10 @@ class SaveAgreement:
         self.instance = next(SaveAgreement._instances)
 
     def agree(self, tag: str, mode: str, group: Any) -> str:
-        """Wait (bounded) until every rank of ``group`` called ``save_checkpoint``; returns the tag to use."""
+        """Wait (bounded) until every rank of ``group`` called ``save_checkpoint``; returns the tag to use.
+
+        ``mode`` is ``checkpoint.tag_validation``: See [Note: checkpoint tag agreement]."""
+        mode = parse_mode(mode)
         store = _store()
         if store is None or not comm.is_initialized() or comm.get_world_size(group) == 1:
             return tag
@@ -183,9 +187,9 @@ class SaveAgreement:
         if len(set(tags)) == 1:
             return tag
         msg = f"save_checkpoint: ranks passed different tags: {_by_value(tags, ranks)}"
-        if mode.lower() == "fail":
+        if mode == "fail":
             raise TagMismatchError(msg + ' (checkpoint.tag_validation is "Fail")')
-        if mode.lower() == "warn":
+        if mode == "warn":
             warnings.warn(f"{msg}; saving under rank {ranks[0]}'s tag {tags[0]!r}", stacklevel=3)
         return tags[0]
 
