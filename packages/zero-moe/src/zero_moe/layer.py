@@ -8,8 +8,9 @@ import warnings
 
 import torch
 from torch import nn
+from zero_core import comm
 
-from zero_moe import _dist, groups
+from zero_moe import groups
 from zero_moe.deepspeed_names import accept_deepspeed_moe_names
 from zero_moe.dispatch import MOELayer
 from zero_moe.experts import Experts
@@ -133,12 +134,12 @@ class MoE(nn.Module):
             self.mlp = copy.deepcopy(expert)
             self.coefficient = nn.Linear(hidden_size, 2)
         self._parallel_ready = False
-        if ep_size == 1 or _dist.is_initialized():
+        if ep_size == 1 or comm.is_initialized():
             self.set_zero_parallelism()
 
     def set_zero_parallelism(self) -> None:
         """Create (or reuse) this layer's expert groups; DeepSpeed's ``set_deepspeed_parallelism``."""
-        if self.ep_size > 1 and not _dist.is_initialized():
+        if self.ep_size > 1 and not comm.is_initialized():
             raise RuntimeError(
                 f"MoE(ep_size={self.ep_size}) needs torch.distributed to be initialised before its expert "
                 "groups can be created"
