@@ -9,6 +9,7 @@ import warnings
 import torch
 from torch import nn
 from zero_core import comm
+from zero_core.config.unimplemented import warn_no_effect
 
 from zero_moe import groups
 from zero_moe.deepspeed_names import accept_deepspeed_moe_names
@@ -43,7 +44,8 @@ class MoE(nn.Module):
     otherwise call :meth:`set_zero_parallelism` after initialising it.
 
     ``enable_expert_tensor_parallelism`` only matters with tensor model parallelism, which zero
-    does not provide: it is recorded (for engines) and has no effect on the computation.
+    does not provide: it is recorded (for engines), has no effect on the computation, and
+    ``True`` warns so (zero-core's ``config/unimplemented.py`` ``NO_EFFECT``).
     ``use_tutel`` is accepted for compatibility; the built-in dispatch is always used.
     """
 
@@ -111,6 +113,8 @@ class MoE(nn.Module):
         self.k = k
         self.use_residual = use_residual
         self.enable_expert_tensor_parallelism = enable_expert_tensor_parallelism
+        if enable_expert_tensor_parallelism:
+            warn_no_effect("moe.enable_expert_tensor_parallelism")
         self.expert_group_name = groups.group_name_for(ep_size)
 
         gate = TopKGate(

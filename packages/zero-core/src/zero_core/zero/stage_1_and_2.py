@@ -35,15 +35,14 @@ each bucket's gradients to the partitions over the ranks so that no rank copies 
 its share. Our reduce buckets are the chunks of [Note: padding]: every chunk is cut in N
 equal pieces and each rank receives and copies exactly its piece of every bucket, so the
 work is already split evenly and there is nothing left to rotate. The option is therefore a
-no-op by design; it is accepted (``True`` logs one info message per process) so DeepSpeed
-configs run unchanged.
+no-op by design; it is accepted so DeepSpeed configs run unchanged, and ``True`` warns
+(``config/unimplemented.py``'s ``NO_EFFECT``).
 
 ``build_flat_masters`` and ``gather_shards`` are the reusable pieces (stage 3 can use them).
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -57,9 +56,6 @@ from zero_core.zero.flat_partition import FlatPartition
 from zero_core.zero.grad_reduce import GroupGrads, PartitionedGradReducer
 from zero_core.zero.stage_1_and_2_access import PartitionedGradWrite, PartitionedStateAccess
 from zero_core.zero.stage_1_and_2_checkpoint import PartitionedCheckpointing
-
-logger = logging.getLogger(__name__)
-_round_robin_logged = False
 
 
 def _snapshot(obj: Any) -> Any:
@@ -213,13 +209,6 @@ class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedGradWrite,
                 f"zero_optimization.round_robin_gradients must be true or false, got {round_robin_gradients!r}"
             )
         self.round_robin_gradients = round_robin_gradients  # a no-op: see [Note: round_robin_gradients]
-        global _round_robin_logged
-        if round_robin_gradients and not _round_robin_logged:
-            _round_robin_logged = True
-            logger.info(
-                "zero_optimization.round_robin_gradients: accepted; it has no effect here because every reduce "
-                "bucket is already split evenly over the ranks (see [Note: round_robin_gradients])"
-            )
         self._loss_scaler: Any = None  # see bind_loss_scaler
 
         names = {id(p): n for n, p in module.named_parameters()}
