@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from zero_core import comm
-from zero_core.engine.grad_norm import clip_coefficient
 from zero_core.engine.loss_scaler import LossScaler, warn_static_overflow
+from zero_core.utils.grad_norm import clip_coefficient
 
 
 @dataclass(frozen=True)

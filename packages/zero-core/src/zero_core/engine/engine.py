@@ -476,8 +476,8 @@ def model_state_bytes(breakdown: dict[str, int]) -> int:
 
 def _expert_groups(module: torch.nn.Module) -> list[tuple[Any, list[torch.nn.Parameter]]]:
     """``[(expert-parallel group, expert params)]`` of ``module`` (empty without experts)."""
-    from zero_core.engine.param_groups import is_expert_param
     from zero_core.plugins import require
+    from zero_core.utils.param_groups import is_expert_param
 
     experts: dict[str, list[torch.nn.Parameter]] = {}
     for p in module.parameters():

@@ -36,7 +36,7 @@ def _broadcast_module(module: torch.nn.Module, group: Any) -> None:
     """
     if comm.get_world_size(group) == 1:
         return
-    from zero_core.engine.param_groups import reduction_groups
+    from zero_core.utils.param_groups import reduction_groups
 
     with torch.no_grad():
         for reduce_group, params in reduction_groups(list(module.parameters()), group):

@@ -25,7 +25,7 @@ Where gradients live:
 Each group carries the process group it is reduced and partitioned over (its layout is cut
 for that group's size): the data-parallel group for dense parameters, the expert-data-parallel
 group for Mixture-of-Experts expert parameters (see [Note: expert parameters] in
-``engine/param_groups.py``). Every gradient is divided by the *data-parallel* world size
+``utils/param_groups.py``). Every gradient is divided by the *data-parallel* world size
 whichever group reduces it, because the loss is the mean over all data-parallel ranks.
 
 Ordering and overlap follow [Note: gradient buckets] in ``engine/grad_buckets.py``: chunks

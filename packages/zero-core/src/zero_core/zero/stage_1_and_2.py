@@ -49,8 +49,8 @@ import torch
 import torch.distributed as dist
 
 from zero_core import comm
-from zero_core.engine.grad_norm import any_nonfinite, needs_scaling, sum_of_squares
-from zero_core.engine.param_groups import reduction_groups
+from zero_core.utils.grad_norm import any_nonfinite, needs_scaling, sum_of_squares
+from zero_core.utils.param_groups import reduction_groups
 from zero_core.utils.storage_bytes import StorageLedger, state_tensors
 from zero_core.zero.flat_partition import FlatPartition
 from zero_core.zero.grad_reduce import GroupGrads, PartitionedGradReducer
@@ -229,7 +229,7 @@ class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedGradWrite,
                     params.append(p)
             params.sort(key=lambda p: backward_order[id(p)])  # flat order = backward order
             # dense and expert parameters are partitioned over different process groups
-            # (see [Note: expert parameters] in engine/param_groups.py)
+            # (see [Note: expert parameters] in utils/param_groups.py)
             split = reduction_groups(params, group) or [(group, [])]
             for comm_group, ps in split:
                 layout = FlatPartition(

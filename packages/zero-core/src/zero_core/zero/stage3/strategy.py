@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from zero_core import comm
-from zero_core.engine.grad_norm import any_nonfinite, needs_scaling, sum_of_squares
-from zero_core.engine.param_groups import is_expert_param
+from zero_core.utils.grad_norm import any_nonfinite, needs_scaling, sum_of_squares
+from zero_core.utils.param_groups import is_expert_param
 from zero_core.utils.storage_bytes import StorageLedger, state_tensors
 from zero_core.zero.stage3.expert_partition import partition_group
 from zero_core.zero.stage3.gathered_parameters import SHARD_CHANGED
