@@ -188,8 +188,7 @@ def initialize(
         raise TypeError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
     if config is not None and config_params is not None:
         raise ValueError("initialize: give the config as config= or config_params=, not both")
-    from zero_core.config import load_config
-    from zero_core.distributed import init_distributed, world_info
+    from zero_core.distributed import init_distributed
 
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     # measured before anything is built: see [Note: autotuning experiments]
@@ -197,30 +196,7 @@ def initialize(
 
     baseline_bytes, model_counts = process_baseline_bytes(model), model_info(model)
     group = mpu.get_data_parallel_group() if mpu is not None else None
-    dp_world = comm.get_world_size(group)
-    from zero_core.engine.model_engines import find_model_engine
-
-    # A PipelineModule (or a subclass) goes to zero-pipe: See [Note: model engine hooks].
-    model_engine = find_model_engine(model)
-    if model_engine is not None and mpu is None:
-        # e.g. a pipeline's data-parallel degree is the world divided by its stages: batch
-        # sizes are per data-parallel replica, not per process.
-        dp_world = model_engine.data_parallel_world_size(model, comm.get_world_size())
-    info = world_info()
-    cfg = load_config(
-        config if config is not None else config_params,
-        args=args,
-        world_size=dp_world,
-        world_size_source=info.source,
-    )
-
-    _require_section_owners(cfg)
-    _apply_comms_timeout(cfg)
-    # The first collective of the engine: every rank reaches it (see [Note: rank agreement]).
-    check_agreement(initialize_fields(cfg, model, pipeline=model_engine is not None), group, "initialize")
-    _configure_side_systems(cfg)
-    _check_compressed_optimizer(cfg, optimizer, model_engine is not None)
-
+    cfg, model_engine, dp_world = _agreed_config(model, optimizer, config, config_params, args, mpu, group)
     if model_engine is not None:
         return model_engine.initialize(
             model=model,
@@ -231,8 +207,67 @@ def initialize(
             config=cfg,
             collate_fn=collate_fn,
         )
+    loader = None
+    if training_data is not None:
+        loader = ZeroDataLoader(
+            training_data,
+            int(cfg.train_micro_batch_size_per_gpu),
+            rank=comm.get_rank(group),
+            world_size=dp_world,
+            collate_fn=collate_fn,
+            drop_last=cfg.dataloader_drop_last,
+        )
+    engine, scheduler = _build_engine(model, optimizer, model_parameters, lr_scheduler, loader, cfg, group)
+    hook = build_autotuning_hook(cfg, engine, model_counts, baseline_bytes)
+    if hook is not None:
+        engine._step_hooks.append(hook)
+    return engine, engine.optimizer, loader, scheduler
 
+
+def _agreed_config(
+    model: torch.nn.Module, optimizer: Any, config: Any, config_params: Any, args: Any, mpu: Any, group: Any
+) -> tuple[ZeroConfig, Any, int]:
+    """The parsed config every rank agreed on, the model's engine hook (None: ZeroEngine) and the
+    data-parallel world size the batch sizes are per."""
+    from zero_core.config import load_config
+    from zero_core.distributed import world_info
+    from zero_core.engine.model_engines import find_model_engine
+
+    dp_world = comm.get_world_size(group)
+    # A PipelineModule (or a subclass) goes to zero-pipe: See [Note: model engine hooks].
+    model_engine = find_model_engine(model)
+    if model_engine is not None and mpu is None:
+        # e.g. a pipeline's data-parallel degree is the world divided by its stages: batch
+        # sizes are per data-parallel replica, not per process.
+        dp_world = model_engine.data_parallel_world_size(model, comm.get_world_size())
+    cfg = load_config(
+        config if config is not None else config_params,
+        args=args,
+        world_size=dp_world,
+        world_size_source=world_info().source,
+    )
+    _require_section_owners(cfg)
+    _apply_comms_timeout(cfg)
+    # The first collective of the engine: every rank reaches it (see [Note: rank agreement]).
+    check_agreement(initialize_fields(cfg, model, pipeline=model_engine is not None), group, "initialize")
+    _configure_side_systems(cfg)
+    _check_compressed_optimizer(cfg, optimizer, model_engine is not None)
+    return cfg, model_engine, dp_world
+
+
+def _build_engine(
+    model: torch.nn.Module,
+    optimizer: Any,
+    model_parameters: Any,
+    lr_scheduler: Any,
+    loader: Any,
+    cfg: ZeroConfig,
+    group: Any,
+) -> tuple[ZeroEngine, Any]:
+    """Steps (3)-(6) of the module docstring's order and the monitors: the ``ZeroEngine`` and its
+    LR scheduler."""
     from zero_core.accelerator import get_accelerator
+    from zero_core.monitor import MonitorMaster
 
     acc = get_accelerator()
     device = acc.device(acc.current_device())
@@ -245,20 +280,6 @@ def initialize(
     if dtype != torch.float32 and (int(cfg.zero_optimization.stage) == 0 or _replicated_eval(opt, cfg)):
         model.to(dtype)
     scheduler = _build_scheduler(lr_scheduler, strategy.optimizer, cfg)
-
-    loader = None
-    if training_data is not None:
-        loader = ZeroDataLoader(
-            training_data,
-            int(cfg.train_micro_batch_size_per_gpu),
-            rank=comm.get_rank(group),
-            world_size=dp_world,
-            collate_fn=collate_fn,
-            drop_last=cfg.dataloader_drop_last,
-        )
-    from zero_core.monitor import MonitorMaster
-
-    monitor = MonitorMaster(cfg)
     engine = ZeroEngine(
         model,
         strategy,
@@ -266,16 +287,13 @@ def initialize(
         loss_scaler=build_loss_scaler(cfg.fp16.enabled, cfg.fp16),
         lr_scheduler=scheduler,
         training_dataloader=loader,
-        monitor=monitor,
+        monitor=MonitorMaster(cfg),
         device=device,
         dp_group=group,
         compute_dtype=dtype,
     )
     engine.profiler = _build_profiler(model, cfg, engine)
-    hook = build_autotuning_hook(cfg, engine, model_counts, baseline_bytes)
-    if hook is not None:
-        engine._step_hooks.append(hook)
-    return engine, engine.optimizer, loader, scheduler
+    return engine, scheduler
 
 
 def _replicated_eval(optimizer: Any, cfg: ZeroConfig) -> bool:

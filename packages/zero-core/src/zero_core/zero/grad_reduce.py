@@ -121,23 +121,7 @@ class PartitionedGradReducer:
             ]
             for gg in self.groups
         ]
-        # Global launch order of the chunks: by the earliest backward position of their params.
-        order = backward_order or {}
-        keyed = []
-        for g, gg in enumerate(self.groups):
-            for chunk in gg.layout.chunks:
-                key = min((order.get(id(gg.params[s.param_index]), 0) for s in chunk.slices), default=0)
-                keyed.append((key, g, chunk.index))
-        keyed.sort()
-        self.order: list[tuple[int, int]] = [(g, c) for _, g, c in keyed]
-        self._slot = {gc: i for i, gc in enumerate(self.order)}
-        # param id -> (group, param index, [slots of the chunks holding it])
-        self._where: dict[int, tuple[int, int, list[int]]] = {}
-        for g, gg in enumerate(self.groups):
-            for i, p in enumerate(gg.params):
-                slots = [self._slot[(g, c.index)] for c, _ in gg.layout.chunks_of_param(i)]
-                self._where[id(p)] = (g, i, slots)
-        self._needed = [len(self.groups[g].layout.chunks[c].slices) for g, c in self.order]
+        self._plan_launch_order(backward_order or {})
 
         # Gradient storage (see the Note): stage 1 full flat buffers, stage 2 shards.
         self.flat_grads: list[torch.Tensor] = []
@@ -162,6 +146,24 @@ class PartitionedGradReducer:
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad) for gg in self.groups for p in gg.params
         ]
+
+    def _plan_launch_order(self, order: dict[int, int]) -> None:
+        """Global launch order of the chunks: by the earliest backward position of their params."""
+        keyed = []
+        for g, gg in enumerate(self.groups):
+            for chunk in gg.layout.chunks:
+                key = min((order.get(id(gg.params[s.param_index]), 0) for s in chunk.slices), default=0)
+                keyed.append((key, g, chunk.index))
+        keyed.sort()
+        self.order: list[tuple[int, int]] = [(g, c) for _, g, c in keyed]
+        self._slot = {gc: i for i, gc in enumerate(self.order)}
+        # param id -> (group, param index, [slots of the chunks holding it])
+        self._where: dict[int, tuple[int, int, list[int]]] = {}
+        for g, gg in enumerate(self.groups):
+            for i, p in enumerate(gg.params):
+                slots = [self._slot[(g, c.index)] for c, _ in gg.layout.chunks_of_param(i)]
+                self._where[id(p)] = (g, i, slots)
+        self._needed = [len(self.groups[g].layout.chunks[c].slices) for g, c in self.order]
 
     # -- storage ----------------------------------------------------------------------------
     def _grad_view(self, g: int, i: int) -> torch.Tensor:
