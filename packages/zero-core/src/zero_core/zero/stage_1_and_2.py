@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from zero_core import comm
+from zero_core.protocols.optimizer_offload import OptimizerOffload
 from zero_core.utils.grad_norm import any_nonfinite, needs_scaling, sum_of_squares
 from zero_core.utils.param_groups import reduction_groups
 from zero_core.utils.storage_bytes import StorageLedger, state_tensors
@@ -248,7 +249,7 @@ class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedGradWrite,
         round_robin_gradients: bool = False,
         ignore_unused_parameters: bool = True,
         comm_dtype: torch.dtype | None = None,
-        optimizer_offload: Any = None,
+        optimizer_offload: OptimizerOffload | None = None,
     ) -> None:
         _check_arguments(
             stage, optimizer, dtype, reduce_bucket_size, allgather_bucket_size, round_robin_gradients
