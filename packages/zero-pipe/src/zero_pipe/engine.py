@@ -246,7 +246,7 @@ class PipelineEngine:
     def _print_progress(self, loss: torch.Tensor) -> None:
         """Every ``steps_per_print`` batches global rank 0 prints DeepSpeed's pipeline progress line
         (``steps: N loss: L iter time (s): T samples/sec: S``), timed since the last line."""
-        every = int(getattr(self.config, "steps_per_print", None) or 10)
+        every = self.config.steps_per_print or 10  # None: the default interval
         if self.global_steps % every:
             return
         now = time.perf_counter()

@@ -26,14 +26,12 @@ def _scheduler(lr_scheduler: Any, optimizer: torch.optim.Optimizer, cfg: ZeroCon
         if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             return lr_scheduler(optimizer)
         return lr_scheduler
-    section = getattr(cfg, "scheduler", None)
-    if section is None or getattr(section, "type", None) is None:
+    section = cfg.scheduler
+    if section is None:
         return None
     from zero_core.lr_schedules import build_lr_scheduler
 
-    return build_lr_scheduler(
-        optimizer, {"type": section.type, "params": dict(getattr(section, "params", None) or {})}
-    )
+    return build_lr_scheduler(optimizer, {"type": section.type, "params": dict(section.params)})
 
 
 def _apply_pipeline_section(model: PipelineModule, cfg: ZeroConfig) -> None:
