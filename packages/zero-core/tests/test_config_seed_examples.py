@@ -1,11 +1,11 @@
 """Every example config of DeepSpeed's config documentation parses, with the values it states.
 
-The examples are transcribed verbatim from the documents (000: ZeRO config reference, 001: quick
-start, 004: API reference, memory-usage chapter). The documentation examples are not strict JSON
+The examples are transcribed verbatim from DeepSpeed's documents (the ZeRO config reference,
+the getting-started guide, and the memory-usage chapter of the API reference). The documentation examples are not strict JSON
 (``...`` for "the rest of your config", trailing commas, a missing comma, Python ``False``), so
 :func:`doc_json` undoes exactly those liberties before loading; the configs themselves are
 unchanged. The ``...`` stands for the rest of a config (batch size included), so the fragments are
-loaded with ``resolve_batch=False``. The inference example of 004 is an ``init_inference`` config,
+loaded with ``resolve_batch=False``. The inference example of the API reference is an ``init_inference`` config,
 not a training config, and is validated by zero-inference.
 """
 
@@ -103,7 +103,7 @@ QUICK_START = """{
 "gradient_accumulation_steps": 4
 }"""
 
-# The same config as the Python dict passed as ``config_params`` in 001.
+# The same config as the Python dict passed as ``config_params`` in DeepSpeed's getting-started guide.
 QUICK_START_PARAMS = {
     "train_batch_size": 32,
     "train_micro_batch_size_per_gpu": 8,
@@ -115,7 +115,7 @@ QUICK_START_PARAMS = {
     "gradient_accumulation_steps": 4,
 }
 
-# 004, memory usage: the offload cases of the ZeRO-2 and ZeRO-3 estimates, and pinned memory.
+# DeepSpeed's API reference, memory usage: the offload cases of the ZeRO-2 and ZeRO-3 estimates, and pinned memory.
 MEMORY_CASES = [
     (2, '"offload_optimizer": {"device": "cpu"}'),
     (2, '"offload_optimizer": {"device": "none"}'),
@@ -215,7 +215,7 @@ def test_pinned_memory_fragments(fragment):
 
 
 def test_every_zero_reference_key_has_its_documented_default():
-    """The defaults of the ZeRO config reference (seed 000) are ours."""
+    """The defaults of the ZeRO config reference (DeepSpeed's ZeRO config docs) are ours."""
     zero = load_config({"train_batch_size": 1}).zero_optimization
     expected = {
         "stage": 0,

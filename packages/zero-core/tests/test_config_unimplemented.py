@@ -7,7 +7,7 @@ import warnings
 import pytest
 from zero_core.config.errors import ConfigError
 from zero_core.config.loader import load_config
-from zero_core.config.unimplemented import NEWER_KEYS, UNIMPLEMENTED
+from zero_core.config.unimplemented import NEWER_KEYS, NO_EFFECT, UNIMPLEMENTED
 
 BASE = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 8}
 
@@ -118,3 +118,13 @@ def test_a_long_section_is_cut_in_the_message():
     assert problem.startswith(
         'compression_training: {"weight_quantization": {"shared_parameters": {"enabled": true}'
     )
+
+
+@pytest.mark.parametrize("key", sorted(NO_EFFECT))
+def test_accepted_keys_without_effect_warn_when_set(key: str) -> None:
+    section, _, name = key.partition(".")
+    with pytest.warns(UserWarning, match=f"{key} is set but has no effect"):
+        load_config({**BASE, section: {name: True}}, world_size=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # left at its default (false): silent
+        load_config({**BASE, section: {name: False}}, world_size=1)

@@ -24,7 +24,7 @@ def _engine(model: torch.nn.Module, zero: dict, bf16: bool = False):  # noqa: AN
 
 
 class UsesOtherWeight(torch.nn.Module):
-    """Seed pattern 1: ``compute_logits(x, self.embeddings.weight)`` outside the owner's forward."""
+    """DeepSpeed's ZeRO-3 docs, external parameters, pattern 1: ``compute_logits(x, self.embeddings.weight)`` outside the owner's forward."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -77,7 +77,7 @@ def _api_rank() -> dict:
     tiled3.copy_params_from(ref)
     eng = _engine(tiled3, {"param_persistence_threshold": 0})
     out["tiled_z3"] = (eng(x) - ref(x)).abs().max().item()
-    # External parameters: both seed patterns, automatic detection, training matches torch.
+    # External parameters: both patterns of DeepSpeed's ZeRO-3 docs, automatic detection, training matches torch.
     for cls in (UsesOtherWeight, Pattern2):
         torch.manual_seed(5)
         reference = cls()

@@ -187,8 +187,8 @@ def test_device_check_on_a_collective_and_off_by_default():
 
 
 def test_fused_statistics_match_the_per_tensor_ones_without_host_reads():
-    from zero_core.engine.grad_norm import any_nonfinite, clip_coefficient, sum_of_squares
     from zero_core.testing.host_syncs import count_host_syncs
+    from zero_core.utils.grad_norm import any_nonfinite, clip_coefficient, sum_of_squares
 
     g = torch.Generator().manual_seed(0)
     grads = [torch.randn(n, generator=g) for n in (3, 17, 1, 64)] + [torch.randn(5, generator=g).bfloat16()]

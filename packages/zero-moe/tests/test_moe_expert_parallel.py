@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from zero_core.comm import all_to_all as comm_all_to_all
 from zero_core.testing import run_multirank
 from zero_moe import MoE, groups, reduce_moe_gradients
-from zero_moe import _dist as moe_dist
 
 M, H, E, TOKENS = 8, 12, 8, 24
 
@@ -99,7 +99,7 @@ def _check_parity(ep_size: int) -> int:
 
 def _ep_worker(ep_sizes: list[int], force_fallback: bool) -> list[int]:
     if force_fallback:
-        moe_dist._NO_ALL_TO_ALL.add(str(dist.get_backend()))
+        comm_all_to_all.NO_ALL_TO_ALL.add(str(dist.get_backend()))
     return [_check_parity(ep) for ep in ep_sizes]
 
 
@@ -121,6 +121,30 @@ def test_ep4_and_ep2_match_ep1_on_four_ranks():
 def test_point_to_point_all_to_all_fallback():
     results = run_multirank(_ep_worker, 2, args=([2], True), timeout=120)
     assert all(n > 0 for per_rank in results for n in per_rank)
+
+
+def _logged_worker(force_fallback: bool) -> dict:
+    from zero_core.comm import comms_logger
+
+    if force_fallback:
+        comm_all_to_all.NO_ALL_TO_ALL.add(str(dist.get_backend()))
+    comms_logger.configure({"enabled": True})
+    comms_logger.reset()
+    try:
+        _check_parity(2)
+        return {op: comms_logger.count_for(op) for op in ("all_to_all_single", "batch_isend_irecv")}
+    finally:
+        comms_logger.disable()
+        comms_logger.reset()
+
+
+def test_expert_exchange_is_seen_by_the_comms_logger():
+    """The dispatch goes through zero_core.comm: the comms logger counts it, on the direct path
+    and on the point-to-point fallback (See [Note: all-to-all fallback])."""
+    direct = run_multirank(_logged_worker, 2, args=(False,), timeout=120)
+    assert all(r["all_to_all_single"] > 0 and r["batch_isend_irecv"] == 0 for r in direct)
+    fallback = run_multirank(_logged_worker, 2, args=(True,), timeout=120)
+    assert all(r["all_to_all_single"] == 0 and r["batch_isend_irecv"] > 0 for r in fallback)
 
 
 def _groups_worker() -> dict:

@@ -182,3 +182,12 @@ def test_forward_validation():
         moe(torch.randn(2, 3, M), used_token=torch.ones(6))
     with pytest.raises(TypeError, match="nn.Module"):
         MoE(M, lambda t: t)
+
+
+def test_enable_expert_tensor_parallelism_warns_it_has_no_effect():
+    expert = nn.Linear(8, 8)
+    with pytest.warns(UserWarning, match=r"moe.enable_expert_tensor_parallelism is set but has no effect"):
+        MoE(8, expert, num_experts=2, enable_expert_tensor_parallelism=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the default (False) is silent
+        MoE(8, nn.Linear(8, 8), num_experts=2)

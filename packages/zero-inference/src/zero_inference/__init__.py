@@ -19,11 +19,20 @@ from zero_inference.config import (
 from zero_inference.engine import InferenceEngine, init_inference
 from zero_inference.fused_encoder import FusedBertEncoder
 from zero_inference.moe_inference import shard_experts
-from zero_inference.nvme_offload import NvmeOffloadBackend
 from zero_inference.quantize import QuantizedLinear, dequantize_weight, quantize_weight
 from zero_inference.tp_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from zero_inference.version import __version__
 from zero_inference.zero_checkpoint_source import ZeroCheckpointSource
+
+
+def __getattr__(name: str) -> object:
+    # The NVMe store is zero-offload's (See [Note: NVMe offload backend] there): found when installed.
+    if name == "NvmeOffloadBackend":
+        from zero_core.plugins import require
+
+        return require("zero_offload.backends", "zero_inference.NvmeOffloadBackend").NvmeOffloadBackend
+    raise AttributeError(f"module 'zero_inference' has no attribute {name!r}")
+
 
 __all__ = [
     "ColumnParallelLinear",

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from zero_core import comm
 from zero_core.config import ZeroOptimizationConfig
+from zero_core.plugins import require
 
 from zero_inference.auto_tp import _auto_layer_classes
 
@@ -37,9 +38,11 @@ class ZeroInferencePartitioner:
         self.offload_device = offload.device if offload is not None and offload.enabled else "none"
         self.backend = None
         if self.offload_device == "nvme":
-            from zero_inference.nvme_offload import NvmeOffloadBackend
-
-            self.backend = NvmeOffloadBackend(offload.nvme_path, rank=self.rank)
+            # zero-offload's store (See [Note: NVMe offload backend] there)
+            store = require(
+                "zero_offload.backends", "ZeRO-Inference NVMe offload (offload_param.device=nvme)"
+            )
+            self.backend = store.NvmeOffloadBackend(offload.nvme_path, rank=self.rank)
         self.pin = bool(offload is not None and offload.pin_memory and torch.cuda.is_available())
         self.layers = [m for m in model.modules() if type(m) in _auto_layer_classes(model)]
         if not self.layers:

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from zero_core import comm
 
-from zero_moe import _dist
 from zero_moe.experts import Experts
 from zero_moe.gating import GateOutput, TopKGate
 
@@ -46,13 +46,13 @@ class _AllToAll(torch.autograd.Function):
         ctx.input_splits = input_splits
         ctx.in_rows = input.shape[0]
         output = input.new_empty((out_rows, *input.shape[1:]))
-        _dist.all_to_all_single(output, input.contiguous(), output_splits, input_splits, group=group)
+        comm.all_to_all_single(output, input.contiguous(), output_splits, input_splits, group=group)
         return output
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_in = grad.new_empty((ctx.in_rows, *grad.shape[1:]))
-        _dist.all_to_all_single(
+        comm.all_to_all_single(
             grad_in, grad.contiguous(), ctx.input_splits, ctx.output_splits, group=ctx.group
         )
         return grad_in, None, None, None, None
@@ -65,7 +65,7 @@ def all_to_all(
     input_splits: list[int] | None = None,
 ) -> torch.Tensor:
     """Differentiable all-to-all over dim 0; equal splits when the split lists are ``None``."""
-    if group is None or _dist.get_world_size(group) == 1:
+    if group is None or comm.get_world_size(group) == 1:
         return input
     out_rows = input.shape[0] if output_splits is None else int(sum(output_splits))
     return _AllToAll.apply(input, group, output_splits, input_splits, out_rows)
@@ -131,7 +131,7 @@ class MOELayer(nn.Module):
             return self._combine(x, results, routing)
         send_counts = routing.counts
         recv_counts = torch.empty_like(send_counts)
-        _dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.ep_group)
+        comm.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.ep_group)
         input_splits = send_counts.view(ep, n_local).sum(1).tolist()
         recv_matrix = recv_counts.view(ep, n_local)  # [source rank, local expert]
         output_splits = recv_matrix.sum(1).tolist()

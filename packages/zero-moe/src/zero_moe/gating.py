@@ -39,8 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from zero_moe import _dist
+from zero_core import comm
 
 NOISY_GATE_POLICIES = (None, "Jitter", "RSample")
 
@@ -180,8 +179,8 @@ def topk_gating(
             capacity = None
         else:
             most = loads[:num_experts].max().reshape(1).clone()
-            if ep_group is not None and _dist.get_world_size(ep_group) > 1:
-                _dist.all_reduce(most, op=torch.distributed.ReduceOp.MAX, group=ep_group)
+            if ep_group is not None and comm.get_world_size(ep_group) > 1:
+                comm.all_reduce(most, op=comm.ReduceOp.MAX, group=ep_group)
             capacity = max(int(most.item()), 1)
 
     keep = keep_flat.reshape(k, num_tokens).t()

@@ -23,8 +23,9 @@ from collections import defaultdict
 
 import torch
 from torch import nn
+from zero_core import comm
 
-from zero_moe import _dist, groups
+from zero_moe import groups
 from zero_moe.utils import is_moe_param
 
 
@@ -37,8 +38,8 @@ def _flat_all_reduce(params: list[nn.Parameter], group: object, divisor: float) 
     for dtype in sorted(by_dtype, key=str):  # same order on every rank
         bucket = by_dtype[dtype]
         flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-        if _dist.get_world_size(group) > 1:
-            _dist.all_reduce(flat, group=group)
+        if comm.is_initialized() and comm.get_world_size(group) > 1:
+            comm.all_reduce(flat, group=group)
         flat.div_(divisor)
         offset = 0
         for p in bucket:
@@ -54,7 +55,7 @@ def reduce_moe_gradients(model: nn.Module) -> None:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"reduce_moe_gradients: model must be a torch.nn.Module, got {type(model).__name__}")
-    world = _dist.get_world_size()
+    world = comm.get_world_size() if comm.is_initialized() else 1
     dense: list[nn.Parameter] = []
     experts: dict[str, list[nn.Parameter]] = defaultdict(list)
     for p in model.parameters():

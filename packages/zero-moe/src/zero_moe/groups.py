@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zero_moe import _dist
+from zero_core import comm
 
 _EXPERT_PARALLEL_GROUP: dict[str, Any] = {}
 _EXPERT_DATA_PARALLEL_GROUP: dict[str, Any] = {}
@@ -46,26 +46,26 @@ def create_expert_and_data_parallel(ep_size: int) -> str:
     name = group_name_for(ep_size)
     if name in _EXPERT_PARALLEL_SIZE:
         return name
-    world = _dist.get_world_size()
+    world = comm.get_world_size() if comm.is_initialized() else 1
     if world % ep_size != 0:
         raise ValueError(
             f"create_expert_and_data_parallel: ep_size={ep_size} must divide the world size {world} "
             f"(allowed: {[d for d in range(1, world + 1) if world % d == 0]})"
         )
-    if not _dist.is_initialized():
+    if not comm.is_initialized():
         _EXPERT_PARALLEL_GROUP[name] = None
         _EXPERT_DATA_PARALLEL_GROUP[name] = None
         _EXPERT_PARALLEL_SIZE[name] = ep_size
         return name
-    rank = _dist.get_rank()
+    rank = comm.get_rank()
     for i in range(world // ep_size):
         ranks = list(range(i * ep_size, (i + 1) * ep_size))
-        group = _dist.new_group(ranks)
+        group = comm.new_group(ranks)
         if rank in ranks:
             _EXPERT_PARALLEL_GROUP[name] = group
     for j in range(ep_size):
         ranks = list(range(j, world, ep_size))
-        group = _dist.new_group(ranks)
+        group = comm.new_group(ranks)
         if rank in ranks:
             _EXPERT_DATA_PARALLEL_GROUP[name] = group
     _EXPERT_PARALLEL_SIZE[name] = ep_size
@@ -95,17 +95,17 @@ def get_expert_parallel_world_size(name: str) -> int:
 
 def get_expert_parallel_rank(name: str) -> int:
     group = get_expert_parallel_group(name)
-    return _dist.get_rank(group) if group is not None else 0
+    return comm.get_rank(group) if group is not None else 0
 
 
 def get_expert_data_parallel_world_size(name: str) -> int:
     group = get_expert_data_parallel_group(name)
-    return _dist.get_world_size(group) if group is not None else 1
+    return comm.get_world_size(group) if group is not None else 1
 
 
 def get_expert_data_parallel_rank(name: str) -> int:
     group = get_expert_data_parallel_group(name)
-    return _dist.get_rank(group) if group is not None else 0
+    return comm.get_rank(group) if group is not None else 0
 
 
 def get_expert_parallel_group_dict() -> dict[str, Any]:
@@ -123,7 +123,7 @@ def get_max_expert_size() -> int:
 
 def get_data_parallel_world_size() -> int:
     """Size of the whole data-parallel group (the world: no tensor/pipeline parallelism here)."""
-    return _dist.get_world_size()
+    return comm.get_world_size() if comm.is_initialized() else 1
 
 
 def reset_groups() -> None:

@@ -8,8 +8,10 @@ import warnings
 
 import torch
 from torch import nn
+from zero_core import comm
+from zero_core.config.unimplemented import warn_no_effect
 
-from zero_moe import _dist, groups
+from zero_moe import groups
 from zero_moe.deepspeed_names import accept_deepspeed_moe_names
 from zero_moe.dispatch import MOELayer
 from zero_moe.experts import Experts
@@ -42,7 +44,8 @@ class MoE(nn.Module):
     otherwise call :meth:`set_zero_parallelism` after initialising it.
 
     ``enable_expert_tensor_parallelism`` only matters with tensor model parallelism, which zero
-    does not provide: it is recorded (for engines) and has no effect on the computation.
+    does not provide: it is recorded (for engines), has no effect on the computation, and
+    ``True`` warns so (zero-core's ``config/unimplemented.py`` ``NO_EFFECT``).
     ``use_tutel`` is accepted for compatibility; the built-in dispatch is always used.
     """
 
@@ -110,6 +113,8 @@ class MoE(nn.Module):
         self.k = k
         self.use_residual = use_residual
         self.enable_expert_tensor_parallelism = enable_expert_tensor_parallelism
+        if enable_expert_tensor_parallelism:
+            warn_no_effect("moe.enable_expert_tensor_parallelism")
         self.expert_group_name = groups.group_name_for(ep_size)
 
         gate = TopKGate(
@@ -133,12 +138,12 @@ class MoE(nn.Module):
             self.mlp = copy.deepcopy(expert)
             self.coefficient = nn.Linear(hidden_size, 2)
         self._parallel_ready = False
-        if ep_size == 1 or _dist.is_initialized():
+        if ep_size == 1 or comm.is_initialized():
             self.set_zero_parallelism()
 
     def set_zero_parallelism(self) -> None:
         """Create (or reuse) this layer's expert groups; DeepSpeed's ``set_deepspeed_parallelism``."""
-        if self.ep_size > 1 and not _dist.is_initialized():
+        if self.ep_size > 1 and not comm.is_initialized():
             raise RuntimeError(
                 f"MoE(ep_size={self.ep_size}) needs torch.distributed to be initialised before its expert "
                 "groups can be created"

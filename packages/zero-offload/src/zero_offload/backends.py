@@ -1,9 +1,16 @@
 """``NvmeOffloadBackend``: the ``OffloadBackend`` protocol (zero_core.protocols.offload) over NVMe files.
 
-One swap file per key under the rank's swap directory (see [Note: swap file lifecycle]),
-created with its final size on first ``swap_out``; transfers go through zero-ops' aio handle,
-so ``async_op=True`` overlaps them with computation until ``wait()``. CPU memory is
-zero-core's ``MemoryOffloadBackend``, re-exported here for symmetry.
+[Note: NVMe offload backend]
+The one NVMe tensor store of the family: zero-offload's swappers and ZeRO-Inference's
+``offload_param: {device: nvme}`` (each layer's weight partition in a file, read back just
+before the layer runs) both use it. One swap file per key under the rank's swap directory
+(see [Note: swap file lifecycle]: ``nvme_path/<job>/rank<rank>/``, so ranks sharing a path
+never collide, removed at close, exit and SIGTERM), created with its final size on first
+``swap_out``; transfers go through zero-ops' aio handle, so ``async_op=True`` overlaps them
+with computation until ``wait()``. A ``swap_in`` into a tensor the handle cannot fill
+directly (not a contiguous CPU tensor) reads into a staging buffer copied in ``wait()``.
+Fork safety is zero-ops' business: see [Note: aio engines across fork] in zero_ops.aio.
+CPU memory is zero-core's ``MemoryOffloadBackend``, re-exported here for symmetry.
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ class NvmeOffloadBackend:
             )
         self._handle = AsyncIOHandle(**{k: v for k, v in kw.items() if k in allowed})
         self._meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        # (staging buffer, destination) of reads into tensors the handle cannot fill directly
+        self._pending_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._closed = False
 
     @property
@@ -83,20 +92,24 @@ class NvmeOffloadBackend:
             )
         if out.device.type == "cpu" and out.is_contiguous():
             self._handle.async_pread(out, self._dir.check(name), 0)
-            if not async_op:
-                self._handle.wait()
-            return
-        tmp = torch.empty(shape, dtype=dtype)
-        self._handle.sync_pread(tmp, self._dir.check(name), 0)
-        with torch.no_grad():
-            out.copy_(tmp)
+        else:
+            staging = torch.empty(shape, dtype=dtype)
+            self._handle.async_pread(staging, self._dir.check(name), 0)
+            self._pending_copies.append((staging, out))
+        if not async_op:
+            self.wait()
 
     def wait(self) -> None:
+        """Complete every outstanding read and write."""
         self._handle.wait()
+        with torch.no_grad():
+            for staging, out in self._pending_copies:
+                out.copy_(staging)
+        self._pending_copies.clear()
 
     def remove(self, key: str) -> None:
         name = self._check(key, "remove")
-        self._handle.wait()
+        self.wait()
         if self._meta.pop(key, None) is not None:
             path, _ = self._dir.files.pop(name)
             path.unlink(missing_ok=True)
@@ -107,6 +120,6 @@ class NvmeOffloadBackend:
     def close(self) -> None:
         if self._closed:
             return
-        self._handle.wait()
+        self.wait()
         self._closed = True
         self._dir.close()

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from zero_core.config import ZeroConfig, load_config
 from zero_core.engine.loss_scaler import LossScaler, build_loss_scaler
+from zero_core.engine.strategy_factory import compute_dtype
 
 from zero_pipe import _dist
 from zero_pipe.executor import ComputeSpan, StageExecutor
@@ -34,12 +35,6 @@ from zero_pipe.schedule import (
 )
 
 __all__ = ["ComputeSpan", "PipelineConfigError", "PipelineEngine"]
-
-
-def _dtype_of(cfg: ZeroConfig) -> torch.dtype:
-    if cfg.fp16.enabled:
-        return torch.float16
-    return torch.bfloat16 if cfg.bf16.enabled else torch.float32
 
 
 class PipelineEngine:
@@ -88,18 +83,11 @@ class PipelineEngine:
         self.micro_batch_size = int(self.config.train_micro_batch_size_per_gpu)
         self.micro_batches = int(self.config.gradient_accumulation_steps)
         self._train_batch_size = self.micro_batch_size * self.micro_batches * self.dp_size
-        self.compute_dtype = _dtype_of(self.config)
+        self.compute_dtype = compute_dtype(self.config)
         section = getattr(self.config, "pipeline", None)
         #: extra 1F1B warm-up forwards: See [Note: 1F1B lookahead]
         self.lookahead = int(getattr(section, "lookahead", 0) or 0)
-        self.strategy = build_strategy(
-            module,
-            optimizer,
-            zero_stage=int(self.config.zero_optimization.stage),
-            dtype=self.compute_dtype,
-            dp_group=self.grid.dp_group,
-            zero_section=self.config.zero_optimization,
-        )
+        self.strategy = build_strategy(module, optimizer, self.config, self.grid.dp_group)
         self.loss_scaler = loss_scaler or build_loss_scaler(self.config.fp16.enabled, self.config.fp16)
         self.stage_optimizer = StageOptimizer(
             self.strategy,
@@ -258,7 +246,7 @@ class PipelineEngine:
     def _print_progress(self, loss: torch.Tensor) -> None:
         """Every ``steps_per_print`` batches global rank 0 prints DeepSpeed's pipeline progress line
         (``steps: N loss: L iter time (s): T samples/sec: S``), timed since the last line."""
-        every = int(getattr(self.config, "steps_per_print", None) or 10)
+        every = self.config.steps_per_print or 10  # None: the default interval
         if self.global_steps % every:
             return
         now = time.perf_counter()

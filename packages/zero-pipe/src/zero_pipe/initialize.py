@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from zero_core.config import ZeroConfig
 from zero_core.engine.data import ZeroDataLoader
+from zero_core.engine.strategy_factory import build_optimizer
 
 from zero_pipe.data import RepeatingLoader
 from zero_pipe.engine import PipelineEngine
@@ -20,43 +21,17 @@ from zero_pipe.module import PipelineModule
 from zero_pipe.optimizer_step import PipelineConfigError
 
 
-def _optimizer(optimizer: Any, params: Any, cfg: ZeroConfig) -> torch.optim.Optimizer:
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return optimizer
-    if optimizer is not None:
-        if not callable(optimizer):
-            raise TypeError(
-                f"initialize: optimizer must be a torch.optim.Optimizer or a callable, got {type(optimizer).__name__}"
-            )
-        built = optimizer(params)
-        if not isinstance(built, torch.optim.Optimizer):
-            raise TypeError(
-                f"initialize: the optimizer callable returned {type(built).__name__}, not an optimizer"
-            )
-        return built
-    section = getattr(cfg, "optimizer", None)
-    if section is None or getattr(section, "type", None) is None:
-        raise ValueError(
-            "initialize: no optimizer for the pipeline: pass optimizer= or add an 'optimizer' section to the config"
-        )
-    from zero_core.optim import build_optimizer
-
-    return build_optimizer(params, section.type, dict(getattr(section, "params", None) or {}))
-
-
 def _scheduler(lr_scheduler: Any, optimizer: torch.optim.Optimizer, cfg: ZeroConfig) -> Any:
     if lr_scheduler is not None:
         if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             return lr_scheduler(optimizer)
         return lr_scheduler
-    section = getattr(cfg, "scheduler", None)
-    if section is None or getattr(section, "type", None) is None:
+    section = cfg.scheduler
+    if section is None:
         return None
     from zero_core.lr_schedules import build_lr_scheduler
 
-    return build_lr_scheduler(
-        optimizer, {"type": section.type, "params": dict(getattr(section, "params", None) or {})}
-    )
+    return build_lr_scheduler(optimizer, {"type": section.type, "params": dict(section.params)})
 
 
 def _apply_pipeline_section(model: PipelineModule, cfg: ZeroConfig) -> None:
@@ -103,7 +78,7 @@ def initialize_pipeline(
         )
     _apply_pipeline_section(model, config)
     params = model_parameters if model_parameters is not None else model.parameters()
-    opt = _optimizer(optimizer, params, config)
+    opt = build_optimizer(optimizer, params, config, required_by="the pipeline")
     engine = PipelineEngine(model, opt, config)
     scheduler = _scheduler(lr_scheduler, engine.optimizer, config)
     engine.stage_optimizer.lr_scheduler = scheduler

@@ -23,9 +23,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from zero_core.engine.data_parallel import DataParallelStrategy
-from zero_core.engine.grad_norm import clip_coefficient
-from zero_core.engine.loss_scaler import LossScaler, warn_static_overflow
+from zero_core.config import ZeroConfig
+from zero_core.engine.boundary_step import OptimizerBoundaryStep
+from zero_core.engine.loss_scaler import LossScaler
+from zero_core.engine.strategy_factory import build_strategy as build_zero_strategy
+from zero_core.engine.strategy_factory import compute_dtype
 from zero_core.zero.stage_1_and_2 import PartitionedOptimizerStrategy
 
 from zero_pipe import _dist
@@ -54,47 +56,27 @@ def check_zero_stage(stage: Any) -> int:
 
 
 def build_strategy(
-    module: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    *,
-    zero_stage: int,
-    dtype: torch.dtype,
-    dp_group: Any,
-    zero_section: Any = None,
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig, dp_group: Any
 ) -> Any:
-    """The zero-core training strategy of this stage over its data-parallel group.
+    """The zero-core training strategy of this stage over its data-parallel group, from zero-core's
+    one factory (See [Note: strategy options]), reducing once per batch (``pipeline=True``).
 
-    Casts the module to ``dtype`` (fp32 master weights stay in the strategy).
+    Casts the module to the compute dtype (fp32 master weights stay in the strategy).
     """
-    opt = (
-        (lambda name, default: getattr(zero_section, name, default) or default)
-        if zero_section
-        else (lambda name, default: default)
-    )
-    if zero_stage == 0:
-        strategy = DataParallelStrategy(
-            module,
-            optimizer,
-            group=dp_group,
-            bucket_numel=int(opt("reduce_bucket_size", 500_000_000)),
-            overlap_comm=False,  # See [Note: pipeline gradient reduction]: reduced once, after the backwards
-            master_weights=dtype != torch.float32,
-        )
-        if dtype != torch.float32:
-            module.to(dtype)
-        return strategy
-    return PartitionedOptimizerStrategy(
-        module,
-        optimizer,
-        stage=1,
-        group=dp_group,
-        dtype=dtype,
-        reduce_bucket_size=int(opt("reduce_bucket_size", 500_000_000)),
-        allgather_bucket_size=int(opt("allgather_bucket_size", 500_000_000)),
-        allgather_partitions=bool(getattr(zero_section, "allgather_partitions", True)),
-        overlap_comm=False,
-        reduce_scatter=bool(getattr(zero_section, "reduce_scatter", True)),
-    )
+    zc = config.zero_optimization
+    check_zero_stage(zc.stage)
+    for name in ("offload_optimizer", "offload_param"):
+        section = getattr(zc, name)
+        if section is not None and section.enabled:
+            raise PipelineConfigError(
+                f"config: zero_optimization.{name}.device={section.device!r} is not supported with pipeline "
+                'parallelism; set it to "none"'
+            )
+    strategy = build_zero_strategy(module, optimizer, config, dp_group, pipeline=True)
+    dtype = compute_dtype(config)
+    if zc.stage == 0 and dtype != torch.float32:
+        module.to(dtype)  # stage 1's strategy casts the module itself
+    return strategy
 
 
 class StageOptimizer:
@@ -113,7 +95,9 @@ class StageOptimizer:
     ) -> None:
         self.strategy = strategy
         # bf16.check_grad_overflow: skip a step whose global gradient norm is inf/nan
-        self.skip_nonfinite = skip_nonfinite
+        self._boundary = OptimizerBoundaryStep(
+            strategy, loss_scaler, device=_backend_device(), skip_nonfinite=skip_nonfinite
+        )
         self.module = module
         self.grid = grid
         self.loss_scaler = loss_scaler
@@ -156,52 +140,24 @@ class StageOptimizer:
         self.strategy.before_backward(True)
         self.strategy.after_backward(True)
 
-    def _global_overflow(self) -> bool:
-        # the flag stays a device tensor where the backend's collectives run (NCCL: the GPU)
-        flag = torch.as_tensor(self.strategy.local_overflow())
-        flag = flag.to(device=_backend_device(), dtype=torch.uint8).reshape(1)
-        _dist.all_reduce(flag, op=_dist.ReduceOp.MAX)  # every rank of every stage decides alike
-        return bool(flag.item())
-
-    def _skip_step(self) -> bool:
-        """Drop this step's gradients without applying them (non-finite gradients); returns False."""
-        self.global_grad_norm = float("inf")
-        self.skipped_steps += 1
-        self.strategy.zero_grad()
-        return False
-
     def step(self) -> bool:
         """Clip and apply the gradients; returns False when an fp16 overflow (or, with bf16's
-        check_grad_overflow, a non-finite gradient norm) skipped the step."""
-        inv_scale = 1.0 / self.loss_scaler.loss_scale
-        if self.loss_scaler.checks_overflow and self._global_overflow():
-            # fp16 skips an overflowing step whatever the scaler (see [Note: loss scaling])
-            self.loss_scaler.update_scale(True)
-            skipped = self._skip_step()
-            if not self.loss_scaler.dynamic and _dist.get_rank() == 0:
-                warn_static_overflow(self.loss_scaler.loss_scale, None, self.skipped_steps)
-            return skipped
-        norm_sq = self.strategy.grad_norm_sq().float().to(_backend_device())
-        group = self.strategy.norm_group()
-        if group is not None:
-            _dist.all_reduce(norm_sq, group=group)
-        norm_sq = norm_sq - self._dup_norm_sq
-        if self.grid.pipe_parallel_size > 1:
-            _dist.all_reduce(norm_sq, group=self.grid.pp_group)
-        norm = norm_sq.clamp(min=0.0).sqrt() * inv_scale
-        if self.skip_nonfinite and not bool(torch.isfinite(norm)):
-            # reduced over the stages and the replicas above: every rank skips alike
-            return self._skip_step()
-        self.global_grad_norm = norm
-        grad_scale: float | torch.Tensor = inv_scale
-        if self.gradient_clipping > 0:  # a device coefficient, no host read
-            grad_scale = clip_coefficient(norm, self.gradient_clipping) * inv_scale
-        self.strategy.step(grad_scale)
-        self.loss_scaler.update_scale(False)
-        self.strategy.zero_grad()
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        return True
+        check_grad_overflow, a non-finite gradient norm) skipped the step.
+
+        zero-core's boundary step (See [Note: optimizer boundary step]) with the pipeline's two
+        terms: the norm is summed over the stages too, less the tied weights counted twice.
+        """
+        outcome = self._boundary(
+            gradient_clipping=self.gradient_clipping,
+            lr_step=None if self.lr_scheduler is None else self.lr_scheduler.step,
+            norm_sq_offset=self._dup_norm_sq,
+            extra_norm_groups=(self.grid.pp_group,) if self.grid.pipe_parallel_size > 1 else (),
+            skipped_before=self.skipped_steps,
+        )
+        self.global_grad_norm = outcome.norm
+        if not outcome.applied:
+            self.skipped_steps += 1
+        return outcome.applied
 
     @torch.no_grad()
     def refresh_masters_from_module(self) -> None:

@@ -14,39 +14,15 @@ import importlib.util
 from collections.abc import Callable
 from typing import Any
 
-FAMILY_DIST = {
-    "zero_core": "zero-core",
-    "zero_offload": "zero-offload",
-    "zero_pipe": "zero-pipe",
-    "zero_moe": "zero-moe",
-    "zero_inference": "zero-inference",
-    "zero_profiler": "zero-profiler",
-    "zero_ops": "zero-ops",
-}
+from zero_core.plugins import MissingPackageError, require
 
-
-class MissingPackageError(ImportError):
-    """The package of the family that owns a requested name is not installed."""
-
-
-def _install_hint(dist: str) -> str:
-    """zero-core's install command for ``dist``. See [Note: install hints] in zero_core.plugins."""
-    if importlib.util.find_spec("zero_core") is None:
-        return f"pip install packages/zero-core packages/{dist} (from a clone of the zero repository)"
-    from zero_core.plugins import install_hint
-
-    return install_hint(dist)
+__all__ = ["MissingPackageError", "import_owner", "lazy_module"]
 
 
 def import_owner(module: str, what: str) -> Any:
-    """Import ``module`` (a family module path) or raise naming the distribution to install."""
-    top = module.split(".", 1)[0]
-    if importlib.util.find_spec(top) is None:
-        dist = FAMILY_DIST.get(top, top)
-        raise MissingPackageError(
-            f"{what} is provided by the '{dist}' package, which is not installed: {_install_hint(dist)}"
-        )
-    return importlib.import_module(module)
+    """Import ``module`` (a family module path) or raise zero-core's ``MissingPackageError``
+    naming the distribution to install (one family map: ``zero_core.plugins.FAMILY``)."""
+    return require(module, what)
 
 
 def lazy_module(

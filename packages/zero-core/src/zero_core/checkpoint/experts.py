@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from zero_core.engine.param_groups import is_expert_param
 from zero_core.plugins import require
+from zero_core.utils.param_groups import is_expert_param
 
 
 def global_expert_names(module: torch.nn.Module) -> dict[str, str]:

@@ -167,6 +167,17 @@ def _restore_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str
             group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
 
 
+def _check_arguments(load_dir: Any, custom_load_fn: Any) -> str:
+    """``load_dir`` as a str, or a clear error for a bad argument."""
+    if not isinstance(load_dir, (str, os.PathLike)):
+        raise TypeError(f"load_checkpoint: load_dir must be a path, got {type(load_dir).__name__}")
+    if custom_load_fn is not None and not callable(custom_load_fn):
+        raise TypeError(
+            "load_checkpoint: custom_load_fn must be callable (called as custom_load_fn(src=..., dst=...))"
+        )
+    return os.fspath(load_dir)
+
+
 def load_checkpoint(
     engine: Any,
     load_dir: str | os.PathLike[str],
@@ -195,13 +206,7 @@ def load_checkpoint(
     A file that fails after bytes were copied leaves the engine refusing to train or save
     until a load succeeds.
     """
-    if not isinstance(load_dir, (str, os.PathLike)):
-        raise TypeError(f"load_checkpoint: load_dir must be a path, got {type(load_dir).__name__}")
-    if custom_load_fn is not None and not callable(custom_load_fn):
-        raise TypeError(
-            "load_checkpoint: custom_load_fn must be callable (called as custom_load_fn(src=..., dst=...))"
-        )
-    load_dir = os.fspath(load_dir)
+    load_dir = _check_arguments(load_dir, custom_load_fn)
     tag = resolve_tag(load_dir, tag)
     if tag is None:
         warnings.warn(

@@ -43,7 +43,6 @@ from zero_core.checkpoint.integrity import CHECKSUM_ALGORITHM, file_crc32c, file
 from zero_core.checkpoint.metadata import sealed_bytes
 from zero_core.checkpoint.replicated import checkpoint_names
 from zero_core.checkpoint.staged import publish_tag
-from zero_core.checkpoint.tag_validation import agree_on_tag
 from zero_core.checkpoint.tensor_file import TensorEntry, write_tensor_file
 
 
@@ -210,8 +209,7 @@ def save_checkpoint(
     on = comm.is_initialized()
     rank = comm.get_rank(group) if on else 0
     world = comm.get_world_size(group) if on else 1
-    mode = str(getattr(getattr(engine.config, "checkpoint", None), "tag_validation", "Warn"))
-    tag = agree_on_tag(tag, mode, group)  # See [Note: checkpoint tag agreement]
+    # The ranks already agreed on ``tag`` (the engine's save agreement: See [Note: checkpoint tag agreement]).
     meta = _engine_meta(engine, tag, world, client_state, exclude_frozen_parameters) if rank == 0 else None
 
     stage_dir = os.path.join(save_dir, staging_dir_name(tag))

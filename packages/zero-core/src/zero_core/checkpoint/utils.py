@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from zero_core.engine.data import map_tensors
+from zero_core.utils.nested import map_tensors
 
 
 def clone_tensors_for_torch_save(item: Any, device: torch.device | str = torch.device("cpu")) -> Any:
@@ -14,7 +14,7 @@ def clone_tensors_for_torch_save(item: Any, device: torch.device | str = torch.d
 
     ``torch.save`` of a view writes the view's whole underlying storage (a slice of a flat
     ZeRO buffer drags the whole buffer along); cloning gives every tensor its own compact
-    storage. Walks dicts, lists and tuples as :func:`~zero_core.engine.data.map_tensors` does
+    storage. Walks dicts, lists and tuples as :func:`~zero_core.utils.nested.map_tensors` does
     (types preserved, namedtuples included) and leaves other values as they are.
     """
     try:

@@ -734,31 +734,11 @@ _PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 _WEIGHT_SUFFIXES = (".safetensors", *_PICKLE_SUFFIXES)
 
 
-def convert_zero_checkpoint_to_fp32_state_dict(
-    checkpoint_dir: str | os.PathLike[str],
-    output_dir: str | os.PathLike[str],
-    max_shard_size: int | str = "5GB",
-    safe_serialization: bool = True,
-    tag: Any = None,
-    exclude_frozen_parameters: bool = False,
-    progress: bool = True,
-) -> list[str]:
-    """Write the consolidated fp32 state dict into ``output_dir`` (sharded past ``max_shard_size``).
-
-    The signature is DeepSpeed's (>= 0.16): ``output_dir`` is a directory (created if missing) that
-    gets Hugging Face's names, ``model.safetensors`` (``pytorch_model.bin`` with
-    ``safe_serialization=False``), or past ``max_shard_size`` ``model-00001-of-0000N.safetensors``
-    ... with ``model.safetensors.index.json``. Unlike DeepSpeed, safetensors is the default.
-
-    The older form ``(checkpoint_dir, output_file, tag)`` keeps working, by this rule: an output
-    path whose name ends in ``.safetensors``, ``.bin``, ``.pt`` or ``.pth`` (and is not an existing
-    directory) is the output *file*; and a third positional argument that is not a size (an int,
-    or a string like ``"5GB"``) is that form's ``tag``.
-
-    Streams tensor by tensor (see [Note: streaming conversion]). Returns the files written.
-    A tied parameter's second name (``lm_head.weight``) is in the output too, so the file loads
-    strictly into the model: see [Note: tied weights in converted files].
-    """
+def _resolve_output(
+    output_dir: Any, max_shard_size: int | str, safe_serialization: bool, tag: Any
+) -> tuple[str, Any, int]:
+    """The output file (a directory gets Hugging Face's name), the tag (DeepSpeed < 0.16's third
+    positional argument) and the shard size limit in bytes; clear errors for a mismatched name."""
     if not isinstance(output_dir, (str, os.PathLike)):
         raise TypeError(f"output_dir must be a path, got {type(output_dir).__name__}")
     output_file = os.fspath(output_dir)
@@ -784,6 +764,35 @@ def convert_zero_checkpoint_to_fp32_state_dict(
             f"output {output_file} names a safetensors file but safe_serialization=False (--bin) writes a "
             "torch pickle: name it .bin, or drop --bin"
         )
+    return output_file, tag, limit
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(
+    checkpoint_dir: str | os.PathLike[str],
+    output_dir: str | os.PathLike[str],
+    max_shard_size: int | str = "5GB",
+    safe_serialization: bool = True,
+    tag: Any = None,
+    exclude_frozen_parameters: bool = False,
+    progress: bool = True,
+) -> list[str]:
+    """Write the consolidated fp32 state dict into ``output_dir`` (sharded past ``max_shard_size``).
+
+    The signature is DeepSpeed's (>= 0.16): ``output_dir`` is a directory (created if missing) that
+    gets Hugging Face's names, ``model.safetensors`` (``pytorch_model.bin`` with
+    ``safe_serialization=False``), or past ``max_shard_size`` ``model-00001-of-0000N.safetensors``
+    ... with ``model.safetensors.index.json``. Unlike DeepSpeed, safetensors is the default.
+
+    The older form ``(checkpoint_dir, output_file, tag)`` keeps working, by this rule: an output
+    path whose name ends in ``.safetensors``, ``.bin``, ``.pt`` or ``.pth`` (and is not an existing
+    directory) is the output *file*; and a third positional argument that is not a size (an int,
+    or a string like ``"5GB"``) is that form's ``tag``.
+
+    Streams tensor by tensor (see [Note: streaming conversion]). Returns the files written.
+    A tied parameter's second name (``lm_head.weight``) is in the output too, so the file loads
+    strictly into the model: see [Note: tied weights in converted files].
+    """
+    output_file, tag, limit = _resolve_output(output_dir, max_shard_size, safe_serialization, tag)
     ckpt = _Checkpoint(checkpoint_dir, tag)
     try:
         entries = [_Out(ckpt, name, kind) for name, kind in _plan(ckpt, exclude_frozen_parameters)]

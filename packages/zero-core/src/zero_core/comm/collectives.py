@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from zero_core.comm._issue import check_tensor, issue, nbytes
+from zero_core.comm.all_to_all import NO_ALL_TO_ALL, all_to_all_p2p, unsupported
 from zero_core.comm.groups import (
     check_group,
     check_member_rank,
@@ -323,7 +324,8 @@ def all_to_all_single(
 ) -> Work | None:
     """Split ``input`` along dim 0, send chunk i to rank i, concatenate what arrives in ``output``.
 
-    Split sizes may be uneven (the MoE dispatch case); None means equal chunks.
+    Split sizes may be uneven (the MoE dispatch case); None means equal chunks. A backend
+    without the op gets a point-to-point exchange: See [Note: all-to-all fallback].
     """
     n = _prepare("all_to_all_single", group)
     _check_output_input(output, input, "all_to_all_single")
@@ -331,17 +333,26 @@ def all_to_all_single(
         raise ValueError("zero_core.comm.all_to_all_single: tensors must have at least one dimension")
     _check_splits(output_split_sizes, output.shape[0], n, "output_split_sizes")
     _check_splits(input_split_sizes, input.shape[0], n, "input_split_sizes")
-    return issue(
-        "all_to_all_single",
-        group,
-        nbytes(input),
-        input.device,
-        lambda a: dist.all_to_all_single(
-            output, input, output_split_sizes, input_split_sizes, group=group, async_op=a
-        ),
-        async_op=async_op,
-        where={"send_splits": _split_bytes(input, input_split_sizes, n)},
-    )
+    backend = str(dist.get_backend(group))
+    if not async_op and backend in NO_ALL_TO_ALL:  # See [Note: all-to-all fallback]
+        return all_to_all_p2p(output, input, output_split_sizes, input_split_sizes, group)
+    try:
+        return issue(
+            "all_to_all_single",
+            group,
+            nbytes(input),
+            input.device,
+            lambda a: dist.all_to_all_single(
+                output, input, output_split_sizes, input_split_sizes, group=group, async_op=a
+            ),
+            async_op=async_op,
+            where={"send_splits": _split_bytes(input, input_split_sizes, n)},
+        )
+    except RuntimeError as exc:
+        if async_op or not unsupported(exc):
+            raise
+        NO_ALL_TO_ALL.add(backend)
+        return all_to_all_p2p(output, input, output_split_sizes, input_split_sizes, group)
 
 
 def _split_bytes(input: torch.Tensor, splits: list[int] | None, n: int) -> list[int]:

@@ -91,10 +91,41 @@ NEWER_KEYS = (
 )
 
 
+#: keys accepted so DeepSpeed configs load unchanged that have no effect here: dotted key -> why.
+#: Set to true, each warns (the one place that says so). See [Note: unimplemented features].
+NO_EFFECT: dict[str, str] = {
+    "zero_optimization.round_robin_gradients": (
+        "every reduce bucket is already split evenly over the ranks, so there is nothing to rotate "
+        "(see [Note: round_robin_gradients] in zero/stage_1_and_2.py)"
+    ),
+    "moe.enable_expert_tensor_parallelism": (
+        "zero has no tensor model parallelism to split experts over; experts stay whole on their "
+        "expert-parallel rank"
+    ),
+}
+
+
+def warn_no_effect(key: str, stacklevel: int = 3) -> None:
+    """Warn that ``key`` (of :data:`NO_EFFECT`) is set and does nothing here."""
+    warnings.warn(
+        f"{key} is set but has no effect in zero: {NO_EFFECT[key]}", UserWarning, stacklevel=stacklevel
+    )
+
+
+def check_no_effect(raw: dict[str, Any]) -> None:
+    """Warn for every key of :data:`NO_EFFECT` that ``raw`` (the user's config) sets to true."""
+    for key in NO_EFFECT:
+        section, _, name = key.partition(".")
+        value = raw.get(section)
+        if isinstance(value, dict) and value.get(name):
+            warn_no_effect(key, stacklevel=4)
+
+
 def check_unimplemented(raw: dict[str, Any], policy: str, problems: list[str]) -> dict[str, Any]:
     """``raw`` without the newer keys; every switched-on unimplemented feature becomes a problem
     (or, with ``policy="warn"`` or for warning-only features, a warning). See [Note: unimplemented
     features]."""
+    check_no_effect(raw)
     for name, (is_on, what, fatal) in UNIMPLEMENTED.items():
         if name not in raw or not is_on(raw[name]):
             continue

@@ -72,7 +72,7 @@ class OffloadOptimizerConfig(_OffloadCommon):
 
 
 class ZeroOptimizationConfig(ConfigModel):
-    """``zero_optimization``: see the ZeRO config reference (seed 000)."""
+    """``zero_optimization``: see DeepSpeed's ZeRO config docs (the ZeRO config reference)."""
 
     config_path: ClassVar[str] = "zero_optimization"
     deprecated_keys: ClassVar[dict[str, str]] = {

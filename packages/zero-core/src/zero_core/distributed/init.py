@@ -139,6 +139,42 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _discovered_world(
+    rank: int, world_size: int, auto_mpi_discovery: bool, distributed_port: int, init_method: str | None
+) -> Any:
+    """This process's place in the world (launcher variables, MPI, Slurm or the arguments),
+    exported to the environment for ``env://``; a clear error when it cannot be found."""
+    try:
+        info = discover_world(
+            rank=rank,
+            world_size=world_size,
+            auto_mpi_discovery=auto_mpi_discovery,
+            distributed_port=distributed_port,
+        )
+        if info.source == MPI:
+            from zero_core.distributed.mpi import agree_over_mpi
+
+            info = agree_over_mpi(info, os.environ)
+    except WorldDiscoveryError as exc:
+        raise DistributedInitError(f"init_distributed: {exc}") from exc
+    if info.source == DEFAULT and info.master_port is None:
+        # One process rendezvouses with itself: any free port will do, and a fixed one would
+        # collide with other single-process jobs on the same machine.
+        info = dataclasses.replace(info, master_port=_free_port())
+    if init_method is None or init_method == "env://":
+        # Export the world so env:// and any later reader (libraries, children) agree on it.
+        os.environ.update(
+            {
+                "RANK": str(info.rank),
+                "WORLD_SIZE": str(info.world_size),
+                "LOCAL_RANK": str(info.local_rank),
+                "MASTER_ADDR": str(info.master_addr),
+                "MASTER_PORT": str(info.master_port),
+            }
+        )
+    return info
+
+
 def init_distributed(
     dist_backend: str | None = None,
     auto_mpi_discovery: bool = True,
@@ -188,34 +224,7 @@ def init_distributed(
             f"init_distributed: backend {backend!r} is not available in this torch build; "
             f"available: {[b for b in ('gloo', 'nccl', 'mpi', 'ucc', 'xccl') if dist.is_backend_available(b)]}"
         )
-    try:
-        info = discover_world(
-            rank=rank,
-            world_size=world_size,
-            auto_mpi_discovery=auto_mpi_discovery,
-            distributed_port=distributed_port,
-        )
-        if info.source == MPI:
-            from zero_core.distributed.mpi import agree_over_mpi
-
-            info = agree_over_mpi(info, os.environ)
-    except WorldDiscoveryError as exc:
-        raise DistributedInitError(f"init_distributed: {exc}") from exc
-    if info.source == DEFAULT and info.master_port is None:
-        # One process rendezvouses with itself: any free port will do, and a fixed one would
-        # collide with other single-process jobs on the same machine.
-        info = dataclasses.replace(info, master_port=_free_port())
-    if init_method is None or init_method == "env://":
-        # Export the world so env:// and any later reader (libraries, children) agree on it.
-        os.environ.update(
-            {
-                "RANK": str(info.rank),
-                "WORLD_SIZE": str(info.world_size),
-                "LOCAL_RANK": str(info.local_rank),
-                "MASTER_ADDR": str(info.master_addr),
-                "MASTER_PORT": str(info.master_port),
-            }
-        )
+    info = _discovered_world(rank, world_size, auto_mpi_discovery, distributed_port, init_method)
     _set_local_device(info)
     if verbose:
         logger.info("init_distributed: backend %s, %s", backend, info.describe())

@@ -17,9 +17,7 @@ from typing import Any
 import torch
 
 from zero_core import comm
-
-# ``communication_data_type`` names -> dtypes (also read by ``initialize`` to build the strategy)
-COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+from zero_core.engine.strategy_factory import COMM_DTYPES
 
 
 class DeepSpeedAccessors:
@@ -43,7 +41,7 @@ class DeepSpeedAccessors:
         return int(self.config.gradient_accumulation_steps)
 
     def gradient_clipping(self) -> float:
-        return float(getattr(self.config, "gradient_clipping", 0.0) or 0.0)
+        return float(self.config.gradient_clipping or 0.0)
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]  # type: ignore[attr-defined]

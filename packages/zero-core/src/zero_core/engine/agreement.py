@@ -37,7 +37,9 @@ import torch.distributed as dist
 
 from zero_core import comm
 from zero_core.checkpoint.format import CheckpointError
+from zero_core.checkpoint.tag_validation import parse_mode
 from zero_core.comm import watchdog as _watchdog
+from zero_core.config import ZeroConfig
 
 
 class RankMismatchError(RuntimeError):
@@ -53,11 +55,8 @@ def _digest(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
 
 
-def _precision(cfg: Any) -> str:
-    for name in ("fp16", "bf16"):
-        if getattr(getattr(cfg, name, None), "enabled", False):
-            return name
-    return "fp32"
+def _precision(cfg: ZeroConfig) -> str:
+    return "fp16" if cfg.fp16.enabled else "bf16" if cfg.bf16.enabled else "fp32"
 
 
 def _param_lines(model: torch.nn.Module) -> list[str]:
@@ -70,16 +69,14 @@ def _param_lines(model: torch.nn.Module) -> list[str]:
     return lines
 
 
-def _config_text(cfg: Any) -> str:
-    data = cfg.model_dump(mode="json") if hasattr(cfg, "model_dump") else cfg
-    return json.dumps(data, sort_keys=True, default=str)
+def _config_text(cfg: ZeroConfig) -> str:
+    return json.dumps(cfg.model_dump(mode="json"), sort_keys=True, default=str)
 
 
-def initialize_fields(cfg: Any, model: torch.nn.Module, *, pipeline: bool) -> list[tuple[str, Any]]:
+def initialize_fields(cfg: ZeroConfig, model: torch.nn.Module, *, pipeline: bool) -> list[tuple[str, Any]]:
     """``[(field, value)]`` every rank must agree on at ``initialize``, most specific first."""
-    zc = getattr(cfg, "zero_optimization", None)
     return [
-        ("zero_optimization.stage", int(getattr(zc, "stage", 0) or 0)),
+        ("zero_optimization.stage", int(cfg.zero_optimization.stage)),
         ("precision", _precision(cfg)),
         ("train_micro_batch_size_per_gpu", cfg.train_micro_batch_size_per_gpu),
         ("gradient_accumulation_steps", cfg.gradient_accumulation_steps),
@@ -156,7 +153,10 @@ class SaveAgreement:
         self.instance = next(SaveAgreement._instances)
 
     def agree(self, tag: str, mode: str, group: Any) -> str:
-        """Wait (bounded) until every rank of ``group`` called ``save_checkpoint``; returns the tag to use."""
+        """Wait (bounded) until every rank of ``group`` called ``save_checkpoint``; returns the tag to use.
+
+        ``mode`` is ``checkpoint.tag_validation``: See [Note: checkpoint tag agreement]."""
+        mode = parse_mode(mode)
         store = _store()
         if store is None or not comm.is_initialized() or comm.get_world_size(group) == 1:
             return tag
@@ -183,9 +183,9 @@ class SaveAgreement:
         if len(set(tags)) == 1:
             return tag
         msg = f"save_checkpoint: ranks passed different tags: {_by_value(tags, ranks)}"
-        if mode.lower() == "fail":
+        if mode == "fail":
             raise TagMismatchError(msg + ' (checkpoint.tag_validation is "Fail")')
-        if mode.lower() == "warn":
+        if mode == "warn":
             warnings.warn(f"{msg}; saving under rank {ranks[0]}'s tag {tags[0]!r}", stacklevel=3)
         return tags[0]
 

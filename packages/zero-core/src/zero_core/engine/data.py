@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
+from zero_core.utils.nested import map_tensors
+
 
 class ZeroDataLoader:
     def __init__(
@@ -54,31 +56,6 @@ class ZeroDataLoader:
         self.sampler.set_epoch(self.epoch)
         self.epoch += 1
         return iter(self.loader)
-
-
-def map_tensors(item: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """``item`` with every tensor nested in its dicts, lists and tuples replaced by ``fn(tensor)``.
-
-    Containers are rebuilt, keeping their type: a tuple keeps its type (namedtuples included),
-    a dict subclass keeps its type when it can be rebuilt from a dict (OrderedDict; a defaultdict
-    becomes a dict), a list becomes a list. Other values are returned as they are.
-    """
-    if torch.is_tensor(item):
-        return fn(item)
-    if isinstance(item, dict):
-        mapped = {k: map_tensors(v, fn) for k, v in item.items()}
-        if type(item) is dict:
-            return mapped
-        try:
-            return type(item)(mapped)
-        except TypeError:
-            return mapped
-    if isinstance(item, list):
-        return [map_tensors(v, fn) for v in item]
-    if isinstance(item, tuple):
-        values = [map_tensors(v, fn) for v in item]
-        return type(item)(*values) if hasattr(item, "_fields") else type(item)(values)
-    return item
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:

@@ -18,8 +18,8 @@ import torch
 
 from zero_core import comm
 from zero_core.engine.grad_buckets import BucketedAllReduce
-from zero_core.engine.grad_norm import any_nonfinite, needs_scaling, sum_of_squares
-from zero_core.engine.param_groups import reduction_groups
+from zero_core.utils.grad_norm import any_nonfinite, needs_scaling, sum_of_squares
+from zero_core.utils.param_groups import reduction_groups
 from zero_core.utils.storage_bytes import StorageLedger
 
 

@@ -17,12 +17,13 @@ from typing import Any
 import torch
 
 from zero_core import comm
+from zero_core.config import ZeroConfig
 from zero_core.engine.accessors import DeepSpeedAccessors
 from zero_core.engine.agreement import SaveAgreement
+from zero_core.engine.boundary_step import OptimizerBoundaryStep
 from zero_core.engine.data import cast_floating
 from zero_core.engine.eval_only import is_eval_only, require_optimizer
-from zero_core.engine.grad_norm import clip_coefficient
-from zero_core.engine.loss_scaler import LossScaler, warn_static_overflow
+from zero_core.engine.loss_scaler import LossScaler
 from zero_core.engine.model_states import ModelStatesMixin
 from zero_core.engine.module_attrs import ForwardToModule
 from zero_core.engine.no_sync import NoSyncMixin
@@ -46,7 +47,7 @@ class ZeroEngine(ForwardToModule, NoSyncMixin, ModelStatesMixin, DeepSpeedAccess
         module: torch.nn.Module,
         strategy: TrainingStrategy,
         *,
-        config: Any,
+        config: ZeroConfig,
         loss_scaler: LossScaler,
         lr_scheduler: Any = None,
         training_dataloader: Any = None,
@@ -85,14 +86,15 @@ class ZeroEngine(ForwardToModule, NoSyncMixin, ModelStatesMixin, DeepSpeedAccess
         # zero-profiler's StepProfiler (the ``flops_profiler`` section), or None
         self.profiler = profiler
         self.timers = Timers()
-        self._wall_clock = bool(getattr(config, "wall_clock_breakdown", False))
+        self._wall_clock = config.wall_clock_breakdown
         # fp16.auto_cast: forward casts floating-point inputs to fp16
-        fp16 = getattr(config, "fp16", None)
-        self._auto_cast_fp16 = bool(fp16 is not None and fp16.enabled and getattr(fp16, "auto_cast", False))
+        self._auto_cast_fp16 = bool(config.fp16.enabled and config.fp16.auto_cast)
         # bf16.check_grad_overflow: a non-finite gradient norm skips the step (see _boundary_step)
-        bf16 = getattr(config, "bf16", None)
-        self._skip_nonfinite_bf16 = bool(
-            bf16 is not None and bf16.enabled and getattr(bf16, "check_grad_overflow", True)
+        self._boundary = OptimizerBoundaryStep(
+            strategy,
+            loss_scaler,
+            device=self.device,
+            skip_nonfinite=bool(config.bf16.enabled and config.bf16.check_grad_overflow),
         )
         self._last_boundary_time = time.perf_counter()
         self._samples_per_sec = 0.0
@@ -273,54 +275,20 @@ class ZeroEngine(ForwardToModule, NoSyncMixin, ModelStatesMixin, DeepSpeedAccess
         if wd is not None:
             wd.note(label)
 
-    def _global_flag(self, flag: torch.Tensor | bool) -> bool:
-        """OR of a per-rank flag over the world: one all-reduce of one device byte, one host read."""
-        t = torch.as_tensor(flag).to(device=self.device, dtype=torch.uint8).reshape(1)
-        if comm.is_initialized() and comm.get_world_size() > 1:
-            comm.all_reduce(t, op=comm.ReduceOp.MAX)
-        return bool(t.item())  # the one host read of an fp16 step: skip or apply
-
-    def _skip_step(self) -> None:
-        """End an optimizer boundary without applying the update (non-finite gradients)."""
-        self._step_applied = False
-        self._global_grad_norm = float("inf")
-        self.skipped_steps += 1
-        self.strategy.zero_grad()
-        self.global_steps += 1
-
     def _boundary_step(self, lr_kwargs: dict[str, Any] | None) -> None:
-        scaler = self.loss_scaler
-        overflow = self._global_flag(self.strategy.local_overflow()) if scaler.checks_overflow else False
-        inv_scale = 1.0 / scaler.loss_scale
-        self._step_applied = not overflow
-        if overflow:
-            scaler.update_scale(True)
-            self._skip_step()
-            if not scaler.dynamic and self.global_rank == 0:
-                warn_static_overflow(scaler.loss_scale, self.global_steps, self.skipped_steps)
-            return
-        # One fused sum on the device, one all-reduce (See [Note: scalars stay on the device in the step])
-        norm_sq = self.strategy.grad_norm_sq().to(self.device)
-        group = self.strategy.norm_group()
-        if group is not None:
-            comm.all_reduce(norm_sq, group=group)
-        norm = norm_sq.clamp(min=0.0).sqrt() * inv_scale
-        if self._skip_nonfinite_bf16 and not bool(torch.isfinite(norm)):
-            # bf16 has fp32's range, so there is no loss scale to lower: as DeepSpeed does with
-            # bf16.check_grad_overflow, drop the step rather than write inf/nan into the masters.
-            # The norm was reduced over every rank holding gradients, so all ranks agree.
-            self._skip_step()
-            return
-        self._global_grad_norm = norm
-        grad_scale: float | torch.Tensor = inv_scale
-        clip = self.gradient_clipping()
-        if clip > 0:
-            grad_scale = clip_coefficient(norm, clip) * inv_scale
-        self.strategy.step(grad_scale)
-        self.loss_scaler.update_scale(False)
-        self.strategy.zero_grad()
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step(**(lr_kwargs or {}))
+        """The optimizer step of an accumulation boundary: See [Note: optimizer boundary step]."""
+        outcome = self._boundary(
+            gradient_clipping=self.gradient_clipping(),
+            lr_step=None
+            if self.lr_scheduler is None
+            else lambda: self.lr_scheduler.step(**(lr_kwargs or {})),
+            step_index=self.global_steps + 1,
+            skipped_before=self.skipped_steps,
+        )
+        self._step_applied = outcome.applied
+        self._global_grad_norm = outcome.norm
+        if not outcome.applied:
+            self.skipped_steps += 1
         self.global_steps += 1
 
     def zero_grad(self) -> None:
@@ -349,7 +317,7 @@ class ZeroEngine(ForwardToModule, NoSyncMixin, ModelStatesMixin, DeepSpeedAccess
         from zero_core.checkpoint.format import validate_tag
 
         effective = validate_tag(f"global_step{self.global_steps}" if tag is None else tag)
-        mode = str(getattr(getattr(self.config, "checkpoint", None), "tag_validation", "Warn"))
+        mode = self.config.checkpoint.tag_validation
         tag = self._save_agreement.agree(effective, mode, self.dp_group)
         # A SIGTERM during the save removes the staging directory (see [Note: cleanup on SIGTERM]).
         key = _remove_on_termination(save_dir, tag) if self.global_rank == 0 else None
@@ -411,7 +379,7 @@ class ZeroEngine(ForwardToModule, NoSyncMixin, ModelStatesMixin, DeepSpeedAccess
             ]
             if self.get_global_grad_norm() is not None:
                 events.append(("Train/Samples/grad_norm", self.get_global_grad_norm(), self.global_samples))
-        every = int(getattr(self.config, "steps_per_print", 10) or 10)
+        every = self.config.steps_per_print or 10  # None: the default interval
         # collective: every rank is at the same step, so every rank takes this branch
         mem_per_rank = self._model_state_mb_per_rank() if step % every == 0 else None
         if self.monitor is not None and getattr(self.monitor, "enabled", False):
@@ -508,8 +476,8 @@ def model_state_bytes(breakdown: dict[str, int]) -> int:
 
 def _expert_groups(module: torch.nn.Module) -> list[tuple[Any, list[torch.nn.Parameter]]]:
     """``[(expert-parallel group, expert params)]`` of ``module`` (empty without experts)."""
-    from zero_core.engine.param_groups import is_expert_param
     from zero_core.plugins import require
+    from zero_core.utils.param_groups import is_expert_param
 
     experts: dict[str, list[torch.nn.Parameter]] = {}
     for p in module.parameters():

@@ -15,29 +15,16 @@ from typing import Any
 import torch
 
 from zero_core import comm
-from zero_core.engine.accessors import COMM_DTYPES
+from zero_core.config import ZeroConfig
 from zero_core.engine.agreement import check_agreement, initialize_fields
 from zero_core.engine.data import ZeroDataLoader
 from zero_core.engine.engine import ZeroEngine
 from zero_core.engine.eval_only import is_eval_only
 from zero_core.engine.loss_scaler import build_loss_scaler
+from zero_core.engine.strategy_factory import build_optimizer, build_strategy, compute_dtype
 from zero_core.plugins import require
 
-
-def _section(cfg: Any, name: str) -> Any:
-    return getattr(cfg, name, None)
-
-
-def _enabled(cfg: Any, name: str) -> bool:
-    return bool(getattr(_section(cfg, name), "enabled", False))
-
-
-def compute_dtype(cfg: Any) -> torch.dtype:
-    if _enabled(cfg, "fp16"):
-        return torch.float16
-    if _enabled(cfg, "bf16"):
-        return torch.bfloat16
-    return torch.float32
+__all__ = ["compute_dtype", "initialize"]
 
 
 def _broadcast_module(module: torch.nn.Module, group: Any) -> None:
@@ -49,7 +36,7 @@ def _broadcast_module(module: torch.nn.Module, group: Any) -> None:
     """
     if comm.get_world_size(group) == 1:
         return
-    from zero_core.engine.param_groups import reduction_groups
+    from zero_core.utils.param_groups import reduction_groups
 
     with torch.no_grad():
         for reduce_group, params in reduction_groups(list(module.parameters()), group):
@@ -63,36 +50,9 @@ def _broadcast_module(module: torch.nn.Module, group: Any) -> None:
             comm.broadcast(b.data, src=src, group=group)
 
 
-def _build_optimizer(optimizer: Any, params: Any, cfg: Any) -> torch.optim.Optimizer:
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return optimizer
-    if optimizer is not None:
-        if not callable(optimizer):
-            raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer or a callable, got {type(optimizer).__name__}"
-            )
-        built = optimizer(params)
-        if not isinstance(built, torch.optim.Optimizer):
-            raise TypeError(
-                f"the optimizer callable returned {type(built).__name__}, not a torch.optim.Optimizer"
-            )
-        return built
-    section = _section(cfg, "optimizer")
-    if section is None or getattr(section, "type", None) is None:
-        from zero_core.engine.eval_only import EvalOnlyOptimizer
-
-        # See [Note: engine without an optimizer]
-        return EvalOnlyOptimizer(params)
-    from zero_core.optim import build_optimizer
-
-    return build_optimizer(params, section.type, dict(getattr(section, "params", None) or {}))
-
-
-def _build_scheduler(lr_scheduler: Any, optimizer: torch.optim.Optimizer, cfg: Any) -> Any:
-    from zero_core.engine.eval_only import is_eval_only
-
+def _build_scheduler(lr_scheduler: Any, optimizer: torch.optim.Optimizer, cfg: ZeroConfig) -> Any:
     if is_eval_only(optimizer):
-        if lr_scheduler is not None or getattr(_section(cfg, "scheduler"), "type", None) is not None:
+        if lr_scheduler is not None or cfg.scheduler is not None:
             raise ValueError(
                 "initialize: an LR scheduler (lr_scheduler= or a 'scheduler' section) needs an optimizer; "
                 "pass optimizer= or add an 'optimizer' section, or drop the scheduler for evaluation"
@@ -114,24 +74,22 @@ def _build_scheduler(lr_scheduler: Any, optimizer: torch.optim.Optimizer, cfg: A
                 f"optimizer, got {type(lr_scheduler).__name__}"
             )
         return lr_scheduler
-    section = _section(cfg, "scheduler")
-    if section is None or getattr(section, "type", None) is None:
+    section = cfg.scheduler
+    if section is None:
         return None
     from zero_core.lr_schedules import build_lr_scheduler
 
-    return build_lr_scheduler(
-        optimizer, {"type": section.type, "params": dict(getattr(section, "params", None) or {})}
-    )
+    return build_lr_scheduler(optimizer, {"type": section.type, "params": dict(section.params)})
 
 
-def _explicit(cfg: Any, name: str) -> bool:
+def _explicit(cfg: ZeroConfig, name: str) -> bool:
     """Whether the user's config gave section ``name`` (not just its defaults)."""
-    return name in getattr(cfg, "model_fields_set", ())
+    return name in cfg.model_fields_set
 
 
-def _apply_comms_timeout(cfg: Any) -> None:
+def _apply_comms_timeout(cfg: ZeroConfig) -> None:
     """``comms_timeout`` bounds every collective (see [Note: collective watchdog])."""
-    seconds = getattr(cfg, "comms_timeout", None)
+    seconds = cfg.comms_timeout
     if seconds is not None:
         comm.watchdog.set_collective_timeout(float(seconds))
     comm.watchdog.get_watchdog()  # started now, so its records exist before the first step
@@ -144,7 +102,7 @@ OWNED_SECTIONS = {
 }
 
 
-def _require_section_owners(cfg: Any) -> None:
+def _require_section_owners(cfg: ZeroConfig) -> None:
     """A section the user gave whose package is missing is an error naming that package.
 
     zero-core validates these sections (a config file stays checkable with zero-core alone),
@@ -155,7 +113,7 @@ def _require_section_owners(cfg: Any) -> None:
             require(module, f"the config's '{name}' section ({what})")
 
 
-def _configure_side_systems(cfg: Any) -> None:
+def _configure_side_systems(cfg: ZeroConfig) -> None:
     """Communication logging and activation checkpointing read their config sections here."""
     if _explicit(cfg, "comms_logger"):
         comm.comms_logger.configure(cfg.comms_logger.model_dump())
@@ -165,10 +123,10 @@ def _configure_side_systems(cfg: Any) -> None:
         checkpointing.configure_from_initialize(cfg)
 
 
-def _build_profiler(model: torch.nn.Module, cfg: Any, engine: ZeroEngine) -> Any:
+def _build_profiler(model: torch.nn.Module, cfg: ZeroConfig, engine: ZeroEngine) -> Any:
     """zero-profiler's per-step profiler when ``flops_profiler.enabled`` (warn if not installed)."""
-    section = _section(cfg, "flops_profiler")
-    if section is None or not getattr(section, "enabled", False):
+    section = cfg.flops_profiler
+    if not getattr(section, "enabled", False):  # a plugin section: its fields are the plugin's
         return None
     from zero_core.plugins import is_available
 
@@ -187,39 +145,12 @@ def _build_profiler(model: torch.nn.Module, cfg: Any, engine: ZeroEngine) -> Any
     return StepProfiler(model, data, engine=engine, rank=comm.get_rank() if comm.is_initialized() else 0)
 
 
-def _optimizer_offload(module: torch.nn.Module, cfg: Any, group: Any, dtype: torch.dtype) -> Any:
-    """zero-offload's ``OptimizerOffload`` when ``offload_optimizer.device`` is cpu/nvme, else None."""
-    zc = cfg.zero_optimization
-    oo = getattr(zc, "offload_optimizer", None)
-    if oo is None or not oo.enabled:
-        return None
-    mod = require("zero_offload", f'zero_optimization.offload_optimizer.device "{oo.device}"')
-    first = next(module.parameters(), None)
-    return mod.build_optimizer_offload(
-        zc,
-        _section(cfg, "aio"),
-        rank=comm.get_rank(group),
-        compute_device=first.device if first is not None else torch.device("cpu"),
-        dtype=dtype,
-    )
-
-
-def _param_offload(cfg: Any, group: Any) -> Any:
-    """zero-offload's ``ParamOffload`` when ``offload_param.device`` is cpu/nvme (stage 3), else None."""
-    zc = cfg.zero_optimization
-    op = getattr(zc, "offload_param", None)
-    if op is None or not op.enabled:
-        return None
-    mod = require("zero_offload", f'zero_optimization.offload_param.device "{op.device}"')
-    return mod.build_param_offload(zc, _section(cfg, "aio"), rank=comm.get_rank(group))
-
-
-def _check_compressed_optimizer(cfg: Any, optimizer: Any, is_pipeline: bool) -> None:
+def _check_compressed_optimizer(cfg: ZeroConfig, optimizer: Any, is_pipeline: bool) -> None:
     """1-bit Adam, 0/1 Adam and 1-bit LAMB run on plain data parallelism only (as in DeepSpeed)."""
     from zero_core.optim.onebit import CompressedOptimizer
 
-    section = _section(cfg, "optimizer")
-    named = str(getattr(section, "type", "") or "").replace("_", "").lower()
+    section = cfg.optimizer
+    named = (section.type if section is not None else "").replace("_", "").lower()
     if isinstance(optimizer, CompressedOptimizer):
         name = type(optimizer).__name__
     elif optimizer is None and named in ("onebitadam", "zerooneadam", "onebitlamb"):
@@ -234,87 +165,6 @@ def _check_compressed_optimizer(cfg: Any, optimizer: Any, is_pipeline: bool) -> 
             f"parallelism only (zero_optimization.stage 0, no pipeline), as in DeepSpeed; it cannot be "
             f"combined with {what}: use stage 0 or another optimizer"
         )
-
-
-def _build_strategy(module: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: Any, group: Any) -> Any:
-    zc = cfg.zero_optimization
-    stage = int(zc.stage)
-    dtype = compute_dtype(cfg)
-    comm_dtype = COMM_DTYPES.get(str(getattr(cfg, "communication_data_type", None) or "").lower())
-    eval_only = is_eval_only(optimizer)  # See [Note: engine without an optimizer]
-    if stage == 0 or (eval_only and stage in (1, 2)):
-        from zero_core.engine.data_parallel import DataParallelStrategy
-        from zero_core.engine.grad_buckets import STAGE0_DEFAULT_BUCKET_NUMEL
-
-        # See [Note: gradient buckets] for why stage 0 has its own default bucket size.
-        explicit_bucket = "reduce_bucket_size" in getattr(zc, "model_fields_set", ())
-        return DataParallelStrategy(
-            module,
-            optimizer,
-            group=group,
-            bucket_numel=int(zc.reduce_bucket_size) if explicit_bucket else STAGE0_DEFAULT_BUCKET_NUMEL,
-            overlap_comm=bool(zc.overlap_comm) if zc.overlap_comm is not None else True,
-            comm_dtype=comm_dtype,
-            predivide_factor=float(getattr(cfg, "gradient_predivide_factor", 1.0) or 1.0),
-            master_weights=dtype != torch.float32 and not eval_only,
-        )
-    if stage in (1, 2):
-        from zero_core.zero.stage_1_and_2 import PartitionedOptimizerStrategy
-
-        return PartitionedOptimizerStrategy(
-            module,
-            optimizer,
-            stage=stage,
-            group=group,
-            dtype=dtype,
-            reduce_bucket_size=int(zc.reduce_bucket_size),
-            allgather_bucket_size=int(zc.allgather_bucket_size),
-            allgather_partitions=bool(zc.allgather_partitions),
-            overlap_comm=bool(zc.overlap_comm),
-            contiguous_gradients=bool(zc.contiguous_gradients),
-            reduce_scatter=bool(zc.reduce_scatter),
-            use_multi_rank_bucket_allreduce=bool(zc.use_multi_rank_bucket_allreduce),
-            round_robin_gradients=bool(zc.round_robin_gradients),
-            ignore_unused_parameters=bool(zc.ignore_unused_parameters),
-            comm_dtype=comm_dtype,
-            optimizer_offload=_optimizer_offload(module, cfg, group, dtype),
-        )
-    if stage == 3:
-        # Partitioning and the 16-bit cast of parameters are the strategy's business here.
-        from zero_core.zero.stage3.shard_groups import build_route
-        from zero_core.zero.stage3.strategy import Stage3Strategy
-
-        # MiCS / hpZ groups, validated against the world before any step: See [Note: MiCS and hpZ shard groups]
-        route = build_route(
-            group,
-            int(zc.mics_shard_size),
-            bool(zc.mics_hierarchical_params_gather),
-            int(zc.zero_hpz_partition_size),
-        )
-        return Stage3Strategy(
-            module,
-            optimizer,
-            group=group,
-            dtype=dtype,
-            prefetch_bucket_size=int(zc.prefetch_bucket_size),
-            param_persistence_threshold=int(zc.param_persistence_threshold),
-            model_persistence_threshold=int(zc.model_persistence_threshold),
-            max_live_parameters=int(zc.max_live_parameters),
-            max_reuse_distance=int(zc.max_reuse_distance),
-            gather_16bit_weights_on_model_save=bool(zc.gather_16bit_weights_on_model_save),
-            reduce_bucket_size=int(zc.reduce_bucket_size),
-            overlap_comm=bool(zc.overlap_comm) if zc.overlap_comm is not None else True,
-            optimizer_offload=None if eval_only else _optimizer_offload(module, cfg, group, dtype),
-            offload_ratio=float(zc.offload_optimizer.ratio) if zc.offload_optimizer is not None else 1.0,
-            param_offload=_param_offload(cfg, group),
-            comm_dtype=comm_dtype,
-            masters=not eval_only,
-            quantized_weights=bool(zc.zero_quantized_weights),
-            quantized_nontrainable_weights=bool(zc.zero_quantized_nontrainable_weights),
-            quantized_gradients=bool(zc.zero_quantized_gradients),
-            route=route,
-        )
-    raise NotImplementedError(f"zero_optimization.stage {stage} is not available in this build")
 
 
 def initialize(
@@ -338,8 +188,7 @@ def initialize(
         raise TypeError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
     if config is not None and config_params is not None:
         raise ValueError("initialize: give the config as config= or config_params=, not both")
-    from zero_core.config import load_config
-    from zero_core.distributed import init_distributed, world_info
+    from zero_core.distributed import init_distributed
 
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     # measured before anything is built: see [Note: autotuning experiments]
@@ -347,30 +196,7 @@ def initialize(
 
     baseline_bytes, model_counts = process_baseline_bytes(model), model_info(model)
     group = mpu.get_data_parallel_group() if mpu is not None else None
-    dp_world = comm.get_world_size(group)
-    from zero_core.engine.model_engines import find_model_engine
-
-    # A PipelineModule (or a subclass) goes to zero-pipe: See [Note: model engine hooks].
-    model_engine = find_model_engine(model)
-    if model_engine is not None and mpu is None:
-        # e.g. a pipeline's data-parallel degree is the world divided by its stages: batch
-        # sizes are per data-parallel replica, not per process.
-        dp_world = model_engine.data_parallel_world_size(model, comm.get_world_size())
-    info = world_info()
-    cfg = load_config(
-        config if config is not None else config_params,
-        args=args,
-        world_size=dp_world,
-        world_size_source=info.source,
-    )
-
-    _require_section_owners(cfg)
-    _apply_comms_timeout(cfg)
-    # The first collective of the engine: every rank reaches it (see [Note: rank agreement]).
-    check_agreement(initialize_fields(cfg, model, pipeline=model_engine is not None), group, "initialize")
-    _configure_side_systems(cfg)
-    _check_compressed_optimizer(cfg, optimizer, model_engine is not None)
-
+    cfg, model_engine, dp_world = _agreed_config(model, optimizer, config, config_params, args, mpu, group)
     if model_engine is not None:
         return model_engine.initialize(
             model=model,
@@ -381,21 +207,6 @@ def initialize(
             config=cfg,
             collate_fn=collate_fn,
         )
-
-    from zero_core.accelerator import get_accelerator
-
-    acc = get_accelerator()
-    device = acc.device(acc.current_device())
-    model.to(device)
-    _broadcast_module(model, group)
-    params = model_parameters if model_parameters is not None else model.parameters()
-    opt = _build_optimizer(optimizer, params, cfg)
-    strategy = _build_strategy(model, opt, cfg, group)
-    dtype = compute_dtype(cfg)
-    if dtype != torch.float32 and (int(cfg.zero_optimization.stage) == 0 or _replicated_eval(opt, cfg)):
-        model.to(dtype)
-    scheduler = _build_scheduler(lr_scheduler, strategy.optimizer, cfg)
-
     loader = None
     if training_data is not None:
         loader = ZeroDataLoader(
@@ -404,30 +215,87 @@ def initialize(
             rank=comm.get_rank(group),
             world_size=dp_world,
             collate_fn=collate_fn,
-            drop_last=bool(getattr(cfg, "dataloader_drop_last", False)),
+            drop_last=cfg.dataloader_drop_last,
         )
-    from zero_core.monitor import MonitorMaster
-
-    monitor = MonitorMaster(cfg)
-    engine = ZeroEngine(
-        model,
-        strategy,
-        config=cfg,
-        loss_scaler=build_loss_scaler(_enabled(cfg, "fp16"), _section(cfg, "fp16")),
-        lr_scheduler=scheduler,
-        training_dataloader=loader,
-        monitor=monitor,
-        device=device,
-        dp_group=group,
-        compute_dtype=dtype,
-    )
-    engine.profiler = _build_profiler(model, cfg, engine)
+    engine, scheduler = _build_engine(model, optimizer, model_parameters, lr_scheduler, loader, cfg, group)
     hook = build_autotuning_hook(cfg, engine, model_counts, baseline_bytes)
     if hook is not None:
         engine._step_hooks.append(hook)
     return engine, engine.optimizer, loader, scheduler
 
 
-def _replicated_eval(optimizer: Any, cfg: Any) -> bool:
+def _agreed_config(
+    model: torch.nn.Module, optimizer: Any, config: Any, config_params: Any, args: Any, mpu: Any, group: Any
+) -> tuple[ZeroConfig, Any, int]:
+    """The parsed config every rank agreed on, the model's engine hook (None: ZeroEngine) and the
+    data-parallel world size the batch sizes are per."""
+    from zero_core.config import load_config
+    from zero_core.distributed import world_info
+    from zero_core.engine.model_engines import find_model_engine
+
+    dp_world = comm.get_world_size(group)
+    # A PipelineModule (or a subclass) goes to zero-pipe: See [Note: model engine hooks].
+    model_engine = find_model_engine(model)
+    if model_engine is not None and mpu is None:
+        # e.g. a pipeline's data-parallel degree is the world divided by its stages: batch
+        # sizes are per data-parallel replica, not per process.
+        dp_world = model_engine.data_parallel_world_size(model, comm.get_world_size())
+    cfg = load_config(
+        config if config is not None else config_params,
+        args=args,
+        world_size=dp_world,
+        world_size_source=world_info().source,
+    )
+    _require_section_owners(cfg)
+    _apply_comms_timeout(cfg)
+    # The first collective of the engine: every rank reaches it (see [Note: rank agreement]).
+    check_agreement(initialize_fields(cfg, model, pipeline=model_engine is not None), group, "initialize")
+    _configure_side_systems(cfg)
+    _check_compressed_optimizer(cfg, optimizer, model_engine is not None)
+    return cfg, model_engine, dp_world
+
+
+def _build_engine(
+    model: torch.nn.Module,
+    optimizer: Any,
+    model_parameters: Any,
+    lr_scheduler: Any,
+    loader: Any,
+    cfg: ZeroConfig,
+    group: Any,
+) -> tuple[ZeroEngine, Any]:
+    """Steps (3)-(6) of the module docstring's order and the monitors: the ``ZeroEngine`` and its
+    LR scheduler."""
+    from zero_core.accelerator import get_accelerator
+    from zero_core.monitor import MonitorMaster
+
+    acc = get_accelerator()
+    device = acc.device(acc.current_device())
+    model.to(device)
+    _broadcast_module(model, group)
+    params = model_parameters if model_parameters is not None else model.parameters()
+    opt = build_optimizer(optimizer, params, cfg)
+    strategy = build_strategy(model, opt, cfg, group)
+    dtype = compute_dtype(cfg)
+    if dtype != torch.float32 and (int(cfg.zero_optimization.stage) == 0 or _replicated_eval(opt, cfg)):
+        model.to(dtype)
+    scheduler = _build_scheduler(lr_scheduler, strategy.optimizer, cfg)
+    engine = ZeroEngine(
+        model,
+        strategy,
+        config=cfg,
+        loss_scaler=build_loss_scaler(cfg.fp16.enabled, cfg.fp16),
+        lr_scheduler=scheduler,
+        training_dataloader=loader,
+        monitor=MonitorMaster(cfg),
+        device=device,
+        dp_group=group,
+        compute_dtype=dtype,
+    )
+    engine.profiler = _build_profiler(model, cfg, engine)
+    return engine, scheduler
+
+
+def _replicated_eval(optimizer: Any, cfg: ZeroConfig) -> bool:
     """An optimizer-less engine at stage 1 or 2 is plain data parallel (See [Note: engine without an optimizer])."""
     return is_eval_only(optimizer) and int(cfg.zero_optimization.stage) in (1, 2)

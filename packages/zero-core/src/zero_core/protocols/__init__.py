@@ -5,6 +5,7 @@ from zero_core.protocols.comm import CommBackend
 from zero_core.protocols.monitor import Monitor
 from zero_core.protocols.offload import OffloadBackend
 from zero_core.protocols.optimizer_kernel import FlatOptimizerKernel
+from zero_core.protocols.optimizer_offload import OptimizerOffload
 
 __all__ = [
     "Accelerator",
@@ -13,5 +14,6 @@ __all__ = [
     "FlatOptimizerKernel",
     "Monitor",
     "OffloadBackend",
+    "OptimizerOffload",
     "Stream",
 ]

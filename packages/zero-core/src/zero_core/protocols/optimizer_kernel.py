@@ -2,8 +2,8 @@
 
 ZeRO keeps each rank's optimizer partition as one flat fp32 buffer of parameters, one of
 gradients and one per optimizer state, so the update is a single kernel call over contiguous
-memory (the CPUAdam / fused-Adam shape). ``zero_core.optim_kernels.TorchAdamKernel`` is the
-pure-torch reference; zero-ops provides the native kernels against the same signature.
+memory (the CPUAdam / fused-Adam shape). zero-ops provides the native kernels against this
+signature, and zero-offload's optimizer step drives them.
 
 ``step`` updates ``params`` and every tensor in ``states`` in place. ``step`` (the
 optimizer step count, starting at 1) drives bias correction; ``lr`` and any ``hparams``

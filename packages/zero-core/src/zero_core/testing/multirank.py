@@ -67,6 +67,45 @@ def _validate(fn: Any, world_size: Any, args: Any, kwargs: Any, timeout: Any, ba
             raise TypeError("run_multirank: env must be a mapping of str to str (environment variables)")
 
 
+def _join_group(
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout: float,
+    listen_fd: int,
+    port: int,
+    env: Mapping[str, str],
+) -> Any:
+    """Set this rank's environment and join the process group; returns ``torch.distributed``."""
+    os.environ.update(
+        {
+            "OMP_NUM_THREADS": "1",
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": _HOST,
+            "MASTER_PORT": str(port),
+        }
+    )
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    pg_timeout = datetime.timedelta(seconds=timeout)
+    if rank == 0:
+        # See [Note: forked ranks]: the listening socket was bound by the parent.
+        store = dist.TCPStore(
+            _HOST, port, world_size, True, pg_timeout, wait_for_workers=False, master_listen_fd=listen_fd
+        )
+    else:
+        os.close(listen_fd)
+        store = dist.TCPStore(_HOST, port, world_size, False, pg_timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout)
+    return dist
+
+
 def _child_main(
     fn: Callable[..., Any],
     args: Sequence[Any],
@@ -93,32 +132,7 @@ def _child_main(
     status = 0
     phase = "init"
     try:
-        os.environ.update(
-            {
-                "OMP_NUM_THREADS": "1",
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": str(world_size),
-                "LOCAL_WORLD_SIZE": str(world_size),
-                "MASTER_ADDR": _HOST,
-                "MASTER_PORT": str(port),
-            }
-        )
-        os.environ.update(env)
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        pg_timeout = datetime.timedelta(seconds=timeout)
-        if rank == 0:
-            # See [Note: forked ranks]: the listening socket was bound by the parent.
-            store = dist.TCPStore(
-                _HOST, port, world_size, True, pg_timeout, wait_for_workers=False, master_listen_fd=listen_fd
-            )
-        else:
-            os.close(listen_fd)
-            store = dist.TCPStore(_HOST, port, world_size, False, pg_timeout)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout)
+        dist = _join_group(rank, world_size, backend, timeout, listen_fd, port, env)
         phase = "fn"
         result = fn(*args, **kwargs)
         try:
@@ -254,21 +268,28 @@ def run_multirank(
         return _collect(procs, conns, stack_files, world_size, float(timeout))
     finally:
         listener.close()
-        for p in procs.values():
-            if p.is_alive():
-                p.kill()
-                p.join(5.0)
-        for c in conns.values():
-            c.close()
-        for f in stack_files:
-            try:
-                os.unlink(f)
-            except OSError:
-                pass
+        _clean_up(procs, conns, stack_files, tmpdir)
+
+
+def _clean_up(
+    procs: dict[int, Any], conns: dict[int, mp_connection.Connection], stack_files: list[str], tmpdir: str
+) -> None:
+    """Kill the ranks still alive, close the pipes, remove the stack files and their directory."""
+    for p in procs.values():
+        if p.is_alive():
+            p.kill()
+            p.join(5.0)
+    for c in conns.values():
+        c.close()
+    for f in stack_files:
         try:
-            os.rmdir(tmpdir)
+            os.unlink(f)
         except OSError:
             pass
+    try:
+        os.rmdir(tmpdir)
+    except OSError:
+        pass
 
 
 def _collect(
@@ -331,6 +352,23 @@ def _collect(
     in_fn = sorted(r for r in range(world_size) if r not in results and r not in errors)
     in_teardown = sorted(r for r in results if r not in closed and r not in errors and procs[r].exitcode != 0)
     stacks = _kill(procs, in_fn + in_teardown, stack_files)
+    _raise_failures(errors, causes, results, closed, in_fn, in_teardown, stacks, world_size, timeout)
+    return [results[r] for r in range(world_size)]
+
+
+def _raise_failures(
+    errors: dict[int, tuple[str, float, str]],
+    causes: dict[int, BaseException],
+    results: dict[int, Any],
+    closed: set[int],
+    in_fn: list[int],
+    in_teardown: list[int],
+    stacks: dict[int, str],
+    world_size: int,
+    timeout: float,
+) -> None:
+    """Raise the error that describes what went wrong (failures first, then a timeout, then a
+    failed teardown); return when every rank returned and tore down cleanly."""
     fn_failures = sorted((e[1], r) for r, e in errors.items() if e[0] != "teardown")
     teardown_failures = sorted((e[1], r) for r, e in errors.items() if e[0] == "teardown")
 
@@ -363,7 +401,6 @@ def _collect(
         parts += [f"\n===== rank {r} =====\n{errors[r][2].rstrip()}" for _, r in teardown_failures]
         parts += [f"\n===== rank {r} (stuck) =====\n{stacks.get(r) or ''}" for r in in_teardown]
         raise RankFailedError("\n".join(parts), ranks)
-    return [results[r] for r in range(world_size)]
 
 
 def _describe_exit(code: int | None) -> str:

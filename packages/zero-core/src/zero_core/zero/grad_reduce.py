@@ -25,7 +25,7 @@ Where gradients live:
 Each group carries the process group it is reduced and partitioned over (its layout is cut
 for that group's size): the data-parallel group for dense parameters, the expert-data-parallel
 group for Mixture-of-Experts expert parameters (see [Note: expert parameters] in
-``engine/param_groups.py``). Every gradient is divided by the *data-parallel* world size
+``utils/param_groups.py``). Every gradient is divided by the *data-parallel* world size
 whichever group reduces it, because the loss is the mean over all data-parallel ranks.
 
 Ordering and overlap follow [Note: gradient buckets] in ``engine/grad_buckets.py``: chunks
@@ -122,34 +122,7 @@ class PartitionedGradReducer:
             ]
             for gg in self.groups
         ]
-        # Global launch order of the chunks: by the earliest backward position of their params.
-        order = backward_order or {}
-        keyed = []
-        for g, gg in enumerate(self.groups):
-            for chunk in gg.layout.chunks:
-                key = min((order.get(id(gg.params[s.param_index]), 0) for s in chunk.slices), default=0)
-                keyed.append((key, g, chunk.index))
-        keyed.sort()
-        self.order: list[tuple[int, int]] = [(g, c) for _, g, c in keyed]
-        self._slot = {gc: i for i, gc in enumerate(self.order)}
-        # param id -> (group, param index, [slots of the chunks holding it])
-        self._where: dict[int, tuple[int, int, list[int]]] = {}
-        for g, gg in enumerate(self.groups):
-            for i, p in enumerate(gg.params):
-                slots = [self._slot[(g, c.index)] for c, _ in gg.layout.chunks_of_param(i)]
-                self._where[id(p)] = (g, i, slots)
-        self._needed = [len(self.groups[g].layout.chunks[c].slices) for g, c in self.order]
-        # param id -> [(slot, chunk_lo, param_lo, numel)]: where the hook copies a gradient into
-        # buckets, computed once (the hook runs for every parameter on every micro-step)
-        self._copies: dict[int, list[tuple[int, int, int, int]]] = {}
-        for g, gg in enumerate(self.groups):
-            for i, p in enumerate(gg.params):
-                self._copies[id(p)] = [
-                    (self._slot[(g, c.index)], s.chunk_lo, s.param_lo, s.numel)
-                    for c, _ in gg.layout.chunks_of_param(i)
-                    for s in c.slices
-                    if s.param_index == i
-                ]
+        self._plan_launch_order(backward_order or {})
         # Spent bucket buffers kept for the next chunks (see _bucket): at most _MAX_IN_FLIGHT + 1
         # are alive at once, so reusing them saves an allocation (and its page faults) per chunk.
         # finish() keeps one for the next backward, as DDP keeps its buckets and DeepSpeed its
@@ -180,6 +153,35 @@ class PartitionedGradReducer:
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad) for gg in self.groups for p in gg.params
         ]
+
+    def _plan_launch_order(self, order: dict[int, int]) -> None:
+        """Global launch order of the chunks: by the earliest backward position of their params."""
+        keyed = []
+        for g, gg in enumerate(self.groups):
+            for chunk in gg.layout.chunks:
+                key = min((order.get(id(gg.params[s.param_index]), 0) for s in chunk.slices), default=0)
+                keyed.append((key, g, chunk.index))
+        keyed.sort()
+        self.order: list[tuple[int, int]] = [(g, c) for _, g, c in keyed]
+        self._slot = {gc: i for i, gc in enumerate(self.order)}
+        # param id -> (group, param index, [slots of the chunks holding it])
+        self._where: dict[int, tuple[int, int, list[int]]] = {}
+        for g, gg in enumerate(self.groups):
+            for i, p in enumerate(gg.params):
+                slots = [self._slot[(g, c.index)] for c, _ in gg.layout.chunks_of_param(i)]
+                self._where[id(p)] = (g, i, slots)
+        self._needed = [len(self.groups[g].layout.chunks[c].slices) for g, c in self.order]
+        # param id -> [(slot, chunk_lo, param_lo, numel)]: where the hook copies a gradient into
+        # buckets, computed once (the hook runs for every parameter on every micro-step)
+        self._copies: dict[int, list[tuple[int, int, int, int]]] = {}
+        for g, gg in enumerate(self.groups):
+            for i, p in enumerate(gg.params):
+                self._copies[id(p)] = [
+                    (self._slot[(g, c.index)], s.chunk_lo, s.param_lo, s.numel)
+                    for c, _ in gg.layout.chunks_of_param(i)
+                    for s in c.slices
+                    if s.param_index == i
+                ]
 
     # -- storage ----------------------------------------------------------------------------
     def _grad_view(self, g: int, i: int) -> torch.Tensor:

@@ -35,31 +35,28 @@ each bucket's gradients to the partitions over the ranks so that no rank copies 
 its share. Our reduce buckets are the chunks of [Note: padding]: every chunk is cut in N
 equal pieces and each rank receives and copies exactly its piece of every bucket, so the
 work is already split evenly and there is nothing left to rotate. The option is therefore a
-no-op by design; it is accepted (``True`` logs one info message per process) so DeepSpeed
-configs run unchanged.
+no-op by design; it is accepted so DeepSpeed configs run unchanged, and ``True`` warns
+(``config/unimplemented.py``'s ``NO_EFFECT``).
 
 ``build_flat_masters`` and ``gather_shards`` are the reusable pieces (stage 3 can use them).
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from zero_core import comm
-from zero_core.engine.grad_norm import any_nonfinite, needs_scaling, sum_of_squares
-from zero_core.engine.param_groups import reduction_groups
+from zero_core.protocols.optimizer_offload import OptimizerOffload
+from zero_core.utils.grad_norm import any_nonfinite, needs_scaling, sum_of_squares
+from zero_core.utils.param_groups import reduction_groups
 from zero_core.utils.storage_bytes import StorageLedger, state_tensors
 from zero_core.zero.flat_partition import FlatPartition
 from zero_core.zero.grad_reduce import GroupGrads, PartitionedGradReducer
 from zero_core.zero.stage_1_and_2_access import PartitionedGradWrite, PartitionedStateAccess
 from zero_core.zero.stage_1_and_2_checkpoint import PartitionedCheckpointing
-
-logger = logging.getLogger(__name__)
-_round_robin_logged = False
 
 
 def _snapshot(obj: Any) -> Any:
@@ -156,6 +153,78 @@ def gather_shards(
         w.wait()
 
 
+def _check_arguments(
+    stage: int,
+    optimizer: Any,
+    dtype: torch.dtype,
+    reduce_bucket_size: int,
+    allgather_bucket_size: int,
+    round_robin_gradients: Any,
+) -> None:
+    """Clear errors for the strategy's arguments, before anything is built."""
+    if stage not in (1, 2):
+        raise ValueError(
+            f"PartitionedOptimizerStrategy implements zero_optimization.stage 1 and 2, got {stage!r}"
+        )
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"ZeRO stage {stage}: optimizer must be a torch.optim.Optimizer, got {type(optimizer)}"
+        )
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"ZeRO stage {stage}: training dtype must be fp32, fp16 or bf16, got {dtype}")
+    _positive_int(reduce_bucket_size, "reduce_bucket_size")
+    _positive_int(allgather_bucket_size, "allgather_bucket_size")
+    if len(optimizer.state) > 0:
+        raise ValueError(
+            f"ZeRO stage {stage}: the optimizer already has state (it has stepped); pass a fresh optimizer, "
+            "its states are created on this rank's partition only"
+        )
+    if not isinstance(round_robin_gradients, bool):
+        raise TypeError(
+            f"zero_optimization.round_robin_gradients must be true or false, got {round_robin_gradients!r}"
+        )
+
+
+def _partition_groups(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer, stage: int, group: Any, reduce_bucket_size: int
+) -> tuple[list[GroupGrads], dict[int, int]]:
+    """One :class:`GroupGrads` per (optimizer param group, reduction group), its parameters in
+    backward order, and that order (parameter id -> position)."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    registration = [p for p in module.parameters()]
+    backward_order = {id(p): k for k, p in enumerate(reversed(registration))}
+    in_groups: set[int] = set()
+    groups: list[GroupGrads] = []
+    for gi, pg in enumerate(optimizer.param_groups):
+        params = []
+        for p in pg["params"]:
+            if id(p) not in names:
+                raise ValueError(
+                    f"ZeRO stage {stage}: optimizer param_groups[{gi}] holds a tensor of shape {tuple(p.shape)} "
+                    "that is not a parameter of the model"
+                )
+            in_groups.add(id(p))
+            if p.requires_grad:
+                params.append(p)
+        params.sort(key=lambda p: backward_order[id(p)])  # flat order = backward order
+        # dense and expert parameters are partitioned over different process groups
+        # (see [Note: expert parameters] in utils/param_groups.py)
+        split = reduction_groups(params, group) or [(group, [])]
+        for comm_group, ps in split:
+            layout = FlatPartition(
+                [p.numel() for p in ps], comm.get_world_size(comm_group), reduce_bucket_size
+            )
+            groups.append(GroupGrads(ps, [names[id(p)] for p in ps], layout, comm_group, gi))
+    orphans = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in in_groups]
+    if orphans:
+        raise ValueError(
+            f"ZeRO stage {stage} partitions the optimizer's parameters, but these trainable parameters are in "
+            f"no optimizer param group: {', '.join(orphans)}. Add them to the optimizer or freeze them "
+            "(requires_grad=False) before zero.initialize."
+        )
+    return groups, backward_order
+
+
 class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedGradWrite, PartitionedCheckpointing):
     """The :class:`~zero_core.engine.strategy.TrainingStrategy` of ZeRO stages 1 and 2.
 
@@ -180,25 +249,11 @@ class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedGradWrite,
         round_robin_gradients: bool = False,
         ignore_unused_parameters: bool = True,
         comm_dtype: torch.dtype | None = None,
-        optimizer_offload: Any = None,
+        optimizer_offload: OptimizerOffload | None = None,
     ) -> None:
-        if stage not in (1, 2):
-            raise ValueError(
-                f"PartitionedOptimizerStrategy implements zero_optimization.stage 1 and 2, got {stage!r}"
-            )
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"ZeRO stage {stage}: optimizer must be a torch.optim.Optimizer, got {type(optimizer)}"
-            )
-        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"ZeRO stage {stage}: training dtype must be fp32, fp16 or bf16, got {dtype}")
-        _positive_int(reduce_bucket_size, "reduce_bucket_size")
-        _positive_int(allgather_bucket_size, "allgather_bucket_size")
-        if len(optimizer.state) > 0:
-            raise ValueError(
-                f"ZeRO stage {stage}: the optimizer already has state (it has stepped); pass a fresh optimizer, "
-                "its states are created on this rank's partition only"
-            )
+        _check_arguments(
+            stage, optimizer, dtype, reduce_bucket_size, allgather_bucket_size, round_robin_gradients
+        )
         self.stage = stage
         self.module = module
         self.optimizer = optimizer
@@ -208,63 +263,36 @@ class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedGradWrite,
         self.rank = comm.get_rank(group)
         self.allgather_bucket_size = allgather_bucket_size
         self.allgather_partitions = allgather_partitions
-        if not isinstance(round_robin_gradients, bool):
-            raise TypeError(
-                f"zero_optimization.round_robin_gradients must be true or false, got {round_robin_gradients!r}"
-            )
         self.round_robin_gradients = round_robin_gradients  # a no-op: see [Note: round_robin_gradients]
-        global _round_robin_logged
-        if round_robin_gradients and not _round_robin_logged:
-            _round_robin_logged = True
-            logger.info(
-                "zero_optimization.round_robin_gradients: accepted; it has no effect here because every reduce "
-                "bucket is already split evenly over the ranks (see [Note: round_robin_gradients])"
-            )
         self._loss_scaler: Any = None  # see bind_loss_scaler
-
-        names = {id(p): n for n, p in module.named_parameters()}
-        registration = [p for p in module.parameters()]
-        backward_order = {id(p): k for k, p in enumerate(reversed(registration))}
-        in_groups: set[int] = set()
-        groups: list[GroupGrads] = []
-        for gi, pg in enumerate(optimizer.param_groups):
-            params = []
-            for p in pg["params"]:
-                if id(p) not in names:
-                    raise ValueError(
-                        f"ZeRO stage {stage}: optimizer param_groups[{gi}] holds a tensor of shape {tuple(p.shape)} "
-                        "that is not a parameter of the model"
-                    )
-                in_groups.add(id(p))
-                if p.requires_grad:
-                    params.append(p)
-            params.sort(key=lambda p: backward_order[id(p)])  # flat order = backward order
-            # dense and expert parameters are partitioned over different process groups
-            # (see [Note: expert parameters] in engine/param_groups.py)
-            split = reduction_groups(params, group) or [(group, [])]
-            for comm_group, ps in split:
-                layout = FlatPartition(
-                    [p.numel() for p in ps], comm.get_world_size(comm_group), reduce_bucket_size
-                )
-                groups.append(GroupGrads(ps, [names[id(p)] for p in ps], layout, comm_group, gi))
-        orphans = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in in_groups]
-        if orphans:
-            raise ValueError(
-                f"ZeRO stage {stage} partitions the optimizer's parameters, but these trainable parameters are in "
-                f"no optimizer param group: {', '.join(orphans)}. Add them to the optimizer or freeze them "
-                "(requires_grad=False) before zero.initialize."
-            )
+        groups, backward_order = _partition_groups(module, optimizer, stage, group, reduce_bucket_size)
         self.groups = groups
         self._ranks = [comm.get_rank(gg.group) for gg in groups]  # this rank within each group's group
+        self.offload = optimizer_offload  # See [Note: optimizer offload hook] in zero_offload
+        self._build_flat_buffers()
+        self.reducer = PartitionedGradReducer(
+            groups,
+            group=group,
+            partition_grads=stage == 2,
+            overlap_comm=overlap_comm,
+            contiguous_gradients=contiguous_gradients,
+            reduce_scatter=reduce_scatter,
+            use_multi_rank_bucket_allreduce=use_multi_rank_bucket_allreduce,
+            ignore_unused_parameters=ignore_unused_parameters,
+            comm_dtype=comm_dtype,
+            backward_order=backward_order,
+        )
 
-        # fp32 masters from the still-fp32 parameters, then the flat low-precision parameter buffers.
+    def _build_flat_buffers(self) -> None:
+        """fp32 masters from the still-fp32 parameters, then the flat low-precision parameter buffers
+        the parameters become views of (See [Note: fp32 master aliasing])."""
         self.masters: list[torch.nn.Parameter] = []
         self.flat_params: list[torch.Tensor] = []
         # See [Note: fp32 master aliasing].
         # With optimizer offload the masters live in host memory: never aliased.
-        self.offload = optimizer_offload  # See [Note: optimizer offload hook] in zero_offload
+        groups, dtype = self.groups, self.dtype
         self.master_aliases_params = (
-            optimizer_offload is None
+            self.offload is None
             and dtype == torch.float32
             and all(len(gg.layout.chunks) <= 1 for gg in groups)
         )
@@ -289,22 +317,9 @@ class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedGradWrite,
                 self.masters = [self.offload.adopt([m])[0] for m in self.masters]
             self._bind_optimizer_groups()
             if self.offload is not None:
-                self.offload.finalize(optimizer)
+                self.offload.finalize(self.optimizer)
             if dtype != torch.float32:
-                module.to(dtype)  # frozen parameters and floating buffers; flat views are already cast
-
-        self.reducer = PartitionedGradReducer(
-            groups,
-            group=group,
-            partition_grads=stage == 2,
-            overlap_comm=overlap_comm,
-            contiguous_gradients=contiguous_gradients,
-            reduce_scatter=reduce_scatter,
-            use_multi_rank_bucket_allreduce=use_multi_rank_bucket_allreduce,
-            ignore_unused_parameters=ignore_unused_parameters,
-            comm_dtype=comm_dtype,
-            backward_order=backward_order,
-        )
+                self.module.to(dtype)  # frozen parameters and floating buffers; flat views are already cast
 
     def _bind_optimizer_groups(self) -> None:
         """Point every optimizer param group at the flat master shards of its partitions."""

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from zero_core.optim.onebit.base import FreezeStepOptimizer, check_int
+from zero_core.optim.onebit.base import FreezeStepOptimizer, check_int, init_adam_style
 
 
 def adam_moments(state: dict[str, Any], p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,22 +78,7 @@ class OnebitAdam(FreezeStepOptimizer):
         comm_backend_name: str = "nccl",
     ) -> None:
         self.freeze_step = check_int("freeze_step", "OnebitAdam", freeze_step, 1)
-        defaults = dict(
-            lr=lr,
-            bias_correction=bool(bias_correction),
-            betas=betas,
-            eps=eps,
-            eps_inside_sqrt=bool(eps_inside_sqrt),
-            weight_decay=weight_decay,
-        )
-        super().__init__(
-            params,
-            defaults,
-            cuda_aware=cuda_aware,
-            comm_backend_name=comm_backend_name,
-            amsgrad=amsgrad,
-            max_grad_norm=max_grad_norm,
-        )
+        init_adam_style(self, params, locals())
 
     def _warmup_step(self, group: dict[str, Any], step: int) -> None:
         beta1, beta2 = group["betas"]

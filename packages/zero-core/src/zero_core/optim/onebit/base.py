@@ -100,7 +100,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 f"{owner}: cuda_aware=True has no effect: the exchange runs on torch.distributed, whose "
                 "backend moves accelerator tensors itself (DeepSpeed's flag selects a CUDA-aware MPI path)",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=4,  # the user's call, through init_adam_style
             )
         self.comm_backend_name = comm_backend_name.lower()
         self.cuda_aware = cuda_aware
@@ -228,6 +228,36 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     def _has_rank_state(self) -> bool:
         return self.phase("compression_step") > 0
+
+
+def init_adam_style(
+    opt: CompressedOptimizer, params: Iterable[Any], args: dict[str, Any], **extra: Any
+) -> None:
+    """Run :class:`CompressedOptimizer`'s constructor from an Adam-style constructor's arguments.
+
+    The three optimizers share DeepSpeed's Adam-style signature (``lr``, ``bias_correction``,
+    ``betas``, ``eps``, ``eps_inside_sqrt``, ``weight_decay``, ``max_grad_norm``, ``amsgrad``,
+    ``cuda_aware``, ``comm_backend_name``); ``args`` is the calling constructor's ``locals()``
+    and ``extra`` the param-group defaults only that optimizer has (1-bit LAMB's coefficients).
+    """
+    defaults = dict(
+        lr=args["lr"],
+        bias_correction=bool(args["bias_correction"]),
+        betas=args["betas"],
+        eps=args["eps"],
+        eps_inside_sqrt=bool(args["eps_inside_sqrt"]),
+        weight_decay=args["weight_decay"],
+        **extra,
+    )
+    CompressedOptimizer.__init__(
+        opt,
+        params,
+        defaults,
+        cuda_aware=args["cuda_aware"],
+        comm_backend_name=args["comm_backend_name"],
+        amsgrad=args["amsgrad"],
+        max_grad_norm=args["max_grad_norm"],
+    )
 
 
 class FreezeStepOptimizer(CompressedOptimizer):

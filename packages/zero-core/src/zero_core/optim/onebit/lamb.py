@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from zero_core.optim.onebit.base import FreezeStepOptimizer, check_int, check_number
+from zero_core.optim.onebit.base import FreezeStepOptimizer, check_int, check_number, init_adam_style
 
 
 def _lamb_update(
@@ -92,24 +92,7 @@ class OnebitLamb(FreezeStepOptimizer):
         check_number("min_coeff", owner, min_coeff, 0.0)
         if min_coeff > max_coeff:
             raise ValueError(f"{owner}: min_coeff {min_coeff} > max_coeff {max_coeff}")
-        defaults = dict(
-            lr=lr,
-            bias_correction=bool(bias_correction),
-            betas=betas,
-            eps=eps,
-            eps_inside_sqrt=bool(eps_inside_sqrt),
-            weight_decay=weight_decay,
-            max_coeff=float(max_coeff),
-            min_coeff=float(min_coeff),
-        )
-        super().__init__(
-            params,
-            defaults,
-            cuda_aware=cuda_aware,
-            comm_backend_name=comm_backend_name,
-            amsgrad=amsgrad,
-            max_grad_norm=max_grad_norm,
-        )
+        init_adam_style(self, params, locals(), max_coeff=float(max_coeff), min_coeff=float(min_coeff))
 
     def _state(self, p: torch.Tensor) -> dict[str, Any]:
         state = self.state[p]

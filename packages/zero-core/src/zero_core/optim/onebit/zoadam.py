@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from zero_core.optim.onebit.adam import adam_apply, adam_denominator, adam_moments
-from zero_core.optim.onebit.base import CompressedOptimizer, check_int
+from zero_core.optim.onebit.base import CompressedOptimizer, check_int, init_adam_style
 
 _PHASE = {
     "compression_step": 0,
@@ -79,22 +79,7 @@ class ZeroOneAdam(CompressedOptimizer):
         self.var_update_scaler = check_int("var_update_scaler", "ZeroOneAdam", var_update_scaler, 1)
         self.local_step_scaler = check_int("local_step_scaler", "ZeroOneAdam", local_step_scaler, 1)
         self.local_step_clipper = check_int("local_step_clipper", "ZeroOneAdam", local_step_clipper, 1)
-        defaults = dict(
-            lr=lr,
-            bias_correction=bool(bias_correction),
-            betas=betas,
-            eps=eps,
-            eps_inside_sqrt=bool(eps_inside_sqrt),
-            weight_decay=weight_decay,
-        )
-        super().__init__(
-            params,
-            defaults,
-            cuda_aware=cuda_aware,
-            comm_backend_name=comm_backend_name,
-            amsgrad=amsgrad,
-            max_grad_norm=max_grad_norm,
-        )
+        init_adam_style(self, params, locals())
 
     # -- policy --------------------------------------------------------------------------
     def local_phase(self) -> bool:

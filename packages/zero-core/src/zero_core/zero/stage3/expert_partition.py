@@ -2,7 +2,7 @@
 
 [Note: stage 3 expert parameters]
 Expert parameters of Mixture-of-Experts layers (zero-moe tags them ``param.allreduce = False``
-and ``param.group_name``; see [Note: expert parameters] in ``engine/param_groups.py``) are
+and ``param.group_name``; see [Note: expert parameters] in ``utils/param_groups.py``) are
 partitioned over their **expert-data-parallel group**, not over the data-parallel group. With
 ``ep_size > 1`` the ranks of one expert-parallel group hold *different* experts under the same
 local module name, so cutting ``...zero_experts.0.weight`` over the whole data-parallel group
@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from zero_core import comm
-from zero_core.engine.param_groups import is_expert_param
 from zero_core.plugins import require
+from zero_core.utils.param_groups import is_expert_param
 
 
 def expert_group_exists(param: torch.nn.Parameter) -> bool:

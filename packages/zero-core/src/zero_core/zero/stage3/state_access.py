@@ -21,7 +21,7 @@ also updates the gathered copy directly (every rank passes the whole value).
 from __future__ import annotations
 
 import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -35,14 +35,30 @@ from zero_core.zero.stage3.partitioned_param import (
     write_shard,
 )
 
-if TYPE_CHECKING:
-    from zero_core.zero.stage3.strategy import Stage3Strategy
+
+class Stage3Masters(Protocol):
+    """What :class:`Stage3StateAccess` needs of the stage-3 strategy: its fp32 masters (wherever
+    they live, offloaded ones included), its optimizer states, and the end of its gradient
+    reductions. The strategy satisfies it; naming it here, instead of importing the strategy,
+    keeps this module below ``strategy.py`` (no import cycle)."""
+
+    master: dict[int, torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    offload: Any
+
+    def wait_reductions(self) -> None: ...
+
+    def _master_value(self, m: torch.Tensor) -> torch.Tensor: ...
+
+    def _set_master_value(self, m: torch.Tensor, values: torch.Tensor) -> None: ...
+
+    def _optimizer_state(self, m: torch.Tensor) -> dict[str, Any]: ...
 
 
 class Stage3StateAccess:
     """The owner object of [Note: safe_get owner protocol] for stage-3 parameters."""
 
-    def __init__(self, strategy: Stage3Strategy) -> None:
+    def __init__(self, strategy: Stage3Masters) -> None:
         self.strategy = strategy
 
     # -- helpers --------------------------------------------------------------------------

@@ -19,8 +19,9 @@ from typing import Any
 import torch
 
 from zero_core import comm
-from zero_core.engine.grad_norm import any_nonfinite, needs_scaling, sum_of_squares
-from zero_core.engine.param_groups import is_expert_param
+from zero_core.protocols.optimizer_offload import OptimizerOffload
+from zero_core.utils.grad_norm import any_nonfinite, needs_scaling, sum_of_squares
+from zero_core.utils.param_groups import is_expert_param
 from zero_core.utils.storage_bytes import StorageLedger, state_tensors
 from zero_core.zero.stage3.expert_partition import partition_group
 from zero_core.zero.stage3.gathered_parameters import SHARD_CHANGED
@@ -76,7 +77,7 @@ class Stage3Strategy(Stage3Checkpointing):
         gather_16bit_weights_on_model_save: bool = False,
         reduce_bucket_size: int = 500_000_000,
         overlap_comm: bool = True,
-        optimizer_offload: Any = None,
+        optimizer_offload: OptimizerOffload | None = None,
         offload_ratio: float = 1.0,
         param_offload: Any = None,
         comm_dtype: torch.dtype | None = None,
