@@ -214,7 +214,10 @@ def build_strategy(
         s3 = Stage3Options.from_config(cfg, eval_only=eval_only)
         # MiCS / hpZ groups, validated against the world before any step: See [Note: MiCS and hpZ shard groups]
         route = build_route(
-            group, int(zc.mics_shard_size), bool(zc.mics_hierarchical_params_gather), int(zc.zero_hpz_partition_size)
+            group,
+            int(zc.mics_shard_size),
+            bool(zc.mics_hierarchical_params_gather),
+            int(zc.zero_hpz_partition_size),
         )
         return Stage3Strategy(
             module,
