@@ -78,6 +78,7 @@ import torch
 
 from zero_core import comm
 from zero_core.comm import watchdog as _watchdog
+from zero_core.zero.stage3.streams import stage3_streams
 
 _ALIGN = 16  # bytes; every shard starts at an address aligned for any dtype view
 
@@ -365,8 +366,8 @@ class GatherHandle:
         if self.done:
             return
         self.done = True
-        if self._work is not None:
-            _wait(self._work, self._what)
+        if self._work is not None:  # See [Note: stage-3 streams]
+            stage3_streams().all_gather_wait(lambda: _wait(self._work, self._what), [self._recv])
         for p, off in zip(self.params, self._offsets):
             st = p.zero_state
             st.full.untyped_storage().resize_(st.padded_numel * st.full.element_size())
@@ -436,14 +437,16 @@ def _gather_group(todo: list[torch.nn.Parameter], group: Any, what: str) -> Gath
         return GatherHandle(todo, None, None, offsets, chunk, label)
     check_agreement(0, todo, chunk, group, label)
     device = todo[0].zero_state.shard.device
-    send = torch.empty(chunk, dtype=torch.uint8, device=device)
-    for p, off in zip(todo, offsets):
-        sh = p.zero_state.shard
-        send[off : off + sh.numel() * sh.element_size()].copy_(sh.view(torch.uint8))
-        if p.zero_state.offload is not None:
-            p.zero_state.offload.release(p)
-    recv = torch.empty(chunk * world, dtype=torch.uint8, device=device)
-    work = comm.all_gather_into_tensor(recv, send, group=group, async_op=True)
+    fetched = [p.zero_state.shard for p in todo if p.zero_state.offload is not None]
+    with stage3_streams().all_gather_issue(fetched):  # See [Note: stage-3 streams]
+        send = torch.empty(chunk, dtype=torch.uint8, device=device)
+        for p, off in zip(todo, offsets):
+            sh = p.zero_state.shard
+            send[off : off + sh.numel() * sh.element_size()].copy_(sh.view(torch.uint8))
+            if p.zero_state.offload is not None:
+                p.zero_state.offload.release(p)
+        recv = torch.empty(chunk * world, dtype=torch.uint8, device=device)
+        work = comm.all_gather_into_tensor(recv, send, group=group, async_op=True)
     return GatherHandle(todo, work, recv, offsets, chunk, label)
 
 
