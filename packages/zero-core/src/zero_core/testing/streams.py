@@ -77,6 +77,9 @@ class RecordingStream(CpuStream):
         event.record(self)
         return event
 
+    def synchronize(self) -> None:
+        self.recorder._log("stream_sync", "host", self.name)
+
     def __repr__(self) -> str:
         return f"RecordingStream({self.name})"
 
@@ -99,6 +102,12 @@ class RecordingEvent(CpuEvent):
         stream = self.recorder.current_stream() if stream is None else stream
         stream.wait_event(self)
 
+    def synchronize(self) -> None:
+        self.recorder._log("event_sync", "host", self.id)
+
+
+_COPIES = {torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default}
+
 
 class _OpLog(TorchDispatchMode):
     def __init__(self, acc: RecordingAccelerator) -> None:
@@ -118,7 +127,10 @@ class _OpLog(TorchDispatchMode):
         out = func(*args, **kwargs)
         made = [s for s in self.acc._ids_of.all(out) if s not in reads]
         name = str(getattr(func, "__name__", func))
-        self.acc._log("op", self.acc.current_stream().name, name, reads, written, made)
+        flags = {}
+        if func in _COPIES:
+            flags["non_blocking"] = bool(kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
+        self.acc._log("op", self.acc.current_stream().name, name, reads, written, made, flags)
         return out
 
 
@@ -128,6 +140,7 @@ class RecordingAccelerator(CpuAccelerator):
     def __init__(self) -> None:
         self._ids = itertools.count()
         self._ids_of = _StorageIds()
+        self.pinned: set[int] = set()  # addresses of the storages pin_memory was asked for
         self.log: list[tuple] = []
         self._on = False
         self.Stream = type("Stream", (RecordingStream,), {"recorder": self})
@@ -141,6 +154,14 @@ class RecordingAccelerator(CpuAccelerator):
     def _log(self, *entry: Any) -> None:
         if self._on:
             self.log.append(entry)
+
+    def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Logs the request (a CPU-only machine cannot pin) with the storage it is for."""
+        out = super().pin_memory(tensor)
+        sid = self._ids_of.of(out)
+        if sid is not None:
+            self.pinned.add(out.untyped_storage().data_ptr())
+        return out
 
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
         super().record_stream(tensor, stream)
@@ -199,7 +220,7 @@ class RecordingAccelerator(CpuAccelerator):
                     mine[s] = max(mine.get(s, -1), p)
             elif kind == "record_stream":
                 recorded.add((entry[2], entry[1]))
-            else:
+            elif kind == "op":
                 _, stream, name, reads, written, made = entry[:6]
                 for ptr in set(reads) | set(written):
                     if ptr in made:
