@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 from bench_env import cpu_model, git_commit
+from host_syncs_column import host_syncs_per_step, syncs_cell
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("bench_gpt", ROOT / "examples" / "gpt.py")
@@ -117,6 +118,7 @@ def _variant(name: str, steps: int, precision: str = "fp32", time_it: bool = Tru
         if not time_it and s >= 1:
             break
     return {
+        "syncs": host_syncs_per_step(step_fn, steps + 2) if time_it else None,
         "times": times,
         "states": states(),
         "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -187,7 +189,8 @@ def _ds_variant(name: str, steps: int, rank: int) -> dict:
         finish()
         if s >= 2:
             times.append(time.perf_counter() - t)
-    return {"times": times, "states": states}
+    syncs = host_syncs_per_step(lambda s: (fwd_bwd(s), finish()), steps + 2)
+    return {"times": times, "states": states, "syncs": syncs}
 
 
 def _ds_rank(rank: int, steps: int, port: int, queue) -> None:
@@ -204,6 +207,7 @@ def _ds_rank(rank: int, steps: int, port: int, queue) -> None:
             row = out["rows"].setdefault(name, {"times": [], "states": 0})
             row["times"] += res["times"]
             row["states"] = max(row["states"], res["states"])
+            row.setdefault("syncs", []).append(res["syncs"])
             gc.collect()
     queue.put(out)
     torch.distributed.destroy_process_group()
@@ -331,6 +335,7 @@ def main() -> None:
                 r["times"] += rr["times"]
                 r["states"] = max(r["states"], rr["states"])
                 r["rss"] = max(r["rss"], rr["rss"])
+                r.setdefault("syncs", []).append(rr["syncs"])
     mem = {n: run_multirank(_mem_sweep, n, timeout=600) for n in (2, 4)}
     ds = _run_deepspeed(args.ds_python, args.steps)
     elapsed = time.perf_counter() - t_start
@@ -348,11 +353,14 @@ def main() -> None:
         f"per rank; Adam; buckets {BUCKET:,} elements; overlap_comm on; fp32",
         "- each variant ran twice (interleaved) on 2 forked ranks; times pooled over ranks and passes",
         f"- benchmark wall time: {elapsed:.0f} s",
+        "- host syncs/step: device values read on the host per training step, counted on extra untimed "
+        "steps (tools/bench/host_syncs_column.py), max over ranks",
         "",
         "## 2 ranks, fp32: step time and memory per rank",
         "",
-        "| variant | median step (ms) | p10-p90 (ms) | ratio vs DDP | model states/rank (MiB) | ratio | peak RSS/rank (MiB) |",
-        "|---|---|---|---|---|---|---|",
+        "| variant | median step (ms) | p10-p90 (ms) | ratio vs DDP | model states/rank (MiB) | ratio | peak RSS/rank (MiB) "
+        "| host syncs/step |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in rows.items():
         t = sorted(r["times"])
@@ -361,6 +369,7 @@ def main() -> None:
         lines.append(
             f"| {name} | {med * 1e3:.1f} | {p10 * 1e3:.1f}-{p90 * 1e3:.1f} | {med / base:.2f} | "
             f"{r['states'] / 2**20:.1f} | {r['states'] / rows['ddp']['states']:.2f} | {r['rss'] / 2**20:.0f} |"
+            f" {syncs_cell(r)} |"
         )
     lines += [
         "",
@@ -385,13 +394,15 @@ def main() -> None:
             "DS_ACCELERATOR=cpu, gloo; client torch.optim.Adam; gradient_clipping 0; overlap_comm on; same buckets",
             "- model states = bytes of all live tensors (gc) after backward, max over ranks",
             "",
-            "| variant | median step (ms) | p10-p90 (ms) | ratio vs DDP | model states/rank (MiB) | ratio |",
-            "|---|---|---|---|---|---|",
+            "| variant | median step (ms) | p10-p90 (ms) | ratio vs DDP | model states/rank (MiB) | ratio "
+            "| host syncs/step |",
+            "|---|---|---|---|---|---|---|",
         ]
         ds_rows = {
             name: {
                 "times": [t for r in ds for t in r["rows"][name]["times"]],
                 "states": max(r["rows"][name]["states"] for r in ds),
+                "syncs": [x for r in ds for x in r["rows"][name].get("syncs", [])],
             }
             for name in ds[0]["rows"]
         }
@@ -403,7 +414,7 @@ def main() -> None:
             p10, p90 = t[int(0.1 * (len(t) - 1))], t[int(0.9 * (len(t) - 1))]
             lines.append(
                 f"| {labels[name]} | {med * 1e3:.1f} | {p10 * 1e3:.1f}-{p90 * 1e3:.1f} | {med / ds_base:.2f} | "
-                f"{r['states'] / 2**20:.1f} | {r['states'] / ds_rows['ddp']['states']:.2f} |"
+                f"{r['states'] / 2**20:.1f} | {r['states'] / ds_rows['ddp']['states']:.2f} | {syncs_cell(r)} |"
             )
     text = "\n".join(lines) + "\n"
     Path(args.out).write_text(text)

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 from bench_env import cpu_model, git_commit
+from host_syncs_column import host_syncs_per_step, syncs_cell
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("bench_gpt", ROOT / "examples" / "gpt.py")
@@ -176,6 +177,7 @@ def _variant(name: str, precision: str, steps: int) -> dict:
         if s >= 1:
             times.append(time.perf_counter() - t)
     return {
+        "syncs": host_syncs_per_step(step_fn, steps + 1),
         "times": times,
         "states": states["bytes"],
         "psi": psi,
@@ -245,6 +247,7 @@ def _run(names: list[str], steps: int, passes: int) -> tuple[dict, list[float]]:
                     r["times"] += rr["times"]
                     r["states"] = max(r["states"], rr["states"])
                     r["rss"] = max(r["rss"], rr["rss"])
+                    r.setdefault("syncs", []).append(rr["syncs"])
     loads.append(os.getloadavg()[0])
     return rows, loads
 
@@ -252,8 +255,8 @@ def _run(names: list[str], steps: int, passes: int) -> tuple[dict, list[float]]:
 def _table(rows: dict) -> list[str]:
     lines = [
         "| variant | precision | median step (ms) | min-max (ms) | ratio vs fsdp2 | ratio vs ddp "
-        "| peak RSS/rank (MiB) | model states/rank (MiB) | vs theory |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| peak RSS/rank (MiB) | model states/rank (MiB) | vs theory | host syncs/step |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (name, precision), r in sorted(rows.items(), key=lambda kv: kv[0][1] != "fp32"):
         t = r["times"]
@@ -266,7 +269,7 @@ def _table(rows: dict) -> list[str]:
         st = f"{r['states'] / 2**20:.1f} | {r['states'] / theory:.3f}" if r["states"] else "- | -"
         lines.append(
             f"| {name} | {precision} | {med * 1e3:.0f} | {min(t) * 1e3:.0f}-{max(t) * 1e3:.0f} "
-            f"| {ratios[0]} | {ratios[1]} | {r['rss'] / 2**20:.0f} | {st} |"
+            f"| {ratios[0]} | {ratios[1]} | {r['rss'] / 2**20:.0f} | {st} | {syncs_cell(r)} |"
         )
     return lines
 
@@ -286,7 +289,7 @@ def main() -> None:
         import deepspeed
 
         versions += f", deepspeed {deepspeed.__version__} (DS_ACCELERATOR={os.environ.get('DS_ACCELERATOR')})"
-    prefix = "DS_ACCELERATOR=cpu /tmp/dsvenv/bin/python" if a.deepspeed else ".venv/bin/python"
+    prefix = f"DS_ACCELERATOR=cpu {sys.executable}" if a.deepspeed else ".venv/bin/python"
     flag = " --deepspeed" if a.deepspeed else ""
     t0 = time.perf_counter()
     rows, loads = _run(names, a.steps, a.passes)
@@ -317,6 +320,8 @@ def main() -> None:
         "for deepspeed3 the same from its optimizer's live flat buffers (each storage once); "
         "theory 16Ψ/N bytes (fp32: 4+4+8, bf16: 2+2+12); '-' where no live-tensor breakdown exists",
         "- peak RSS includes the forked parent's torch import (same for all variants)",
+        "- host syncs/step: device values read on the host per training step, counted on extra untimed "
+        "steps (tools/bench/host_syncs_column.py), max over ranks",
         "",
         *_table(rows),
     ]
