@@ -37,6 +37,7 @@ from pathlib import Path
 import _timing
 import torch
 from bench_env import cpu_model, git_commit
+from host_syncs_column import host_syncs_per_step, syncs_cell
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("bench_gpt", ROOT / "examples" / "gpt.py")
@@ -166,9 +167,15 @@ def _timed_rank(names: list[str], passes: int, steps: int, ds_path: str | None) 
         comm_s[name] = _timing.collective_seconds(
             lambda v=v, c=clock: c.run(lambda cc: v["step"](cc, 10_000))
         )
+    clock = _timing.PhaseClock()  # host syncs per step, on untimed steps (see host_syncs_column.py)
+    syncs = {
+        n: host_syncs_per_step(lambda s, v=v: clock.run(lambda cc: v["step"](cc, s)), 5_000)
+        for n, v in built.items()
+    }
     return {
         "records": records,
         "comm": comm_s,
+        "syncs": syncs,
         "states": {n: v["states"]() for n, v in built.items()},
         "params": built["ddp"]["params"],
         "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -237,8 +244,8 @@ def _time_tables(res: list[dict], names: list[str]) -> tuple[list[str], dict]:
     states = {n: max(r["states"][n] for r in res) for n in names}
     lines = [
         "| variant | wall step ms, median (IQR) | CPU step ms, median (IQR) | wall ratio vs DDP, median (IQR) "
-        "| CPU ratio vs DDP, median (IQR) | model states/rank (MiB, buckets apart) |",
-        "|---|---|---|---|---|---|",
+        "| CPU ratio vs DDP, median (IQR) | model states/rank (MiB, buckets apart) | host syncs/step |",
+        "|---|---|---|---|---|---|---|",
     ]
     measured = {}
     for n in names:
@@ -250,7 +257,8 @@ def _time_tables(res: list[dict], names: list[str]) -> tuple[list[str], dict]:
         lines.append(
             f"| {LABELS.get(n, n)} | {_timing.fmt_iqr(_timing.step_quartiles(recs[n], 'wall'), 1e3, 0)} "
             f"| {_timing.fmt_iqr(_timing.step_quartiles(recs[n], 'cpu'), 1e3, 0)} "
-            f"| {_timing.fmt_iqr(wall_r)} | {_timing.fmt_iqr(cpu_r)} | {st} |"
+            f"| {_timing.fmt_iqr(wall_r)} | {_timing.fmt_iqr(cpu_r)} | {st} "
+            f"| {syncs_cell({'syncs': [r['syncs'][n] for r in res if 'syncs' in r]})} |"
         )
     lines += [
         "",

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import _timing
 import torch
+from host_syncs_column import host_syncs_per_step, syncs_cell
 from bench_env import cpu_model, git_commit
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -188,6 +189,7 @@ def _timed_rank(names: list[str], precision: str, passes: int, steps: int) -> di
     return {
         "records": records,
         "comm": comm_s,
+        "syncs": _host_syncs(built),
         "states": {n: v["states"]() for n, v in built.items()},
         "psi": built[names[0]]["psi"],
         "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -238,13 +240,22 @@ def _launch(args: tuple, world: int = 2) -> list[dict]:
     return [out[r] for r in range(world)]
 
 
+def _host_syncs(built: dict) -> dict[str, int]:
+    """Host syncs per step of each variant, counted on untimed steps (see host_syncs_column.py)."""
+    clock = _timing.PhaseClock()
+    return {
+        n: host_syncs_per_step(lambda s, v=v: clock.run(lambda cc: v["step"](cc, s)), 5_000)
+        for n, v in built.items()
+    }
+
+
 def _tables(res: dict[str, list[dict]], names: list[str]) -> tuple[list[str], dict]:
     """Ratio table, per-phase table (per precision); measured ratio quartiles keyed as the README quotes them."""
     lines = [
         "| variant | precision | wall step ms, median (IQR) | CPU step ms, median (IQR) "
         "| wall ratio vs FSDP2, median (IQR) | CPU ratio vs FSDP2, median (IQR) | model states/rank (MiB) "
-        "| vs 16Ψ/N |",
-        "|---|---|---|---|---|---|---|---|",
+        "| vs 16Ψ/N | host syncs/step |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     phases = [
         "| variant | precision | forward wall | forward wait | backward cpu (compute + hooks) | backward wait "
@@ -265,7 +276,8 @@ def _tables(res: dict[str, list[dict]], names: list[str]) -> tuple[list[str], di
             lines.append(
                 f"| {n} | {precision} | {_timing.fmt_iqr(_timing.step_quartiles(recs[n], 'wall'), 1e3, 0)} "
                 f"| {_timing.fmt_iqr(_timing.step_quartiles(recs[n], 'cpu'), 1e3, 0)} "
-                f"| {_timing.fmt_iqr(wall_r)} | {_timing.fmt_iqr(cpu_r)} | {st_cells} |"
+                f"| {_timing.fmt_iqr(wall_r)} | {_timing.fmt_iqr(cpu_r)} | {st_cells} "
+                f"| {syncs_cell({'syncs': [r['syncs'][n] for r in rr if 'syncs' in r]})} |"
             )
             ph = _timing.phase_medians(recs[n])
             comm = {k: sorted(r["comm"][n][k] for r in rr)[len(rr) // 2] for k in ("reduce", "gather")}

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from zero_offload.nvme_swapper import StateSwapper
+from zero_offload.transfers import host_buffer
 
 _MASTER = "fp32_master"  # the masters' swapped array (See [Note: masters on NVMe])
 
@@ -59,10 +60,7 @@ def _adam_settings(optimizer: torch.optim.Optimizer, group: dict[str, Any], gi: 
 
 
 def _host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    t = torch.zeros(numel, dtype=dtype, device="cpu")
-    if pin and torch.cuda.is_available():
-        t = t.pin_memory()
-    return t
+    return host_buffer(numel, dtype, pin)  # pinned through the accelerator: See [Note: offload copies]
 
 
 class _Group:

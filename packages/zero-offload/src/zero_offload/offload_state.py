@@ -13,12 +13,14 @@ from typing import Any
 import torch
 
 from zero_offload.offload_groups import _MASTER, _Group
+from zero_offload.transfers import CopyFence
 
 
 class OffloadStateMixin:
     """Checkpoint and state access of :class:`~zero_offload.optimizer_offload.OptimizerOffload`."""
 
     masters_on_nvme: bool
+    copied_back: CopyFence
     nvme_tile: int
     groups: list[_Group]
     _where: dict[int, tuple[int, int]]
@@ -70,6 +72,7 @@ class OffloadStateMixin:
             raise ValueError(
                 f"OptimizerOffload.set_master: {v.numel()} values for a master of {hi - lo} elements"
             )
+        self.copied_back.wait()  # a copy to the device may still read them: See [Note: offload copies]
         if self.masters_on_nvme:
             for a in range(lo, hi, self.nvme_tile):
                 b = min(hi, a + self.nvme_tile)
@@ -160,6 +163,7 @@ class OffloadStateMixin:
     @torch.no_grad()
     def refresh_low_precision(self) -> None:
         """Re-derive the low-precision copies from the masters (after masters were loaded or set)."""
+        self.copied_back.wait()  # a copy to the device may still read them: See [Note: offload copies]
         for grp in self.groups:
             if grp.low is not None and self.masters_on_nvme:
                 for lo, hi in grp.swapper.tiles():

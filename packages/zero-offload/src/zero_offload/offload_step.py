@@ -14,6 +14,7 @@ import torch
 from zero_ops.adam import CPUAdamKernel
 
 from zero_offload.offload_groups import _MASTER, _adam_settings, _Group
+from zero_offload.transfers import CopyFence
 
 
 class OffloadStepMixin:
@@ -25,6 +26,8 @@ class OffloadStepMixin:
     _where: dict[int, tuple[int, int]]
     _staged: set[int]
     _finalized: bool
+    grads_landed: CopyFence
+    copied_back: CopyFence
 
     def _ranges(self, optimizer: torch.optim.Optimizer, grp: _Group) -> list[tuple[int, int, int, list]]:
         """Runs (lo, hi, step, params) of consecutive staged masters sharing one step count."""
@@ -48,8 +51,8 @@ class OffloadStepMixin:
         the host once here, where the update runs anyway."""
         if not self._finalized:
             self.finalize(optimizer)
-        if self.compute_device.type == "cuda":
-            torch.cuda.current_stream(self.compute_device).synchronize()  # staged grads have landed
+        self.grads_landed.wait()  # the staged gradients have landed: See [Note: offload copies]
+        self.copied_back.wait()  # the last step's weights have left the host buffers
         owner = {id(p): (gi, pg) for gi, pg in enumerate(optimizer.param_groups) for p in pg["params"]}
         for grp in self.groups:
             if not grp.params or id(grp.params[0]) not in owner:
@@ -113,8 +116,7 @@ class OffloadStepMixin:
                 for p in params:
                     optimizer.state[p]["step"].fill_(float(step))
         self._staged.clear()
-        if self.compute_device.type == "cuda":
-            torch.cuda.current_stream(self.compute_device).synchronize()
+        self.copied_back.mark()  # the next host write of these buffers waits for it
 
     def updated(self, master: torch.Tensor) -> torch.Tensor:
         """The updated weights of ``master`` in the training dtype, on the compute device (flat)."""

@@ -10,7 +10,7 @@ optimizer step touches:
   ``param_groups`` to views of it, so LR schedulers and per-group hyper-parameters work
   unchanged and checkpoints see ordinary masters;
 * a host copy of the reduced gradient shard (``stage_grad``: a non-blocking device->host copy
-  from pinned memory on CUDA);
+  into pinned memory on CUDA, fenced by an event; see [Note: offload copies]);
 * the optimizer states: host flat buffers (``device: cpu``), exposed to the client optimizer's
   ``state`` as views in torch's own format, or NVMe swap files streamed through a buffer pool
   (``device: nvme``, see [Note: tile pipeline]);
@@ -40,6 +40,7 @@ from zero_offload.offload_groups import _MASTER, _adam_settings, _bytes, _Group,
 from zero_offload.offload_state import OffloadStateMixin
 from zero_offload.offload_step import OffloadStepMixin
 from zero_offload.swap_files import SwapDirectory
+from zero_offload.transfers import CopyFence
 
 
 class OptimizerOffload(OffloadStepMixin, OffloadStateMixin):
@@ -105,6 +106,9 @@ class OptimizerOffload(OffloadStepMixin, OffloadStateMixin):
         self.staged_during_backward = 0  # masters whose gradient copy overlapped backward
         self.staged_in_step = 0  # masters whose gradient step() had to copy itself
         self._finalized = False
+        # events behind the device->host gradient copies and the host->device weight copies
+        self.grads_landed = CopyFence()
+        self.copied_back = CopyFence()
         self.swap_dir: SwapDirectory | None = None
         self.pool: BufferPool | None = None
         self.buffer_count = buffer_count
@@ -133,11 +137,14 @@ class OptimizerOffload(OffloadStepMixin, OffloadStateMixin):
         if self._finalized:
             raise RuntimeError("OptimizerOffload.adopt: called after finalize()")
         g = _Group(len(self.groups), [int(s.numel()) for s in sources])
-        g.master = _host_empty(g.numel, torch.float32, self.pin)
-        g.grad = _host_empty(g.numel, torch.float32, self.pin)
-        if self.low_dtype != torch.float32 or self.masters_on_nvme:
-            # masters on NVMe: the updated weights (even fp32) need a home the module reads from
-            g.low = _host_empty(g.numel, self.low_dtype, self.pin)
+        # masters on NVMe: the updated weights (even fp32) need a home the module reads from
+        with_low = self.low_dtype != torch.float32 or self.masters_on_nvme
+        # The copy endpoints (staged gradients, the weights copied back) are pinned whatever
+        # ``pin_memory`` says, the rest only when asked: See [Note: offload copies]
+        g.master = _host_empty(g.numel, torch.float32, self.pin or not with_low)
+        g.grad = _host_empty(g.numel, torch.float32, True)
+        if with_low:
+            g.low = _host_empty(g.numel, self.low_dtype, True)
         for i, s in enumerate(sources):
             lo, hi = g.offsets[i], g.offsets[i + 1]
             g.master[lo:hi].copy_(s.detach().reshape(-1))
@@ -227,7 +234,8 @@ class OptimizerOffload(OffloadStepMixin, OffloadStateMixin):
             raise ValueError(
                 f"OptimizerOffload.stage_grad: gradient has {grad.numel()} elements, master has {view.numel()}"
             )
-        view.copy_(grad.detach().reshape(-1), non_blocking=grad.device.type == "cuda")
+        view.copy_(grad.detach().reshape(-1), non_blocking=True)
+        self.grads_landed.mark()  # step() waits for it: See [Note: offload copies]
         self._staged.add(id(master))
         self.staged_in_step += 1
 
@@ -254,7 +262,8 @@ class OptimizerOffload(OffloadStepMixin, OffloadStateMixin):
                 f"OptimizerOffload.stage_grad_range: [{lo}, {lo + n}) is outside a master of "
                 f"{grp.offsets[i + 1] - base} elements"
             )
-        grp.grad[base + lo : base + lo + n].copy_(values.detach().reshape(-1), non_blocking=values.is_cuda)
+        grp.grad[base + lo : base + lo + n].copy_(values.detach().reshape(-1), non_blocking=True)
+        self.grads_landed.mark()  # step() waits for it: See [Note: offload copies]
         done = self._partial.get(id(master), 0) + n
         self._partial[id(master)] = done
         if done >= grp.offsets[i + 1] - base:

@@ -34,9 +34,11 @@ from collections import OrderedDict
 from typing import Any
 
 import torch
+from zero_core.accelerator import get_accelerator
 from zero_ops.aio import AsyncIOHandle, locked_empty
 
 from zero_offload.swap_files import SwapDirectory
+from zero_offload.transfers import CopyFence, host_buffer
 
 _ALIGN = 4096
 
@@ -88,6 +90,7 @@ class ParamOffload:
         self.buffer_size = buffer_size
         self.max_in_cpu = max_in_cpu
         self.pin = bool(pin_memory)
+        self.fetched = CopyFence()  # behind the latest home->device copy
         self.params: dict[int, torch.nn.Parameter] = {}  # zero_state.id -> param, adoption order
         self.host: dict[int, torch.Tensor] = {}  # id -> host home
         self.offset: dict[int, tuple[str, int]] = {}  # id -> (swap file, byte offset) of NVMe homes
@@ -130,9 +133,7 @@ class ParamOffload:
         for p in new:
             st = p.zero_state
             if self.device == "cpu" or self.in_cpu_numel + st.shard_numel <= self.max_in_cpu:
-                home = torch.empty(st.shard_numel, dtype=st.shard.dtype)
-                if self.pin and torch.cuda.is_available():
-                    home = home.pin_memory()
+                home = host_buffer(st.shard_numel, st.shard.dtype, self.pin)  # See [Note: offload copies]
                 home.copy_(st.shard)
                 self.host[st.id] = home
                 if self.device == "nvme":
@@ -201,7 +202,8 @@ class ParamOffload:
         self.fetches += 1
         st.shard.untyped_storage().resize_(_nbytes(st))
         if st.id in self.host:
-            st.shard.copy_(self.host[st.id], non_blocking=st.shard.device.type == "cuda")
+            st.shard.copy_(self.host[st.id], non_blocking=True)
+            self.fetched.mark()  # write() waits before changing a home: See [Note: offload copies]
         else:
             buf = self._landed.pop(st.id, None)
             if buf is not None:
@@ -221,8 +223,9 @@ class ParamOffload:
     def release(self, p: torch.nn.Parameter) -> None:
         """Drop the device copy (the home holds the values)."""
         st = p.zero_state
-        if st.shard.device.type == "cuda":
-            torch.cuda.current_stream(st.shard.device).synchronize()
+        # The stream that packs it may still read it: the block is not reused before that work
+        # is done (no host wait; See [Note: stage-3 streams] in zero_core).
+        get_accelerator().record_stream(st.shard, get_accelerator().current_stream())
         st.shard.untyped_storage().resize_(0)
 
     # -- values (checkpoints, step write-back, modifiers) --------------------------------------
@@ -256,6 +259,7 @@ class ParamOffload:
         if st.shard.untyped_storage().nbytes() > 0:
             st.shard.copy_(v)
         if st.id in self.host:
+            self.fetched.wait()  # a copy to the device may still read the home
             self.host[st.id].copy_(v)
             return
         self._drop_landed(st.id)

@@ -191,6 +191,10 @@ class CpuAccelerator(TypedTensorsMixin):
     def synchronize(self, index: int | None = None) -> None:
         check_index(index, "CpuAccelerator.synchronize")
 
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        """No-op: CPU work is synchronous, so memory freed after a use is never still in use."""
+        check_tensor(tensor, "CpuAccelerator.record_stream")
+
     # -- memory --------------------------------------------------------------------------
     def memory_allocated(self, index: int | None = None) -> int:
         check_index(index, "CpuAccelerator.memory_allocated")

@@ -91,6 +91,14 @@ class CudaAccelerator(TypedTensorsMixin):
         check_index(index, "CudaAccelerator.synchronize")
         torch.cuda.synchronize(_device_arg(index))
 
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        """Tell the caching allocator that ``stream`` uses ``tensor``'s memory, so the block is
+        not handed out again until the work queued on ``stream`` so far has finished (a tensor
+        allocated on one stream and read on another; see [Note: stage-3 streams])."""
+        check_tensor(tensor, "CudaAccelerator.record_stream")
+        if tensor.device.type == "cuda":
+            tensor.record_stream(stream)
+
     # -- memory --------------------------------------------------------------------------
     def memory_allocated(self, index: int | None = None) -> int:
         check_index(index, "CudaAccelerator.memory_allocated")

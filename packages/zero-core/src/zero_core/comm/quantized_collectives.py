@@ -120,6 +120,7 @@ def quantized_all_gather(
         n, off = sizes[i], offsets[i]
         full.view(world, n).copy_(values[0][:, off : off + n])
 
+    unpack.buffers = (recv,)  # type: ignore[attr-defined]  # made on a side stream: See [Note: stage-3 streams]
     return work, unpack
 
 

@@ -10,9 +10,12 @@ every collective issued through ``zero_core.comm`` and names the missing ranks:
 * **Deadline.** Synchronous collectives are issued asynchronously and waited on with the
   watchdog's timeout (``Work.wait`` of gloo honours it and raises); ``zero_core.comm.Work``
   waits with the same deadline when its caller gives none. Either failure becomes a
-  :class:`CollectiveTimeoutError`. Backends whose ``wait`` does not block the host (NCCL
-  without blocking wait) and ops that cannot be issued asynchronously (object collectives,
-  send/recv) are covered by the watchdog's thread, which polls what is in flight; if an op is
+  :class:`CollectiveTimeoutError`. On NCCL the wait is given *no* timeout: there
+  ``Work.wait(timeout)`` blocks the host until the op has finished on the GPU (a host sync per
+  collective, which would stop the host from queuing compute behind the communication; see
+  [Note: stage-3 streams]), while ``Work.wait()`` only makes the current stream wait. Such ops,
+  and ops that cannot be issued asynchronously (object collectives, send/recv), are covered by
+  the watchdog's thread, which polls what is in flight (``is_completed``, no sync); if an op is
   still pending ``timeout + grace`` seconds after it was issued, the thread prints the same
   diagnosis and ends the process (status 1), as NCCL's own watchdog does.
 * **Culprit.** Each rank counts the collectives it issued per group. The thread publishes
@@ -113,6 +116,7 @@ class CollectiveWatchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._published = ""
+        self._stream_ordered: bool | None = None
 
     # -- configuration -------------------------------------------------------------------
     @property
@@ -131,6 +135,17 @@ class CollectiveWatchdog:
 
     def set_timeout(self, seconds: float) -> None:
         self.timeout_s = check_timeout(seconds, "set_timeout")
+
+    def stream_ordered(self) -> bool:
+        """Whether the watched group's backend is NCCL, whose ``Work.wait`` only orders the
+        current stream unless given a timeout (then it blocks the host)."""
+        if self._stream_ordered is None:
+            try:
+                backend = str(dist.get_backend(self.pg))
+            except Exception:  # no group (unit tests) or one torch does not know
+                backend = ""
+            self._stream_ordered = "nccl" in backend.lower()
+        return self._stream_ordered
 
     def note(self, label: str) -> None:
         """Remember what the library is working on (module, parameter), for the diagnosis."""
@@ -166,7 +181,22 @@ class CollectiveWatchdog:
         return timedelta(seconds=max(left, 0.001))
 
     def wait(self, work: Any, token: int, timeout: timedelta | None = None) -> None:
-        """Wait for ``work`` (a torch Work) until the deadline (or ``timeout``); raise the diagnosis on failure."""
+        """Wait for ``work`` (a torch Work) until the deadline (or ``timeout``); raise the diagnosis on failure.
+
+        On NCCL the current stream waits and the host does not (see the Note); the op stays in
+        flight for the thread until it completes on the device.
+        """
+        if self.stream_ordered():
+            entry = self._inflight.get(token)
+            if entry is not None:
+                entry.work = work
+            try:
+                work.wait()
+            except Exception as exc:
+                message = self.diagnose(token, cause=exc)
+                self.end(token)
+                raise CollectiveTimeoutError(message) from exc
+            return
         try:
             work.wait(self.remaining(token) if timeout is None else timeout)
         except Exception as exc:

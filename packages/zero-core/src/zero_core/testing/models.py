@@ -73,7 +73,7 @@ class TinyLM(nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor, poison: bool = False) -> torch.Tensor:
         h = self.emb(x)
         if self.attn is not None:
-            mask = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool), 1)
+            mask = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device), 1)
             h = h + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
         if self.l2 is None:
             h = torch.tanh(self.l1(h))

@@ -1,4 +1,5 @@
-"""Run one function in ``world_size`` forked processes joined by a gloo process group.
+"""Run one function in ``world_size`` forked processes joined by a process group (gloo by
+default; NCCL with one GPU per rank for the GPU lane, see [Note: GPU test lane]).
 
 See [Note: forked ranks] for why the ranks are forked rather than spawned.
 """
@@ -58,8 +59,10 @@ def _validate(fn: Any, world_size: Any, args: Any, kwargs: Any, timeout: Any, ba
         raise TypeError(f"run_multirank: kwargs must be a mapping or None, got {type(kwargs).__name__}")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"run_multirank: timeout must be a positive number of seconds, got {timeout!r}")
-    if backend not in ("gloo", "nccl", "mpi"):
-        raise ValueError(f"run_multirank: backend must be one of 'gloo', 'nccl', 'mpi', got {backend!r}")
+    if backend not in ("gloo", "nccl", "mpi", "auto"):
+        raise ValueError(
+            f"run_multirank: backend must be one of 'gloo', 'nccl', 'mpi', 'auto', got {backend!r}"
+        )
     if env is not None:
         if not isinstance(env, Mapping) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in env.items()
@@ -93,6 +96,7 @@ def _join_group(
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    _set_rank_device(backend, rank)
     pg_timeout = datetime.timedelta(seconds=timeout)
     if rank == 0:
         # See [Note: forked ranks]: the listening socket was bound by the parent.
@@ -104,6 +108,28 @@ def _join_group(
         store = dist.TCPStore(_HOST, port, world_size, False, pg_timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout)
     return dist
+
+
+def _resolve_backend(backend: str, world_size: int) -> str:
+    """``"auto"``: NCCL with one GPU per rank where CUDA has enough devices, else gloo."""
+    from zero_core.testing.gpu_lane import choose_backend, cuda_device_count
+
+    if backend == "auto":
+        return choose_backend(world_size)
+    if backend == "nccl" and cuda_device_count() < world_size:
+        raise ValueError(
+            f"run_multirank: backend 'nccl' needs one CUDA device per rank ({world_size}), "
+            f"this machine has {cuda_device_count()}; use backend='auto' to fall back to gloo"
+        )
+    return backend
+
+
+def _set_rank_device(backend: str, rank: int) -> None:
+    """With NCCL, rank r computes on GPU r (before joining the group): See [Note: GPU test lane]."""
+    if backend == "nccl":
+        import torch
+
+        torch.cuda.set_device(rank)
 
 
 def _child_main(
@@ -223,6 +249,7 @@ def run_multirank(
     See [Note: forked ranks] for what ``fn`` may be.
     """
     _validate(fn, world_size, args, kwargs, timeout, backend, env)
+    backend = _resolve_backend(backend, world_size)
     if "fork" not in mp.get_all_start_methods():
         raise RuntimeError("run_multirank needs the 'fork' start method (Linux or macOS)")
     import torch.distributed as dist

@@ -92,15 +92,16 @@ def train_engine(
 
     _check_sizes("train_engine", micro=micro, gas=gas)
     rank, world = comm.get_rank(), comm.get_world_size()
+    device = getattr(engine, "device", torch.device("cpu"))  # the batch and the all-reduce: on it
     losses = []
     for step in _step_range("train_engine", steps):
         x, y = batch(step)
         for m in range(gas):
             lo = (m * world + rank) * micro
-            loss = engine(x[lo : lo + micro], y[lo : lo + micro])
+            loss = engine(x[lo : lo + micro].to(device), y[lo : lo + micro].to(device))
             engine.backward(loss)
             engine.step()
-        t = torch.tensor([engine.last_loss])
+        t = torch.tensor([engine.last_loss], device=device)
         comm.all_reduce(t)
         losses.append(t.item() / world)
         if after_step is not None:

@@ -79,6 +79,7 @@ import torch
 from zero_core import comm
 from zero_core.comm import watchdog as _watchdog
 from zero_core.zero.stage3.shard_groups import broadcast_group, gather_source, keep_secondary, source_key
+from zero_core.zero.stage3.streams import stage3_streams
 
 _ALIGN = 16  # bytes; every shard starts at an address aligned for any dtype view
 
@@ -378,8 +379,9 @@ class GatherHandle:
         if self.done:
             return
         self.done = True
-        if self._work is not None:
-            _wait(self._work, self._what)
+        if self._work is not None:  # See [Note: stage-3 streams]
+            results = [self._recv] if self._recv is not None else list(getattr(self._unpack, "buffers", ()))
+            stage3_streams().all_gather_wait(lambda: _wait(self._work, self._what), results)
         for i, (p, off) in enumerate(zip(self.params, self._offsets)):
             st = p.zero_state
             st.full.untyped_storage().resize_(st.padded_numel * st.full.element_size())
@@ -465,26 +467,29 @@ def _gather_group(
         return GatherHandle(todo, None, None, offsets, chunk, label, source)
     check_agreement(0, todo, chunk, source.group, label)
     device = todo[0].zero_state.shard.device
-    if quantized and fetch:  # ZeRO++ qwZ: See [Note: quantized weight all-gather (qwZ)]
-        from zero_core.comm.quantized_collectives import quantized_all_gather
+    # read on the all-gather stream, possibly freed soon after: See [Note: stage-3 streams]
+    crossing = [source.piece(p.zero_state) for p in todo if source.secondary or p.zero_state.offload is not None]
+    with stage3_streams().all_gather_issue(crossing):
+        if quantized and fetch:  # ZeRO++ qwZ: See [Note: quantized weight all-gather (qwZ)]
+            from zero_core.comm.quantized_collectives import quantized_all_gather
 
-        # From the primary shards over the source's group (MiCS: the shard group, flat even when
-        # the plain gather would take two hops); hpZ's secondary gathers stay inside the node in
-        # 16 bits, as they are not the cross-node traffic qwZ exists to halve.
-        shards = [p.zero_state.shard for p in todo]
-        work, unpack = quantized_all_gather(shards, source.group, aligned=quantized == "aligned")
-        for p in todo:
-            if p.zero_state.offload is not None:
+            # From the primary shards over the source's group (MiCS: the shard group, flat even
+            # when the plain gather would take two hops); hpZ's secondary gathers stay inside the
+            # node in 16 bits, as they are not the cross-node traffic qwZ exists to halve.
+            shards = [p.zero_state.shard for p in todo]
+            work, unpack = quantized_all_gather(shards, source.group, aligned=quantized == "aligned")
+            for p in todo:
+                if p.zero_state.offload is not None:
+                    p.zero_state.offload.release(p)
+            return GatherHandle(todo, work, None, offsets, chunk, label + " (int8)", source, unpack=unpack)
+        send = torch.empty(chunk, dtype=torch.uint8, device=device)
+        for p, off in zip(todo, offsets):
+            sh = source.piece(p.zero_state)
+            send[off : off + sh.numel() * sh.element_size()].copy_(sh.view(torch.uint8))
+            if fetch and p.zero_state.offload is not None:
                 p.zero_state.offload.release(p)
-        return GatherHandle(todo, work, None, offsets, chunk, label + " (int8)", source, unpack=unpack)
-    send = torch.empty(chunk, dtype=torch.uint8, device=device)
-    for p, off in zip(todo, offsets):
-        sh = source.piece(p.zero_state)
-        send[off : off + sh.numel() * sh.element_size()].copy_(sh.view(torch.uint8))
-        if fetch and p.zero_state.offload is not None:
-            p.zero_state.offload.release(p)
-    recv = torch.empty(chunk * world, dtype=torch.uint8, device=device)
-    work = source.all_gather(recv, send)
+        recv = torch.empty(chunk * world, dtype=torch.uint8, device=device)
+        work = source.all_gather(recv, send)
     return GatherHandle(todo, work, recv, offsets, chunk, label, source)
 
 

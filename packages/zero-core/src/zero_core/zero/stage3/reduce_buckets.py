@@ -39,6 +39,7 @@ import torch
 from zero_core import comm
 from zero_core.zero.stage3.partitioned_param import _wait, check_agreement, param_name
 from zero_core.zero.stage3.shard_groups import reduce_across_replicas
+from zero_core.zero.stage3.streams import stage3_streams
 
 
 def _copy_rows(dst: torch.Tensor, flat: torch.Tensor, shard: int) -> None:
@@ -142,37 +143,38 @@ class GradBucketReducer:
         st0 = b.params[0].zero_state
         world = st0.world
         dtype, device = self.comm_dtype or grads[0].dtype, grads[0].device
-        buf = torch.empty(world, b.total, dtype=dtype, device=device)  # copies below cast into it
-        for p, off, g in zip(b.params, b.offsets, grads):
-            sn = p.zero_state.shard_numel
-            _copy_rows(buf[:, off : off + sn], g.reshape(-1), sn)
-        grads.clear()  # the full gradients are in the buffer now: free them
         names = [param_name(p) for p in b.params[:4]]
         more = f" and {len(b.params) - 4} more" if len(b.params) > 4 else ""
         b.what = f"reduce-scatter of the gradients of {names}{more}"
         self.launched += 1
-        if st0.grad_divisor != 1:
-            # the group size, or the data-parallel world size for experts even when their
-            # expert-data-parallel group is a single rank (See [Note: stage 3 expert parameters])
-            buf.div_(st0.grad_divisor)
-        if world == 1:
-            b.out = buf.view(-1)
-        else:
-            check_agreement(1, b.params, buf.numel() * buf.element_size(), st0.group, b.what)
-            b.out = torch.empty(b.total, dtype=dtype, device=device)
-            b.buffer = buf
-            if self.qgz is not None:
-                b.work = self.qgz(b.out, buf, st0.group)
+        with stage3_streams().reduce_scatter_issue(grads):  # See [Note: stage-3 streams]
+            buf = torch.empty(world, b.total, dtype=dtype, device=device)  # copies below cast into it
+            for p, off, g in zip(b.params, b.offsets, grads):
+                sn = p.zero_state.shard_numel
+                _copy_rows(buf[:, off : off + sn], g.reshape(-1), sn)
+            grads.clear()  # the full gradients are in the buffer now: free them
+            if st0.grad_divisor != 1:
+                # the group size, or the data-parallel world size for experts even when their
+                # expert-data-parallel group is a single rank (See [Note: stage 3 expert parameters])
+                buf.div_(st0.grad_divisor)
+            if world == 1:
+                b.out = buf.view(-1)
             else:
-                b.work = comm.reduce_scatter_tensor(b.out, buf.view(-1), group=st0.group, async_op=True)
+                check_agreement(1, b.params, buf.numel() * buf.element_size(), st0.group, b.what)
+                b.out = torch.empty(b.total, dtype=dtype, device=device)
+                b.buffer = buf
+                if self.qgz is not None:  # ZeRO++ qgZ: See [Note: quantized gradient reduce-scatter (qgZ)]
+                    b.work = self.qgz(b.out, buf, st0.group)
+                else:
+                    b.work = comm.reduce_scatter_tensor(b.out, buf.view(-1), group=st0.group, async_op=True)
         self._in_flight.append(b)
         if not self.overlap or len(self._in_flight) > self.max_in_flight:
             self._complete(self._in_flight.popleft())
 
     # -- completion -----------------------------------------------------------------------
     def _complete(self, b: _Bucket) -> None:
-        if b.work is not None:
-            _wait(b.work, b.what)
+        work = b.work  # the compute stream waits for it: See [Note: stage-3 streams]
+        stage3_streams().reduce_scatter_wait(lambda: work is None or _wait(work, b.what), [b.out])
         out = b.out
         assert out is not None
         # MiCS: the shard group's sum, then over the replicas (See [Note: MiCS and hpZ shard groups])
