@@ -33,8 +33,8 @@ from pathlib import Path
 
 import _timing
 import torch
-from host_syncs_column import host_syncs_per_step, syncs_cell
 from bench_env import cpu_model, git_commit
+from host_syncs_column import host_syncs_per_step, syncs_cell
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("bench_gpt", ROOT / "examples" / "gpt.py")

@@ -468,7 +468,9 @@ def _gather_group(
     check_agreement(0, todo, chunk, source.group, label)
     device = todo[0].zero_state.shard.device
     # read on the all-gather stream, possibly freed soon after: See [Note: stage-3 streams]
-    crossing = [source.piece(p.zero_state) for p in todo if source.secondary or p.zero_state.offload is not None]
+    crossing = [
+        source.piece(p.zero_state) for p in todo if source.secondary or p.zero_state.offload is not None
+    ]
     with stage3_streams().all_gather_issue(crossing):
         if quantized and fetch:  # ZeRO++ qwZ: See [Note: quantized weight all-gather (qwZ)]
             from zero_core.comm.quantized_collectives import quantized_all_gather
