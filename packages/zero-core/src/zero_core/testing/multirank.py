@@ -252,8 +252,13 @@ def run_multirank(
     backend = _resolve_backend(backend, world_size)
     if "fork" not in mp.get_all_start_methods():
         raise RuntimeError("run_multirank needs the 'fork' start method (Linux or macOS)")
+    import torch._dynamo  # noqa: F401
     import torch.distributed as dist
 
+    # torch._dynamo above: a process's first torch optimizer imports it (2-4 s of CPU on a
+    # 2-core machine). Imported here, in the calling process, the forked ranks inherit it;
+    # otherwise every rank of every test would import it again until the caller itself did.
+    # The import starts no threads, so forking stays safe.
     if dist.is_available() and dist.is_initialized():
         raise RuntimeError(
             "run_multirank: this process already has a default process group; the forked ranks would "
