@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -147,10 +149,17 @@ def test_process_group_is_destroyed_in_children_and_parent_untouched():
 
 
 def test_trivial_two_rank_overhead_is_small():
+    """Forked ranks skip the interpreter start and the torch import a spawned rank pays (see
+    [Note: forked ranks]): a whole 2-rank run costs less than one fresh ``import torch``, both
+    measured here under the same machine load (an absolute limit failed on loaded CI machines)."""
     run_multirank(dist.get_rank, 2)  # warm
     start = time.monotonic()
     run_multirank(dist.get_rank, 2)
-    assert time.monotonic() - start < 2.0
+    forked = time.monotonic() - start
+    start = time.monotonic()
+    subprocess.run([sys.executable, "-c", "import torch.distributed"], check=True)
+    spawned = time.monotonic() - start
+    assert forked < spawned, (forked, spawned)
 
 
 @pytest.mark.parametrize(
