@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from zero_core.protocols.optimizer_offload import NoOptimizerOffload
+
 STATE_KINDS = ("optim_states", "hp_params", "lp_params", "lp_grads", "contiguous_grad_buffer")
 
 
@@ -140,7 +142,8 @@ class ModelStatesMixin:
         dev = str(getattr(device, "value", device))
         if dev != "cpu":
             raise ValueError(f"offload_states: device must be 'cpu' (OffloadDeviceEnum.cpu), got {device!r}")
-        if self.strategy.offload is not None or self.strategy.param_offload is not None:
+        offloads_optimizer = not isinstance(self.strategy.offload, NoOptimizerOffload)
+        if offloads_optimizer or self.strategy.param_offload is not None:
             raise ValueError(
                 "offload_states: the config offloads the optimizer or the parameters already "
                 "(zero_optimization.offload_optimizer / offload_param); those states live off the device "

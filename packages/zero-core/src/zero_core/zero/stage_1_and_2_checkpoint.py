@@ -88,7 +88,8 @@ class PartitionedCheckpointing:
             if not load_optimizer_states or load_module_only or not owned:
                 continue
             first = owned[0][0]
-            live = self.optimizer.state.get(self.masters[g], {}) if self.offload is None else {}
+            offloaded = self.offload.owns(self.masters[g])
+            live = {} if offloaded else self.optimizer.state.get(self.masters[g], {})
             state: dict[str, Any] = {}
             for key in reader.optimizer_keys(first):
                 kind = OPTIM_PREFIX + key
@@ -105,11 +106,12 @@ class PartitionedCheckpointing:
                 zero_uncovered(buf, covered)  # padding and parameters absent from the checkpoint
                 state[key] = buf.view(master.shape)
             if state:
-                if self.offload is not None:
+                if offloaded:
                     handoff.append((self.masters[g], state))
                 else:
                     self.optimizer.state[self.masters[g]] = state
-        if self.offload is not None:
+        # with optimizer offload every master is owned (on every rank): the same branch everywhere
+        if any(self.offload.owns(m) for m in self.masters):
             reader.finish_single_pass()  # the store copies the values: they must be read (collective)
             for m, state in handoff:
                 self.offload.load_state(self.optimizer, m, state)

@@ -26,9 +26,9 @@ class Stage3Checkpointing:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "optimizer": self.optimizer.state_dict()
-            if self.offload is None
-            else self.offload.state_dict_with_states(self.optimizer),
+            "optimizer": self.offload.state_dict_with_states(
+                self.optimizer
+            ),  # the optimizer's own without offload
             "master": [
                 self._master_value(self.master[p.zero_state.id])
                 for p in self.params
@@ -40,8 +40,7 @@ class Stage3Checkpointing:
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
-        if self.offload is not None:
-            self.offload.sync_from_optimizer(self.optimizer)
+        self.offload.sync_from_optimizer(self.optimizer)
         for p, saved in zip(self.params, state.get("shards", [])):
             write_shard(p, saved)
         masters = [self.master[p.zero_state.id] for p in self.params if p.zero_state.id in self.master]
@@ -163,7 +162,7 @@ class Stage3Checkpointing:
                 )
             lo, hi = self._owned_range(p)
             m = self.master.get(st.id)
-            offloaded = m is not None and self.offload is not None and self.offload.owns(m)
+            offloaded = m is not None and self.offload.owns(m)
             if offloaded:
                 value = self._master_value(m).reshape(-1)  # a new tensor: the store keeps the master
                 reader.read_fp32_into(value[: hi - lo], name, lo)
