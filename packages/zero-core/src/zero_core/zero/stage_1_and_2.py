@@ -225,7 +225,7 @@ def _partition_groups(
     return groups, backward_order
 
 
-class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedGradWrite, PartitionedCheckpointing):
+class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedGradWrite):
     """The :class:`~zero_core.engine.strategy.TrainingStrategy` of ZeRO stages 1 and 2.
 
     See [Note: optimizer on a shard] and [Note: partitioned gradient reduction].
@@ -270,6 +270,7 @@ class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedGradWrite,
         self._ranks = [comm.get_rank(gg.group) for gg in groups]  # this rank within each group's group
         # See [Note: optimizer offload hook] in zero_offload; the null object when nothing is
         # offloaded (See [Note: optimizer offload seam])
+        self.checkpointing = PartitionedCheckpointing(self)  # its checkpoint methods delegate there
         self.offload: OptimizerOffload = (
             optimizer_offload if optimizer_offload is not None else NoOptimizerOffload()
         )
@@ -478,6 +479,27 @@ class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedGradWrite,
                     )
                 m.copy_(saved)
         self._publish_params()
+
+    # -- checkpointing: delegated to PartitionedCheckpointing ----------------------------------
+    def checkpoint_fragments(self, exclude_frozen_parameters: bool = False) -> list[Any]:
+        """See :meth:`PartitionedCheckpointing.checkpoint_fragments`."""
+        return self.checkpointing.checkpoint_fragments(exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def load_checkpoint_fragments(
+        self,
+        reader: Any,
+        *,
+        load_optimizer_states: bool = True,
+        load_module_only: bool = False,
+        strict: bool = True,
+    ) -> None:
+        """See :meth:`PartitionedCheckpointing.load_checkpoint_fragments` (collective)."""
+        self.checkpointing.load_checkpoint_fragments(
+            reader,
+            load_optimizer_states=load_optimizer_states,
+            load_module_only=load_module_only,
+            strict=strict,
+        )
 
     # -- optimizer offload (zero-offload; see [Note: optimizer offload hook] there) ----------
     def _optimizer_state(self, g: int) -> dict[str, Any]:

@@ -55,11 +55,12 @@ def _unique_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     return out
 
 
-class Stage3Strategy(Stage3Checkpointing):
+class Stage3Strategy:
     """Partitioned parameters, gradients and optimizer states.
 
-    ``state_dict``/``load_state_dict``, ``save_16bit_model`` and the checkpoint fragments come from
-    :class:`~zero_core.zero.stage3.strategy_checkpoint.Stage3Checkpointing`.
+    ``state_dict``/``load_state_dict``, ``save_16bit_model`` and the checkpoint fragments are
+    delegated to the :class:`~zero_core.zero.stage3.strategy_checkpoint.Stage3Checkpointing` it holds
+    (``self.checkpointing``): composition, not a mixin.
     """
 
     def __init__(
@@ -124,6 +125,7 @@ class Stage3Strategy(Stage3Checkpointing):
             QuantizedShardStore().adopt(self.params)
         # See [Note: optimizer offload hook] in zero_offload; the null object when nothing is
         # offloaded (See [Note: optimizer offload seam])
+        self.checkpointing = Stage3Checkpointing(self)  # its checkpoint methods delegate there
         self.offload: OptimizerOffload = (
             optimizer_offload if optimizer_offload is not None else NoOptimizerOffload()
         )
@@ -389,6 +391,47 @@ class Stage3Strategy(Stage3Checkpointing):
             self.offload.set_master(m, values)
         else:
             m.copy_(values.reshape(m.shape))
+
+    # -- checkpointing: delegated to Stage3Checkpointing ---------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """See :meth:`Stage3Checkpointing.state_dict`."""
+        return self.checkpointing.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """See :meth:`Stage3Checkpointing.load_state_dict`."""
+        self.checkpointing.load_state_dict(state)
+
+    def save_16bit_model(
+        self,
+        save_dir: str,
+        save_filename: str = "model.safetensors",
+        exclude_frozen_parameters: bool = False,
+        max_shard_size: int | str = "5GB",
+    ) -> bool:
+        """See :meth:`Stage3Checkpointing.save_16bit_model` (collective)."""
+        return self.checkpointing.save_16bit_model(
+            save_dir, save_filename, exclude_frozen_parameters, max_shard_size
+        )
+
+    def checkpoint_fragments(self, exclude_frozen_parameters: bool = False) -> list[Any]:
+        """See :meth:`Stage3Checkpointing.checkpoint_fragments`."""
+        return self.checkpointing.checkpoint_fragments(exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def load_checkpoint_fragments(
+        self,
+        reader: Any,
+        *,
+        load_optimizer_states: bool = True,
+        load_module_only: bool = False,
+        strict: bool = True,
+    ) -> None:
+        """See :meth:`Stage3Checkpointing.load_checkpoint_fragments` (collective)."""
+        self.checkpointing.load_checkpoint_fragments(
+            reader,
+            load_optimizer_states=load_optimizer_states,
+            load_module_only=load_module_only,
+            strict=strict,
+        )
 
     # -- optimizer offload (zero-offload; see [Note: optimizer offload hook] there) ----------
     def _offload_masters(self, ratio: float) -> None:
