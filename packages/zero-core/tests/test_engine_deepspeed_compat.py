@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from zero_core.protocols.optimizer_offload import NoOptimizerOffload
 from zero_core.testing import run_multirank
 from zero_core.testing.parity import assert_tensors_close
 
@@ -186,7 +187,7 @@ def _api_rank() -> dict:
     cfg = _cfg(3)
     cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     engine, opt, _, _ = zero_core.initialize(model=copy.deepcopy(ref_model), config=cfg)
-    assert opt is None and engine.strategy.offload is None
+    assert opt is None and isinstance(engine.strategy.offload, NoOptimizerOffload)
     with torch.no_grad():
         torch.testing.assert_close(engine(x, y), want.detach(), rtol=1e-6, atol=1e-6)
     return out

@@ -9,9 +9,10 @@ stage itself.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -24,22 +25,22 @@ from zero_core.engine.boundary_step import OptimizerBoundaryStep
 from zero_core.engine.data import cast_floating
 from zero_core.engine.eval_only import is_eval_only, require_optimizer
 from zero_core.engine.loss_scaler import LossScaler
-from zero_core.engine.model_states import ModelStatesMixin
-from zero_core.engine.module_attrs import ForwardToModule
-from zero_core.engine.no_sync import NoSyncMixin
+from zero_core.engine.model_states import ModelStates
+from zero_core.engine.module_attrs import forward_to_module
+from zero_core.engine.no_sync import NoSyncGuard
 from zero_core.engine.strategy import TrainingStrategy
 from zero_core.engine.timers import Timers
 from zero_core.utils import termination
 
 
-class ZeroEngine(ForwardToModule, NoSyncMixin, ModelStatesMixin, DeepSpeedAccessors, torch.nn.Module):
+class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
     """Wraps a model for training; use it like the model, plus ``backward`` and ``step``.
 
     DeepSpeed's accessors (``zero_optimization_stage()``, ``bfloat16_enabled()`` ...) come from
-    :class:`DeepSpeedAccessors` (see [Note: DeepSpeed engine accessors]); ``no_sync()`` from
-    :class:`NoSyncMixin` (see [Note: no_sync]); ``offload_states()``/``reload_states()`` from
-    :class:`ModelStatesMixin`; unknown attributes are looked up on the wrapped module (see
-    [Note: engine attribute forwarding]).
+    :class:`DeepSpeedAccessors` (see [Note: DeepSpeed engine accessors]); ``no_sync()`` delegates to
+    the :class:`NoSyncGuard` it holds (see [Note: no_sync]), ``offload_states()``/``reload_states()``
+    to its :class:`ModelStates`; unknown attributes are looked up on the wrapped module by
+    :func:`forward_to_module` (see [Note: engine attribute forwarding]).
     """
 
     def __init__(
@@ -59,6 +60,8 @@ class ZeroEngine(ForwardToModule, NoSyncMixin, ModelStatesMixin, DeepSpeedAccess
         profiler: Any = None,
     ) -> None:
         super().__init__()
+        self._no_sync_guard = NoSyncGuard()  # See [Note: no_sync]
+        self._model_states = ModelStates()  # See [Note: offloading model states between phases]
         self.module = module
         self.strategy = strategy
         self.config = config
@@ -103,6 +106,35 @@ class ZeroEngine(ForwardToModule, NoSyncMixin, ModelStatesMixin, DeepSpeedAccess
         self._invalid_state: str | None = None
         self._invalid_state_optimizer = False
         self._save_agreement = SaveAgreement()
+
+    # -- the parts it holds: attribute forwarding, no_sync, offload_states -----------------
+    def __getattr__(self, name: str) -> Any:
+        return forward_to_module(self, name)  # See [Note: engine attribute forwarding]
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Backward passes inside the context keep their gradients local (stages 0 and 1).
+
+        See [Note: no_sync]."""
+        return self._no_sync_guard.context(self.zero_optimization_stage())
+
+    def offload_states(
+        self,
+        include: Iterable[Any] | None = None,
+        device: Any = "cpu",
+        pin_memory: bool = True,
+        non_blocking: bool = False,
+    ) -> None:
+        """Move the model states of ``include`` (default: all kinds) to host memory (ZeRO stage 3).
+
+        See [Note: offloading model states between phases]."""
+        stage = self.zero_optimization_stage()
+        self._model_states.offload(
+            self.strategy, stage, self.device, include, device, pin_memory, non_blocking
+        )
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Bring back every state :meth:`offload_states` moved, to the device it came from."""
+        self._model_states.reload(self.strategy, non_blocking)
 
     # -- the strategy's parts -----------------------------------------------------------
     @property
@@ -198,7 +230,7 @@ class ZeroEngine(ForwardToModule, NoSyncMixin, ModelStatesMixin, DeepSpeedAccess
     # -- the loop -----------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._require_valid_state("forward")
-        self._require_states_on_device("forward", ("lp_params",))
+        self._model_states.require_on_device("forward", ("lp_params",))
         if self.profiler is not None and self.micro_steps % self.gradient_accumulation_steps() == 0:
             self.profiler.on_step_begin(self.global_steps)
         if self._wall_clock:
@@ -223,10 +255,10 @@ class ZeroEngine(ForwardToModule, NoSyncMixin, ModelStatesMixin, DeepSpeedAccess
         require_optimizer(self.strategy.optimizer, "backward")
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError("engine.backward expects a scalar loss tensor")
-        self._require_states_on_device("backward")
+        self._model_states.require_on_device("backward")
         boundary = self.is_gradient_accumulation_boundary()
         self._note(f"engine.backward of micro-step {self.micro_steps}")
-        reduce = self._reduce_in_this_backward(boundary)
+        reduce = self._no_sync_guard.reduce_in_this_backward(boundary)
         self._losses.append(loss.detach().float().reshape(()))  # on the device: no host sync
         gas_scaled = loss
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
@@ -249,8 +281,8 @@ class ZeroEngine(ForwardToModule, NoSyncMixin, ModelStatesMixin, DeepSpeedAccess
         """End a micro-step; on an accumulation boundary apply the optimizer."""
         self._require_valid_state("step")
         require_optimizer(self.strategy.optimizer, "step")
-        self._require_outside_no_sync("step")
-        self._require_states_on_device("step")
+        self._no_sync_guard.require_outside("step")
+        self._model_states.require_on_device("step")
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         self.global_samples += self.train_micro_batch_size_per_gpu() * self.dp_world_size

@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from zero_core.protocols.optimizer_offload import NoOptimizerOffload
+
 STATE_KINDS = ("optim_states", "hp_params", "lp_params", "lp_grads", "contiguous_grad_buffer")
 
 
@@ -117,21 +119,25 @@ def _move_storages(
                 )
 
 
-class ModelStatesMixin:
-    """Mixed into :class:`~zero_core.engine.engine.ZeroEngine`. See [Note: offloading model states between phases]."""
+class ModelStates:
+    """The state behind ``engine.offload_states()`` / ``reload_states()``: held by the engine
+    (``engine._model_states``), which delegates those calls here with its strategy.
+    See [Note: offloading model states between phases]."""
 
-    strategy: Any
-    _offloaded: dict[str, torch.device] | None = None
+    def __init__(self) -> None:
+        self.offloaded: dict[str, torch.device] | None = None
 
-    def offload_states(
+    def offload(
         self,
+        strategy: Any,
+        stage: int,
+        home: torch.device,
         include: Iterable[Any] | None = None,
         device: Any = "cpu",
         pin_memory: bool = True,
         non_blocking: bool = False,
     ) -> None:
         """Move the model states of ``include`` (default: all kinds) to host memory (ZeRO stage 3)."""
-        stage = self.zero_optimization_stage()  # type: ignore[attr-defined]
         if stage != 3:
             raise NotImplementedError(
                 f"offload_states: moving model states is supported for ZeRO stage 3 only (as in DeepSpeed); "
@@ -140,56 +146,60 @@ class ModelStatesMixin:
         dev = str(getattr(device, "value", device))
         if dev != "cpu":
             raise ValueError(f"offload_states: device must be 'cpu' (OffloadDeviceEnum.cpu), got {device!r}")
-        if self.strategy.offload is not None or self.strategy.param_offload is not None:
+        offloads_optimizer = not isinstance(strategy.offload, NoOptimizerOffload)
+        if offloads_optimizer or strategy.param_offload is not None:
             raise ValueError(
                 "offload_states: the config offloads the optimizer or the parameters already "
                 "(zero_optimization.offload_optimizer / offload_param); those states live off the device "
                 "under their own management"
             )
         kinds = list(STATE_KINDS) if include is None else [_kind_name(k) for k in include]
-        if self._offloaded:
-            already = sorted(set(kinds) & set(self._offloaded))
+        if self.offloaded:
+            already = sorted(set(kinds) & set(self.offloaded))
             if already:
                 raise RuntimeError(
                     f"offload_states: {already} are offloaded already; call reload_states() first"
                 )
-        self.empty_partition_cache()  # type: ignore[attr-defined]  # gathered copies: re-gathered on reload
+        release = getattr(strategy, "empty_partition_cache", None)
+        if release is not None:
+            release()  # gathered copies: re-gathered on reload
         target = torch.device("cpu")
-        home = torch.device(self.device)  # type: ignore[attr-defined]
+        home = torch.device(home)
         # one pass, so a storage shared by two kinds (fp32 master == shard) is copied once
-        everything = [t for kind in STATE_KINDS for t in self._state_tensors(kind)]
-        chosen = [t for kind in kinds for t in self._state_tensors(kind)]
+        everything = [t for kind in STATE_KINDS for t in _state_tensors(strategy, kind)]
+        chosen = [t for kind in kinds for t in _state_tensors(strategy, kind)]
         _move_storages(chosen, everything, target, bool(pin_memory), bool(non_blocking))
-        self._offloaded = {**(self._offloaded or {}), **{k: home for k in kinds}}
+        self.offloaded = {**(self.offloaded or {}), **{k: home for k in kinds}}
 
-    def reload_states(self, non_blocking: bool = False) -> None:
-        """Bring back every state :meth:`offload_states` moved, to the device it came from."""
-        if not self._offloaded:
+    def reload(self, strategy: Any, non_blocking: bool = False) -> None:
+        """Bring back every state :meth:`offload` moved, to the device it came from."""
+        if not self.offloaded:
             return
-        everything = [t for kind in STATE_KINDS for t in self._state_tensors(kind)]
+        everything = [t for kind in STATE_KINDS for t in _state_tensors(strategy, kind)]
         homes: dict[torch.device, list[torch.Tensor]] = {}
-        for kind, home in self._offloaded.items():
-            homes.setdefault(home, []).extend(self._state_tensors(kind))
+        for kind, home in self.offloaded.items():
+            homes.setdefault(home, []).extend(_state_tensors(strategy, kind))
         for home, chosen in homes.items():
             _move_storages(chosen, everything, home, False, bool(non_blocking))
-        self._offloaded = None
-        self.strategy.refresh_persistent()
+        self.offloaded = None
+        strategy.refresh_persistent()
 
-    def _state_tensors(self, kind: str) -> list[torch.Tensor]:
-        s = self.strategy
-        if kind == "lp_params":
-            return [p.zero_state.shard for p in s.params]
-        if kind == "hp_params":
-            return list(s.master.values())
-        if kind == "optim_states":
-            return [t for st in s.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
-        if kind == "lp_grads":
-            return [p.zero_state.grad_shard for p in s.params if p.zero_state.grad_shard is not None]
-        return []  # contiguous_grad_buffer: none persists (see the Note)
-
-    def _require_states_on_device(self, what: str, kinds: tuple[str, ...] = STATE_KINDS) -> None:
-        if self._offloaded and set(kinds) & set(self._offloaded):
+    def require_on_device(self, what: str, kinds: tuple[str, ...] = STATE_KINDS) -> None:
+        if self.offloaded and set(kinds) & set(self.offloaded):
             raise RuntimeError(
-                f"engine.{what}: model states {sorted(self._offloaded)} are offloaded "
+                f"engine.{what}: model states {sorted(self.offloaded)} are offloaded "
                 "(engine.offload_states()); call engine.reload_states() first"
             )
+
+
+def _state_tensors(s: Any, kind: str) -> list[torch.Tensor]:
+    """The tensors of ``kind`` in the stage 3 strategy ``s``."""
+    if kind == "lp_params":
+        return [p.zero_state.shard for p in s.params]
+    if kind == "hp_params":
+        return list(s.master.values())
+    if kind == "optim_states":
+        return [t for st in s.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
+    if kind == "lp_grads":
+        return [p.zero_state.grad_shard for p in s.params if p.zero_state.grad_shard is not None]
+    return []  # contiguous_grad_buffer: none persists (see the Note)

@@ -20,22 +20,24 @@ from typing import Any
 import torch
 
 
-class ForwardToModule:
-    """Mixed into :class:`~zero_core.engine.engine.ZeroEngine` before ``torch.nn.Module``."""
+def forward_to_module(engine: torch.nn.Module, name: str) -> Any:
+    """``engine.__getattr__``: the engine's registered parts, then the wrapped module's attribute.
 
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return torch.nn.Module.__getattr__(self, name)  # type: ignore[arg-type]
-        except AttributeError:
-            pass
-        modules = self.__dict__.get("_modules")
-        wrapped = modules.get("module") if modules is not None else None
-        if wrapped is None or (name.startswith("__") and name.endswith("__")):
-            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
-        try:
-            return getattr(wrapped, name)
-        except AttributeError:
-            raise AttributeError(
-                f"'{type(self).__name__}' object has no attribute '{name}', and neither has the "
-                f"module it wraps ('{type(wrapped).__name__}')"
-            ) from None
+    :class:`~zero_core.engine.engine.ZeroEngine` defines ``__getattr__`` as a call of this
+    function (composition, not a mixin). See [Note: engine attribute forwarding].
+    """
+    try:
+        return torch.nn.Module.__getattr__(engine, name)
+    except AttributeError:
+        pass
+    modules = engine.__dict__.get("_modules")
+    wrapped = modules.get("module") if modules is not None else None
+    if wrapped is None or (name.startswith("__") and name.endswith("__")):
+        raise AttributeError(f"'{type(engine).__name__}' object has no attribute '{name}'")
+    try:
+        return getattr(wrapped, name)
+    except AttributeError:
+        raise AttributeError(
+            f"'{type(engine).__name__}' object has no attribute '{name}', and neither has the "
+            f"module it wraps ('{type(wrapped).__name__}')"
+        ) from None

@@ -29,15 +29,16 @@ class NoSyncError(RuntimeError, AssertionError):
     """``no_sync()`` used where DeepSpeed forbids it. See [Note: no_sync]."""
 
 
-class NoSyncMixin:
-    """Mixed into :class:`~zero_core.engine.engine.ZeroEngine`. See [Note: no_sync]."""
+class NoSyncGuard:
+    """The state behind ``engine.no_sync()``: held by the engine (``engine._no_sync_guard``), which
+    delegates ``no_sync()`` and its two checks here. See [Note: no_sync]."""
 
-    _inside_no_sync: bool = False
+    def __init__(self) -> None:
+        self.inside = False
 
     @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def context(self, stage: int) -> Iterator[None]:
         """Backward passes inside the context keep their gradients local (stages 0 and 1)."""
-        stage = self.zero_optimization_stage()  # type: ignore[attr-defined]  # DeepSpeedAccessors
         if stage >= 2:
             raise NoSyncError(
                 f"no_sync context manager is incompatible with gradient partitioning logic of ZeRO "
@@ -45,20 +46,20 @@ class NoSyncMixin:
                 "shard, so there is no local gradient to accumulate. Drop no_sync (gradient "
                 "accumulation already reduces once per micro-batch there) or use stage 0 or 1"
             )
-        if self._inside_no_sync:
+        if self.inside:
             raise NoSyncError("no_sync context manager reentry is unsupported: it is already active")
-        self._inside_no_sync = True
+        self.inside = True
         try:
             yield
         finally:
-            self._inside_no_sync = False
+            self.inside = False
 
-    def _reduce_in_this_backward(self, boundary: bool) -> bool:
+    def reduce_in_this_backward(self, boundary: bool) -> bool:
         """Whether the strategy reduces gradients in the current backward (never inside no_sync)."""
-        return boundary and not self._inside_no_sync
+        return boundary and not self.inside
 
-    def _require_outside_no_sync(self, what: str) -> None:
-        if self._inside_no_sync:
+    def require_outside(self, what: str) -> None:
+        if self.inside:
             raise NoSyncError(
                 f"It is illegal to call Engine.{what}() inside no_sync context manager: the gradients "
                 "accumulated there are not averaged over ranks yet; leave the context and run one "

@@ -7,9 +7,11 @@ strategies of zero-core (stages 1-2 and 3) hand it their masters (``adopt``), th
 gradients as they land (``begin_staging``/``stage_grad``/``stage_grad_range``), the step, and
 ask it for values and states when users or checkpoints read them. This protocol names those
 calls, so the strategies code against a type instead of ``Any``, and zero-offload's class is
-checked against it (``isinstance``, in zero-offload's tests). The strategies hold ``None`` when
-nothing is offloaded (a null implementation that would remove their ``if self.offload is not
-None`` branches is not written yet).
+checked against it (``isinstance``, in zero-offload's tests). When nothing is offloaded the
+strategies hold :class:`NoOptimizerOffload`, the null implementation (FSDP2's ``OffloadPolicy``
+beside ``CPUOffloadPolicy``): it owns no master and answers every call with the no-offload
+behaviour, so stage code has no ``if offload is None`` branches; the question it asks is
+``owns(master)`` (stage 3's ``offload_optimizer.ratio`` offloads only some masters).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+from zero_core.utils.storage_bytes import state_tensors
 
 
 @runtime_checkable
@@ -72,3 +76,94 @@ class OptimizerOffload(Protocol):
     def owned_tensors(self) -> list[torch.Tensor]: ...
 
     def close(self) -> None: ...
+
+
+def _not_owned(what: str) -> KeyError:
+    return KeyError(
+        f"NoOptimizerOffload.{what}: this run offloads no optimizer state, so it owns no master "
+        "(callers ask owns(master) first)"
+    )
+
+
+class NoOptimizerOffload:
+    """The :class:`OptimizerOffload` of a run that offloads nothing (the null object).
+
+    It owns no master, so the strategies keep every master, gradient and state on the device:
+    staging and the step do nothing, the accounting is empty, and a checkpoint's optimizer state
+    is the optimizer's own. The calls that only make sense for an owned master raise (the
+    strategies ask :meth:`owns` first). As FSDP2's ``OffloadPolicy`` is to ``CPUOffloadPolicy``.
+    See [Note: optimizer offload seam].
+    """
+
+    def adopt(self, sources: list[torch.Tensor]) -> list[torch.Tensor]:
+        return list(sources)  # the masters stay where they are
+
+    def finalize(self, optimizer: torch.optim.Optimizer) -> None:
+        pass
+
+    def owns(self, master: torch.Tensor) -> bool:
+        return False
+
+    def begin_staging(self, is_boundary: bool) -> None:
+        pass
+
+    def stage_grad(self, master: torch.Tensor, grad: torch.Tensor | None) -> None:
+        raise _not_owned("stage_grad")
+
+    def stage_grad_range(self, master: torch.Tensor, lo: int, values: torch.Tensor) -> None:
+        pass  # reduced gradients stay in the strategy's buffers
+
+    def is_staged(self, master: torch.Tensor) -> bool:
+        return False
+
+    def step(self, optimizer: torch.optim.Optimizer, grad_scale: float | torch.Tensor = 1.0) -> None:
+        pass  # nothing is staged here: the strategy's own optimizer.step() updates every master
+
+    def updated(self, master: torch.Tensor) -> torch.Tensor:
+        raise _not_owned("updated")
+
+    def refresh_low_precision(self) -> None:
+        pass
+
+    def master_value(self, master: torch.Tensor) -> torch.Tensor:
+        raise _not_owned("master_value")
+
+    def set_master(self, master: torch.Tensor, values: torch.Tensor) -> None:
+        raise _not_owned("set_master")
+
+    def state_of(self, optimizer: torch.optim.Optimizer, master: torch.Tensor) -> dict[str, Any]:
+        raise _not_owned("state_of")
+
+    def load_state(
+        self, optimizer: torch.optim.Optimizer, master: torch.Tensor, state: dict[str, Any]
+    ) -> None:
+        raise _not_owned("load_state")
+
+    def sync_from_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        pass
+
+    def state_dict_with_states(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return optimizer.state_dict()
+
+    def memory_breakdown(self) -> dict[str, int]:
+        return {}
+
+    def owned_tensors(self) -> list[torch.Tensor]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+def add_host_breakdown(
+    out: dict[str, int], offload: OptimizerOffload, optimizer: torch.optim.Optimizer, count: Any
+) -> None:
+    """Merge ``offload``'s host-side pools into a strategy's memory breakdown ``out``.
+
+    The per-master scalars (Adam's ``step``) of offloaded masters sit in ``optimizer.state``
+    beside the offload's pools, on the host too: they are added to ``host_optimizer_states``
+    (``count``: the strategy's storage ledger's ``count``). Nothing is added without offload.
+    """
+    out.update(offload.memory_breakdown())
+    if "host_optimizer_states" in out:
+        out["host_optimizer_states"] += count(state_tensors(optimizer, offload.owns))

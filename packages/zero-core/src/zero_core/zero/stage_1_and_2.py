@@ -49,10 +49,10 @@ import torch
 import torch.distributed as dist
 
 from zero_core import comm
-from zero_core.protocols.optimizer_offload import OptimizerOffload
+from zero_core.protocols.optimizer_offload import NoOptimizerOffload, OptimizerOffload, add_host_breakdown
 from zero_core.utils.grad_norm import any_nonfinite, needs_scaling, sum_of_squares
 from zero_core.utils.param_groups import reduction_groups
-from zero_core.utils.storage_bytes import StorageLedger, state_tensors
+from zero_core.utils.storage_bytes import StorageLedger
 from zero_core.zero.flat_partition import FlatPartition
 from zero_core.zero.grad_reduce import GroupGrads, PartitionedGradReducer
 from zero_core.zero.stage_1_and_2_access import PartitionedGradWrite, PartitionedStateAccess
@@ -225,7 +225,7 @@ def _partition_groups(
     return groups, backward_order
 
 
-class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedGradWrite, PartitionedCheckpointing):
+class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedGradWrite):
     """The :class:`~zero_core.engine.strategy.TrainingStrategy` of ZeRO stages 1 and 2.
 
     See [Note: optimizer on a shard] and [Note: partitioned gradient reduction].
@@ -268,7 +268,12 @@ class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedGradWrite,
         groups, backward_order = _partition_groups(module, optimizer, stage, group, reduce_bucket_size)
         self.groups = groups
         self._ranks = [comm.get_rank(gg.group) for gg in groups]  # this rank within each group's group
-        self.offload = optimizer_offload  # See [Note: optimizer offload hook] in zero_offload
+        # See [Note: optimizer offload hook] in zero_offload; the null object when nothing is
+        # offloaded (See [Note: optimizer offload seam])
+        self.checkpointing = PartitionedCheckpointing(self)  # its checkpoint methods delegate there
+        self.offload: OptimizerOffload = (
+            optimizer_offload if optimizer_offload is not None else NoOptimizerOffload()
+        )
         self._build_flat_buffers()
         self.reducer = PartitionedGradReducer(
             groups,
@@ -289,12 +294,11 @@ class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedGradWrite,
         self.masters: list[torch.nn.Parameter] = []
         self.flat_params: list[torch.Tensor] = []
         # See [Note: fp32 master aliasing].
-        # With optimizer offload the masters live in host memory: never aliased.
+        # With optimizer offload the masters live in host memory: never aliased (``adopt`` copies
+        # them there; the flag is recomputed after it).
         groups, dtype = self.groups, self.dtype
-        self.master_aliases_params = (
-            self.offload is None
-            and dtype == torch.float32
-            and all(len(gg.layout.chunks) <= 1 for gg in groups)
+        self.master_aliases_params = dtype == torch.float32 and all(
+            len(gg.layout.chunks) <= 1 for gg in groups
         )
         with torch.no_grad():
             for g, gg in enumerate(groups):
@@ -313,11 +317,11 @@ class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedGradWrite,
                 if self.master_aliases_params:
                     a = self._ranks[g] * gg.layout.shard_numel
                     self.masters.append(torch.nn.Parameter(flat[a : a + gg.layout.shard_numel]))
-            if self.offload is not None:
-                self.masters = [self.offload.adopt([m])[0] for m in self.masters]
+            before = self.masters
+            self.masters = [self.offload.adopt([m])[0] for m in before]
+            self.master_aliases_params &= all(a is m for a, m in zip(self.masters, before))
             self._bind_optimizer_groups()
-            if self.offload is not None:
-                self.offload.finalize(self.optimizer)
+            self.offload.finalize(self.optimizer)
             if dtype != torch.float32:
                 self.module.to(dtype)  # frozen parameters and floating buffers; flat views are already cast
 
@@ -343,9 +347,8 @@ class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedGradWrite,
     # -- TrainingStrategy --------------------------------------------------------------
     def before_backward(self, is_boundary: bool) -> None:
         self.reducer.arm(is_boundary)
-        if self.offload is not None:  # See [Note: gradient staging] in zero_offload
-            self.offload.begin_staging(is_boundary)
-            self.reducer.on_reduced = self._stage_reduced if is_boundary else None
+        self.offload.begin_staging(is_boundary)  # See [Note: gradient staging] in zero_offload
+        self.reducer.on_reduced = self._stage_reduced if is_boundary else None
 
     def _stage_reduced(self, g: int, lo: int, values: torch.Tensor) -> None:
         self.offload.stage_grad_range(self.masters[g], lo, values)
@@ -369,20 +372,20 @@ class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedGradWrite,
 
     @torch.no_grad()
     def step(self, grad_scale: float | torch.Tensor) -> None:
-        if self.offload is not None:
-            for g, m in enumerate(self.masters):
+        on_device = [m for m in self.masters if not self.offload.owns(m)]
+        for g, m in enumerate(self.masters):
+            if self.offload.owns(m):
                 if not self.offload.is_staged(m):  # not already copied during backward
                     self.offload.stage_grad(m, self.reducer.shard_grad(g))
-            self.offload.step(self.optimizer, grad_scale)
-            self._publish_params()
-            return
-        for g, m in enumerate(self.masters):
+                continue
             # fp32 gradients are scaled in place: they are zeroed right after the step anyway
             grad = self.reducer.shard_grad(g).float()
             if needs_scaling(grad_scale):
                 grad.mul_(grad_scale)
             m.grad = grad
-        self.optimizer.step()
+        if on_device:  # an offload owning every master steps them itself
+            self.optimizer.step()
+        self.offload.step(self.optimizer, grad_scale)
         for m in self.masters:
             m.grad = None
         self._publish_params()
@@ -392,7 +395,9 @@ class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedGradWrite,
         for g, gg in enumerate(self.groups):
             gather_shards(
                 gg.layout,
-                self.masters[g].detach() if self.offload is None else self.offload.updated(self.masters[g]),
+                self.offload.updated(self.masters[g])
+                if self.offload.owns(self.masters[g])
+                else self.masters[g].detach(),
                 self.flat_params[g],
                 rank=self._ranks[g],
                 group=gg.group,
@@ -402,8 +407,7 @@ class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedGradWrite,
 
     def zero_grad(self) -> None:
         self.reducer.zero_grad()
-        if self.offload is not None:
-            self.offload.begin_staging(True)  # a skipped step must not leave staged gradients
+        self.offload.begin_staging(True)  # a skipped step must not leave staged gradients
         for m in self.masters:
             m.grad = None
 
@@ -415,7 +419,7 @@ class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedGradWrite,
         state = [
             t
             for m, s in self.optimizer.state.items()
-            if self.offload is None or not self.offload.owns(m)
+            if not self.offload.owns(m)
             for t in s.values()
             if torch.is_tensor(t)
         ]
@@ -423,18 +427,14 @@ class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedGradWrite,
         grads += [p.grad for p in self.module.parameters() if p.grad is not None]
         grads += [m.grad for m in self.masters]
         # offloaded masters/states/grads are host-side: kept out of the device-side categories
-        ledger = StorageLedger(exclude=[] if self.offload is None else self.offload.owned_tensors())
+        ledger = StorageLedger(exclude=self.offload.owned_tensors())
         ledger.add("parameters", [*self.flat_params, *self.module.parameters()])
         ledger.add("gradients", grads)
         ledger.add("master_weights", self.masters)
         ledger.add("optimizer_states", state)
         ledger.add("buffers", self.reducer.live_buffers())
         out = ledger.categories
-        if self.offload is not None:
-            out.update(self.offload.memory_breakdown())
-            # per-master scalars (Adam's step) sit beside the offload's pools, on the host too
-            host_states = state_tensors(self.optimizer, self.offload.owns)
-            out["host_optimizer_states"] = out.get("host_optimizer_states", 0) + ledger.count(host_states)
+        add_host_breakdown(out, self.offload, self.optimizer, ledger.count)
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -480,15 +480,35 @@ class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedGradWrite,
                 m.copy_(saved)
         self._publish_params()
 
+    # -- checkpointing: delegated to PartitionedCheckpointing ----------------------------------
+    def checkpoint_fragments(self, exclude_frozen_parameters: bool = False) -> list[Any]:
+        """See :meth:`PartitionedCheckpointing.checkpoint_fragments`."""
+        return self.checkpointing.checkpoint_fragments(exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def load_checkpoint_fragments(
+        self,
+        reader: Any,
+        *,
+        load_optimizer_states: bool = True,
+        load_module_only: bool = False,
+        strict: bool = True,
+    ) -> None:
+        """See :meth:`PartitionedCheckpointing.load_checkpoint_fragments` (collective)."""
+        self.checkpointing.load_checkpoint_fragments(
+            reader,
+            load_optimizer_states=load_optimizer_states,
+            load_module_only=load_module_only,
+            strict=strict,
+        )
+
     # -- optimizer offload (zero-offload; see [Note: optimizer offload hook] there) ----------
     def _optimizer_state(self, g: int) -> dict[str, Any]:
         """Group ``g``'s optimizer state in torch's format, read from its offload store if any."""
         m = self.masters[g]
-        if self.offload is not None and self.offload.owns(m):
+        if self.offload.owns(m):
             return self.offload.state_of(self.optimizer, m)
         return self.optimizer.state.get(m, {})
 
     def close(self) -> None:
         """Release offload resources (swap files); the engine's ``destroy()`` calls it."""
-        if self.offload is not None:
-            self.offload.close()
+        self.offload.close()

@@ -1,8 +1,9 @@
 """ZeRO stages 1 and 2: checkpoint fragments out and in, for
 :class:`~zero_core.zero.stage_1_and_2.PartitionedOptimizerStrategy`.
 
-A mixin: it reads the strategy's groups, masters, optimizer and offload store; the format and the
-reader are ``zero_core.checkpoint``'s (see [Note: checkpoint format] in checkpoint/format.py).
+A part the strategy holds (``strategy.checkpointing``) and delegates to: it reads the strategy's
+groups, masters, optimizer and offload store; the format and the reader are
+``zero_core.checkpoint``'s (see [Note: checkpoint format] in checkpoint/format.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ import torch
 
 
 class PartitionedCheckpointing:
-    """Saving and loading a partitioned optimizer's shards (mixed into the stage 1/2 strategy)."""
+    """Saving and loading a partitioned optimizer's shards (held by the stage 1/2 strategy)."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy  # a PartitionedOptimizerStrategy (not imported: it imports this module)
 
     # -- checkpointing (zero_core.checkpoint; see [Note: checkpoint format] in checkpoint/format.py) --
     def checkpoint_fragments(self, exclude_frozen_parameters: bool = False) -> list[Any]:
@@ -22,22 +26,23 @@ class PartitionedCheckpointing:
         Rank 0 adds the whole module weights that the masters do not already give exactly (16-bit
         weights, frozen parameters) and the per-group scalar states (Adam's ``step``).
         """
+        s = self.strategy
         from zero_core.checkpoint.fragments import FP32, Fragment, optimizer_state_fragments
         from zero_core.checkpoint.replicated import module_fragments
 
         out = []
-        if self.rank == 0:
-            partitioned = {n for gg in self.groups for n in gg.names}
+        if s.rank == 0:
+            partitioned = {n for gg in s.groups for n in gg.names}
             out = [
                 f
-                for f in module_fragments(self.module, exclude_frozen_parameters=exclude_frozen_parameters)
-                if self.dtype != torch.float32 or f.name not in partitioned
+                for f in module_fragments(s.module, exclude_frozen_parameters=exclude_frozen_parameters)
+                if s.dtype != torch.float32 or f.name not in partitioned
             ]
-        for g, gg in enumerate(self.groups):
-            master = self.masters[g].detach()
-            state = self._optimizer_state(g)
+        for g, gg in enumerate(s.groups):
+            master = s.masters[g].detach()
+            state = s._optimizer_state(g)
             for i, (p, name) in enumerate(zip(gg.params, gg.names)):
-                segments = self._own_segments(g, i)
+                segments = s._own_segments(g, i)
                 for so, po, n in segments:
                     out.append(Fragment(name, FP32, tuple(p.shape), po, po + n, master[so : so + n]))
                 out += optimizer_state_fragments(
@@ -46,7 +51,7 @@ class PartitionedCheckpointing:
                     state,
                     segments,
                     elementwise_numel=master.numel(),
-                    emit_scalars=self._ranks[g] == 0,  # once per (expert) group
+                    emit_scalars=s._ranks[g] == 0,  # once per (expert) group
                 )
         return out
 
@@ -66,29 +71,31 @@ class PartitionedCheckpointing:
         complete in the reader's single pass (see [Note: single-pass load]), which an offload
         store, taking the values at once, must wait for.
         """
+        s = self.strategy
         from zero_core.checkpoint.fragments import FP32, OPTIM_PREFIX, PARAM
         from zero_core.checkpoint.inplace import state_buffer, zero_uncovered
         from zero_core.checkpoint.replicated import load_module_params
 
-        load_module_params(reader, self.module, strict=strict)
+        load_module_params(reader, s.module, strict=strict)
         handoff: list[tuple[torch.Tensor, dict[str, Any]]] = []  # (master, state) for the offload store
-        for g, gg in enumerate(self.groups):
-            master = self.masters[g].detach()
+        for g, gg in enumerate(s.groups):
+            master = s.masters[g].detach()
             owned = [
-                (name, self._own_segments(g, i))
+                (name, s._own_segments(g, i))
                 for i, name in enumerate(gg.names)
                 if reader.has(name, FP32) or reader.has(name, PARAM)
             ]
             for name, segments in owned:
                 # See [Note: fp32 master aliasing]: the module weights loaded above are the master
-                if self.master_aliases_params and reader.fp32_module_value_is_master(name):
+                if s.master_aliases_params and reader.fp32_module_value_is_master(name):
                     continue
                 for so, po, n in segments:
                     reader.read_fp32_into(master[so : so + n], name, po)
             if not load_optimizer_states or load_module_only or not owned:
                 continue
             first = owned[0][0]
-            live = self.optimizer.state.get(self.masters[g], {}) if self.offload is None else {}
+            offloaded = s.offload.owns(s.masters[g])
+            live = {} if offloaded else s.optimizer.state.get(s.masters[g], {})
             state: dict[str, Any] = {}
             for key in reader.optimizer_keys(first):
                 kind = OPTIM_PREFIX + key
@@ -105,12 +112,13 @@ class PartitionedCheckpointing:
                 zero_uncovered(buf, covered)  # padding and parameters absent from the checkpoint
                 state[key] = buf.view(master.shape)
             if state:
-                if self.offload is not None:
-                    handoff.append((self.masters[g], state))
+                if offloaded:
+                    handoff.append((s.masters[g], state))
                 else:
-                    self.optimizer.state[self.masters[g]] = state
-        if self.offload is not None:
+                    s.optimizer.state[s.masters[g]] = state
+        # with optimizer offload every master is owned (on every rank): the same branch everywhere
+        if any(s.offload.owns(m) for m in s.masters):
             reader.finish_single_pass()  # the store copies the values: they must be read (collective)
             for m, state in handoff:
-                self.offload.load_state(self.optimizer, m, state)
-            self.offload.refresh_low_precision()
+                s.offload.load_state(s.optimizer, m, state)
+            s.offload.refresh_low_precision()

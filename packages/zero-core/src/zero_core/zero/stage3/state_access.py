@@ -191,7 +191,7 @@ class Stage3StateAccess:
     ) -> None:
         m = self._master(p)
         off = self.strategy.offload
-        if off is not None and off.owns(m):  # it may live on NVMe: write it there
+        if off.owns(m):  # it may live on NVMe: write it there
             off.load_state(self.strategy.optimizer, m, {key: value.reshape(target.shape)})
         else:
             target.copy_(value.reshape(target.shape))

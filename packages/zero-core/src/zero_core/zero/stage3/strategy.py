@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 from zero_core import comm
-from zero_core.protocols.optimizer_offload import OptimizerOffload
+from zero_core.protocols.optimizer_offload import NoOptimizerOffload, OptimizerOffload, add_host_breakdown
 from zero_core.utils.grad_norm import any_nonfinite, needs_scaling, sum_of_squares
 from zero_core.utils.param_groups import is_expert_param
-from zero_core.utils.storage_bytes import StorageLedger, state_tensors
+from zero_core.utils.storage_bytes import StorageLedger
 from zero_core.zero.stage3.expert_partition import partition_group
 from zero_core.zero.stage3.gathered_parameters import SHARD_CHANGED
 from zero_core.zero.stage3.hooks import Stage3Hooks
@@ -55,11 +55,12 @@ def _unique_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     return out
 
 
-class Stage3Strategy(Stage3Checkpointing):
+class Stage3Strategy:
     """Partitioned parameters, gradients and optimizer states.
 
-    ``state_dict``/``load_state_dict``, ``save_16bit_model`` and the checkpoint fragments come from
-    :class:`~zero_core.zero.stage3.strategy_checkpoint.Stage3Checkpointing`.
+    ``state_dict``/``load_state_dict``, ``save_16bit_model`` and the checkpoint fragments are
+    delegated to the :class:`~zero_core.zero.stage3.strategy_checkpoint.Stage3Checkpointing` it holds
+    (``self.checkpointing``): composition, not a mixin.
     """
 
     def __init__(
@@ -122,9 +123,13 @@ class Stage3Strategy(Stage3Checkpointing):
             from zero_core.zero.stage3.quantized_shards import QuantizedShardStore
 
             QuantizedShardStore().adopt(self.params)
-        self.offload = optimizer_offload  # See [Note: optimizer offload hook] in zero_offload
-        if self.offload is not None:
-            self._offload_masters(float(offload_ratio))
+        # See [Note: optimizer offload hook] in zero_offload; the null object when nothing is
+        # offloaded (See [Note: optimizer offload seam])
+        self.checkpointing = Stage3Checkpointing(self)  # its checkpoint methods delegate there
+        self.offload: OptimizerOffload = (
+            optimizer_offload if optimizer_offload is not None else NoOptimizerOffload()
+        )
+        self._offload_masters(float(offload_ratio))
         for name, p in module.named_parameters():
             set_param_name(p, name)
         self.persistent = self._choose_persistent(param_persistence_threshold, model_persistence_threshold)
@@ -155,8 +160,7 @@ class Stage3Strategy(Stage3Checkpointing):
             grad_bytes_live=self.reducer.live_bytes,
         )
         self._rebind_optimizer()
-        if self.offload is not None:
-            self.offload.finalize(self.optimizer)
+        self.offload.finalize(self.optimizer)
         access = Stage3StateAccess(self)
         for p in self.params:
             p._zero_owner = access  # see [Note: safe_get owner protocol] in zero/debug_access.py
@@ -252,9 +256,8 @@ class Stage3Strategy(Stage3Checkpointing):
 
     # -- TrainingStrategy --------------------------------------------------------------
     def before_backward(self, is_boundary: bool) -> None:
-        if self.offload is not None:  # See [Note: gradient staging] in zero_offload
-            self.offload.begin_staging(is_boundary)
-            self.reducer.on_reduced = self._stage_reduced if is_boundary else None
+        self.offload.begin_staging(is_boundary)  # See [Note: gradient staging] in zero_offload
+        self.reducer.on_reduced = self._stage_reduced if is_boundary else None
 
     def _stage_reduced(self, params: list[torch.nn.Parameter]) -> None:
         for p in params:
@@ -297,7 +300,7 @@ class Stage3Strategy(Stage3Checkpointing):
             if m is None:
                 continue
             g = st.grad_shard
-            if self.offload is not None and self.offload.owns(m):
+            if self.offload.owns(m):
                 if not self.offload.is_staged(m):  # else copied already during backward
                     self.offload.stage_grad(m, g)  # host copy; scaled and applied by the CPU step
                 m.grad = None
@@ -308,16 +311,13 @@ class Stage3Strategy(Stage3Checkpointing):
             else:
                 m.grad = g.float().mul_(grad_scale)
         self.optimizer.step()  # device-side masters (all of them without offload; 1 - ratio with it)
-        if self.offload is not None:
-            self.offload.step(self.optimizer, grad_scale)
+        self.offload.step(self.optimizer, grad_scale)
         for p in self.params:
             st = p.zero_state
             m = self.master.get(st.id)
             if m is not None and not shares_shard(m, st):
                 # with optimizer offload: the low-precision copy its CPU step wrote
-                write_shard(
-                    p, self.offload.updated(m) if self.offload is not None and self.offload.owns(m) else m
-                )
+                write_shard(p, self.offload.updated(m) if self.offload.owns(m) else m)
         self.refresh_persistent()
 
     def refresh_persistent(self) -> None:
@@ -330,8 +330,7 @@ class Stage3Strategy(Stage3Checkpointing):
             handle.wait()
 
     def zero_grad(self) -> None:
-        if self.offload is not None:
-            self.offload.begin_staging(True)  # a skipped step must not leave staged gradients
+        self.offload.begin_staging(True)  # a skipped step must not leave staged gradients
         for p in self.params:
             p.zero_state.grad_shard = None
             p.grad = None
@@ -346,12 +345,11 @@ class Stage3Strategy(Stage3Checkpointing):
         state = [
             t
             for m, s in self.optimizer.state.items()
-            if off is None or not off.owns(m)
+            if not off.owns(m)
             for t in s.values()
             if torch.is_tensor(t)
         ]
-        owned_elsewhere = [] if off is None else off.owned_tensors()
-        ledger = StorageLedger(exclude=owned_elsewhere)
+        ledger = StorageLedger(exclude=off.owned_tensors())
         # offloaded shards' device copies are reported by their offload (offloaded_parameters_device)
         ledger.add("parameters", (p.zero_state.shard for p in self.params if p.zero_state.offload is None))
         ledger.add("gradients", self._grad_shards())
@@ -365,11 +363,8 @@ class Stage3Strategy(Stage3Checkpointing):
         secondary = (p.zero_state.secondary for p in self.params if p.zero_state.secondary is not None)
         ledger.add("secondary_parameters", secondary)  # hpZ: See [Note: MiCS and hpZ shard groups]
         out = ledger.categories
-        if off is not None:  # host-side pools, see [Note: optimizer offload hook] in zero_offload
-            out.update(off.memory_breakdown())
-            # per-master scalars (Adam's step) sit beside the offload's pools, on the host too
-            host_states = state_tensors(self.optimizer, off.owns)
-            out["host_optimizer_states"] = out.get("host_optimizer_states", 0) + ledger.count(host_states)
+        # host-side pools, see [Note: optimizer offload hook] in zero_offload
+        add_host_breakdown(out, off, self.optimizer, ledger.count)
         for po in self._param_offloads():  # See [Note: parameter offload] in zero_offload
             for k, v in po.memory_breakdown().items():
                 out[k] = out.get(k, 0) + v
@@ -386,16 +381,57 @@ class Stage3Strategy(Stage3Checkpointing):
     # Masters may live on NVMe (See [Note: masters on NVMe] in zero_offload): read and write them
     # through these two instead of touching the tensors.
     def _master_value(self, m: torch.Tensor) -> torch.Tensor:
-        if self.offload is not None and self.offload.owns(m):
+        if self.offload.owns(m):
             return self.offload.master_value(m)
         return m.detach()
 
     @torch.no_grad()
     def _set_master_value(self, m: torch.Tensor, values: torch.Tensor) -> None:
-        if self.offload is not None and self.offload.owns(m):
+        if self.offload.owns(m):
             self.offload.set_master(m, values)
         else:
             m.copy_(values.reshape(m.shape))
+
+    # -- checkpointing: delegated to Stage3Checkpointing ---------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """See :meth:`Stage3Checkpointing.state_dict`."""
+        return self.checkpointing.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """See :meth:`Stage3Checkpointing.load_state_dict`."""
+        self.checkpointing.load_state_dict(state)
+
+    def save_16bit_model(
+        self,
+        save_dir: str,
+        save_filename: str = "model.safetensors",
+        exclude_frozen_parameters: bool = False,
+        max_shard_size: int | str = "5GB",
+    ) -> bool:
+        """See :meth:`Stage3Checkpointing.save_16bit_model` (collective)."""
+        return self.checkpointing.save_16bit_model(
+            save_dir, save_filename, exclude_frozen_parameters, max_shard_size
+        )
+
+    def checkpoint_fragments(self, exclude_frozen_parameters: bool = False) -> list[Any]:
+        """See :meth:`Stage3Checkpointing.checkpoint_fragments`."""
+        return self.checkpointing.checkpoint_fragments(exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def load_checkpoint_fragments(
+        self,
+        reader: Any,
+        *,
+        load_optimizer_states: bool = True,
+        load_module_only: bool = False,
+        strict: bool = True,
+    ) -> None:
+        """See :meth:`Stage3Checkpointing.load_checkpoint_fragments` (collective)."""
+        self.checkpointing.load_checkpoint_fragments(
+            reader,
+            load_optimizer_states=load_optimizer_states,
+            load_module_only=load_module_only,
+            strict=strict,
+        )
 
     # -- optimizer offload (zero-offload; see [Note: optimizer offload hook] there) ----------
     def _offload_masters(self, ratio: float) -> None:
@@ -422,19 +458,18 @@ class Stage3Strategy(Stage3Checkpointing):
                 if id(p) in by_param and by_param[id(p)].zero_state.id in chosen
             ]
             if mine:
-                hosts = self.offload.adopt([self.master[i].detach() for i in mine])
+                hosts = self.offload.adopt([self.master[i] for i in mine])  # the null object keeps them
                 for i, h in zip(mine, hosts):
                     self.master[i] = h
 
     def _optimizer_state(self, m: torch.Tensor) -> dict[str, Any]:
-        if self.offload is not None and self.offload.owns(m):
+        if self.offload.owns(m):
             return self.offload.state_of(self.optimizer, m)
         return self.optimizer.state.get(m, {})
 
     def close(self) -> None:
         """Release offload resources (swap files); the engine's ``destroy()`` calls it."""
-        if self.offload is not None:
-            self.offload.close()
+        self.offload.close()
         for po in self._param_offloads():
             po.close()
 

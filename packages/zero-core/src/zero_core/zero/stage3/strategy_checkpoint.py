@@ -1,8 +1,9 @@
 """ZeRO stage 3: engine state dict, 16-bit model save and checkpoint fragments out and in, for
 :class:`~zero_core.zero.stage3.strategy.Stage3Strategy`.
 
-A mixin: it reads the strategy's module, parameters, masters, optimizer and offload store; the format
-and the reader are ``zero_core.checkpoint``'s (see [Note: checkpoint format] in checkpoint/format.py).
+A part the strategy holds (``strategy.checkpointing``) and delegates to: it reads the strategy's
+module, parameters, masters, optimizer and offload store; the format and the reader are
+``zero_core.checkpoint``'s (see [Note: checkpoint format] in checkpoint/format.py).
 """
 
 from __future__ import annotations
@@ -21,33 +22,33 @@ from zero_core.zero.stage3.partitioned_param import is_partitioned, read_shard, 
 class Stage3Checkpointing:
     """Saving and loading the partitioned parameters, masters and optimizer states.
 
-    Mixed into the stage 3 strategy.
+    Held by the stage 3 strategy, which delegates its checkpoint methods here.
     """
 
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy  # a Stage3Strategy (not imported: it imports this module)
+
     def state_dict(self) -> dict[str, Any]:
+        s = self.strategy
         return {
-            "optimizer": self.optimizer.state_dict()
-            if self.offload is None
-            else self.offload.state_dict_with_states(self.optimizer),
+            "optimizer": s.offload.state_dict_with_states(s.optimizer),  # the optimizer's own without offload
             "master": [
-                self._master_value(self.master[p.zero_state.id])
-                for p in self.params
-                if p.zero_state.id in self.master
+                s._master_value(s.master[p.zero_state.id]) for p in s.params if p.zero_state.id in s.master
             ],
-            "shards": [read_shard(p).detach() for p in self.params],
+            "shards": [read_shard(p).detach() for p in s.params],
         }
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.offload is not None:
-            self.offload.sync_from_optimizer(self.optimizer)
-        for p, saved in zip(self.params, state.get("shards", [])):
+        s = self.strategy
+        s.optimizer.load_state_dict(state["optimizer"])
+        s.offload.sync_from_optimizer(s.optimizer)
+        for p, saved in zip(s.params, state.get("shards", [])):
             write_shard(p, saved)
-        masters = [self.master[p.zero_state.id] for p in self.params if p.zero_state.id in self.master]
+        masters = [s.master[p.zero_state.id] for p in s.params if p.zero_state.id in s.master]
         for m, saved in zip(masters, state.get("master", [])):
-            self._set_master_value(m, saved)
-        self.refresh_persistent()
+            s._set_master_value(m, saved)
+        s.refresh_persistent()
 
     # -- 16-bit model save ----------------------------------------------------------------
     def save_16bit_model(
@@ -59,7 +60,8 @@ class Stage3Checkpointing:
     ) -> bool:
         """Gather the 16-bit weights and write them on rank 0 (collective: every rank calls it).
         See [Note: 16-bit model files for from_pretrained]."""
-        if not self.gather_16bit_weights_on_model_save:
+        s = self.strategy
+        if not s.gather_16bit_weights_on_model_save:
             if comm.get_rank() == 0:
                 print(
                     "[zero] save_16bit_model: not saving, zero_optimization.gather_16bit_weights_on_model_save "
@@ -71,7 +73,7 @@ class Stage3Checkpointing:
 
         # See [Note: stage 3 expert parameters]: rank 0 gathers only the experts of its own
         # expert-parallel rank, under local names; refuse rather than write an incomplete file.
-        for name, layer in self.module.named_modules():
+        for name, layer in s.module.named_modules():
             ep = getattr(layer, "ep_size", 1)
             if isinstance(ep, int) and ep > 1 and isinstance(getattr(layer, "num_local_experts", None), int):
                 raise ValueError(
@@ -80,7 +82,7 @@ class Stage3Checkpointing:
                     "per global expert) and zero_to_fp32 to get every expert's weights."
                 )
         state: dict[str, torch.Tensor] = {}
-        for key, value in self.module.state_dict(keep_vars=True).items():
+        for key, value in s.module.state_dict(keep_vars=True).items():
             if is_partitioned(value):
                 if exclude_frozen_parameters and not value.requires_grad:
                     continue
@@ -100,28 +102,29 @@ class Stage3Checkpointing:
 
     def checkpoint_fragments(self, exclude_frozen_parameters: bool = False) -> list[Any]:
         """Each parameter's shard range: fp32 master, optimizer states, and the 16-bit (or frozen) weight."""
+        s = self.strategy
         from zero_core.checkpoint.fragments import FP32, PARAM, Fragment, optimizer_state_fragments
 
         out: list[Any] = []
-        route = getattr(self, "route", None)
+        route = getattr(s, "route", None)
         if route is not None and route.mics and comm.get_rank() >= route.shard_size:
             return out  # MiCS: the first shard group writes; the others hold copies of its shards
-        for name, p in self.module.named_parameters():
+        for name, p in s.module.named_parameters():
             st = p.zero_state
             if exclude_frozen_parameters and not p.requires_grad:
                 continue
             lo, hi = self._owned_range(p)
             shape = tuple(st.shape)
-            m = self.master.get(st.id)
+            m = s.master.get(st.id)
             if m is None or not shares_shard(m, st):  # 16-bit or frozen: the weight is not the master
                 out.append(Fragment(name, PARAM, shape, lo, hi, read_shard(p).detach()[: hi - lo]))
             if m is None:
                 continue
-            out.append(Fragment(name, FP32, shape, lo, hi, self._master_value(m).reshape(-1)[: hi - lo]))
+            out.append(Fragment(name, FP32, shape, lo, hi, s._master_value(m).reshape(-1)[: hi - lo]))
             out += optimizer_state_fragments(
                 name,
                 shape,
-                self._optimizer_state(m),
+                s._optimizer_state(m),
                 [(0, lo, hi - lo)],
                 elementwise_numel=st.shard_numel,
                 emit_scalars=st.rank == 0,
@@ -144,15 +147,16 @@ class Stage3Checkpointing:
         complete in the reader's single pass (see [Note: single-pass load]), so what hands values
         on (offload stores, the persistent parameters' gather) runs after it.
         """
+        s = self.strategy
         from zero_core.checkpoint.format import CheckpointError
         from zero_core.checkpoint.fragments import FP32, OPTIM_PREFIX, PARAM
         from zero_core.checkpoint.inplace import state_buffer, zero_uncovered
         from zero_core.checkpoint.replicated import check_names
 
-        check_names(reader, self.module, strict=strict)
-        self.empty_partition_cache()
+        check_names(reader, s.module, strict=strict)
+        s.empty_partition_cache()
         after: list[Callable[[], None]] = []  # uses of loaded values, once the single pass has read them
-        for name, p in self.module.named_parameters():
+        for name, p in s.module.named_parameters():
             st = p.zero_state
             if not (reader.has(name, PARAM) or reader.has(name, FP32)):
                 continue
@@ -162,12 +166,12 @@ class Stage3Checkpointing:
                     f"parameter {name!r}: checkpoint shape {saved} != model shape {tuple(st.shape)}"
                 )
             lo, hi = self._owned_range(p)
-            m = self.master.get(st.id)
-            offloaded = m is not None and self.offload is not None and self.offload.owns(m)
+            m = s.master.get(st.id)
+            offloaded = m is not None and s.offload.owns(m)
             if offloaded:
-                value = self._master_value(m).reshape(-1)  # a new tensor: the store keeps the master
+                value = s._master_value(m).reshape(-1)  # a new tensor: the store keeps the master
                 reader.read_fp32_into(value[: hi - lo], name, lo)
-                after.append(functools.partial(self._set_master_value, m, value))
+                after.append(functools.partial(s._set_master_value, m, value))
             elif m is not None:
                 reader.read_fp32_into(m.detach().view(-1)[: hi - lo], name, lo)
             if m is None or not shares_shard(m, st):
@@ -180,7 +184,7 @@ class Stage3Checkpointing:
                     after.append(functools.partial(write_shard, p, value))
             if m is None or not load_optimizer_states or load_module_only:
                 continue
-            live = {} if offloaded else self.optimizer.state.get(m, {})
+            live = {} if offloaded else s.optimizer.state.get(m, {})
             state: dict[str, Any] = {}
             for key in reader.optimizer_keys(name):
                 kind = OPTIM_PREFIX + key
@@ -193,10 +197,10 @@ class Stage3Checkpointing:
                 state[key] = buf.view(m.shape)
             if state:
                 if offloaded:
-                    after.append(functools.partial(self.offload.load_state, self.optimizer, m, state))
+                    after.append(functools.partial(s.offload.load_state, s.optimizer, m, state))
                 else:
-                    self.optimizer.state[m] = state
+                    s.optimizer.state[m] = state
         reader.finish_single_pass()  # collective, as this whole load
         for use in after:
             use()
-        self.refresh_persistent()
+        s.refresh_persistent()
