@@ -21,6 +21,7 @@ from zero_core.engine.grad_buckets import BucketedAllReduce
 from zero_core.utils.grad_norm import any_nonfinite, needs_scaling, sum_of_squares
 from zero_core.utils.param_groups import reduction_groups
 from zero_core.utils.storage_bytes import StorageLedger
+from zero_core.zero.param_owners import PARAM_OWNERS
 
 
 class DataParallelStrategy:
@@ -68,7 +69,6 @@ class DataParallelStrategy:
         self._dense_this_boundary = True
         self.loss_scaler: Any = None  # see bind_loss_scaler
         from zero_core.engine.data_parallel_access import DataParallelStateAccess
-        from zero_core.zero.param_owners import PARAM_OWNERS
 
         # See [Note: parameter owner registry] (zero/param_owners.py); released by close()
         self._state_access = DataParallelStateAccess(self)
@@ -81,8 +81,6 @@ class DataParallelStrategy:
     def close(self) -> None:
         """Forget the parameters' owner entries (See [Note: parameter owner registry]); the engine's
         ``destroy()`` calls it."""
-        from zero_core.zero.param_owners import PARAM_OWNERS
-
         PARAM_OWNERS.release(self.params, self._state_access)
 
     def _rebind_to_masters(self) -> None:
