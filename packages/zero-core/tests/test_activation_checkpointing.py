@@ -18,12 +18,7 @@ from zero_core.testing import run_multirank
 @pytest.fixture(autouse=True)
 def _fresh_state(monkeypatch):
     """Every test starts unconfigured, with empty buffers, profile and tracker."""
-    monkeypatch.setattr(ckpt_module, "_config", ac.ActivationCheckpointingConfig())
-    monkeypatch.setattr(ckpt_module, "_mpu", None)
-    monkeypatch.setattr(ckpt_module, "_configured", False)
-    monkeypatch.setattr(ckpt_module, "_from_initialize", False)
-    monkeypatch.setattr(ckpt_module, "_buffers", storage.ContiguousBuffers())
-    monkeypatch.setattr(ckpt_module, "_profile", {})
+    monkeypatch.setattr(ckpt_module, "_STATE", ckpt_module.CheckpointingState())
     monkeypatch.setattr(rng_module, "_TRACKER", ac.CudaRNGStatesTracker())
 
 

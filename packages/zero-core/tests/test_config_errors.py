@@ -358,8 +358,9 @@ def test_contiguous_checkpointing_without_number_checkpoints_loads(monkeypatch):
 
     # configure() sets process-wide state: restore it after the test (later engines in this
     # process would otherwise take it for the caller's own configuration)
-    for name in ("_config", "_mpu", "_configured", "_from_initialize"):
-        monkeypatch.setattr(checkpointing, name, getattr(checkpointing, name))
+    monkeypatch.setattr(
+        checkpointing, "_STATE", checkpointing.CheckpointingState(**vars(checkpointing._STATE))
+    )
     with pytest.raises(ValueError, match="needs 'number_checkpoints'"):
         activation_checkpointing.configure(deepspeed_config=config)
     activation_checkpointing.configure(deepspeed_config=config, num_checkpoints=24)

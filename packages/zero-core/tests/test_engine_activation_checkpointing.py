@@ -126,7 +126,7 @@ def _configure_then_initialize() -> dict:
         "is not applied: checkpointing was configured by the caller" in str(w.message) for w in caught
     )
     # Without a user call, each initialize applies its own engine's section.
-    ac.checkpointing._configured = False
+    ac.checkpointing._STATE.configured = False
     zero_core.initialize(
         model=Net(True), config={**base, "activation_checkpointing": {"cpu_checkpointing": True}}
     )
@@ -151,7 +151,7 @@ def _contiguous_without_count() -> dict:
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
         "activation_checkpointing": section,
     }
-    ac.checkpointing._configured = False  # a fresh process, whatever the parent configured
+    ac.checkpointing._STATE.configured = False  # a fresh process, whatever the parent configured
     zero_core.initialize(model=Net(True), config=cfg)
     left_to_caller = not ac.is_configured()
     # Megatron's own call then sizes the buffer with its layer count

@@ -52,8 +52,7 @@ def test_sigterm_chains_to_the_previous_handler(tmp_path):
 
 
 def test_collective_timeout_sources_and_errors(monkeypatch):
-    monkeypatch.setattr(watchdog, "_pending_timeout", [None])
-    monkeypatch.setattr(watchdog, "_current", [None])
+    monkeypatch.setattr(watchdog, "_SLOT", watchdog._WatchdogSlot())
     monkeypatch.delenv("ZERO_STAGE3_COLLECTIVE_TIMEOUT", raising=False)
     monkeypatch.delenv(watchdog.ENV_TIMEOUT, raising=False)
     assert watchdog.collective_timeout() == 300.0  # minutes, not the process group's half hour
@@ -64,7 +63,7 @@ def test_collective_timeout_sources_and_errors(monkeypatch):
     for bad in (0, -1, True, "5"):
         with pytest.raises(ValueError, match="positive number of seconds"):
             watchdog.set_collective_timeout(bad)
-    monkeypatch.setattr(watchdog, "_pending_timeout", [None])
+    monkeypatch.setattr(watchdog._SLOT, "pending_timeout", None)
     monkeypatch.setenv(watchdog.ENV_TIMEOUT, "soon")
     with pytest.raises(ValueError, match="ZERO_COLLECTIVE_TIMEOUT must be a positive number of seconds"):
         watchdog.collective_timeout()

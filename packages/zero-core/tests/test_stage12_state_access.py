@@ -86,7 +86,7 @@ def _run(stage: int) -> dict:
         "step": float(safe_get_full_optimizer_state(w, "step")),
     }
     # this rank's owned elements of w, as (offset in w's flat order, length)
-    g, i = w._zero_location
+    g, i = engine.strategy.param_location(w)
     owned = [(po, n) for _, po, n in engine.strategy._own_segments(g, i)]
     out["owned"] = owned
     out["local"] = {

@@ -15,6 +15,7 @@ runs.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import warnings
@@ -34,15 +35,23 @@ logger = logging.getLogger(__name__)
 
 _MPU_METHODS = ("get_model_parallel_rank", "get_model_parallel_world_size", "get_model_parallel_group")
 
-# Process-wide state set by configure(); checkpoint() uses the defaults when configure() was never called.
-_config = ActivationCheckpointingConfig()
-_mpu: Any = None
-_configured = False
-# whether the last configure() came from zero_core.initialize (which re-reads each engine's config)
-# rather than from the user's own call (which initialize must not undo)
-_from_initialize = False
-_buffers = storage.ContiguousBuffers()
-_profile: dict[str, dict[str, float]] = {}
+
+@dataclasses.dataclass
+class CheckpointingState:
+    """The process's activation-checkpointing state, set by ``configure()``; ``checkpoint()``
+    uses the defaults when ``configure()`` was never called."""
+
+    config: ActivationCheckpointingConfig = dataclasses.field(default_factory=ActivationCheckpointingConfig)
+    mpu: Any = None
+    configured: bool = False
+    # whether the last configure() came from zero_core.initialize (which re-reads each engine's
+    # config) rather than from the user's own call (which initialize must not undo)
+    from_initialize: bool = False
+    buffers: storage.ContiguousBuffers = dataclasses.field(default_factory=storage.ContiguousBuffers)
+    profile: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+
+
+_STATE = CheckpointingState()
 
 
 def configure(
@@ -61,7 +70,6 @@ def configure(
     ``activation_checkpointing`` section; every other argument that is not None overrides its key.
     ``mpu_`` must provide ``get_model_parallel_rank/world_size/group`` (needed by ``partition_activations``).
     """
-    global _config, _mpu, _configured, _from_initialize
     if mpu_ is not None:
         missing = [m for m in _MPU_METHODS if not callable(getattr(mpu_, m, None))]
         if missing:
@@ -85,7 +93,7 @@ def configure(
     config.validate(where="activation_checkpointing.configure")
     if config.partition_activations and mpu_ is None:
         logger.warning("configure: partition_activations without an mpu_ has nothing to partition across")
-    _config, _mpu, _configured, _from_initialize = config, mpu_, True, False
+    _STATE.config, _STATE.mpu, _STATE.configured, _STATE.from_initialize = config, mpu_, True, False
     reset()
 
 
@@ -98,48 +106,47 @@ def configure_from_initialize(deepspeed_config: Any) -> bool:
     no ``number_checkpoints`` cannot size its buffer yet: that same call, with Megatron's layer
     count, configures it. Returns whether it configured.
     """
-    global _from_initialize
     section = read_activation_checkpointing_config(deepspeed_config, validate=False)
     if section.contiguous_memory_optimization and section.number_checkpoints is None:
         return False
-    if _configured and not _from_initialize:
-        if section != _config:
+    if _STATE.configured and not _STATE.from_initialize:
+        if section != _STATE.config:
             warnings.warn(
                 f"activation_checkpointing: the config's section ({section}) is not applied: checkpointing was "
-                f"configured by the caller's own checkpointing.configure call ({_config}), which initialize keeps",
+                f"configured by the caller's own checkpointing.configure call ({_STATE.config}), which initialize keeps",
                 UserWarning,
                 stacklevel=3,
             )
         return False
     configure(deepspeed_config=deepspeed_config)
-    _from_initialize = True
+    _STATE.from_initialize = True
     return True
 
 
 def is_configured() -> bool:
     """True once ``configure`` has been called."""
-    return _configured
+    return _STATE.configured
 
 
 def get_config() -> ActivationCheckpointingConfig:
     """The options checkpoint() currently uses."""
-    return _config
+    return _STATE.config
 
 
 def get_mpu() -> Any:
     """The model-parallel unit given to ``configure`` (or None)."""
-    return _mpu
+    return _STATE.mpu
 
 
 def reset() -> None:
     """Free the contiguous checkpoint buffers; call it in eval loops that run forward passes with grad
     enabled but no backward, which otherwise keep their buffer slots."""
-    _buffers.reset()
+    _STATE.buffers.reset()
 
 
 def profile_stats() -> dict[str, dict[str, float]]:
     """``{"forward"|"backward": {"count": n, "total_s": seconds}}`` collected while ``profile`` is on."""
-    return {phase: dict(stats) for phase, stats in _profile.items()}
+    return {phase: dict(stats) for phase, stats in _STATE.profile.items()}
 
 
 def _synchronize() -> None:
@@ -154,16 +161,16 @@ class _Boundary:
         self.phase = phase
 
     def __enter__(self) -> None:
-        if _config.synchronize_checkpoint_boundary:
+        if _STATE.config.synchronize_checkpoint_boundary:
             _synchronize()
         self.start = time.perf_counter()
 
     def __exit__(self, *exc: object) -> None:
-        if _config.synchronize_checkpoint_boundary:
+        if _STATE.config.synchronize_checkpoint_boundary:
             _synchronize()
-        if _config.profile:
+        if _STATE.config.profile:
             elapsed = time.perf_counter() - self.start
-            stats = _profile.setdefault(self.phase, {"count": 0, "total_s": 0.0})
+            stats = _STATE.profile.setdefault(self.phase, {"count": 0, "total_s": 0.0})
             stats["count"] += 1
             stats["total_s"] += elapsed
             logger.info("activation checkpoint %s: %.3f ms", self.phase, elapsed * 1e3)
@@ -189,9 +196,9 @@ class CheckpointFunction(torch.autograd.Function):
             with torch.no_grad():
                 outputs = run_function(*args)
             tensors = [args[i] for i in ctx.tensor_positions]
-            ctx.config, ctx.mpu = _config, _mpu
-            if storage.uses_storage(_config, _mpu):
-                ctx.saved = storage.save_inputs(tensors, _config, _mpu, _buffers)
+            ctx.config, ctx.mpu = _STATE.config, _STATE.mpu
+            if storage.uses_storage(_STATE.config, _STATE.mpu):
+                ctx.saved = storage.save_inputs(tensors, _STATE.config, _STATE.mpu, _STATE.buffers)
             else:
                 ctx.saved = None
                 ctx.save_for_backward(*tensors)
@@ -209,7 +216,7 @@ class CheckpointFunction(torch.autograd.Function):
             else:
                 tensors = storage.load_inputs(ctx.saved, ctx.mpu)
                 if ctx.config.contiguous_memory_optimization:
-                    _buffers.release()
+                    _STATE.buffers.release()
             args = list(ctx.args)
             for pos, tensor, needs_grad in zip(ctx.tensor_positions, tensors, ctx.input_needs_grad):
                 args[pos] = tensor.detach().requires_grad_(needs_grad)

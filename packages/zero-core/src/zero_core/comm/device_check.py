@@ -16,6 +16,7 @@ per tensor and reads no tensor data (no host sync).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -23,8 +24,18 @@ import torch
 
 ENV_VAR = "ZERO_COMM_DEVICE_CHECK"
 
-_enabled: bool | None = None  # None: follow the environment variable
-_expected: torch.device | None = None
+
+@dataclasses.dataclass
+class DeviceCheckSettings:
+    """This process's device-check switch: ``enabled`` None follows the environment variable;
+    ``expected`` None derives the device from the default group's backend."""
+
+    enabled: bool | None = None
+    expected: torch.device | None = None
+
+
+# the process's settings (set_device_check writes them; the check reads them)
+SETTINGS = DeviceCheckSettings()
 
 
 class CommDeviceError(RuntimeError):
@@ -34,25 +45,24 @@ class CommDeviceError(RuntimeError):
 def set_device_check(enabled: bool, expected: str | torch.device | None = None) -> None:
     """Switch the check on or off for this process; ``expected`` overrides the backend's device
     (``None``: derive it from the default group's backend)."""
-    global _enabled, _expected
     if not isinstance(enabled, bool):
         raise TypeError(f"set_device_check: enabled must be a bool, got {enabled!r}")
     if expected is not None and not isinstance(expected, (str, torch.device)):
         raise TypeError(f"set_device_check: expected must be None, a str or a torch.device, got {expected!r}")
-    _enabled = enabled
-    _expected = None if expected is None else torch.device(expected)
+    SETTINGS.enabled = enabled
+    SETTINGS.expected = None if expected is None else torch.device(expected)
 
 
 def device_check_enabled() -> bool:
-    if _enabled is not None:
-        return _enabled
+    if SETTINGS.enabled is not None:
+        return SETTINGS.enabled
     return os.environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def backend_device() -> torch.device:
     """The device the default group's backend communicates from."""
-    if _expected is not None:
-        return _expected
+    if SETTINGS.expected is not None:
+        return SETTINGS.expected
     import torch.distributed as dist
 
     backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else None

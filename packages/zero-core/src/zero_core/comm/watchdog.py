@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -377,9 +378,16 @@ def _die(message: str | None) -> None:
     os._exit(1)
 
 
-# The watchdog of the current default process group (one per group, like torch's default group).
-_current: list[CollectiveWatchdog | None] = [None]
-_pending_timeout: list[float | None] = [None]
+@dataclasses.dataclass
+class _WatchdogSlot:
+    """The watchdog of the current default process group (one per group, like torch's default
+    group) and the timeout ``set_collective_timeout`` asked for before it started."""
+
+    current: CollectiveWatchdog | None = None
+    pending_timeout: float | None = None
+
+
+_SLOT = _WatchdogSlot()
 
 
 def get_watchdog() -> CollectiveWatchdog | None:
@@ -387,38 +395,38 @@ def get_watchdog() -> CollectiveWatchdog | None:
     torch.distributed is not initialised."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    wd = _current[0]
+    wd = _SLOT.current
     pg = dist.group.WORLD
     if wd is not None and wd.pg is pg and pg is not None:
         return wd
     if wd is not None:
         wd.close()
-    timeout = _pending_timeout[0] or timeout_from_env() or DEFAULT_TIMEOUT_S
+    timeout = _SLOT.pending_timeout or timeout_from_env() or DEFAULT_TIMEOUT_S
     store = None
     with contextlib.suppress(Exception):
         store = dist.distributed_c10d._get_default_store()
     wd = CollectiveWatchdog(timeout, store=store, rank=dist.get_rank(), pg=pg).start()
-    _current[0] = wd
+    _SLOT.current = wd
     return wd
 
 
 def set_collective_timeout(seconds: float) -> None:
     """Bound every collective of the library to ``seconds`` (see [Note: collective watchdog])."""
     seconds = check_timeout(seconds, "set_collective_timeout")
-    _pending_timeout[0] = seconds
-    if _current[0] is not None:
-        _current[0].set_timeout(seconds)
+    _SLOT.pending_timeout = seconds
+    if _SLOT.current is not None:
+        _SLOT.current.set_timeout(seconds)
 
 
 def collective_timeout() -> float:
     """The timeout in force, in seconds."""
-    if _current[0] is not None:
-        return _current[0].timeout_s
-    return _pending_timeout[0] or timeout_from_env() or DEFAULT_TIMEOUT_S
+    if _SLOT.current is not None:
+        return _SLOT.current.timeout_s
+    return _SLOT.pending_timeout or timeout_from_env() or DEFAULT_TIMEOUT_S
 
 
 def close_watchdog() -> None:
     """Stop the current watchdog's thread (before the process group is destroyed)."""
-    wd, _current[0] = _current[0], None
+    wd, _SLOT.current = _SLOT.current, None
     if wd is not None:
         wd.close()

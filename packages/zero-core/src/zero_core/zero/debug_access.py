@@ -3,7 +3,8 @@
 [Note: safe_get owner protocol]
 With ZeRO a parameter's fp32 master value, reduced gradient and optimizer states are split
 over the ranks, so reading them needs a collective. The stage that partitions a parameter
-marks it with ``param._zero_owner``, an object with the methods
+registers an owner for it (``PARAM_OWNERS``, see [Note: parameter owner registry] in
+``zero/param_owners.py``), an object with the methods
 
     full_fp32_param(p) -> Tensor            full_grad(p) -> Tensor
     full_optimizer_state(p, key) -> Tensor  set_full_fp32_param(p, value) -> None
@@ -30,6 +31,8 @@ from typing import Any
 
 import torch
 
+from zero_core.zero.param_owners import PARAM_OWNERS
+
 _ABSENT = object()
 # what _owner_method returns for a getter on a frozen parameter: the getter returns None
 _FROZEN = object()
@@ -51,7 +54,7 @@ def _owner_method(where: str, param: Any, *, local: bool, value: Any = _ABSENT, 
         )
     if where.startswith("safe_get_") and not param.requires_grad:
         return _FROZEN
-    owner = getattr(param, "_zero_owner", None)
+    owner = PARAM_OWNERS.owner_of(param)
     name = where.replace("safe_get_", "").replace("safe_", "")
     if local and owner is not None and not hasattr(owner, name):
         raise NotImplementedError(f"{where}: the ZeRO stage owning this parameter does not implement it")

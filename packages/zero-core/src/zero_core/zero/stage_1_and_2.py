@@ -55,6 +55,7 @@ from zero_core.utils.param_groups import reduction_groups
 from zero_core.utils.storage_bytes import StorageLedger
 from zero_core.zero.flat_partition import FlatPartition
 from zero_core.zero.grad_reduce import GroupGrads, PartitionedGradReducer
+from zero_core.zero.param_owners import PARAM_OWNERS, ParamLocation
 from zero_core.zero.stage_1_and_2_access import PartitionedGradWrite, PartitionedStateAccess
 from zero_core.zero.stage_1_and_2_checkpoint import PartitionedCheckpointing
 
@@ -293,6 +294,8 @@ class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedGradWrite)
         the parameters become views of (See [Note: fp32 master aliasing])."""
         self.masters: list[torch.nn.Parameter] = []
         self.flat_params: list[torch.Tensor] = []
+        # See [Note: parameter owner registry].
+        self._param_locations: dict[torch.nn.Parameter, ParamLocation] = {}
         # See [Note: fp32 master aliasing].
         # With optimizer offload the masters live in host memory: never aliased (``adopt`` copies
         # them there; the flag is recomputed after it).
@@ -311,12 +314,12 @@ class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedGradWrite)
                     view = flat[off : off + p.numel()].view_as(p)
                     view.copy_(p.detach())
                     p.data = view
-                    p._zero_owner = self  # see [Note: safe_get owner protocol] in debug_access.py
-                    p._zero_location = (g, i)
+                    self._param_locations[p] = ParamLocation(g, i)
                 self.flat_params.append(flat)
                 if self.master_aliases_params:
                     a = self._ranks[g] * gg.layout.shard_numel
                     self.masters.append(torch.nn.Parameter(flat[a : a + gg.layout.shard_numel]))
+            PARAM_OWNERS.register(self._param_locations, self)
             before = self.masters
             self.masters = [self.offload.adopt([m])[0] for m in before]
             self.master_aliases_params &= all(a is m for a, m in zip(self.masters, before))
@@ -510,5 +513,7 @@ class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedGradWrite)
         return self.optimizer.state.get(m, {})
 
     def close(self) -> None:
-        """Release offload resources (swap files); the engine's ``destroy()`` calls it."""
+        """Release offload resources (swap files) and the parameters' owner entries; the engine's
+        ``destroy()`` calls it."""
+        PARAM_OWNERS.release(self._param_locations, self)
         self.offload.close()

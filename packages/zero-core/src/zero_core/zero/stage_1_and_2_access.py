@@ -10,12 +10,23 @@ from __future__ import annotations
 import torch
 
 from zero_core import comm
+from zero_core.zero.param_owners import ParamLocation
 
 
 class PartitionedStateAccess:
     """Per-parameter views of a partitioned optimizer's state (mixed into the stage 1/2 strategy)."""
 
     # -- safe_get / safe_set owner protocol (see zero_core/zero/debug_access.py) ------
+    def param_location(self, p: torch.nn.Parameter) -> ParamLocation:
+        """Where ``p`` lives in this strategy (See [Note: parameter owner registry])."""
+        loc = self._param_locations.get(p)
+        if loc is None:
+            raise ValueError(
+                f"parameter of shape {tuple(p.shape)} is not partitioned by this ZeRO stage 1/2 strategy "
+                "(frozen, or of another engine)"
+            )
+        return loc
+
     def _own_segments(self, g: int, i: int) -> list[tuple[int, int, int]]:
         """(shard offset, param flat offset, length) of param ``i``'s elements this rank owns."""
         layout = self.groups[g].layout
@@ -35,7 +46,7 @@ class PartitionedStateAccess:
         return out
 
     def _gather_param(self, p: torch.nn.Parameter, shard: torch.Tensor) -> torch.Tensor:
-        g, i = p._zero_location
+        g, i = self.param_location(p)
         layout = self.groups[g].layout
         out = torch.empty(p.numel(), dtype=torch.float32, device=p.device)
         for chunk, s in layout.chunks_of_param(i):
@@ -48,7 +59,7 @@ class PartitionedStateAccess:
         return out.view(p.shape)
 
     def _state_shard(self, p: torch.nn.Parameter, key: str) -> torch.Tensor:
-        g, _ = p._zero_location
+        g = self.param_location(p).group
         st = self._optimizer_state(g)
         if key not in st:
             raise KeyError(
@@ -58,17 +69,17 @@ class PartitionedStateAccess:
         return st[key]
 
     def full_fp32_param(self, p: torch.nn.Parameter) -> torch.Tensor:
-        return self._gather_param(p, self.masters[p._zero_location[0]].detach())
+        return self._gather_param(p, self.masters[self.param_location(p).group].detach())
 
     def full_grad(self, p: torch.nn.Parameter) -> torch.Tensor:
         """The reduced gradient, divided by the current loss scale (fp16; 1 otherwise)."""
-        full = self._gather_param(p, self.reducer.shard_grad(p._zero_location[0]))
+        full = self._gather_param(p, self.reducer.shard_grad(self.param_location(p).group))
         scale = self._loss_scale()
         return full.div_(scale) if scale != 1.0 else full
 
     def full_optimizer_state(self, p: torch.nn.Parameter, key: str) -> torch.Tensor:
         st = self._state_shard(p, key)
-        if st.shape != self.masters[p._zero_location[0]].shape:
+        if st.shape != self.masters[self.param_location(p).group].shape:
             return st.clone()  # a scalar state such as Adam's "step"
         return self._gather_param(p, st)
 
@@ -76,12 +87,12 @@ class PartitionedStateAccess:
     # 1-D tensor, possibly empty; with several chunks the owned elements need not be adjacent).
     # No communication.
     def _local(self, p: torch.nn.Parameter, shard: torch.Tensor) -> torch.Tensor:
-        g, i = p._zero_location
+        g, i = self.param_location(p)
         segs = self._own_segments(g, i)
         return torch.cat([shard[so : so + n] for so, _, n in segs]) if segs else shard[:0].clone()
 
     def _set_local(self, p: torch.nn.Parameter, shard: torch.Tensor, value: torch.Tensor, where: str) -> None:
-        g, i = p._zero_location
+        g, i = self.param_location(p)
         segs = self._own_segments(g, i)
         want = sum(n for _, _, n in segs)
         flat = value.detach().reshape(-1)
@@ -96,16 +107,16 @@ class PartitionedStateAccess:
             k += n
 
     def local_fp32_param(self, p: torch.nn.Parameter) -> torch.Tensor:
-        return self._local(p, self.masters[p._zero_location[0]].detach())
+        return self._local(p, self.masters[self.param_location(p).group].detach())
 
     def local_grad(self, p: torch.nn.Parameter) -> torch.Tensor:
         scale = self._loss_scale()
-        local = self._local(p, self.reducer.shard_grad(p._zero_location[0])).float()
+        local = self._local(p, self.reducer.shard_grad(self.param_location(p).group)).float()
         return local / scale if scale != 1.0 else local
 
     def local_optimizer_state(self, p: torch.nn.Parameter, key: str) -> torch.Tensor:
         st = self._state_shard(p, key)
-        if st.shape != self.masters[p._zero_location[0]].shape:
+        if st.shape != self.masters[self.param_location(p).group].shape:
             return st.clone()
         return self._local(p, st)
 
@@ -115,7 +126,7 @@ class PartitionedStateAccess:
 
         Other ranks' module copies see the new values after the next step's all-gather.
         """
-        g, i = p._zero_location
+        g, i = self.param_location(p)
         self._set_local(p, self.masters[g], value.to(torch.float32), "safe_set_local_fp32_param")
         # the module's own (possibly 16-bit) copy of those elements follows the master at once
         out = p.data.view(-1)
@@ -125,14 +136,14 @@ class PartitionedStateAccess:
     @torch.no_grad()
     def set_local_optimizer_state(self, p: torch.nn.Parameter, value: torch.Tensor, key: str) -> None:
         st = self._state_shard(p, key)
-        if st.shape != self.masters[p._zero_location[0]].shape:
+        if st.shape != self.masters[self.param_location(p).group].shape:
             st.copy_(value)
             return
         self._set_local(p, st, value.to(st.dtype), "safe_set_local_optimizer_state")
 
     @torch.no_grad()
     def set_full_fp32_param(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
-        g, i = p._zero_location
+        g, i = self.param_location(p)
         flat = value.detach().reshape(-1).to(torch.float32)
         for so, po, n in self._own_segments(g, i):
             self.masters[g][so : so + n].copy_(flat[po : po + n])
@@ -141,7 +152,7 @@ class PartitionedStateAccess:
     @torch.no_grad()
     def set_full_optimizer_state(self, p: torch.nn.Parameter, value: torch.Tensor, key: str) -> None:
         st = self._state_shard(p, key)
-        g, i = p._zero_location
+        g, i = self.param_location(p)
         if st.shape != self.masters[g].shape:
             st.copy_(value)
             return
@@ -179,7 +190,7 @@ class PartitionedGradWrite:
     def _write_grad(
         self, p: torch.nn.Parameter, segs: list[tuple[int, int, int]], values: list[torch.Tensor]
     ) -> None:
-        pieces = self._grad_pieces(p._zero_location[0])
+        pieces = self._grad_pieces(self.param_location(p).group)
         scale = self._loss_scale()
         for (so, _, n), v in zip(segs, values):
             for start, view in pieces:
@@ -188,13 +199,13 @@ class PartitionedGradWrite:
                     break
 
     def set_full_grad(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
-        g, i = p._zero_location
+        g, i = self.param_location(p)
         flat = value.detach().reshape(-1).float()
         segs = self._own_segments(g, i)
         self._write_grad(p, segs, [flat[po : po + n] for _, po, n in segs])
 
     def set_local_grad(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
-        g, i = p._zero_location
+        g, i = self.param_location(p)
         segs = self._own_segments(g, i)
         flat = value.detach().reshape(-1).float()
         want = sum(n for _, _, n in segs)

@@ -32,11 +32,10 @@ from torch.utils._pytree import tree_flatten
 from zero_core.zero.stage3.leaf_modules import leaf_descendants
 from zero_core.zero.stage3.param_coordinator import ParamCoordinator
 from zero_core.zero.stage3.partitioned_param import ParamStatus
+from zero_core.zero.stage3.runtime_context import stage3_context
 
-# The runtime currently driving a forward (at most one per process); read by ZeroParamDict.
-_ACTIVE: list[Stage3Hooks] = []
-# Set by zero.Init while it constructs modules: gather-on-access without a forward.
-_ON_ACCESS_OUTSIDE_FORWARD: list[Callable[[torch.nn.Parameter], None]] = []
+# The runtimes driving a forward and zero.Init's gather-on-access callbacks live in the process's
+# Stage3Context (See [Note: stage 3 runtime context]).
 
 
 class ZeroParamDict(dict):
@@ -53,18 +52,20 @@ class ZeroParamDict(dict):
         return p
 
     def items(self):  # noqa: ANN201 (dict view)
-        if _ON_ACCESS_OUTSIDE_FORWARD:
+        outside = stage3_context().on_access_outside_forward
+        if outside:
             for p in dict.values(self):
                 if p is not None and getattr(p, "zero_state", None) is not None:
-                    _ON_ACCESS_OUTSIDE_FORWARD[-1](p)
+                    outside[-1](p)
         return dict.items(self)
 
 
 def _on_access(p: torch.nn.Parameter) -> None:
-    if _ACTIVE and _ACTIVE[-1].stack:
-        _ACTIVE[-1].external_access(p)
-    elif _ON_ACCESS_OUTSIDE_FORWARD:
-        _ON_ACCESS_OUTSIDE_FORWARD[-1](p)
+    ctx = stage3_context()
+    if ctx.active_hooks and ctx.active_hooks[-1].stack:
+        ctx.active_hooks[-1].external_access(p)
+    elif ctx.on_access_outside_forward:
+        ctx.on_access_outside_forward[-1](p)
 
 
 def install_param_dict(module: torch.nn.Module) -> None:
@@ -137,7 +138,7 @@ class Stage3Hooks:
         if module is self.root and not self.stack and not self.in_backward:
             self.coordinator.begin_iteration((self.root.training, torch.is_grad_enabled()))
         if not self.stack:
-            _ACTIVE.append(self)
+            stage3_context().active_hooks.append(self)
         self.stack.append(module)
         self.coordinator.fetch(module, "forward")
 
@@ -156,8 +157,9 @@ class Stage3Hooks:
                 register_external_parameter(self.stack[-1], p)
                 p.zero_state.active += 1
         self.coordinator.release_module(module, "forward", keep=returned)
-        if not self.stack and _ACTIVE and _ACTIVE[-1] is self:
-            _ACTIVE.pop()
+        active = stage3_context().active_hooks
+        if not self.stack and active and active[-1] is self:
+            active.pop()
         if torch.is_grad_enabled():
             tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:

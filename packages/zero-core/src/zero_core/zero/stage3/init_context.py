@@ -45,7 +45,7 @@ import torch
 
 from zero_core import comm
 from zero_core.zero.stage3.expert_partition import expert_group_exists, partition_group
-from zero_core.zero.stage3.hooks import _ON_ACCESS_OUTSIDE_FORWARD, install_param_dict
+from zero_core.zero.stage3.hooks import install_param_dict
 from zero_core.zero.stage3.partitioned_param import (
     ParamStatus,
     broadcast_full,
@@ -55,6 +55,7 @@ from zero_core.zero.stage3.partitioned_param import (
     release_param,
     shard_from_full,
 )
+from zero_core.zero.stage3.runtime_context import stage3_context
 
 # Containers hold modules their parent is still building (and may still tag): their
 # ``__init__`` leaves deep-copied children to the parent's. See [Note: stage 3 construction].
@@ -276,13 +277,13 @@ class Init:
         torch.nn.Module.__init_subclass__ = classmethod(__init_subclass__)
         if self.override_module_apply:
             self._patch_apply()
-        _ON_ACCESS_OUTSIDE_FORWARD.append(self._touch)
+        stage3_context().on_access_outside_forward.append(self._touch)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if not self.enabled:
             return
-        _ON_ACCESS_OUTSIDE_FORWARD.remove(self._touch)
+        stage3_context().on_access_outside_forward.remove(self._touch)
         for cls, name, orig in reversed(self._patched):
             if orig is None:
                 delattr(cls, name)

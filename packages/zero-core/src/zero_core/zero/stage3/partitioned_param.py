@@ -70,7 +70,6 @@ from __future__ import annotations
 import datetime
 import enum
 import os
-import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -78,6 +77,7 @@ import torch
 
 from zero_core import comm
 from zero_core.comm import watchdog as _watchdog
+from zero_core.zero.stage3.runtime_context import stage3_context
 from zero_core.zero.stage3.shard_groups import broadcast_group, gather_source, keep_secondary, source_key
 from zero_core.zero.stage3.streams import stage3_streams
 
@@ -94,30 +94,25 @@ class Stage3CollectiveError(RuntimeError):
     """Ranks disagreed on (or did not join) a stage-3 collective."""
 
 
-_NEXT_ID = [0]
-_NAMES: dict[int, str] = {}
-_LOCK = threading.Lock()
-
-
 def set_collective_timeout(seconds: float) -> None:
     """Bound every collective wait to ``seconds``: the collective watchdog's timeout (see
     [Note: collective watchdog] in ``zero_core.comm.watchdog``), which stage 3 shares."""
     _watchdog.set_collective_timeout(seconds)
 
 
-_CHECKS: list[bool | None] = [None]
-
-
 def set_collective_checks(enabled: bool) -> None:
     """Turn the agreement check of [Note: stage 3 collective agreement] on or off (process-wide)."""
     if not isinstance(enabled, bool):
         raise TypeError(f"set_collective_checks: enabled must be a bool, got {enabled!r}")
-    _CHECKS[0] = enabled
+    stage3_context().collective_checks = enabled
 
 
 def collective_checks() -> bool:
-    if _CHECKS[0] is not None:
-        return _CHECKS[0]
+    """Whether the agreement check is on: :func:`set_collective_checks`' value, else the
+    environment's ``ZERO_STAGE3_COLLECTIVE_CHECKS`` (default on)."""
+    enabled = stage3_context().collective_checks
+    if enabled is not None:
+        return enabled
     env = os.environ.get("ZERO_STAGE3_COLLECTIVE_CHECKS", "1").strip().lower()
     if env not in ("0", "1", "true", "false", "yes", "no", "on", "off", ""):
         raise ValueError(f"ZERO_STAGE3_COLLECTIVE_CHECKS must be 0 or 1, got {env!r}")
@@ -130,12 +125,12 @@ def collective_timeout() -> float:
 
 def set_param_name(param: torch.nn.Parameter, name: str) -> None:
     """Record a readable name for error messages (the strategy uses qualified module names)."""
-    _NAMES[param.zero_state.id] = name
+    stage3_context().param_names[param.zero_state.id] = name
 
 
 def param_name(param_or_id: torch.nn.Parameter | int) -> str:
     pid = param_or_id if isinstance(param_or_id, int) else param_or_id.zero_state.id
-    return _NAMES.get(pid, f"param#{pid}")
+    return stage3_context().param_names.get(pid, f"param#{pid}")
 
 
 class PartitionState:
@@ -165,9 +160,7 @@ class PartitionState:
     )
 
     def __init__(self, param: torch.nn.Parameter, group: Any, grad_divisor: int | None = None) -> None:
-        with _LOCK:
-            self.id = _NEXT_ID[0]
-            _NEXT_ID[0] += 1
+        self.id = stage3_context().next_param_id()
         self.group = group
         self.world = comm.get_world_size(group)
         self.rank = comm.get_rank(group)

@@ -1,7 +1,7 @@
 """Stage-3 side of the ``safe_get_*`` / ``safe_set_*`` debugging helpers.
 
 The full-form helpers (``safe_get_full_fp32_param`` ...) live in ``zero/debug_access.py`` and
-dispatch through ``param._zero_owner`` (see [Note: safe_get owner protocol]); the stage-3
+dispatch through the parameter's registered owner (see [Note: safe_get owner protocol]); the stage-3
 strategy makes a :class:`Stage3StateAccess` the owner of each of its parameters. The
 local-form helpers (``safe_get_local_*`` / ``safe_set_local_*``) exist only for stage 3,
 where a parameter has a local partition: they are defined here and dispatch through the same

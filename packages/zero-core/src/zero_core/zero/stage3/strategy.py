@@ -23,6 +23,7 @@ from zero_core.protocols.optimizer_offload import NoOptimizerOffload, OptimizerO
 from zero_core.utils.grad_norm import any_nonfinite, needs_scaling, sum_of_squares
 from zero_core.utils.param_groups import is_expert_param
 from zero_core.utils.storage_bytes import StorageLedger
+from zero_core.zero.param_owners import PARAM_OWNERS
 from zero_core.zero.stage3.expert_partition import partition_group
 from zero_core.zero.stage3.gathered_parameters import SHARD_CHANGED
 from zero_core.zero.stage3.hooks import Stage3Hooks
@@ -161,9 +162,8 @@ class Stage3Strategy:
         )
         self._rebind_optimizer()
         self.offload.finalize(self.optimizer)
-        access = Stage3StateAccess(self)
-        for p in self.params:
-            p._zero_owner = access  # see [Note: safe_get owner protocol] in zero/debug_access.py
+        self._state_access = Stage3StateAccess(self)  # See [Note: parameter owner registry]
+        PARAM_OWNERS.register(self.params, self._state_access)
         SHARD_CHANGED.append(self._refresh_master)
 
     # -- construction ------------------------------------------------------------------
@@ -468,7 +468,9 @@ class Stage3Strategy:
         return self.optimizer.state.get(m, {})
 
     def close(self) -> None:
-        """Release offload resources (swap files); the engine's ``destroy()`` calls it."""
+        """Release offload resources (swap files) and the parameters' owner entries; the engine's
+        ``destroy()`` calls it."""
+        PARAM_OWNERS.release(self.params, self._state_access)
         self.offload.close()
         for po in self._param_offloads():
             po.close()

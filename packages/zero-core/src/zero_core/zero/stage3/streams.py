@@ -46,6 +46,7 @@ import torch
 
 from zero_core.accelerator import get_accelerator
 from zero_core.protocols.accelerator import Accelerator
+from zero_core.zero.stage3.runtime_context import stage3_context
 
 
 class Stage3Streams:
@@ -97,14 +98,12 @@ class Stage3Streams:
         self._wait(self.reduce_scatter, wait, results)
 
 
-_STREAMS: list[Stage3Streams | None] = [None]
-
-
 def stage3_streams() -> Stage3Streams:
     """The process's stage-3 streams, made for the current accelerator on first use (and again
     when ``set_accelerator`` changed it)."""
     acc = get_accelerator()
-    streams = _STREAMS[0]
+    ctx = stage3_context()  # See [Note: stage 3 runtime context]
+    streams = ctx.streams
     if streams is None or streams.accelerator is not acc:
-        streams = _STREAMS[0] = Stage3Streams(acc)
+        streams = ctx.streams = Stage3Streams(acc)
     return streams
