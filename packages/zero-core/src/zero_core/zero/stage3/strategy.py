@@ -56,6 +56,29 @@ def _unique_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     return out
 
 
+def _check_arguments(
+    module: Any,
+    optimizer: Any,
+    dtype: Any,
+    param_persistence_threshold: Any,
+    model_persistence_threshold: Any,
+) -> None:
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"Stage3Strategy: module must be a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"Stage3Strategy: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"Stage3Strategy: dtype must be float32, float16 or bfloat16, got {dtype}")
+    for name, v in (
+        ("param_persistence_threshold", param_persistence_threshold),
+        ("model_persistence_threshold", model_persistence_threshold),
+    ):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"Stage3Strategy: {name} must be a non-negative int, got {v!r}")
+
+
 class Stage3Strategy:
     """Partitioned parameters, gradients and optimizer states.
 
@@ -89,20 +112,7 @@ class Stage3Strategy:
         quantized_gradients: bool = False,
         route: ShardRoute | None = None,
     ) -> None:
-        if not isinstance(module, torch.nn.Module):
-            raise TypeError(f"Stage3Strategy: module must be a torch.nn.Module, got {type(module).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"Stage3Strategy: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
-            )
-        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"Stage3Strategy: dtype must be float32, float16 or bfloat16, got {dtype}")
-        for name, v in (
-            ("param_persistence_threshold", param_persistence_threshold),
-            ("model_persistence_threshold", model_persistence_threshold),
-        ):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"Stage3Strategy: {name} must be a non-negative int, got {v!r}")
+        _check_arguments(module, optimizer, dtype, param_persistence_threshold, model_persistence_threshold)
         self.module = module
         self.optimizer = optimizer
         self.group = group
@@ -118,12 +128,7 @@ class Stage3Strategy:
         # master never aliases its shard; zero.Init(remote_device="nvme") may have placed some.
         self.param_offload = param_offload
         self._partition_and_make_masters()
-        if param_offload is not None:
-            param_offload.adopt(self.params)
-        if quantized_nontrainable_weights:  # See [Note: quantized frozen shards]
-            from zero_core.zero.stage3.quantized_shards import QuantizedShardStore
-
-            QuantizedShardStore().adopt(self.params)
+        self._adopt_shard_stores(param_offload, quantized_nontrainable_weights)
         # See [Note: optimizer offload hook] in zero_offload; the null object when nothing is
         # offloaded (See [Note: optimizer offload seam])
         self.checkpointing = Stage3Checkpointing(self)  # its checkpoint methods delegate there
@@ -141,18 +146,12 @@ class Stage3Strategy:
             max_live_parameters=int(max_live_parameters),
             max_reuse_distance=int(max_reuse_distance),
         )
-        # ZeRO++ qwZ (See [Note: quantized weight all-gather (qwZ)])
-        self.coordinator.quantize_weights = bool(quantized_weights)
-        self.coordinator.quantize_nontrainable = bool(quantized_nontrainable_weights)
-        for po in self._param_offloads():
-            po.follow(self.coordinator)  # read ahead in the recorded module order
         self.reducer = GradBucketReducer(
             int(reduce_bucket_size), overlap=bool(overlap_comm), comm_dtype=comm_dtype
         )
-        if quantized_gradients:  # ZeRO++ qgZ (See [Note: quantized gradient reduce-scatter (qgZ)])
-            from zero_core.comm.quantized_collectives import QgzReducer
-
-            self.reducer.qgz = QgzReducer(group)
+        self._switch_zeropp(quantized_weights, quantized_nontrainable_weights, quantized_gradients)
+        for po in self._param_offloads():
+            po.follow(self.coordinator)  # read ahead in the recorded module order
         self.hooks = Stage3Hooks(
             module,
             self.coordinator,
@@ -167,6 +166,27 @@ class Stage3Strategy:
         SHARD_CHANGED.append(self._refresh_master)
 
     # -- construction ------------------------------------------------------------------
+    def _adopt_shard_stores(self, param_offload: Any, quantized_nontrainable_weights: bool) -> None:
+        """Shards kept off the device (See [Note: parameter offload] in zero_offload) or frozen
+        shards stored quantized (See [Note: quantized frozen shards])."""
+        if param_offload is not None:
+            param_offload.adopt(self.params)
+        if quantized_nontrainable_weights:
+            from zero_core.zero.stage3.quantized_shards import QuantizedShardStore
+
+            QuantizedShardStore().adopt(self.params)
+
+    def _switch_zeropp(self, weights: bool, nontrainable_weights: bool, gradients: bool) -> None:
+        """ZeRO++'s quantized communication: qwZ on the coordinator's forward gathers (See
+        [Note: quantized weight all-gather (qwZ)]), qgZ on the reducer (See [Note: quantized
+        gradient reduce-scatter (qgZ)])."""
+        self.coordinator.quantize_weights = bool(weights)
+        self.coordinator.quantize_nontrainable = bool(nontrainable_weights)
+        if gradients:
+            from zero_core.comm.quantized_collectives import QgzReducer
+
+            self.reducer.qgz = QgzReducer(self.group)
+
     @torch.no_grad()
     def _partition_and_make_masters(self) -> None:
         for p in self.params:
