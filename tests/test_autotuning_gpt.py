@@ -7,39 +7,16 @@ so this runs in the meta-package's environment. See [Note: autotuning search].
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from zero_core.testing.launch import experiment_records, run_zero, write_json
 
 REPO = Path(__file__).resolve().parents[1]
 PROFILE = {"start_profile_step": 1, "end_profile_step": 3}
 
 
-def _zero(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 900) -> str:
-    out = subprocess.run(
-        [sys.executable, "-m", "zero_core.launcher", "run", *args],
-        cwd=cwd,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    return out.stdout
-
-
-def _records(exps: Path) -> dict[str, dict]:
-    return {p.stem: json.loads(p.read_text()) for p in sorted(exps.glob("*.json"))}
-
-
-def _write(path: Path, config: dict) -> Path:
-    path.write_text(json.dumps(config))
-    return path
-
-
 def test_gpt_search_writes_results_and_runs_the_best(tmp_path: Path) -> None:
-    cfg = _write(
+    cfg = write_json(
         tmp_path / "cfg.json",
         {
             "train_micro_batch_size_per_gpu": "auto",
@@ -57,12 +34,12 @@ def test_gpt_search_writes_results_and_runs_the_best(tmp_path: Path) -> None:
     )
     gpt = ["--steps", "4", "--seq_len", "16", "--d_model", "16", "--n_layers", "1", "--n_heads", "2"]
     gpt += ["--corpus_bytes", "20000", "--no_save", "--out_dir", str(tmp_path / "out")]
-    out = _zero(
+    out = run_zero(
         "--autotuning", "run", "--nproc", "2", str(REPO / "examples" / "train_gpt.py"), "--zero_config", str(cfg), *gpt,
         cwd=tmp_path,
     )  # fmt: skip
     results = tmp_path / "autotuning_results"
-    records = _records(tmp_path / "autotuning_exps")
+    records = experiment_records(tmp_path / "autotuning_exps")
     assert sorted(r["result"]["stage"] * 10 + r["result"]["mbs"] for r in records.values()) == [2, 4, 12, 14]
     statuses = {n: (r["result"]["status"], r["result"]["reason"]) for n, r in records.items()}
     assert all(r["result"]["status"] == "ok" and r["result"]["metric"] > 0 for r in records.values()), (

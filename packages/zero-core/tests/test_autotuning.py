@@ -20,28 +20,12 @@ from zero_core.autotuning.memory import model_states_bytes, parse_bytes
 from zero_core.autotuning.space import Candidate, build_space, micro_batch_candidates
 from zero_core.autotuning.tuners import TUNERS
 from zero_core.config.builtin_sections import AutotuningConfig
+from zero_core.testing.launch import experiment_records, run_zero, write_json
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
 JOB = HERE / "_autotuning_job.py"
 PROFILE = {"start_profile_step": 1, "end_profile_step": 3}
-
-
-def _zero(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 900) -> str:
-    out = subprocess.run(
-        [sys.executable, "-m", "zero_core.launcher", "run", *args],
-        cwd=cwd,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    return out.stdout
-
-
-def _records(exps: Path) -> dict[str, dict]:
-    return {p.stem: json.loads(p.read_text()) for p in sorted(exps.glob("*.json"))}
 
 
 # -- the parts, without launches ---------------------------------------------------------------
@@ -196,29 +180,24 @@ def test_flops_metric_without_zero_profiler_names_the_package(
 
     monkeypatch.setattr(zero_core.plugins, "is_available", lambda name: name != "zero_profiler")
     monkeypatch.chdir(tmp_path)  # the search makes its results and experiments directories here
-    cfg = _write(tmp_path / "cfg.json", {"autotuning": {"enabled": True, "metric": "flops"}})
+    cfg = write_json(tmp_path / "cfg.json", {"autotuning": {"enabled": True, "metric": "flops"}})
     from zero_core.launcher.cli import build_parser
 
     args = build_parser().parse_args(["run", "--autotuning", "tune", "job.py", "--zero_config", str(cfg)])
     with pytest.raises(AutotuningError, match="'zero-profiler' package, which is not installed"):
         Autotuner(args)
     # a metric_path in the search's own config is the engine's key: the search says it is not used
-    _write(tmp_path / "cfg.json", {"autotuning": {"enabled": True, "metric_path": "m.json"}})
+    write_json(tmp_path / "cfg.json", {"autotuning": {"enabled": True, "metric_path": "m.json"}})
     assert any("metric_path 'm.json' is not used" in n for n in Autotuner(args).notes)
 
 
 # -- real searches -----------------------------------------------------------------------------
 
 
-def _write(path: Path, config: dict) -> Path:
-    path.write_text(json.dumps(config))
-    return path
-
-
 def test_memory_pruning_launches_only_stage_3(tmp_path: Path) -> None:
     # 50M parameters (declared: model_info), fp32 Adam, 2 ranks: model states per rank are
     # 800/600/500/400 MB at stages 0/1/2/3; a 450 MB budget leaves stage 3 alone.
-    cfg = _write(
+    cfg = write_json(
         tmp_path / "cfg.json",
         {
             "train_micro_batch_size_per_gpu": 2,
@@ -226,11 +205,11 @@ def test_memory_pruning_launches_only_stage_3(tmp_path: Path) -> None:
             "autotuning": {"enabled": True, **PROFILE, "model_info": {"num_params": 50_000_000}},
         },
     )
-    out = _zero(
+    out = run_zero(
         "--autotuning", "tune", "--nproc", "2", str(JOB), "--zero_config", str(cfg),
         cwd=tmp_path, env={"ZERO_AUTOTUNING_MEMORY_BUDGET": "450MB"},
     )  # fmt: skip
-    records = _records(tmp_path / "autotuning_exps")
+    records = experiment_records(tmp_path / "autotuning_exps")
     assert records and all(name.startswith("z3_") for name in records), (list(records), out)
     summary = (tmp_path / "autotuning_results" / "summary.md").read_text()
     for stage in (0, 1, 2):
@@ -262,7 +241,7 @@ def test_failures_are_recorded_and_a_killed_search_resumes(tmp_path: Path) -> No
             "model_info": {"num_params": 1000},
         },
     }
-    cfg = _write(tmp_path / "cfg.json", config)
+    cfg = write_json(tmp_path / "cfg.json", config)
     hold = tmp_path / "hold"
     hold.write_text("")
     env = {
@@ -290,7 +269,7 @@ def test_failures_are_recorded_and_a_killed_search_resumes(tmp_path: Path) -> No
         time.sleep(0.5)
     assert not _alive(held)
     exps = tmp_path / "autotuning_exps"
-    before = _records(exps)
+    before = experiment_records(exps)
     by_stage = {r["result"]["stage"]: r["result"] for r in before.values()}
     assert (
         by_stage[1]["status"] == "error"
@@ -302,11 +281,11 @@ def test_failures_are_recorded_and_a_killed_search_resumes(tmp_path: Path) -> No
     hold.unlink()
     # a longer timeout for the rerun (a loaded machine); the section is not part of an experiment's identity
     config["autotuning"]["experiment_timeout"] = 600
-    _write(cfg, config)
-    out = _zero(
+    write_json(cfg, config)
+    out = run_zero(
         "--autotuning", "tune", "--nproc", "1", str(JOB), "--zero_config", str(cfg), cwd=tmp_path, env=env
     )
-    after = _records(exps)
+    after = experiment_records(exps)
     for name, record in before.items():  # the finished experiments were reused, not rerun
         if record["result"]["stage"] != 3:
             assert after[name] == record
