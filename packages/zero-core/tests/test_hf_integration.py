@@ -21,6 +21,7 @@ import pytest
 import torch
 import transformers
 from zero_core.testing import run_multirank
+from zero_core.zero.stage3.param_records import is_partitioned
 
 VOCAB, SEQ = 64, 8
 CFG = {
@@ -96,7 +97,7 @@ def _load_into_partitions(out: str) -> dict:
         model = from_pretrained(transformers.GPT2LMHeadModel, os.path.join(out, "sharded"), CFG)
     finally:
         hf_pretrained._read_range = original
-    partitioned = all(hasattr(p, "zero_state") for p in model.parameters())
+    partitioned = all(is_partitioned(p) for p in model.parameters())
     engine, *_ = zero_core.initialize(
         model=model, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), config=CFG
     )

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 from zero_core.testing import run_multirank
 from zero_core.testing.parity import assert_tensors_close
+from zero_core.zero.stage3.param_records import partition_state
 
 DIM, WORLD = 4, 2
 
@@ -191,7 +192,7 @@ def test_safe_set_grads_frozen_params_and_stage0_bf16():
 def _storage_ptrs(engine) -> dict[str, list[int]]:
     s = engine.strategy
     return {
-        "lp_params": [p.zero_state.shard.data_ptr() for p in s.params],
+        "lp_params": [partition_state(p).shard.data_ptr() for p in s.params],
         "optim_states": [t.data_ptr() for st in s.optimizer.state.values() for t in st.values() if t.dim()],
     }
 
@@ -234,8 +235,8 @@ def _offload_rank() -> dict:
     moved = _storage_ptrs(engine)
     assert all(a != b for a, b in zip(moved["lp_params"], before["lp_params"]))
     for p in engine.strategy.params:  # fp32: the master *is* the shard, and stays so
-        assert engine.strategy.master[p.zero_state.id].data_ptr() == p.zero_state.shard.data_ptr()
-        assert p.zero_state.shard.device.type == "cpu"
+        assert engine.strategy.master[partition_state(p).id].data_ptr() == partition_state(p).shard.data_ptr()
+        assert partition_state(p).shard.device.type == "cpu"
     with pytest.raises(RuntimeError, match="call engine.reload_states"):
         engine(x)
     with pytest.raises(RuntimeError, match="offloaded already"):

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 from zero_core.testing import run_multirank
+from zero_core.zero.stage3.param_records import partition_state
 
 DIM = 5
 
@@ -74,7 +75,7 @@ def _rank() -> dict:
             assert torch.isfinite(got).all(), name
         torch.testing.assert_close(t.detach(), expected[name], rtol=0, atol=0, msg=name)
     # a parameter nobody kept a tensor of still frees its gather buffer
-    assert model[2].weight.zero_state.full.untyped_storage().nbytes() == 0
+    assert partition_state(model[2].weight).full.untyped_storage().nbytes() == 0
 
     # train (gather, release, re-gather the same parameters many times); the tensors keep the
     # values they had, and training matches plain torch with a view taken between forward and backward

@@ -74,7 +74,7 @@ for mode in ("plain", "init"):
         out["shard_bytes"] = sum(p.zero_shard.untyped_storage().nbytes() for p in ps)
         out["shard_devices"] = sorted({str(p.zero_shard.device) for p in ps})
         out["data_numel"] = sum(p.data.numel() for p in ps)
-        out["gather_buffer_bytes"] = sum(p.zero_state.full.untyped_storage().nbytes() for p in ps)
+        out["gather_buffer_bytes"] = sum(partition_state(p).full.untyped_storage().nbytes() for p in ps)
     del model
 dist.barrier()
 dist.destroy_process_group()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from zero_core.testing import run_multirank
+from zero_core.zero.stage3.param_records import partition_state
 
 TWO_NODES = {"ZERO_RANKS_PER_NODE": "2"}
 
@@ -249,7 +250,7 @@ def _full_precision_checks(tmp: str) -> dict:
         engine.step()
     x, _ = _batch(5, rank, torch.bfloat16)
     engine(x)
-    st = first.weight.zero_state
+    st = partition_state(first.weight)
     exact = torch.empty(st.padded_numel, dtype=st.shard.dtype)
     comm.all_gather_into_tensor(exact, st.shard)
     exact = exact[: st.numel].view(st.shape)
@@ -294,7 +295,7 @@ def _init_and_frozen() -> dict:
     engine, *_ = zero_core.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=cfg
     )
-    st = frozen.zero_state
+    st = partition_state(frozen)
     losses = []
     for step in range(6):
         x, y = _batch(step, comm.get_rank(), torch.bfloat16)

@@ -17,6 +17,7 @@ import zero_core.engine  # noqa: F401
 import zero_moe
 from zero_core.checkpoint.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from zero_core.testing import run_multirank
+from zero_core.zero.stage3.param_records import partition_state
 
 M, E = 8, 4
 
@@ -155,7 +156,7 @@ def test_stage3_loads_an_expert_parallel_checkpoint_and_saves_it_back(tmp_path):
 
 def _experts_partitioned_per_group(tmp: str) -> list[int]:
     engine = _engine(2, 0, 3)
-    return [p.zero_state.world for n, p in engine.module.named_parameters() if ".zero_experts." in n]
+    return [partition_state(p).world for n, p in engine.module.named_parameters() if ".zero_experts." in n]
 
 
 def test_stage3_keeps_each_rank_experts_in_its_own_partition():

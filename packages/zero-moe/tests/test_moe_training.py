@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from zero_core.testing import run_multirank
 from zero_core.testing.parity import assert_tensors_close
+from zero_core.zero.stage3.param_records import partition_state
 from zero_moe import MoE, reduce_moe_gradients, split_params_into_different_moe_groups_for_optimizer
 
 V, D, SEQ, BATCH, E, STEPS = 16, 16, 8, 2, 4, 3
@@ -206,7 +207,7 @@ def _check_partition_groups(model: TinyMoEModel, world: int) -> None:
 
     for name, p in model.named_parameters():
         assert is_partitioned(p), name
-        st = p.zero_state
+        st = partition_state(p)
         # blocks.0 has ep_size 2: its experts are split over world // 2 ranks
         expected = world // 2 if name.startswith("blocks.0.") and ".zero_experts." in name else world
         assert st.world == expected, (name, st.world)

@@ -17,6 +17,7 @@ import pytest
 import torch
 from zero_core.testing import parity, run_multirank
 from zero_core.testing.models import TinyLM, token_batch
+from zero_core.zero.stage3.param_records import partition_state
 
 STEPS, MICRO, SEQ, VOCAB = 20, 2, 8, 32
 
@@ -65,7 +66,7 @@ def _train(case: dict, nvme_root: str) -> tuple:
     if case.get("init"):  # zero.Init places each shard at its home as it is constructed
         with Init(remote_device=case["param"], config_dict_or_path=cfg):
             model = TinyLM(VOCAB, 16, 23)
-        placed = [p.zero_state.offload for p in model.parameters()]
+        placed = [partition_state(p).offload for p in model.parameters()]
         assert all(o is not None and o is placed[0] for o in placed), placed
     else:
         model = TinyLM(VOCAB, 16, 23)
@@ -91,7 +92,7 @@ def _train(case: dict, nvme_root: str) -> tuple:
         "swap_file": None
         if po.swap_dir is None
         else str(po.swap_dir.path / f"params{len(po._files) - 1}.swp"),
-        "shard_numel": {n: p.zero_state.shard_numel for n, p in model.named_parameters()},
+        "shard_numel": {n: partition_state(p).shard_numel for n, p in model.named_parameters()},
     }
     info["swap_file_existed"] = info["swap_file"] is not None and os.path.exists(info["swap_file"])
     engine.destroy()

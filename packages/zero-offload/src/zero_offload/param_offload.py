@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 from zero_core.accelerator import get_accelerator
+from zero_core.zero.stage3.param_records import is_partitioned, partition_state
 from zero_ops.aio import AsyncIOHandle, locked_empty
 
 from zero_offload.swap_files import SwapDirectory
@@ -91,7 +92,7 @@ class ParamOffload:
         self.max_in_cpu = max_in_cpu
         self.pin = bool(pin_memory)
         self.fetched = CopyFence()  # behind the latest home->device copy
-        self.params: dict[int, torch.nn.Parameter] = {}  # zero_state.id -> param, adoption order
+        self.params: dict[int, torch.nn.Parameter] = {}  # PartitionState.id -> param, adoption order
         self.host: dict[int, torch.Tensor] = {}  # id -> host home
         self.offset: dict[int, tuple[str, int]] = {}  # id -> (swap file, byte offset) of NVMe homes
         self.in_cpu_numel = 0
@@ -123,15 +124,15 @@ class ParamOffload:
     def adopt(self, params: list[torch.nn.Parameter]) -> None:
         """Move the shards of ``params`` (partitioned, released) to their homes and free the device copies."""
         for p in params:
-            if not hasattr(p, "zero_state"):
+            if not is_partitioned(p):
                 raise TypeError(
-                    f"ParamOffload.adopt: expected parameters partitioned by ZeRO stage 3 (with .zero_state), "
+                    f"ParamOffload.adopt: expected parameters partitioned by ZeRO stage 3 (zero_core's is_partitioned), "
                     f"got a {type(p).__name__} of shape {tuple(getattr(p, 'shape', ()))}"
                 )
-        new = [p for p in params if p.zero_state.offload is None]
+        new = [p for p in params if partition_state(p).offload is None]
         nvme_new = []
         for p in new:
-            st = p.zero_state
+            st = partition_state(p)
             if self.device == "cpu" or self.in_cpu_numel + st.shard_numel <= self.max_in_cpu:
                 home = host_buffer(st.shard_numel, st.shard.dtype, self.pin)  # See [Note: offload copies]
                 home.copy_(st.shard)
@@ -143,7 +144,7 @@ class ParamOffload:
         if nvme_new:
             self._grow_file(nvme_new)
         for p in new:
-            st = p.zero_state
+            st = partition_state(p)
             self.params[st.id] = p  # (NVMe homes were registered by _grow_file already)
             st.offload = self
             st.shard.untyped_storage().resize_(0)
@@ -155,24 +156,24 @@ class ParamOffload:
         the rest, without rewriting earlier files.
         """
         assert self.swap_dir is not None
-        biggest = max(params, key=lambda p: _nbytes(p.zero_state))
-        elsize = biggest.zero_state.shard.element_size()
-        if _nbytes(biggest.zero_state) > self.buffer_size * elsize:
+        biggest = max(params, key=lambda p: _nbytes(partition_state(p)))
+        elsize = partition_state(biggest).shard.element_size()
+        if _nbytes(partition_state(biggest)) > self.buffer_size * elsize:
             raise ValueError(
                 f"zero_optimization.offload_param.buffer_size is {self.buffer_size} elements, but a parameter "
-                f"shard ({tuple(biggest.zero_state.shape)}: {biggest.zero_state.shard_numel} elements per rank) "
+                f"shard ({tuple(partition_state(biggest).shape)}: {partition_state(biggest).shard_numel} elements per rank) "
                 "does not fit in one buffer; raise buffer_size to at least the largest shard"
             )
         name = f"params{len(self._files)}.swp"
         cursor = 0
         for p in params:
-            self.offset[p.zero_state.id] = (name, cursor)
-            cursor += _round(_nbytes(p.zero_state))
+            self.offset[partition_state(p).id] = (name, cursor)
+            cursor += _round(_nbytes(partition_state(p)))
         self.swap_dir.allocate(name, cursor)
         self._files.append(name)
         self._file_bytes += cursor
         # Buffers: only as large as the largest shard needs (never more than buffer_size elements).
-        need = _round(_nbytes(biggest.zero_state))
+        need = _round(_nbytes(partition_state(biggest)))
         if not self._buffers or self._buffers[0].numel() < need:
             self.rh.wait()
             self.wh.wait()
@@ -182,8 +183,8 @@ class ParamOffload:
             self._buffers = [locked_empty(need, torch.uint8) for _ in range(self.buffer_count)]
             self._free = list(self._buffers)
         for p in params:
-            self.params[p.zero_state.id] = p
-            self._write_nvme(p.zero_state.id, p.zero_state.shard)
+            self.params[partition_state(p).id] = p
+            self._write_nvme(partition_state(p).id, partition_state(p).shard)
         self.wh.wait()
         self._free.extend(self._writing)
         self._writing.clear()
@@ -196,7 +197,7 @@ class ParamOffload:
     @torch.no_grad()
     def fetch(self, p: torch.nn.Parameter) -> None:
         """Make ``st.shard`` hold the shard's values on the device."""
-        st = p.zero_state
+        st = partition_state(p)
         if st.shard.untyped_storage().nbytes() > 0:
             return
         self.fetches += 1
@@ -222,7 +223,7 @@ class ParamOffload:
 
     def release(self, p: torch.nn.Parameter) -> None:
         """Drop the device copy (the home holds the values)."""
-        st = p.zero_state
+        st = partition_state(p)
         # The stream that packs it may still read it: the block is not reused before that work
         # is done (no host wait; See [Note: stage-3 streams] in zero_core).
         get_accelerator().record_stream(st.shard, get_accelerator().current_stream())
@@ -232,7 +233,7 @@ class ParamOffload:
     @torch.no_grad()
     def read(self, p: torch.nn.Parameter) -> torch.Tensor:
         """A new CPU tensor with ``p``'s shard values (from the home; whole shard, padding included)."""
-        st = p.zero_state
+        st = partition_state(p)
         if st.id in self.host:
             return self.host[st.id].clone()
         self._drop_landed(st.id)
@@ -250,7 +251,7 @@ class ParamOffload:
     @torch.no_grad()
     def write(self, p: torch.nn.Parameter, values: torch.Tensor) -> None:
         """Set ``p``'s shard to ``values`` (cast to its dtype) at its home (and in a live device copy)."""
-        st = p.zero_state
+        st = partition_state(p)
         v = values.detach().reshape(-1)
         if v.numel() != st.shard_numel:
             raise ValueError(
@@ -268,7 +269,7 @@ class ParamOffload:
     @torch.no_grad()
     def set_dtype(self, p: torch.nn.Parameter, dtype: torch.dtype) -> None:
         """Change the shard's dtype (the strategy's training dtype after zero.Init placed it)."""
-        st = p.zero_state
+        st = partition_state(p)
         values = self.read(p).to(dtype)
         del self.params[st.id]
         self.host.pop(st.id, None)
@@ -299,7 +300,7 @@ class ParamOffload:
             self._free.extend(self._writing)
             self._writing.clear()
         name, offset = self.offset[pid]
-        n = _round(_nbytes(self.params[pid].zero_state))
+        n = _round(_nbytes(partition_state(self.params[pid])))
         self.rh.async_pread(buf[:n], self.swap_dir.check(name), offset)
         self._reading = True
 
@@ -331,7 +332,7 @@ class ParamOffload:
             if idx < 0:
                 continue
             for q in module_params(co.modules[idx]):
-                st = q.zero_state
+                st = partition_state(q)
                 if (
                     st.offload is not self
                     or st.id in self.host
@@ -353,7 +354,7 @@ class ParamOffload:
         """Bytes of the parameter homes and buffers (host side), and of the device copies alive now."""
         return {
             "offloaded_parameters_device": sum(
-                p.zero_state.shard.untyped_storage().nbytes() for p in self.params.values()
+                partition_state(p).shard.untyped_storage().nbytes() for p in self.params.values()
             ),
             "host_parameters": sum(t.numel() * t.element_size() for t in self.host.values()),
             "host_param_swap_buffers": sum(b.numel() for b in self._buffers),
@@ -361,7 +362,7 @@ class ParamOffload:
         }
 
     def owns(self, p: torch.nn.Parameter) -> bool:
-        return getattr(p.zero_state, "offload", None) is self
+        return getattr(partition_state(p), "offload", None) is self
 
     def close(self) -> None:
         """Wait for I/O and remove the swap file (see [Note: swap file lifecycle])."""

@@ -40,6 +40,7 @@ from zero_core.checkpoint.format import CheckpointError
 from zero_core.checkpoint.tag_validation import parse_mode
 from zero_core.comm import watchdog as _watchdog
 from zero_core.config import ZeroConfig
+from zero_core.zero.stage3.param_records import full_shape
 
 
 class RankMismatchError(RuntimeError):
@@ -62,9 +63,7 @@ def _precision(cfg: ZeroConfig) -> str:
 def _param_lines(model: torch.nn.Module) -> list[str]:
     lines = []
     for name, p in model.named_parameters():
-        shape = tuple(
-            getattr(p, "zero_shape", None) or p.shape
-        )  # stage-3 zero.Init keeps the full shape aside
+        shape = full_shape(p)  # stage-3 zero.Init keeps the full shape in the parameter's record
         lines.append(f"{name} {list(shape)} {str(p.dtype).replace('torch.', '')}")
     return lines
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from zero_core.zero.stage3.param_records import full_shape, partition_state
 from zero_core.zero.stage3.partitioned_param import is_partitioned, write_shard
 
 SINGLE_FILE = "model.safetensors"
@@ -90,13 +91,13 @@ def _candidates(name: str, aliases: list[str], prefix: str) -> list[str]:
 def _load_param(param: torch.nn.Parameter, handle: Any, key: str) -> None:
     sl = handle.get_slice(key)
     shape = list(sl.get_shape())
-    want = list(param.zero_shape) if is_partitioned(param) else list(param.shape)
+    want = list(full_shape(param))
     if shape != want:
         raise ValueError(f"from_pretrained: {key} has shape {shape} in the file, the model has {want}")
     if not is_partitioned(param):
         param.data.copy_(sl[:] if shape else handle.get_tensor(key))
         return
-    st = param.zero_state
+    st = partition_state(param)
     lo = min(st.rank * st.shard_numel, st.numel)
     hi = min(lo + st.shard_numel, st.numel)
     values = torch.zeros(st.shard_numel, dtype=st.shard.dtype)

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from zero_core.zero.param_owners import PARAM_OWNERS
+from zero_core.zero.stage3.param_records import full_shape
 
 _ABSENT = object()
 # what _owner_method returns for a getter on a frozen parameter: the getter returns None
@@ -62,8 +63,8 @@ def _owner_method(where: str, param: Any, *, local: bool, value: Any = _ABSENT, 
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{where}: value must be a torch.Tensor, got {type(value).__name__}")
         if not local:
-            # a stage-3 parameter's .shape is empty while released: its real shape is zero_shape
-            shape = tuple(getattr(param, "zero_shape", param.shape))
+            # a stage-3 parameter's .shape is empty while released: its record has the real one
+            shape = full_shape(param)
             if tuple(value.shape) != shape:
                 raise ValueError(f"{where}: value has shape {tuple(value.shape)}, the parameter has {shape}")
     if key is not _ABSENT:

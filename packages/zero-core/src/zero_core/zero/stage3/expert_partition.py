@@ -37,6 +37,7 @@ import torch
 from zero_core import comm
 from zero_core.plugins import require
 from zero_core.utils.param_groups import is_expert_param
+from zero_core.zero.stage3.param_records import partition_state
 
 
 def expert_group_exists(param: torch.nn.Parameter) -> bool:
@@ -96,7 +97,7 @@ def modifier_group_rank(param: torch.nn.Parameter, modifier_rank: int) -> int:
     With the layout of zero-moe's [Note: expert parallel groups] (expert-data-parallel group
     ``{j, j + ep, j + 2 ep, ...}``) that member is group rank ``r // ep``.
     """
-    st = param.zero_state
+    st = partition_state(param)
     if getattr(st.route, "mics", False):  # broadcast over the world: See [Note: MiCS and hpZ shard groups]
         return modifier_rank
     if st.world == 1 or st.group is None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from zero_core.zero.stage3.param_records import full_shape
+
 
 def _check(module: object, parameter: object, where: str) -> None:
     if not isinstance(module, torch.nn.Module):
@@ -35,7 +37,7 @@ def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.P
             del ext[i]
             return
     raise ValueError(
-        f"unregister_external_parameter: the parameter (shape {tuple(getattr(parameter, 'zero_shape', parameter.shape))})"
+        f"unregister_external_parameter: the parameter (shape {full_shape(parameter)})"
         f" is not registered as external to this {type(module).__name__}"
     )
 

@@ -19,6 +19,7 @@ import torch
 from zero_core import comm
 from zero_core.zero.stage3.expert_partition import modifier_group_rank
 from zero_core.zero.stage3.external_params import register_external_parameter
+from zero_core.zero.stage3.param_records import partition_state
 from zero_core.zero.stage3.partitioned_param import (
     ParamStatus,
     broadcast_full,
@@ -82,20 +83,20 @@ class GatheredParameters:
         if self.fwd_module is not None:
             for p in self.params:
                 register_external_parameter(self.fwd_module, p)
-        before = {id(p) for p in self.params if p.zero_state.status is ParamStatus.AVAILABLE}
+        before = {id(p) for p in self.params if partition_state(p).status is ParamStatus.AVAILABLE}
         handle = gather_params(self.params, what="GatheredParameters")
         if handle is not None:
             handle.wait()
         self._gathered = [p for p in self.params if id(p) not in before]
         for p in self.params:
-            p.zero_state.holds += 1
+            partition_state(p).holds += 1
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if not self.enabled or not self.params:
             return
         for p in self.params:
-            p.zero_state.holds -= 1
+            partition_state(p).holds -= 1
         if self.modifier_rank is not None and exc[0] is None:
             with torch.no_grad():
                 for p in self.params:

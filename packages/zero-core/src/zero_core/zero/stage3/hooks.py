@@ -31,6 +31,8 @@ from torch.utils._pytree import tree_flatten
 
 from zero_core.zero.stage3.leaf_modules import leaf_descendants
 from zero_core.zero.stage3.param_coordinator import ParamCoordinator
+from zero_core.zero.stage3.param_records import PARTITION_RECORDS as _RECORDS
+from zero_core.zero.stage3.param_records import partition_state
 from zero_core.zero.stage3.partitioned_param import ParamStatus
 from zero_core.zero.stage3.runtime_context import stage3_context
 
@@ -43,11 +45,7 @@ class ZeroParamDict(dict):
 
     def __getitem__(self, key: str) -> Any:
         p = dict.__getitem__(self, key)
-        if (
-            p is not None
-            and getattr(p, "zero_state", None) is not None
-            and p.zero_state.status is not ParamStatus.AVAILABLE
-        ):
+        if p is not None and (st := _RECORDS.get(p)) is not None and st.status is not ParamStatus.AVAILABLE:
             _on_access(p)
         return p
 
@@ -55,7 +53,7 @@ class ZeroParamDict(dict):
         outside = stage3_context().on_access_outside_forward
         if outside:
             for p in dict.values(self):
-                if p is not None and getattr(p, "zero_state", None) is not None:
+                if p is not None and p in _RECORDS:
                     outside[-1](p)
         return dict.items(self)
 
@@ -146,7 +144,7 @@ class Stage3Hooks:
         if self.paused:
             return None
         leaves = _output_leaves(output)
-        returned = [t for t in leaves if isinstance(t, torch.nn.Parameter) and hasattr(t, "zero_state")]
+        returned = [t for t in leaves if isinstance(t, torch.nn.Parameter) and t in _RECORDS]
         if self.stack and self.stack[-1] is module:
             self.stack.pop()
         if returned and self.stack:
@@ -155,7 +153,7 @@ class Stage3Hooks:
 
             for p in returned:
                 register_external_parameter(self.stack[-1], p)
-                p.zero_state.active += 1
+                partition_state(p).active += 1
         self.coordinator.release_module(module, "forward", keep=returned)
         active = stage3_context().active_hooks
         if not self.stack and active and active[-1] is self:
@@ -174,7 +172,7 @@ class Stage3Hooks:
         register_external_parameter(owner, p)
         self.coordinator.ensure_available([p], f"access from module {type(owner).__name__}")
         self.coordinator._track([p])
-        p.zero_state.active += 1
+        partition_state(p).active += 1
 
     # -- backward -----------------------------------------------------------------------
     def _pre_backward(self, module: torch.nn.Module) -> None:
@@ -185,15 +183,16 @@ class Stage3Hooks:
         self.coordinator.fetch(module, "backward")
         # Parameters without gradients (frozen) are released at the end of backward.
         for p in module.parameters(recurse=bool(getattr(module, "_z3_leaf", False))):
-            if hasattr(p, "zero_state"):
-                p.zero_state.active = 0
+            st = _RECORDS.get(p)
+            if st is not None:
+                st.active = 0
 
     def _grad_ready(self, param: torch.nn.Parameter) -> None:
         grad = param.grad
         if grad is None:
             return
         param.grad = None
-        if not hasattr(param, "zero_state"):
+        if param not in _RECORDS:
             return
         coord = self.coordinator
         coord.extra_bytes = self.grad_bytes_live() + grad.numel() * grad.element_size()

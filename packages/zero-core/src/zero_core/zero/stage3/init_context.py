@@ -46,6 +46,7 @@ import torch
 from zero_core import comm
 from zero_core.zero.stage3.expert_partition import expert_group_exists, partition_group
 from zero_core.zero.stage3.hooks import install_param_dict
+from zero_core.zero.stage3.param_records import partition_state
 from zero_core.zero.stage3.partitioned_param import (
     ParamStatus,
     broadcast_full,
@@ -196,7 +197,7 @@ class Init:
 
     def _touch(self, p: torch.nn.Parameter) -> None:
         """Gather a parameter read during construction; re-partitioned by :meth:`_flush`."""
-        st = p.zero_state
+        st = partition_state(p)
         if st.status is ParamStatus.AVAILABLE or st.id in self._dirty:
             return
         handle = gather_params([p], what="access during zero.Init construction")
@@ -215,8 +216,8 @@ class Init:
             ids = {id(p) for p in scope.parameters()}
             params = [p for p in self._dirty.values() if id(p) in ids]
         for p in params:
-            del self._dirty[p.zero_state.id]
-            p.zero_state.holds -= 1
+            del self._dirty[partition_state(p).id]
+            partition_state(p).holds -= 1
             broadcast_full(p, 0)
             shard_from_full(p)
             release_param(p)

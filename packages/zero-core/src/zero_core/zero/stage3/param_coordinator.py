@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from zero_core.zero.stage3.param_records import is_partitioned, partition_state
 from zero_core.zero.stage3.partitioned_param import (
     GatherHandle,
     ParamStatus,
@@ -45,9 +46,9 @@ Event = tuple[int, str]
 def module_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The partitioned parameters a module's forward needs: its own plus its external ones."""
     if getattr(module, "_z3_leaf", False):  # the whole subtree: See [Note: z3 leaf modules]
-        own = list({id(p): p for p in module.parameters() if hasattr(p, "zero_state")}.values())
+        own = list({id(p): p for p in module.parameters() if is_partitioned(p)}.values())
     else:
-        own = [p for p in module._parameters.values() if p is not None and hasattr(p, "zero_state")]
+        own = [p for p in module._parameters.values() if p is not None and is_partitioned(p)]
     ext = getattr(module, "_zero_external_params", None)
     if ext:
         ids = {id(p) for p in own}
@@ -129,7 +130,7 @@ class ParamCoordinator:
             h.wait()
         self.inflight.clear()
         for p in list(self.gathered.values()):
-            p.zero_state.active = 0
+            partition_state(p).active = 0
             self._release(p, force=force)
 
     # -- fetch / release -------------------------------------------------------------------
@@ -140,7 +141,7 @@ class ParamCoordinator:
         self._advance(event)
         self._ensure(params, f"{phase} of module {type(module).__name__}#{event[0]}", phase)
         for p in params:
-            p.zero_state.active += 1
+            partition_state(p).active += 1
         self._prefetch()
         return params
 
@@ -150,11 +151,11 @@ class ParamCoordinator:
 
     def _ensure(self, params: list[torch.nn.Parameter], what: str, phase: str = "") -> None:
         for p in params:
-            h = self.inflight.get(p.zero_state.id)
+            h = self.inflight.get(partition_state(p).id)
             if h is not None:
                 h.wait()
                 for q in h.params:
-                    self.inflight.pop(q.zero_state.id, None)
+                    self.inflight.pop(partition_state(q).id, None)
         handle = gather_params(params, what=what, quantize=self._quantize_for(phase) if phase else None)
         if handle is not None:
             handle.wait()
@@ -162,22 +163,22 @@ class ParamCoordinator:
 
     def _track(self, params: list[torch.nn.Parameter]) -> None:
         for p in params:
-            st = p.zero_state
+            st = partition_state(p)
             if not st.persistent and st.id not in self.gathered:
                 self.gathered[st.id] = p
                 self.live_numel += st.padded_numel
         self.peak_bytes = max(self.peak_bytes, self.live_bytes() + self.extra_bytes)
 
     def live_bytes(self) -> int:
-        return sum(p.zero_state.full.untyped_storage().nbytes() for p in self.gathered.values())
+        return sum(partition_state(p).full.untyped_storage().nbytes() for p in self.gathered.values())
 
     def release_module(
         self, module: torch.nn.Module, phase: str, keep: Iterable[torch.nn.Parameter] = ()
     ) -> None:
         """Called after a module's forward: release what is not reused soon."""
-        keep_ids = {p.zero_state.id for p in keep}
+        keep_ids = {partition_state(p).id for p in keep}
         for p in module_params(module):
-            st = p.zero_state
+            st = partition_state(p)
             st.active = max(st.active - 1, 0)
             if st.active > 0 or st.id in keep_ids or self._reused_soon(p):
                 continue
@@ -186,14 +187,14 @@ class ParamCoordinator:
 
     def release_after_grad(self, param: torch.nn.Parameter) -> None:
         """A parameter whose gradient is complete is not needed again in this backward."""
-        st = param.zero_state
+        st = partition_state(param)
         st.active = 0
         if not self._reused_soon(param):
             self._release(param)
 
     def _release(self, p: torch.nn.Parameter, force: bool = False, keep_outside_views: bool = True) -> None:
         """See [Note: tensors taken from a gathered parameter] for ``keep_outside_views``."""
-        st = p.zero_state
+        st = partition_state(p)
         if st.id in self.inflight:
             return
         if release_param(p, force=force, keep_outside_views=keep_outside_views) or (
@@ -221,7 +222,7 @@ class ParamCoordinator:
         room = (
             self.max_live_parameters
             - self.live_numel
-            - sum(q.zero_state.padded_numel for h in self.inflight.values() for q in h.params)
+            - sum(partition_state(q).padded_numel for h in self.inflight.values() for q in h.params)
         )
         bucket: list[torch.nn.Parameter] = []
         seen: set[int] = set()
@@ -234,7 +235,7 @@ class ParamCoordinator:
             elif phase != first_phase and (self.quantize_weights or self.quantize_nontrainable):
                 break  # forward (quantized) and backward (full precision) gathers never share a bucket
             for p in module_params(self.modules[idx]):
-                st = p.zero_state
+                st = partition_state(p)
                 if st.status is not ParamStatus.NOT_AVAILABLE or st.id in seen:
                     continue
                 if st.padded_numel > room or st.padded_numel > budget:
@@ -253,7 +254,7 @@ class ParamCoordinator:
             return
         self.prefetched += len(bucket)
         for p in handle.params:
-            self.inflight[p.zero_state.id] = handle
+            self.inflight[partition_state(p).id] = handle
         self._track(handle.params)
 
     def _reused_soon(self, p: torch.nn.Parameter) -> bool:
@@ -262,14 +263,14 @@ class ParamCoordinator:
         if self.live_numel > self.max_live_parameters:
             return False
         distance = 0
-        pid = p.zero_state.id
+        pid = partition_state(p).id
         for idx, _phase in self.trace[self.pos :]:
             if idx < 0:
                 continue
             params = module_params(self.modules[idx])
-            if any(q.zero_state.id == pid for q in params):
+            if any(partition_state(q).id == pid for q in params):
                 return True
-            distance += sum(q.zero_state.padded_numel for q in params)
+            distance += sum(partition_state(q).padded_numel for q in params)
             if distance >= self.max_reuse_distance:
                 return False
         return False

@@ -2,10 +2,13 @@
 
 [Note: stage 3 parameter layout]
 A partitioned parameter ``p`` keeps its ``torch.nn.Parameter`` identity (optimizers, hooks
-and user references stay valid) and carries a :class:`PartitionState` as ``p.zero_state``.
+and user references stay valid) and has a :class:`PartitionState` record, kept off the
+parameter in the table of [Note: stage 3 parameter records] (``partition_state(p)``).
 The parameter's values, flattened and zero-padded to a multiple of the group size N, are
-cut into N equal chunks; rank r keeps chunk r in ``p.zero_shard`` (our name for DeepSpeed's
-``param.ds_tensor``; ``p.zero_numel`` / ``p.zero_shape`` are ``ds_numel`` / ``ds_shape``).
+cut into N equal chunks; rank r keeps chunk r in the record's ``shard``. For users the
+parameter shows it as ``p.zero_shard`` (our name for DeepSpeed's ``param.ds_tensor``;
+``p.zero_numel`` / ``p.zero_shape`` are ``ds_numel`` / ``ds_shape``): public, read-only
+names kept in step with the record, which internal code never reads.
 
 While released, ``p.data`` is an empty tensor: reading it outside a gather gives a
 shape-mismatch error, never stale or garbage values. While gathered, ``p.data`` is a view of
@@ -77,6 +80,7 @@ import torch
 
 from zero_core import comm
 from zero_core.comm import watchdog as _watchdog
+from zero_core.zero.stage3.param_records import is_partitioned, partition_state
 from zero_core.zero.stage3.runtime_context import stage3_context
 from zero_core.zero.stage3.shard_groups import broadcast_group, gather_source, keep_secondary, source_key
 from zero_core.zero.stage3.streams import stage3_streams
@@ -125,11 +129,11 @@ def collective_timeout() -> float:
 
 def set_param_name(param: torch.nn.Parameter, name: str) -> None:
     """Record a readable name for error messages (the strategy uses qualified module names)."""
-    stage3_context().param_names[param.zero_state.id] = name
+    stage3_context().param_names[partition_state(param).id] = name
 
 
 def param_name(param_or_id: torch.nn.Parameter | int) -> str:
-    pid = param_or_id if isinstance(param_or_id, int) else param_or_id.zero_state.id
+    pid = param_or_id if isinstance(param_or_id, int) else partition_state(param_or_id).id
     return stage3_context().param_names.get(pid, f"param#{pid}")
 
 
@@ -185,8 +189,7 @@ class PartitionState:
         self.secondary: torch.Tensor | None = None
 
 
-def is_partitioned(param: Any) -> bool:
-    return isinstance(param, torch.nn.Parameter) and hasattr(param, "zero_state")
+_RECORDS = stage3_context().records  # See [Note: stage 3 parameter records]
 
 
 def _full_view(st: PartitionState) -> torch.Tensor:
@@ -232,7 +235,7 @@ def partition_param(
     st.shard = shard
     st.full = torch.empty(st.padded_numel, dtype=data.dtype, device=data.device)
     st.full.untyped_storage().resize_(0)
-    param.zero_state = st
+    _RECORDS.add(param, st)  # See [Note: stage 3 parameter records]
     param.zero_shard = shard
     param.zero_numel = st.numel
     param.zero_shape = st.shape
@@ -241,7 +244,7 @@ def partition_param(
 
 def set_shard_dtype(param: torch.nn.Parameter, dtype: torch.dtype) -> None:
     """Cast a released partitioned parameter's storage (shard, gather buffer) to ``dtype``."""
-    st = param.zero_state
+    st = partition_state(param)
     st.secondary = None
     if st.shard.dtype == dtype:
         return
@@ -267,7 +270,7 @@ def read_shard(param: torch.nn.Parameter) -> torch.Tensor:
     Every other read or write of shard values goes through :func:`read_shard` /
     :func:`write_shard`, which use ``st.shard`` directly when the parameter is not offloaded.
     """
-    st = param.zero_state
+    st = partition_state(param)
     return st.shard if st.offload is None else st.offload.read(param).to(st.shard.device)
 
 
@@ -283,7 +286,7 @@ def shares_shard(master: torch.Tensor, st: PartitionState) -> bool:
 @torch.no_grad()
 def write_shard(param: torch.nn.Parameter, values: torch.Tensor) -> None:
     """Set this rank's shard to ``values`` (flat, cast to the shard dtype), wherever it lives."""
-    st = param.zero_state
+    st = partition_state(param)
     st.secondary = None  # stale: See [Note: MiCS and hpZ shard groups]
     if st.offload is None:
         st.shard.copy_(values.reshape(-1)[: st.shard.numel()])
@@ -315,7 +318,7 @@ def check_agreement(
     world = comm.get_world_size(group)
     if world == 1 or not collective_checks():
         return
-    first = params[0].zero_state.id if params else -1
+    first = partition_state(params[0]).id if params else -1
     from zero_core.accelerator import get_accelerator
 
     device = get_accelerator().current_device_name()  # the backend's device (NCCL: the GPU)
@@ -356,8 +359,11 @@ class GatherHandle:
         what: str,
         source: Any = None,
         unpack: Any = None,
+        states: list[PartitionState] | None = None,
     ) -> None:
         self.params = params
+        # the parameters' records, taken once per bucket (See [Note: stage 3 parameter records])
+        self.states = states if states is not None else [partition_state(p) for p in params]
         self._source = source
         self._work = work
         self._recv = recv
@@ -375,8 +381,7 @@ class GatherHandle:
         if self._work is not None:  # See [Note: stage-3 streams]
             results = [self._recv] if self._recv is not None else list(getattr(self._unpack, "buffers", ()))
             stage3_streams().all_gather_wait(lambda: _wait(self._work, self._what), results)
-        for i, (p, off) in enumerate(zip(self.params, self._offsets)):
-            st = p.zero_state
+        for i, (p, st, off) in enumerate(zip(self.params, self.states, self._offsets)):
             st.full.untyped_storage().resize_(st.padded_numel * st.full.element_size())
             if self._unpack is not None:
                 self._unpack(i, st.full)
@@ -403,6 +408,7 @@ class GroupedGatherHandle:
     def __init__(self, handles: list[GatherHandle]) -> None:
         self.handles = handles
         self.params = [p for h in handles for p in h.params]
+        self.states = [st for h in handles for st in h.states]
 
     @property
     def done(self) -> bool:
@@ -426,44 +432,50 @@ def gather_params(
     All ranks must call this with the same parameters in the same order. Returns None when
     nothing needed gathering.
     """
-    todo = [p for p in params if p.zero_state.status is ParamStatus.NOT_AVAILABLE]
+    # each parameter's record is looked up once per bucket: See [Note: stage 3 parameter records]
+    todo, states = [], []
+    for p in params:
+        st = partition_state(p)
+        if st.status is ParamStatus.NOT_AVAILABLE:
+            todo.append(p)
+            states.append(st)
     if not todo:
         return None
-    by_group: dict[tuple[Any, ...], list[torch.nn.Parameter]] = {}
-    for p in todo:  # by group, primary/secondary and quantization: See [Note: MiCS and hpZ shard groups]
+    by_group: dict[tuple[Any, ...], tuple[list[torch.nn.Parameter], list[PartitionState]]] = {}
+    for p, st in zip(
+        todo, states
+    ):  # by group, primary/secondary and quantization: See [Note: MiCS and hpZ shard groups]
         q = (quantize(p) or False) if quantize is not None else False
-        by_group.setdefault((*source_key(p.zero_state), q), []).append(p)
+        ps, sts = by_group.setdefault((*source_key(st), q), ([], []))
+        ps.append(p)
+        sts.append(st)
     if len(by_group) == 1:
         ((*_, q),) = by_group
-        return _gather_group(todo, todo[0].zero_state.group, what, q)
-    return GroupedGatherHandle(
-        [_gather_group(ps, ps[0].zero_state.group, what, key[-1]) for key, ps in by_group.items()]
-    )
+        return _gather_group(todo, states, what, q)
+    return GroupedGatherHandle([_gather_group(ps, sts, what, key[-1]) for key, (ps, sts) in by_group.items()])
 
 
 def _gather_group(
-    todo: list[torch.nn.Parameter], group: Any, what: str, quantized: Any = False
+    todo: list[torch.nn.Parameter], states: list[PartitionState], what: str, quantized: Any = False
 ) -> GatherHandle:
     label = f"all-gather of {[param_name(p) for p in todo[:4]]}" + (f" ({what})" if what else "")
-    source = gather_source(todo[0].zero_state)  # See [Note: MiCS and hpZ shard groups]
+    source = gather_source(states[0])  # See [Note: MiCS and hpZ shard groups]
     world = source.world
     offsets, chunk = [], 0
-    for p in todo:
+    for st in states:
         offsets.append(chunk)
-        chunk += _aligned(source.piece(p.zero_state).numel() * p.zero_state.shard.element_size())
+        chunk += _aligned(source.piece(st).numel() * st.shard.element_size())
     fetch = not source.secondary
-    for p in todo:
-        p.zero_state.status = ParamStatus.INFLIGHT
-        if fetch and p.zero_state.offload is not None:
-            p.zero_state.offload.fetch(p)  # See [Note: offloaded shards]
+    for p, st in zip(todo, states):
+        st.status = ParamStatus.INFLIGHT
+        if fetch and st.offload is not None:
+            st.offload.fetch(p)  # See [Note: offloaded shards]
     if world == 1:
-        return GatherHandle(todo, None, None, offsets, chunk, label, source)
+        return GatherHandle(todo, None, None, offsets, chunk, label, source, states=states)
     check_agreement(0, todo, chunk, source.group, label)
-    device = todo[0].zero_state.shard.device
+    device = states[0].shard.device
     # read on the all-gather stream, possibly freed soon after: See [Note: stage-3 streams]
-    crossing = [
-        source.piece(p.zero_state) for p in todo if source.secondary or p.zero_state.offload is not None
-    ]
+    crossing = [source.piece(st) for st in states if source.secondary or st.offload is not None]
     with stage3_streams().all_gather_issue(crossing):
         if quantized and fetch:  # ZeRO++ qwZ: See [Note: quantized weight all-gather (qwZ)]
             from zero_core.comm.quantized_collectives import quantized_all_gather
@@ -471,21 +483,23 @@ def _gather_group(
             # From the primary shards over the source's group (MiCS: the shard group, flat even
             # when the plain gather would take two hops); hpZ's secondary gathers stay inside the
             # node in 16 bits, as they are not the cross-node traffic qwZ exists to halve.
-            shards = [p.zero_state.shard for p in todo]
+            shards = [st.shard for st in states]
             work, unpack = quantized_all_gather(shards, source.group, aligned=quantized == "aligned")
-            for p in todo:
-                if p.zero_state.offload is not None:
-                    p.zero_state.offload.release(p)
-            return GatherHandle(todo, work, None, offsets, chunk, label + " (int8)", source, unpack=unpack)
+            for p, st in zip(todo, states):
+                if st.offload is not None:
+                    st.offload.release(p)
+            return GatherHandle(
+                todo, work, None, offsets, chunk, label + " (int8)", source, unpack=unpack, states=states
+            )
         send = torch.empty(chunk, dtype=torch.uint8, device=device)
-        for p, off in zip(todo, offsets):
-            sh = source.piece(p.zero_state)
+        for p, st, off in zip(todo, states, offsets):
+            sh = source.piece(st)
             send[off : off + sh.numel() * sh.element_size()].copy_(sh.view(torch.uint8))
-            if fetch and p.zero_state.offload is not None:
-                p.zero_state.offload.release(p)
+            if fetch and st.offload is not None:
+                st.offload.release(p)
         recv = torch.empty(chunk * world, dtype=torch.uint8, device=device)
         work = source.all_gather(recv, send)
-    return GatherHandle(todo, work, recv, offsets, chunk, label, source)
+    return GatherHandle(todo, work, recv, offsets, chunk, label, source, states=states)
 
 
 def release_param(param: torch.nn.Parameter, force: bool = False, keep_outside_views: bool = True) -> bool:
@@ -495,7 +509,7 @@ def release_param(param: torch.nn.Parameter, force: bool = False, keep_outside_v
     references to the gathered buffer are autograd's saved views, which must see the buffer
     re-gathered in place for backward. See [Note: tensors taken from a gathered parameter].
     """
-    st = param.zero_state
+    st = partition_state(param)
     if st.status is not ParamStatus.AVAILABLE:
         return False
     if not force and (st.persistent or st.holds > 0):
@@ -533,7 +547,7 @@ def _unallocated_full(st: PartitionState) -> torch.Tensor:
 @torch.no_grad()
 def shard_from_full(param: torch.nn.Parameter) -> None:
     """Copy this rank's chunk of the gathered value back into the shard (after a modification)."""
-    st = param.zero_state
+    st = partition_state(param)
     if st.status is not ParamStatus.AVAILABLE:
         raise RuntimeError(f"shard_from_full: {param_name(param)} is not gathered")
     write_shard(param, st.full[st.rank * st.shard_numel : (st.rank + 1) * st.shard_numel])
@@ -541,7 +555,7 @@ def shard_from_full(param: torch.nn.Parameter) -> None:
 
 def broadcast_full(param: torch.nn.Parameter, src: int) -> None:
     """Broadcast a gathered parameter's value from group rank ``src`` (modifier semantics)."""
-    st = param.zero_state
+    st = partition_state(param)
     group, world = broadcast_group(st)  # MiCS: over every replica, See [Note: MiCS and hpZ shard groups]
     if world == 1:
         return

@@ -25,6 +25,7 @@ import torch
 
 from zero_core.comm.quantize import Quantized, dequantize, quantize_blocks
 from zero_core.comm.quantized_collectives import WEIGHT_BITS, WEIGHT_BLOCK
+from zero_core.zero.stage3.param_records import partition_state
 
 
 class QuantizedShardStore:
@@ -38,7 +39,7 @@ class QuantizedShardStore:
     def adopt(self, params: list[torch.nn.Parameter]) -> None:
         """Quantize the shards of the frozen ``params`` that no other store holds, freeing them."""
         for p in params:
-            st = p.zero_state
+            st = partition_state(p)
             if p.requires_grad or st.offload is not None:
                 continue
             self._q[st.id] = quantize_blocks(st.shard, WEIGHT_BITS, WEIGHT_BLOCK)
@@ -46,7 +47,7 @@ class QuantizedShardStore:
             st.offload = self
 
     def owns(self, p: torch.nn.Parameter) -> bool:
-        return p.zero_state.id in self._q
+        return partition_state(p).id in self._q
 
     def follow(self, coordinator: Any) -> None:
         """Part of the shard-store interface; nothing is read ahead (dequantizing is local)."""
@@ -55,23 +56,23 @@ class QuantizedShardStore:
     @torch.no_grad()
     def fetch(self, p: torch.nn.Parameter) -> None:
         """Fill ``st.shard`` with the dequantized values (before a gather packs it)."""
-        st = p.zero_state
+        st = partition_state(p)
         if st.shard.untyped_storage().nbytes() > 0:
             return
         st.shard.untyped_storage().resize_(st.shard_numel * st.shard.element_size())
         st.shard.copy_(dequantize(self._q[st.id], st.shard.dtype))
 
     def release(self, p: torch.nn.Parameter) -> None:
-        p.zero_state.shard.untyped_storage().resize_(0)
+        partition_state(p).shard.untyped_storage().resize_(0)
 
     @torch.no_grad()
     def read(self, p: torch.nn.Parameter) -> torch.Tensor:
-        st = p.zero_state
+        st = partition_state(p)
         return dequantize(self._q[st.id], st.shard.dtype)
 
     @torch.no_grad()
     def write(self, p: torch.nn.Parameter, values: torch.Tensor) -> None:
-        st = p.zero_state
+        st = partition_state(p)
         v = values.detach().reshape(-1)[: st.shard_numel].to(device=st.shard.device, dtype=st.shard.dtype)
         self._q[st.id] = quantize_blocks(v, WEIGHT_BITS, WEIGHT_BLOCK)
         if st.shard.untyped_storage().nbytes() > 0:
@@ -80,7 +81,7 @@ class QuantizedShardStore:
     @torch.no_grad()
     def set_dtype(self, p: torch.nn.Parameter, dtype: torch.dtype) -> None:
         """Hand the shard back as a plain ``dtype`` tensor (``set_shard_dtype`` then casts it)."""
-        st = p.zero_state
+        st = partition_state(p)
         values = self.read(p)
         st.offload = None
         del self._q[st.id]

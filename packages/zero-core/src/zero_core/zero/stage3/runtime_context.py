@@ -4,7 +4,8 @@
 A few things stage 3 needs are not owned by any one engine: the agreement-check switch of
 [Note: stage 3 collective agreement] (set by ``set_collective_checks`` before or after an
 engine is built), the parameter ids and readable names used in error messages (issued by
-``zero.Init`` before any engine exists), the stack of hook runtimes driving a forward (read by
+``zero.Init`` before any engine exists), the table of per-parameter partition records (filled by ``zero.Init`` and the strategy; see
+[Note: stage 3 parameter records]), the stack of hook runtimes driving a forward (read by
 ``ZeroParamDict`` when model code touches a released parameter), the gather-on-access
 callbacks of open ``zero.Init`` contexts, and the side streams made for the accelerator. They
 live in one :class:`Stage3Context` whose lifetime is the process (the engine's would lose
@@ -21,6 +22,8 @@ from typing import Any
 
 import torch
 
+from zero_core.zero.stage3.param_records import PARTITION_RECORDS, PartitionRecords
+
 
 class Stage3Context:
     """Stage 3's process-wide runtime state. See [Note: stage 3 runtime context]."""
@@ -28,6 +31,8 @@ class Stage3Context:
     def __init__(self) -> None:
         # None: follow ZERO_STAGE3_COLLECTIVE_CHECKS (see partitioned_param.collective_checks)
         self.collective_checks: bool | None = None
+        # parameter -> its PartitionState, weakly by identity (See [Note: stage 3 parameter records])
+        self.records: PartitionRecords = PARTITION_RECORDS
         # PartitionState.id -> readable name (qualified module name) for error messages
         self.param_names: dict[int, str] = {}
         # the Stage3Hooks runtimes currently driving a forward (at most one per process)

@@ -43,11 +43,12 @@ from typing import Any
 import torch
 
 from zero_core import comm
+from zero_core.zero.stage3.param_records import partition_state
 
 
 @dataclass
 class ShardRoute:
-    """The groups of one engine's MiCS or hpZ layout; shared by its parameters' ``zero_state.route``."""
+    """The groups of one engine's MiCS or hpZ layout; shared by its parameters' records' ``route``."""
 
     world: int
     shard_group: Any = None  # MiCS: the S ranks a parameter is sharded over
@@ -78,7 +79,7 @@ class ShardRoute:
             partition_param(param, self.shard_group, broadcast_from=None, grad_divisor=self.world)
         else:
             partition_param(param, None, broadcast_from=0)
-        param.zero_state.route = self
+        partition_state(param).route = self
 
 
 def _int_key(name: str, value: Any) -> int:
@@ -187,7 +188,7 @@ def keep_secondary(st: Any) -> None:
 def drop_secondary(params: Any) -> None:
     """Forget hpZ secondary copies (their shards changed)."""
     for p in params:
-        p.zero_state.secondary = None
+        partition_state(p).secondary = None
 
 
 def reduce_across_replicas(out: torch.Tensor, route: ShardRoute | None, what: str) -> None:

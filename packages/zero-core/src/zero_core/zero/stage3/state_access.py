@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from zero_core import comm
+from zero_core.zero.stage3.param_records import partition_state
 from zero_core.zero.stage3.partitioned_param import (
     ParamStatus,
     collective_timeout,
@@ -64,7 +65,7 @@ class Stage3StateAccess:
     # -- helpers --------------------------------------------------------------------------
     def _gather(self, p: torch.nn.Parameter, shard: torch.Tensor) -> torch.Tensor:
         """All-gather a per-rank 1-D tensor of shard length into the parameter's full shape."""
-        st = p.zero_state
+        st = partition_state(p)
         shard = shard.detach().float().contiguous()
         if st.world == 1:
             full = shard.clone()
@@ -75,7 +76,7 @@ class Stage3StateAccess:
         return full[: st.numel].view(st.shape).clone()
 
     def _master(self, p: torch.nn.Parameter) -> torch.Tensor | None:
-        return self.strategy.master.get(p.zero_state.id)
+        return self.strategy.master.get(partition_state(p).id)
 
     def _state(self, p: torch.nn.Parameter, key: str, where: str) -> torch.Tensor:
         m = self._master(p)
@@ -90,7 +91,7 @@ class Stage3StateAccess:
         return state[key]
 
     def _local_slice(self, p: torch.nn.Parameter, value: torch.Tensor) -> torch.Tensor:
-        st = p.zero_state
+        st = partition_state(p)
         flat = value.detach().reshape(-1)
         lo = min(st.rank * st.shard_numel, st.numel)
         hi = min(lo + st.shard_numel, st.numel)
@@ -100,7 +101,7 @@ class Stage3StateAccess:
 
     @torch.no_grad()
     def _write_param_shard(self, p: torch.nn.Parameter, local: torch.Tensor) -> None:
-        st = p.zero_state
+        st = partition_state(p)
         m = self._master(p)
         if m is not None:
             self.strategy._set_master_value(m, local)
@@ -111,7 +112,7 @@ class Stage3StateAccess:
     def _check_local(p: torch.nn.Parameter, value: Any, where: str) -> None:
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{where}: value must be a torch.Tensor, got {type(value).__name__}")
-        n = p.zero_state.shard_numel
+        n = partition_state(p).shard_numel
         if value.numel() != n:
             raise ValueError(
                 f"{where}: value has {value.numel()} elements but the local partition of {param_name(p)} "
@@ -125,20 +126,20 @@ class Stage3StateAccess:
 
     def full_grad(self, p: torch.nn.Parameter) -> torch.Tensor | None:
         self.strategy.wait_reductions()
-        g = p.zero_state.grad_shard
+        g = partition_state(p).grad_shard
         # Every rank reduced the same buckets, so ``g is None`` agrees across ranks.
         return None if g is None else self._gather(p, g)
 
     def full_optimizer_state(self, p: torch.nn.Parameter, key: str) -> torch.Tensor:
         value = self._state(p, key, "safe_get_full_optimizer_state")
-        if value.dim() == 0 or value.numel() != p.zero_state.shard_numel:
+        if value.dim() == 0 or value.numel() != partition_state(p).shard_numel:
             return value.detach().clone()  # a scalar such as Adam's step: the same on every rank
         return self._gather(p, value)
 
     @torch.no_grad()
     def set_full_fp32_param(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
         self._write_param_shard(p, self._local_slice(p, value))
-        st = p.zero_state
+        st = partition_state(p)
         if st.status is ParamStatus.AVAILABLE:
             st.full[: st.numel].copy_(value.detach().reshape(-1))
 
@@ -154,7 +155,7 @@ class Stage3StateAccess:
 
     def local_grad(self, p: torch.nn.Parameter) -> torch.Tensor | None:
         self.strategy.wait_reductions()
-        g = p.zero_state.grad_shard
+        g = partition_state(p).grad_shard
         return None if g is None else g.detach().float().clone()
 
     def local_optimizer_state(self, p: torch.nn.Parameter, key: str) -> torch.Tensor:
@@ -174,7 +175,7 @@ class Stage3StateAccess:
     @torch.no_grad()
     def _write_grad_shard(self, p: torch.nn.Parameter, local: torch.Tensor) -> None:
         self.strategy.wait_reductions()
-        st = p.zero_state
+        st = partition_state(p)
         if st.grad_shard is None:
             st.grad_shard = torch.zeros(st.shard_numel, dtype=st.shard.dtype, device=st.shard.device)
         st.grad_shard.copy_(local.reshape(-1))

@@ -28,6 +28,7 @@ from zero_core.zero.stage3.expert_partition import partition_group
 from zero_core.zero.stage3.gathered_parameters import SHARD_CHANGED
 from zero_core.zero.stage3.hooks import Stage3Hooks
 from zero_core.zero.stage3.param_coordinator import ParamCoordinator
+from zero_core.zero.stage3.param_records import partition_state
 from zero_core.zero.stage3.partitioned_param import (
     ParamStatus,
     gather_params,
@@ -121,7 +122,7 @@ class Stage3Strategy:
         self.dtype = dtype
         self.gather_16bit_weights_on_model_save = bool(gather_16bit_weights_on_model_save)
         self.params = _unique_params(module)
-        self.master: dict[int, torch.nn.Parameter] = {}  # zero_state.id -> fp32 master shard
+        self.master: dict[int, torch.nn.Parameter] = {}  # PartitionState.id -> fp32 master shard
         # False for an engine without an optimizer: no masters (See [Note: engine without an optimizer])
         self._make_masters = bool(masters)
         # See [Note: parameter offload] in zero_offload: shards live off the device, so a
@@ -191,7 +192,7 @@ class Stage3Strategy:
     def _partition_and_make_masters(self) -> None:
         for p in self.params:
             group, grad_divisor = self._partition_one(p)
-            st = p.zero_state
+            st = partition_state(p)
             if (st.group is not group and comm.get_world_size(group) != st.world) or (
                 st.grad_divisor != grad_divisor
             ):
@@ -231,12 +232,12 @@ class Stage3Strategy:
         route = self.route  # See [Note: MiCS and hpZ shard groups]
         if not is_partitioned(p):
             route.partition(p)
-        elif p.zero_state.route is None and route.mics:
+        elif partition_state(p).route is None and route.mics:
             raise ValueError(
                 "Stage3Strategy: a parameter was partitioned by zero.Init, but the config sets "
                 "mics_shard_size: build the model under zero.MiCS_Init with the same config"
             )
-        p.zero_state.route = route
+        partition_state(p).route = route
         if route.mics:
             return route.shard_group, route.world
         return self.group, comm.get_world_size(self.group)
@@ -244,12 +245,12 @@ class Stage3Strategy:
     def _choose_persistent(self, threshold: int, model_threshold: int) -> list[torch.nn.Parameter]:
         chosen, total = [], 0
         for p in self.params:
-            n = p.zero_state.numel
+            n = partition_state(p).numel
             if n <= threshold and total + n <= model_threshold:
                 chosen.append(p)
                 total += n
         for p in chosen:
-            p.zero_state.persistent = True
+            partition_state(p).persistent = True
         handle = gather_params(chosen, what="persistent parameters")
         if handle is not None:
             handle.wait()
@@ -265,13 +266,13 @@ class Stage3Strategy:
                         "Stage3Strategy: the optimizer holds a tensor that is not a parameter of the model "
                         f"(shape {tuple(p.shape)}); build the optimizer from model.parameters()"
                     )
-                if p.requires_grad and p.zero_state.id in self.master:
-                    masters.append(self.master[p.zero_state.id])
+                if p.requires_grad and partition_state(p).id in self.master:
+                    masters.append(self.master[partition_state(p).id])
             group["params"] = masters
 
     def _refresh_master(self, p: torch.nn.Parameter) -> None:
-        m = self.master.get(p.zero_state.id)
-        if m is not None and not shares_shard(m, p.zero_state):
+        m = self.master.get(partition_state(p).id)
+        if m is not None and not shares_shard(m, partition_state(p)):
             self._set_master_value(m, read_shard(p))
 
     # -- TrainingStrategy --------------------------------------------------------------
@@ -281,9 +282,9 @@ class Stage3Strategy:
 
     def _stage_reduced(self, params: list[torch.nn.Parameter]) -> None:
         for p in params:
-            m = self.master.get(p.zero_state.id)
+            m = self.master.get(partition_state(p).id)
             if m is not None and self.offload.owns(m):
-                self.offload.stage_grad_range(m, 0, p.zero_state.grad_shard)
+                self.offload.stage_grad_range(m, 0, partition_state(p).grad_shard)
 
     def after_backward(self, is_boundary: bool) -> None:
         self.wait_reductions()
@@ -292,7 +293,9 @@ class Stage3Strategy:
         self.reducer.finish()
 
     def _grad_shards(self) -> list[torch.Tensor]:
-        return [p.zero_state.grad_shard for p in self.params if p.zero_state.grad_shard is not None]
+        return [
+            partition_state(p).grad_shard for p in self.params if partition_state(p).grad_shard is not None
+        ]
 
     def local_overflow(self) -> torch.Tensor:
         """A device flag (0-dim bool): does this rank's gradient shard hold an inf or a NaN?"""
@@ -315,7 +318,7 @@ class Stage3Strategy:
         self.wait_reductions()
         self.coordinator.release_all()
         for p in self.params:
-            st = p.zero_state
+            st = partition_state(p)
             m = self.master.get(st.id)
             if m is None:
                 continue
@@ -333,7 +336,7 @@ class Stage3Strategy:
         self.optimizer.step()  # device-side masters (all of them without offload; 1 - ratio with it)
         self.offload.step(self.optimizer, grad_scale)
         for p in self.params:
-            st = p.zero_state
+            st = partition_state(p)
             m = self.master.get(st.id)
             if m is not None and not shares_shard(m, st):
                 # with optimizer offload: the low-precision copy its CPU step wrote
@@ -352,7 +355,7 @@ class Stage3Strategy:
     def zero_grad(self) -> None:
         self.offload.begin_staging(True)  # a skipped step must not leave staged gradients
         for p in self.params:
-            p.zero_state.grad_shard = None
+            partition_state(p).grad_shard = None
             p.grad = None
         for m in self.master.values():
             m.grad = None
@@ -371,16 +374,27 @@ class Stage3Strategy:
         ]
         ledger = StorageLedger(exclude=off.owned_tensors())
         # offloaded shards' device copies are reported by their offload (offloaded_parameters_device)
-        ledger.add("parameters", (p.zero_state.shard for p in self.params if p.zero_state.offload is None))
+        ledger.add(
+            "parameters",
+            (partition_state(p).shard for p in self.params if partition_state(p).offload is None),
+        )
         ledger.add("gradients", self._grad_shards())
         ledger.add("master_weights", self.master.values())
         ledger.add("optimizer_states", state)
         ledger.add(
             "persistent_parameters",
-            (p.zero_state.full for p in self.persistent if p.zero_state.status is ParamStatus.AVAILABLE),
+            (
+                partition_state(p).full
+                for p in self.persistent
+                if partition_state(p).status is ParamStatus.AVAILABLE
+            ),
         )
-        ledger.add("gathered_parameters", (p.zero_state.full for p in self.coordinator.gathered.values()))
-        secondary = (p.zero_state.secondary for p in self.params if p.zero_state.secondary is not None)
+        ledger.add(
+            "gathered_parameters", (partition_state(p).full for p in self.coordinator.gathered.values())
+        )
+        secondary = (
+            partition_state(p).secondary for p in self.params if partition_state(p).secondary is not None
+        )
         ledger.add("secondary_parameters", secondary)  # hpZ: See [Note: MiCS and hpZ shard groups]
         out = ledger.categories
         # host-side pools, see [Note: optimizer offload hook] in zero_offload
@@ -395,7 +409,11 @@ class Stage3Strategy:
         return {"peak_gathered_and_full_grads": self.coordinator.peak_bytes}
 
     def _param_offloads(self) -> list[Any]:
-        found = {id(p.zero_state.offload): p.zero_state.offload for p in self.params if p.zero_state.offload}
+        found = {
+            id(partition_state(p).offload): partition_state(p).offload
+            for p in self.params
+            if partition_state(p).offload
+        }
         return list(found.values())
 
     # Masters may live on NVMe (See [Note: masters on NVMe] in zero_offload): read and write them
@@ -461,7 +479,7 @@ class Stage3Strategy:
         """
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"zero_optimization.offload_optimizer.ratio must be in [0, 1], got {ratio!r}")
-        ids = [p.zero_state.id for p in self.params if p.zero_state.id in self.master]
+        ids = [partition_state(p).id for p in self.params if partition_state(p).id in self.master]
         total = sum(self.master[i].numel() for i in ids)
         chosen, acc = set(), 0
         for i in ids:
@@ -473,9 +491,9 @@ class Stage3Strategy:
         by_param = {id(p): p for p in self.params}
         for group in self.optimizer.param_groups:
             mine = [
-                by_param[id(p)].zero_state.id
+                partition_state(by_param[id(p)]).id
                 for p in group["params"]
-                if id(p) in by_param and by_param[id(p)].zero_state.id in chosen
+                if id(p) in by_param and partition_state(by_param[id(p)]).id in chosen
             ]
             if mine:
                 hosts = self.offload.adopt([self.master[i] for i in mine])  # the null object keeps them

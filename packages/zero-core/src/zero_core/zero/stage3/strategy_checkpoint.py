@@ -16,6 +16,7 @@ import torch
 
 from zero_core import comm
 from zero_core.zero.stage3.gathered_parameters import GatheredParameters
+from zero_core.zero.stage3.param_records import partition_state
 from zero_core.zero.stage3.partitioned_param import is_partitioned, read_shard, shares_shard, write_shard
 
 
@@ -33,7 +34,9 @@ class Stage3Checkpointing:
         return {
             "optimizer": s.offload.state_dict_with_states(s.optimizer),  # the optimizer's own without offload
             "master": [
-                s._master_value(s.master[p.zero_state.id]) for p in s.params if p.zero_state.id in s.master
+                s._master_value(s.master[partition_state(p).id])
+                for p in s.params
+                if partition_state(p).id in s.master
             ],
             "shards": [read_shard(p).detach() for p in s.params],
         }
@@ -45,7 +48,7 @@ class Stage3Checkpointing:
         s.offload.sync_from_optimizer(s.optimizer)
         for p, saved in zip(s.params, state.get("shards", [])):
             write_shard(p, saved)
-        masters = [s.master[p.zero_state.id] for p in s.params if p.zero_state.id in s.master]
+        masters = [s.master[partition_state(p).id] for p in s.params if partition_state(p).id in s.master]
         for m, saved in zip(masters, state.get("master", [])):
             s._set_master_value(m, saved)
         s.refresh_persistent()
@@ -96,7 +99,7 @@ class Stage3Checkpointing:
 
     # -- checkpointing (zero_core.checkpoint; see [Note: checkpoint format] in checkpoint/format.py) --
     def _owned_range(self, p: torch.nn.Parameter) -> tuple[int, int]:
-        st = p.zero_state
+        st = partition_state(p)
         lo = min(st.rank * st.shard_numel, st.numel)
         return lo, min(lo + st.shard_numel, st.numel)
 
@@ -110,7 +113,7 @@ class Stage3Checkpointing:
         if route is not None and route.mics and comm.get_rank() >= route.shard_size:
             return out  # MiCS: the first shard group writes; the others hold copies of its shards
         for name, p in s.module.named_parameters():
-            st = p.zero_state
+            st = partition_state(p)
             if exclude_frozen_parameters and not p.requires_grad:
                 continue
             lo, hi = self._owned_range(p)
@@ -157,7 +160,7 @@ class Stage3Checkpointing:
         s.empty_partition_cache()
         after: list[Callable[[], None]] = []  # uses of loaded values, once the single pass has read them
         for name, p in s.module.named_parameters():
-            st = p.zero_state
+            st = partition_state(p)
             if not (reader.has(name, PARAM) or reader.has(name, FP32)):
                 continue
             saved = reader.shape(name, FP32 if reader.has(name, FP32) else PARAM)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from zero_core.zero.stage3.gathered_parameters import GatheredParameters
+from zero_core.zero.stage3.param_records import full_shape
 
 
 def _boundaries(total: int, parts: int) -> list[int]:
@@ -117,7 +118,7 @@ class TiledLinear(torch.nn.Module):
         if not isinstance(weight, torch.Tensor):
             raise TypeError(f"TiledLinear.copy_params_from: {type(other).__name__} has no weight tensor")
         bias = getattr(other, "bias", None)
-        shape = tuple(getattr(weight, "zero_shape", weight.shape))
+        shape = full_shape(weight)
         if shape != (self.out_features, self.in_features):
             raise ValueError(
                 f"TiledLinear.copy_params_from: weight shape {shape} != ({self.out_features}, {self.in_features})"
