@@ -42,6 +42,7 @@ else:
     store = dist.TCPStore("127.0.0.1", port, world, False, timeout)
 dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
 import zero_core
+from zero_core.zero.stage3.param_records import partition_state
 
 def status(key):
     with open("/proc/self/status") as fh:

@@ -11,7 +11,7 @@ expert-parallel group (see :func:`~zero_core.zero.stage3.expert_partition.modifi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -28,9 +28,6 @@ from zero_core.zero.stage3.partitioned_param import (
     release_param,
     shard_from_full,
 )
-
-# Callbacks run after a parameter's shard changed outside the optimizer (master refresh).
-SHARD_CHANGED: list[Callable[[torch.nn.Parameter], None]] = []
 
 
 def _as_list(params: Any) -> list[Any]:
@@ -103,8 +100,10 @@ class GatheredParameters:
                     # experts: the modifier's expert-parallel peer (See [Note: stage 3 expert parameters])
                     broadcast_full(p, modifier_group_rank(p, self.modifier_rank))
                     shard_from_full(p)
-                    for cb in SHARD_CHANGED:
-                        cb(p)
+                    # the strategy training p refreshes its master (See [Note: stage 3 parameter records])
+                    owner = partition_state(p).owner_of()
+                    if owner is not None:
+                        owner.on_shard_changed(p)
         for p in self._gathered:
             release_param(p)
         self._gathered = []

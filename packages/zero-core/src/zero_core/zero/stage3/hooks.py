@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -90,6 +91,23 @@ def _output_leaves(output: Any) -> list[Any]:
     return out
 
 
+def _weak_grad_hook(ref: weakref.ref) -> Callable[[torch.nn.Parameter], None]:
+    """A post-accumulate-grad hook calling ``ref()._grad_ready`` while the runtime lives.
+
+    The parameter's C++ side holds its hooks, out of the cycle collector's sight: a hook
+    holding the runtime strongly (runtime -> coordinator -> module -> parameter -> hook) would
+    keep the model, the strategy and the parameters' records alive forever (See
+    [Note: stage 3 parameter records]).
+    """
+
+    def hook(param: torch.nn.Parameter) -> None:
+        runtime = ref()
+        if runtime is not None:
+            runtime._grad_ready(param)
+
+    return hook
+
+
 class Stage3Hooks:
     """Installs and runs the hooks of [Note: stage 3 hooks] for one root module."""
 
@@ -122,7 +140,7 @@ class Stage3Hooks:
         for p in root.parameters():
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
-                self.handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+                self.handles.append(p.register_post_accumulate_grad_hook(_weak_grad_hook(weakref.ref(self))))
 
     def remove(self) -> None:
         for h in self.handles:

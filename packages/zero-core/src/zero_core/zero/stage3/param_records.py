@@ -12,10 +12,15 @@ the record, never those.
 Owner and lifetime. Records are created by partitioning, which ``zero.Init`` does before any
 engine exists, so the table belongs to the process's :class:`Stage3Context` (see
 [Note: stage 3 runtime context]) and holds parameters *weakly, by identity*: an entry lives
-exactly as long as its parameter, so a dropped model leaves none behind, and the strategy's
-``close()`` (the engine's ``destroy()``) drops the strategy's own references (its parameter
-and record lists, its coordinator's caches) so that nothing keeps them alive. A parameter
-outliving ``destroy()`` stays partitioned, and ``GatheredParameters`` still works on it.
+exactly as long as its parameter, so a dropped model leaves none behind. The stage-3 strategy
+that trains a parameter is its record's ``owner`` (a weak reference: a record must never keep
+a model alive); it sets itself when built, replacing an earlier engine over the same
+parameters, and clears itself in ``close()`` (the engine's ``destroy()``). ``GatheredParameters``
+asks the owner to refresh its master after a modifier changed a shard. A parameter outliving
+``destroy()`` stays partitioned (its record stays), and ``GatheredParameters`` still works on
+it. Nothing reachable only from C++ may hold the strategy strongly (the parameters' gradient
+hooks hold it weakly, see ``hooks._weak_grad_hook``): such a reference is invisible to the
+cycle collector and kept every stage-3 model of a process alive, with its records, until exit.
 
 Lookup cost. The table is a plain dict keyed by ``id(param)`` whose entries a weak reference's
 callback removes when the parameter is freed (ids are unique among live objects, and the

@@ -73,6 +73,7 @@ from __future__ import annotations
 import datetime
 import enum
 import os
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -161,6 +162,7 @@ class PartitionState:
         "grad_divisor",
         "route",
         "secondary",
+        "owner",
     )
 
     def __init__(self, param: torch.nn.Parameter, group: Any, grad_divisor: int | None = None) -> None:
@@ -187,6 +189,13 @@ class PartitionState:
         # MiCS/hpZ groups and the hpZ secondary copy: See [Note: MiCS and hpZ shard groups]
         self.route: Any = None
         self.secondary: torch.Tensor | None = None
+        # weak reference to the strategy training it, set by the strategy and cleared by its
+        # close(); weak so that a record never keeps a model alive (See [Note: stage 3 parameter records])
+        self.owner: weakref.ref | None = None
+
+    def owner_of(self) -> Any:
+        """The strategy that trains this parameter (None: no live engine owns it)."""
+        return None if self.owner is None else self.owner()
 
 
 _RECORDS = stage3_context().records  # See [Note: stage 3 parameter records]

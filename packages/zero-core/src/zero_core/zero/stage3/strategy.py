@@ -14,6 +14,7 @@ See [Note: engine strategies] for the contract with the engine.
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any
 
 import torch
@@ -25,7 +26,6 @@ from zero_core.utils.param_groups import is_expert_param
 from zero_core.utils.storage_bytes import StorageLedger
 from zero_core.zero.param_owners import PARAM_OWNERS
 from zero_core.zero.stage3.expert_partition import partition_group
-from zero_core.zero.stage3.gathered_parameters import SHARD_CHANGED
 from zero_core.zero.stage3.hooks import Stage3Hooks
 from zero_core.zero.stage3.param_coordinator import ParamCoordinator
 from zero_core.zero.stage3.param_records import partition_state
@@ -164,7 +164,9 @@ class Stage3Strategy:
         self.offload.finalize(self.optimizer)
         self._state_access = Stage3StateAccess(self)  # See [Note: parameter owner registry]
         PARAM_OWNERS.register(self.params, self._state_access)
-        SHARD_CHANGED.append(self._refresh_master)
+        self._owner_ref = weakref.ref(self)  # the records' owner: See [Note: stage 3 parameter records]
+        for p in self.params:
+            partition_state(p).owner = self._owner_ref
 
     # -- construction ------------------------------------------------------------------
     def _adopt_shard_stores(self, param_offload: Any, quantized_nontrainable_weights: bool) -> None:
@@ -270,7 +272,9 @@ class Stage3Strategy:
                     masters.append(self.master[partition_state(p).id])
             group["params"] = masters
 
-    def _refresh_master(self, p: torch.nn.Parameter) -> None:
+    def on_shard_changed(self, p: torch.nn.Parameter) -> None:
+        """``p``'s shard was changed outside the optimizer (``GatheredParameters`` with a
+        modifier rank): refresh its master from it."""
         m = self.master.get(partition_state(p).id)
         if m is not None and not shares_shard(m, partition_state(p)):
             self._set_master_value(m, read_shard(p))
@@ -509,6 +513,10 @@ class Stage3Strategy:
         """Release offload resources (swap files) and the parameters' owner entries; the engine's
         ``destroy()`` calls it."""
         PARAM_OWNERS.release(self.params, self._state_access)
+        for p in self.params:  # a later engine over the same parameters stays their owner
+            st = partition_state(p)
+            if st.owner is self._owner_ref:
+                st.owner = None
         self.offload.close()
         for po in self._param_offloads():
             po.close()
