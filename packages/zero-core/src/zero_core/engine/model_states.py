@@ -43,7 +43,6 @@ from typing import Any
 import torch
 
 from zero_core.protocols.optimizer_offload import NoOptimizerOffload
-from zero_core.zero.stage3.param_records import partition_state
 
 STATE_KINDS = ("optim_states", "hp_params", "lp_params", "lp_grads", "contiguous_grad_buffer")
 
@@ -196,11 +195,11 @@ class ModelStates:
 def _state_tensors(s: Any, kind: str) -> list[torch.Tensor]:
     """The tensors of ``kind`` in the stage 3 strategy ``s``."""
     if kind == "lp_params":
-        return [partition_state(p).shard for p in s.params]
+        return [st.shard for st in s.records]
     if kind == "hp_params":
         return list(s.master.values())
     if kind == "optim_states":
         return [t for st in s.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
     if kind == "lp_grads":
-        return [partition_state(p).grad_shard for p in s.params if partition_state(p).grad_shard is not None]
+        return [st.grad_shard for st in s.records if st.grad_shard is not None]
     return []  # contiguous_grad_buffer: none persists (see the Note)

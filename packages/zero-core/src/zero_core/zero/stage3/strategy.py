@@ -129,6 +129,9 @@ class Stage3Strategy:
         # master never aliases its shard; zero.Init(remote_device="nvme") may have placed some.
         self.param_offload = param_offload
         self._partition_and_make_masters()
+        # their records, in the same order, taken once: the step's loops read these
+        # (See [Note: stage 3 parameter records])
+        self.records = [partition_state(p) for p in self.params]
         self._adopt_shard_stores(param_offload, quantized_nontrainable_weights)
         # See [Note: optimizer offload hook] in zero_offload; the null object when nothing is
         # offloaded (See [Note: optimizer offload seam])
@@ -165,8 +168,8 @@ class Stage3Strategy:
         self._state_access = Stage3StateAccess(self)  # See [Note: parameter owner registry]
         PARAM_OWNERS.register(self.params, self._state_access)
         self._owner_ref = weakref.ref(self)  # the records' owner: See [Note: stage 3 parameter records]
-        for p in self.params:
-            partition_state(p).owner = self._owner_ref
+        for st in self.records:
+            st.owner = self._owner_ref
 
     # -- construction ------------------------------------------------------------------
     def _adopt_shard_stores(self, param_offload: Any, quantized_nontrainable_weights: bool) -> None:
@@ -297,9 +300,7 @@ class Stage3Strategy:
         self.reducer.finish()
 
     def _grad_shards(self) -> list[torch.Tensor]:
-        return [
-            partition_state(p).grad_shard for p in self.params if partition_state(p).grad_shard is not None
-        ]
+        return [st.grad_shard for st in self.records if st.grad_shard is not None]
 
     def local_overflow(self) -> torch.Tensor:
         """A device flag (0-dim bool): does this rank's gradient shard hold an inf or a NaN?"""
@@ -321,8 +322,7 @@ class Stage3Strategy:
     def step(self, grad_scale: float | torch.Tensor) -> None:
         self.wait_reductions()
         self.coordinator.release_all()
-        for p in self.params:
-            st = partition_state(p)
+        for st in self.records:
             m = self.master.get(st.id)
             if m is None:
                 continue
@@ -339,8 +339,7 @@ class Stage3Strategy:
                 m.grad = g.float().mul_(grad_scale)
         self.optimizer.step()  # device-side masters (all of them without offload; 1 - ratio with it)
         self.offload.step(self.optimizer, grad_scale)
-        for p in self.params:
-            st = partition_state(p)
+        for p, st in zip(self.params, self.records):
             m = self.master.get(st.id)
             if m is not None and not shares_shard(m, st):
                 # with optimizer offload: the low-precision copy its CPU step wrote
@@ -358,8 +357,8 @@ class Stage3Strategy:
 
     def zero_grad(self) -> None:
         self.offload.begin_staging(True)  # a skipped step must not leave staged gradients
-        for p in self.params:
-            partition_state(p).grad_shard = None
+        for p, st in zip(self.params, self.records):
+            st.grad_shard = None
             p.grad = None
         for m in self.master.values():
             m.grad = None
@@ -513,8 +512,7 @@ class Stage3Strategy:
         """Release offload resources (swap files) and the parameters' owner entries; the engine's
         ``destroy()`` calls it."""
         PARAM_OWNERS.release(self.params, self._state_access)
-        for p in self.params:  # a later engine over the same parameters stays their owner
-            st = partition_state(p)
+        for st in self.records:  # a later engine over the same parameters stays their owner
             if st.owner is self._owner_ref:
                 st.owner = None
         self.offload.close()
