@@ -47,7 +47,7 @@ def _train_and_gather(tmp: str) -> dict:
         engine.step()
     engine.save_checkpoint(tmp)
     masters = {
-        n: engine.strategy.full_fp32_param(p).clone()
+        n: engine.strategy.state_access.full_fp32_param(p).clone()
         for n, p in engine.module.named_parameters()
         if p.requires_grad
     }

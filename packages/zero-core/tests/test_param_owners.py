@@ -44,7 +44,7 @@ def _worker() -> dict:
             "full_equals_module": bool(torch.equal(safe_get_full_fp32_param(w), w.detach().float())),
         }
         if stage > 0:
-            res["location"] = tuple(engine.strategy.param_location(w))
+            res["location"] = tuple(engine.strategy.state_access.param_location(w))
         engine.destroy()
         res["owned_after_destroy"] = any(PARAM_OWNERS.owner_of(p) is not None for p in model.parameters())
         out[stage] = res

@@ -86,8 +86,8 @@ def _run(stage: int) -> dict:
         "step": float(safe_get_full_optimizer_state(w, "step")),
     }
     # this rank's owned elements of w, as (offset in w's flat order, length)
-    g, i = engine.strategy.param_location(w)
-    owned = [(po, n) for _, po, n in engine.strategy._own_segments(g, i)]
+    g, i = engine.strategy.state_access.param_location(w)
+    owned = [(po, n) for _, po, n in engine.strategy.state_access.own_segments(g, i)]
     out["owned"] = owned
     out["local"] = {
         "param": safe_get_local_fp32_param(w),

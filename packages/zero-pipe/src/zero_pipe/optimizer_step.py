@@ -166,7 +166,7 @@ class StageOptimizer:
         if isinstance(self.strategy, PartitionedOptimizerStrategy):
             for gg in self.strategy.groups:
                 for p in gg.params:
-                    self.strategy.set_full_fp32_param(p, p.detach().float())
+                    self.strategy.state_access.set_full_fp32_param(p, p.detach().float())
         else:
             for p, m in self.strategy.master.items():
                 m.copy_(p.detach().float())

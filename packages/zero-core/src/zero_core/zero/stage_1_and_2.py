@@ -56,7 +56,7 @@ from zero_core.utils.storage_bytes import StorageLedger
 from zero_core.zero.flat_partition import FlatPartition
 from zero_core.zero.grad_reduce import GroupGrads, PartitionedGradReducer
 from zero_core.zero.param_owners import PARAM_OWNERS, ParamLocation
-from zero_core.zero.stage_1_and_2_access import PartitionedGradWrite, PartitionedStateAccess
+from zero_core.zero.stage_1_and_2_access import PartitionedStateAccess
 from zero_core.zero.stage_1_and_2_checkpoint import PartitionedCheckpointing
 
 
@@ -226,10 +226,13 @@ def _partition_groups(
     return groups, backward_order
 
 
-class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedGradWrite):
+class PartitionedOptimizerStrategy:
     """The :class:`~zero_core.engine.strategy.TrainingStrategy` of ZeRO stages 1 and 2.
 
-    See [Note: optimizer on a shard] and [Note: partitioned gradient reduction].
+    See [Note: optimizer on a shard] and [Note: partitioned gradient reduction]. Its parts are
+    held, not mixed in: ``checkpointing`` (:class:`PartitionedCheckpointing`, checkpoint
+    fragments) and ``state_access`` (:class:`PartitionedStateAccess`, the safe_get / safe_set
+    owner of its parameters).
     """
 
     def __init__(
@@ -272,6 +275,7 @@ class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedGradWrite)
         # See [Note: optimizer offload hook] in zero_offload; the null object when nothing is
         # offloaded (See [Note: optimizer offload seam])
         self.checkpointing = PartitionedCheckpointing(self)  # its checkpoint methods delegate there
+        self.state_access = PartitionedStateAccess(self)  # the parameters' owner in PARAM_OWNERS
         self.offload: OptimizerOffload = (
             optimizer_offload if optimizer_offload is not None else NoOptimizerOffload()
         )
@@ -319,7 +323,7 @@ class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedGradWrite)
                 if self.master_aliases_params:
                     a = self._ranks[g] * gg.layout.shard_numel
                     self.masters.append(torch.nn.Parameter(flat[a : a + gg.layout.shard_numel]))
-            PARAM_OWNERS.register(self._param_locations, self)
+            PARAM_OWNERS.register(self._param_locations, self.state_access)
             before = self.masters
             self.masters = [self.offload.adopt([m])[0] for m in before]
             self.master_aliases_params &= all(a is m for a, m in zip(self.masters, before))
@@ -515,5 +519,5 @@ class PartitionedOptimizerStrategy(PartitionedStateAccess, PartitionedGradWrite)
     def close(self) -> None:
         """Release offload resources (swap files) and the parameters' owner entries; the engine's
         ``destroy()`` calls it."""
-        PARAM_OWNERS.release(self._param_locations, self)
+        PARAM_OWNERS.release(self._param_locations, self.state_access)
         self.offload.close()

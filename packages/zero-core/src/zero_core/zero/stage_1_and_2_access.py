@@ -1,11 +1,15 @@
 """ZeRO stages 1 and 2: the safe_get / safe_set owner protocol (full and local values of a parameter's
 fp32 master, gradient and optimizer states), for :class:`~zero_core.zero.stage_1_and_2.PartitionedOptimizerStrategy`.
 
-A mixin: it reads the strategy's groups, masters and ranks; see ``zero_core/zero/debug_access.py`` for
-the public functions that dispatch here.
+A part the strategy holds (``strategy.state_access``) and registers as its parameters' owner (see
+[Note: parameter owner registry]); it reads the strategy's groups, masters, ranks and gradient
+reducer through :class:`PartitionedState`. See ``zero_core/zero/debug_access.py`` for the public
+functions that dispatch here.
 """
 
 from __future__ import annotations
+
+from typing import Any, Protocol
 
 import torch
 
@@ -13,13 +17,39 @@ from zero_core import comm
 from zero_core.zero.param_owners import ParamLocation
 
 
+class PartitionedState(Protocol):
+    """What :class:`PartitionedStateAccess` reads of the stage 1/2 strategy. The strategy
+    satisfies it; naming it here, instead of importing the strategy, keeps this module below
+    ``stage_1_and_2.py`` (no import cycle)."""
+
+    groups: list[Any]  # the partition groups (layout, params, process group)
+    masters: list[torch.nn.Parameter]  # one fp32 master shard per group
+    reducer: Any  # the PartitionedGradReducer: reduced gradient shards
+    _ranks: list[int]  # this rank within each group's process group
+    _param_locations: dict[torch.nn.Parameter, ParamLocation]
+
+    def _loss_scale(self) -> float: ...
+
+    def _optimizer_state(self, g: int) -> dict[str, Any]: ...
+
+
 class PartitionedStateAccess:
-    """Per-parameter views of a partitioned optimizer's state (mixed into the stage 1/2 strategy)."""
+    """Per-parameter views of a partitioned optimizer's state: the owner object of
+    [Note: safe_get owner protocol] for stage 1/2 parameters (held by the strategy).
+
+    ``safe_set_full_grad`` / ``safe_set_local_grad`` take the gradient of the unscaled loss
+    (what ``safe_get_*_grad`` returns): it is multiplied by the current fp16 loss scale before
+    it replaces this rank's owned elements of the reduced gradient, so the next
+    ``engine.step()`` applies it.
+    """
+
+    def __init__(self, strategy: PartitionedState) -> None:
+        self.strategy = strategy
 
     # -- safe_get / safe_set owner protocol (see zero_core/zero/debug_access.py) ------
     def param_location(self, p: torch.nn.Parameter) -> ParamLocation:
         """Where ``p`` lives in this strategy (See [Note: parameter owner registry])."""
-        loc = self._param_locations.get(p)
+        loc = self.strategy._param_locations.get(p)
         if loc is None:
             raise ValueError(
                 f"parameter of shape {tuple(p.shape)} is not partitioned by this ZeRO stage 1/2 strategy "
@@ -27,12 +57,12 @@ class PartitionedStateAccess:
             )
         return loc
 
-    def _own_segments(self, g: int, i: int) -> list[tuple[int, int, int]]:
+    def own_segments(self, g: int, i: int) -> list[tuple[int, int, int]]:
         """(shard offset, param flat offset, length) of param ``i``'s elements this rank owns."""
-        layout = self.groups[g].layout
+        layout = self.strategy.groups[g].layout
         out = []
         for chunk, s in layout.chunks_of_param(i):
-            a, b = chunk.piece_range(self._ranks[g])
+            a, b = chunk.piece_range(self.strategy._ranks[g])
             lo = max(a, chunk.start + s.chunk_lo)
             hi = min(b, chunk.start + s.chunk_lo + s.numel)
             if hi > lo:
@@ -47,20 +77,20 @@ class PartitionedStateAccess:
 
     def _gather_param(self, p: torch.nn.Parameter, shard: torch.Tensor) -> torch.Tensor:
         g, i = self.param_location(p)
-        layout = self.groups[g].layout
+        layout = self.strategy.groups[g].layout
         out = torch.empty(p.numel(), dtype=torch.float32, device=p.device)
         for chunk, s in layout.chunks_of_param(i):
             so = layout.shard_offsets[chunk.index]
             full = torch.empty(chunk.padded, dtype=torch.float32, device=p.device)
             comm.all_gather_into_tensor(
-                full, shard[so : so + chunk.piece].float().contiguous(), group=self.groups[g].group
+                full, shard[so : so + chunk.piece].float().contiguous(), group=self.strategy.groups[g].group
             )
             out[s.param_lo : s.param_hi].copy_(full[s.chunk_lo : s.chunk_lo + s.numel])
         return out.view(p.shape)
 
     def _state_shard(self, p: torch.nn.Parameter, key: str) -> torch.Tensor:
         g = self.param_location(p).group
-        st = self._optimizer_state(g)
+        st = self.strategy._optimizer_state(g)
         if key not in st:
             raise KeyError(
                 f"optimizer state '{key}' does not exist for this parameter (known: {sorted(st)}); "
@@ -69,17 +99,17 @@ class PartitionedStateAccess:
         return st[key]
 
     def full_fp32_param(self, p: torch.nn.Parameter) -> torch.Tensor:
-        return self._gather_param(p, self.masters[self.param_location(p).group].detach())
+        return self._gather_param(p, self.strategy.masters[self.param_location(p).group].detach())
 
     def full_grad(self, p: torch.nn.Parameter) -> torch.Tensor:
         """The reduced gradient, divided by the current loss scale (fp16; 1 otherwise)."""
-        full = self._gather_param(p, self.reducer.shard_grad(self.param_location(p).group))
-        scale = self._loss_scale()
+        full = self._gather_param(p, self.strategy.reducer.shard_grad(self.param_location(p).group))
+        scale = self.strategy._loss_scale()
         return full.div_(scale) if scale != 1.0 else full
 
     def full_optimizer_state(self, p: torch.nn.Parameter, key: str) -> torch.Tensor:
         st = self._state_shard(p, key)
-        if st.shape != self.masters[self.param_location(p).group].shape:
+        if st.shape != self.strategy.masters[self.param_location(p).group].shape:
             return st.clone()  # a scalar state such as Adam's "step"
         return self._gather_param(p, st)
 
@@ -88,12 +118,12 @@ class PartitionedStateAccess:
     # No communication.
     def _local(self, p: torch.nn.Parameter, shard: torch.Tensor) -> torch.Tensor:
         g, i = self.param_location(p)
-        segs = self._own_segments(g, i)
+        segs = self.own_segments(g, i)
         return torch.cat([shard[so : so + n] for so, _, n in segs]) if segs else shard[:0].clone()
 
     def _set_local(self, p: torch.nn.Parameter, shard: torch.Tensor, value: torch.Tensor, where: str) -> None:
         g, i = self.param_location(p)
-        segs = self._own_segments(g, i)
+        segs = self.own_segments(g, i)
         want = sum(n for _, _, n in segs)
         flat = value.detach().reshape(-1)
         if flat.numel() != want:
@@ -107,16 +137,16 @@ class PartitionedStateAccess:
             k += n
 
     def local_fp32_param(self, p: torch.nn.Parameter) -> torch.Tensor:
-        return self._local(p, self.masters[self.param_location(p).group].detach())
+        return self._local(p, self.strategy.masters[self.param_location(p).group].detach())
 
     def local_grad(self, p: torch.nn.Parameter) -> torch.Tensor:
-        scale = self._loss_scale()
-        local = self._local(p, self.reducer.shard_grad(self.param_location(p).group)).float()
+        scale = self.strategy._loss_scale()
+        local = self._local(p, self.strategy.reducer.shard_grad(self.param_location(p).group)).float()
         return local / scale if scale != 1.0 else local
 
     def local_optimizer_state(self, p: torch.nn.Parameter, key: str) -> torch.Tensor:
         st = self._state_shard(p, key)
-        if st.shape != self.masters[self.param_location(p).group].shape:
+        if st.shape != self.strategy.masters[self.param_location(p).group].shape:
             return st.clone()
         return self._local(p, st)
 
@@ -127,16 +157,16 @@ class PartitionedStateAccess:
         Other ranks' module copies see the new values after the next step's all-gather.
         """
         g, i = self.param_location(p)
-        self._set_local(p, self.masters[g], value.to(torch.float32), "safe_set_local_fp32_param")
+        self._set_local(p, self.strategy.masters[g], value.to(torch.float32), "safe_set_local_fp32_param")
         # the module's own (possibly 16-bit) copy of those elements follows the master at once
         out = p.data.view(-1)
-        for so, po, n in self._own_segments(g, i):
-            out[po : po + n].copy_(self.masters[g][so : so + n])
+        for so, po, n in self.own_segments(g, i):
+            out[po : po + n].copy_(self.strategy.masters[g][so : so + n])
 
     @torch.no_grad()
     def set_local_optimizer_state(self, p: torch.nn.Parameter, value: torch.Tensor, key: str) -> None:
         st = self._state_shard(p, key)
-        if st.shape != self.masters[self.param_location(p).group].shape:
+        if st.shape != self.strategy.masters[self.param_location(p).group].shape:
             st.copy_(value)
             return
         self._set_local(p, st, value.to(st.dtype), "safe_set_local_optimizer_state")
@@ -145,33 +175,26 @@ class PartitionedStateAccess:
     def set_full_fp32_param(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
         g, i = self.param_location(p)
         flat = value.detach().reshape(-1).to(torch.float32)
-        for so, po, n in self._own_segments(g, i):
-            self.masters[g][so : so + n].copy_(flat[po : po + n])
+        for so, po, n in self.own_segments(g, i):
+            self.strategy.masters[g][so : so + n].copy_(flat[po : po + n])
         p.data.copy_(value.detach().to(p.dtype).view_as(p))  # every rank holds the full value: no comm
 
     @torch.no_grad()
     def set_full_optimizer_state(self, p: torch.nn.Parameter, value: torch.Tensor, key: str) -> None:
         st = self._state_shard(p, key)
         g, i = self.param_location(p)
-        if st.shape != self.masters[g].shape:
+        if st.shape != self.strategy.masters[g].shape:
             st.copy_(value)
             return
         flat = value.detach().reshape(-1).to(st.dtype)
-        for so, po, n in self._own_segments(g, i):
+        for so, po, n in self.own_segments(g, i):
             st[so : so + n].copy_(flat[po : po + n])
 
-
-class PartitionedGradWrite:
-    """``safe_set_full_grad`` / ``safe_set_local_grad`` for stages 1 and 2 (mixed into the strategy).
-
-    The value is the gradient of the unscaled loss (what ``safe_get_*_grad`` returns): it is
-    multiplied by the current fp16 loss scale before it replaces this rank's owned elements of
-    the reduced gradient, so the next ``engine.step()`` applies it.
-    """
+    # -- gradient writes ------------------------------------------------------------------
 
     def _grad_pieces(self, g: int) -> list[tuple[int, torch.Tensor]]:
         """(offset in this rank's gradient shard, writable view) of each piece of group ``g``."""
-        red = self.reducer
+        red = self.strategy.reducer
         if red.partition_grads:
             shard = red.grad_shards[g]
             if shard is None:
@@ -191,7 +214,7 @@ class PartitionedGradWrite:
         self, p: torch.nn.Parameter, segs: list[tuple[int, int, int]], values: list[torch.Tensor]
     ) -> None:
         pieces = self._grad_pieces(self.param_location(p).group)
-        scale = self._loss_scale()
+        scale = self.strategy._loss_scale()
         for (so, _, n), v in zip(segs, values):
             for start, view in pieces:
                 if start <= so < start + view.numel():
@@ -201,12 +224,12 @@ class PartitionedGradWrite:
     def set_full_grad(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
         g, i = self.param_location(p)
         flat = value.detach().reshape(-1).float()
-        segs = self._own_segments(g, i)
+        segs = self.own_segments(g, i)
         self._write_grad(p, segs, [flat[po : po + n] for _, po, n in segs])
 
     def set_local_grad(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
         g, i = self.param_location(p)
-        segs = self._own_segments(g, i)
+        segs = self.own_segments(g, i)
         flat = value.detach().reshape(-1).float()
         want = sum(n for _, _, n in segs)
         if flat.numel() != want:

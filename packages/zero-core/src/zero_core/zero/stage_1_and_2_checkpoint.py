@@ -42,7 +42,7 @@ class PartitionedCheckpointing:
             master = s.masters[g].detach()
             state = s._optimizer_state(g)
             for i, (p, name) in enumerate(zip(gg.params, gg.names)):
-                segments = s._own_segments(g, i)
+                segments = s.state_access.own_segments(g, i)
                 for so, po, n in segments:
                     out.append(Fragment(name, FP32, tuple(p.shape), po, po + n, master[so : so + n]))
                 out += optimizer_state_fragments(
@@ -81,7 +81,7 @@ class PartitionedCheckpointing:
         for g, gg in enumerate(s.groups):
             master = s.masters[g].detach()
             owned = [
-                (name, s._own_segments(g, i))
+                (name, s.state_access.own_segments(g, i))
                 for i, name in enumerate(gg.names)
                 if reader.has(name, FP32) or reader.has(name, PARAM)
             ]

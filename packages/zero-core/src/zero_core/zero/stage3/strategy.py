@@ -165,9 +165,14 @@ class Stage3Strategy:
         )
         self._rebind_optimizer()
         self.offload.finalize(self.optimizer)
-        self._state_access = Stage3StateAccess(self)  # See [Note: parameter owner registry]
+        self._take_ownership()
+
+    def _take_ownership(self) -> None:
+        """Become the owner of the parameters: in PARAM_OWNERS for the safe_get helpers (See
+        [Note: parameter owner registry]) and in their records (See [Note: stage 3 parameter records])."""
+        self._state_access = Stage3StateAccess(self)
         PARAM_OWNERS.register(self.params, self._state_access)
-        self._owner_ref = weakref.ref(self)  # the records' owner: See [Note: stage 3 parameter records]
+        self._owner_ref = weakref.ref(self)
         for st in self.records:
             st.owner = self._owner_ref
 
