@@ -21,7 +21,16 @@ from zero_core.engine.strategy_factory import COMM_DTYPES
 
 
 class DeepSpeedAccessors:
-    """Mixed into :class:`~zero_core.engine.engine.ZeroEngine`. See [Note: DeepSpeed engine accessors]."""
+    """Mixed into :class:`~zero_core.engine.engine.ZeroEngine`. See [Note: DeepSpeed engine accessors].
+
+    A public-API facade, deliberately a mixin (as FSDP2's ``FSDPModule`` gives a sharded module
+    ``reshard()``/``unshard()``): DeepSpeed's users call these names on the engine itself
+    (``engine.bfloat16_enabled()``), so they must be methods of the engine's class; a part held by
+    the engine would need one forwarding method per name (about thirty of them) to keep them
+    there. It owns no state (two class-level defaults aside), only reads the engine's config and
+    step results, and no other class mixes it in. The engine's parts that own state and
+    behaviour (strategy, boundary step, ``NoSyncGuard``, ``ModelStates``) are held, not mixed in.
+    """
 
     config: Any
     compute_dtype: torch.dtype
