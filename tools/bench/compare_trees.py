@@ -113,7 +113,9 @@ def _rank_body(variants: list[str], steps: int, tiny: bool) -> dict:
             engine.step()
             if s > 0:  # step 0 is the warm-up
                 times.append((time.perf_counter() - w, time.process_time() - c))
-        engine.destroy()
+        destroy = getattr(engine, "destroy", None)  # older trees may lack it
+        if destroy is not None:
+            destroy()
         del engine, model
         gc.collect()
         out[variant] = times
@@ -224,6 +226,14 @@ def _header(args: argparse.Namespace, revs: dict[str, str], load: _timing.LoadLo
         f"the trees alternating; 1 warm-up + {args.steps} timed steps per variant per launch; CPU = process CPU "
         "time of a rank (all its threads); per-tree columns: median over rounds of each round's median step",
         f"- benchmark wall time: {wall:.0f} s",
+        *(
+            [
+                "- **--tiny: an end-to-end check of this tool, not a step-time figure** (a model this small "
+                "times Python and launch overheads; quote only a full-size run on a quiet machine)"
+            ]
+            if args.tiny
+            else []
+        ),
         "",
     ]
 
