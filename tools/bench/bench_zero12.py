@@ -125,7 +125,7 @@ def _build(name: str, precision: str = "fp32") -> dict:
         if precision != "fp32":
             cfg[precision] = {"enabled": True}
         engine = zero_core.initialize(model=model, config=cfg)[0]
-    peak = {"states": 0}
+    peak = {"states": 0, "buffers": 0}
 
     def step(clock, s: int) -> None:
         x, y = _batch(s, rank)
@@ -136,10 +136,16 @@ def _build(name: str, precision: str = "fp32") -> dict:
         if s >= 10_000 and not name.startswith("ds"):  # model states after backward, in the profiled step
             m = engine.memory_breakdown()  # model states as the ZeRO paper counts them; buckets apart
             peak["states"] = max(peak["states"], sum(m[k] for k in STATES))
+            peak["buffers"] = max(peak["buffers"], m.get("buffers", 0))
         with clock.phase("step"):
             engine.step()
 
-    return {"step": step, "states": lambda: peak["states"], "params": params}
+    return {
+        "step": step,
+        "states": lambda: peak["states"],
+        "buffers": lambda: peak["buffers"],
+        "params": params,
+    }
 
 
 def _variant(name: str, steps: int, precision: str = "fp32", time_it: bool = False) -> dict:
@@ -148,7 +154,8 @@ def _variant(name: str, steps: int, precision: str = "fp32", time_it: bool = Fal
     clock = _timing.PhaseClock()
     for s in [*range(steps), 10_000]:  # the last step records the states (see _build)
         clock.run(lambda c, s=s: v["step"](c, s))
-    return {"states": v["states"](), "params": v["params"]}
+    buffers = v["buffers"]() if "buffers" in v else None  # DDP's bucket copies are torch-internal
+    return {"states": v["states"](), "buffers": buffers, "params": v["params"]}
 
 
 def _timed_rank(names: list[str], passes: int, steps: int, ds_path: str | None) -> dict:
@@ -189,20 +196,25 @@ def _mem_sweep() -> dict:
         for name in ("ddp", "stage0", "stage1", "stage2"):
             if name == "ddp" and precision == "bf16":
                 continue
-            out[f"{name}/{precision}"] = _variant(name, 1, precision, False)["states"]
+            r = _variant(name, 1, precision, False)
+            out[f"{name}/{precision}"] = {"states": r["states"], "buffers": r["buffers"]}
             gc.collect()
     return out
 
 
 def _memory_table(mem: dict[int, list[dict]]) -> list[str]:
-    per_n = {n: {k: max(r[k] for r in res) for k in res[0]} for n, res in mem.items()}
+    per_n = {n: {k: max(r[k]["states"] for r in res) for k in res[0]} for n, res in mem.items()}
+    bufs = {n: {k: res[0][k]["buffers"] for k in res[0]} for n, res in mem.items()}
     lines = []
     for key in per_n[2]:
         name, precision = key.split("/")
         cells = []
         for n in (2, 4):
             b, base_b = per_n[n][key], per_n[n]["ddp/fp32"]
-            cells.append(f"{b / 2**20:.1f} | {b / base_b:.2f}")
+            buf = bufs[n][key]
+            cells.append(
+                f"{b / 2**20:.1f} | {b / base_b:.2f} | {'-' if buf is None else f'{buf / 2**20:.1f}'}"
+            )
         lines.append(f"| {name} | {precision} | {' | '.join(cells)} |")
     return lines
 
@@ -224,12 +236,17 @@ def _memory_only(args: argparse.Namespace, run_multirank) -> None:
         "- bytes are deterministic (live storages, each counted once: [Note: memory breakdown counts "
         "storages]); the machine's load does not change them",
         "",
-        "| variant | precision | N=2 (MiB) | ratio vs DDP | N=4 (MiB) | ratio vs DDP |",
-        "|---|---|---|---|---|---|",
+        "| variant | precision | N=2 (MiB) | ratio vs DDP | N=2 buffers (MiB) | N=4 (MiB) | ratio vs DDP "
+        "| N=4 buffers (MiB) |",
+        "|---|---|---|---|---|---|---|---|",
         *_memory_table(mem),
         "",
         "Measured after backward (peak over the step). DDP: parameters + gradients + Adam states (fp32), "
-        "its own bucket copies not counted. Stage 0's gradients live in its bucket buffers and count once.",
+        "its own bucket copies not counted. Stage 0's gradients live in its bucket buffers and count once. "
+        "'buffers': our communication buffers alive after backward (`memory_breakdown()['buffers']`, rank 0), "
+        "outside the model states: stage 2 keeps one reduce bucket between steps; stage 0's buckets hold its "
+        "gradients and count there. DDP's bucket copies (about 4 bytes per parameter in fp32 with "
+        "gradient_as_bucket_view off) are torch-internal and not measured ('-').",
         "",
     ]
     with open(out, "w") as f:

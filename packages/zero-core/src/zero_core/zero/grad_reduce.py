@@ -312,7 +312,7 @@ class PartitionedGradReducer:
         pend = _Pending(g, chunk, inp, inp)
         rank = self._group_rank[g]
         if self.use_reduce_scatter:
-            pend.out = torch.empty(chunk.piece, dtype=inp.dtype, device=inp.device)
+            pend.out = self._scatter_target(g, chunk, inp)
             pend.works.append(comm.reduce_scatter_tensor(pend.out, inp, group=gg.group, async_op=True))
         else:
             pend.out = inp[rank * chunk.piece : (rank + 1) * chunk.piece]
@@ -328,6 +328,22 @@ class PartitionedGradReducer:
         if self.overlap and len(self._pending) > _MAX_IN_FLIGHT:
             self._complete(self._pending.popleft())
 
+    def _scatter_target(self, g: int, chunk: Chunk, inp: torch.Tensor) -> torch.Tensor:
+        """Where the reduce-scatter of ``inp`` writes this rank's piece, with no copy afterwards.
+
+        Stage 2's first micro-step: straight into the gradient shard. Otherwise this rank's own
+        piece of ``inp``, the in-place reduce-scatter torch documents (output = input's rank-th
+        slice; NCCL reduces in place, gloo through its own scratch), which for stage 1 without a
+        ``comm_dtype`` is the flat gradient buffer's own range, so ``_complete`` copies nothing.
+        """
+        if self.partition_grads and not self._shard_has_grad:
+            lo = self.groups[g].layout.shard_offsets[chunk.index]
+            dst = self.grad_shards[g][lo : lo + chunk.piece]
+            if dst.dtype == inp.dtype:
+                return dst
+        rank = self._group_rank[g]
+        return inp[rank * chunk.piece : (rank + 1) * chunk.piece]
+
     def _complete(self, pend: _Pending) -> None:
         for w in pend.works:
             w.wait()
@@ -336,12 +352,13 @@ class PartitionedGradReducer:
             dst = self.grad_shards[pend.g][lo : lo + pend.chunk.piece]
             if self._shard_has_grad:
                 dst.add_(pend.out)
-            else:
+            elif dst.data_ptr() != pend.out.data_ptr():
                 dst.copy_(pend.out)
         else:
             a, b = pend.chunk.piece_range(self._group_rank[pend.g])
             dst = self.flat_grads[pend.g][a:b]
-            dst.copy_(pend.out)
+            if dst.data_ptr() != pend.out.data_ptr():
+                dst.copy_(pend.out)
         if self.on_reduced is not None:
             self.on_reduced(pend.g, lo, dst)
         if self.partition_grads and len(self._spare) <= _MAX_IN_FLIGHT:  # a bucket buffer: reuse it

@@ -105,6 +105,17 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a_lo < b_lo + b.numel() * b.element_size() and b_lo < a_lo + a.numel() * a.element_size()
 
 
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same contiguous elements of one storage."""
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.numel() == b.numel()
+        and a.dtype == b.dtype
+        and a.is_contiguous()
+        and b.is_contiguous()
+    )
+
+
 def gather_shards(
     layout: FlatPartition,
     shard: torch.Tensor,
@@ -141,7 +152,11 @@ def gather_shards(
             continue
         q = chunk.piece if bucket_numel is None else max(1, bucket_numel // n)
         if chunk.piece <= q:
-            if _overlaps(piece, region):  # never hand the backend aliased buffers (fp32 master aliasing)
+            # fp32 master aliasing: the piece is usually this rank's own range of ``region``, the
+            # in-place all-gather torch documents (input = output's rank-th slice; NCCL gathers in
+            # place, gloo through its own scratch), so no copy is made; any other overlap is cloned.
+            own = region[rank * chunk.piece : (rank + 1) * chunk.piece]
+            if _overlaps(piece, region) and not _same_view(piece, own):
                 piece = piece.clone()
             works.append(comm.all_gather_into_tensor(region, piece, group=group, async_op=True))
             continue

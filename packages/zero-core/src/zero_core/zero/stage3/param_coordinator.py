@@ -86,6 +86,11 @@ class ParamCoordinator:
         self.mode: tuple[bool, bool] | None = None
         self.trace: list[Event] | None = None
         self.pos = 0
+        # trace index -> (external parameters' ids, (params, their ids, their padded numel)):
+        # see _trace_params
+        self._trace_cache: dict[
+            int, tuple[tuple[int, ...], tuple[list[torch.nn.Parameter], set[int], int]]
+        ] = {}
         self.inflight: dict[int, GatherHandle] = {}
         self.gathered: dict[int, torch.nn.Parameter] = {}  # non-persistent params currently gathered
         self.live_numel = 0
@@ -115,6 +120,7 @@ class ParamCoordinator:
         self.trace = self.traces.get(mode)
         self.pos = 0
         self.recording = []
+        self._trace_cache.clear()
 
     def end_iteration(self) -> None:
         if self.mode is not None and self.recording:
@@ -219,10 +225,12 @@ class ParamCoordinator:
         if self.trace is None or self.prefetch_bucket_size == 0:
             return
         budget = self.prefetch_bucket_size
+        # ``inflight`` maps every parameter of a handle to it: count each handle once
+        handles = {id(h): h for h in self.inflight.values()}.values()
         room = (
             self.max_live_parameters
             - self.live_numel
-            - sum(partition_state(q).padded_numel for h in self.inflight.values() for q in h.params)
+            - sum(partition_state(q).padded_numel for h in handles for q in h.params)
         )
         bucket: list[torch.nn.Parameter] = []
         seen: set[int] = set()
@@ -234,7 +242,7 @@ class ParamCoordinator:
                 first_phase = phase
             elif phase != first_phase and (self.quantize_weights or self.quantize_nontrainable):
                 break  # forward (quantized) and backward (full precision) gathers never share a bucket
-            for p in module_params(self.modules[idx]):
+            for p in self._trace_params(idx)[0]:
                 st = partition_state(p)
                 if st.status is not ParamStatus.NOT_AVAILABLE or st.id in seen:
                     continue
@@ -257,6 +265,22 @@ class ParamCoordinator:
             self.inflight[partition_state(p).id] = handle
         self._track(handle.params)
 
+    def _trace_params(self, idx: int) -> tuple[list[torch.nn.Parameter], set[int], int]:
+        """:func:`module_params` of trace module ``idx``, their ids and padded numel, cached for the
+        iteration: the prefetch and reuse scans walk the rest of the trace at every fetch and
+        release, and rebuilding each module's list there cost stage 3 thousands of calls per step.
+        An external parameter registered during the iteration invalidates the module's entry."""
+        module = self.modules[idx]
+        ext = module.__dict__.get("_zero_external_params")
+        key = tuple(id(q) for q in ext) if ext else ()
+        hit = self._trace_cache.get(idx)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        params = module_params(module)
+        entry = (params, {partition_state(q).id for q in params}, sum(partition_state(q).padded_numel for q in params))
+        self._trace_cache[idx] = (key, entry)
+        return entry
+
     def _reused_soon(self, p: torch.nn.Parameter) -> bool:
         if self.trace is None or self.max_reuse_distance == 0:
             return False
@@ -267,10 +291,10 @@ class ParamCoordinator:
         for idx, _phase in self.trace[self.pos :]:
             if idx < 0:
                 continue
-            params = module_params(self.modules[idx])
-            if any(partition_state(q).id == pid for q in params):
+            _, ids, numel = self._trace_params(idx)
+            if pid in ids:
                 return True
-            distance += sum(partition_state(q).padded_numel for q in params)
+            distance += numel
             if distance >= self.max_reuse_distance:
                 return False
         return False
