@@ -9,11 +9,12 @@ with ``enabled: true`` and a ``metric_path``; as DeepSpeed's engine does, the en
   and after every step up to ``end_profile_step``, and writes ``{"throughput": samples/s,
   "latency": s/step, "FLOPS_per_gpu": ..., "memory": peak bytes, "mbs": ...}`` as JSON to
   ``metric_path`` (rank 0, atomically), then ends the process (every rank, exit status 0), so
-  the script's own loop never runs past the measurement. ``throughput`` and ``latency`` are the
-  median over the window's steps of each step's samples/s and time (``step_throughputs``), not
-  the window's mean: one step slowed by something else on the machine (another job, a page
-  fault, a garbage collection) then does not decide the experiment, which matters because the
-  search compares experiments a few percent apart (``throughput_window`` keeps the mean);
+  the script's own loop never runs past the measurement. ``throughput`` and ``latency`` are
+  those of the window's median step (by time; the slower middle one for an even count; every
+  step's samples/s is in ``step_throughputs``), not the window's mean: one step slowed by
+  something else on the machine (another job, a page fault, a garbage collection) then does not
+  decide the experiment, which matters because the search compares experiments a few percent
+  apart (``throughput_window`` keeps the mean);
 * with ``metric: flops``, takes the FLOPs of one training step (forward and backward) from
   zero-profiler's flops profiler (the experiment's config profiles the step just before the
   window, so the profiler's overhead is not timed) and reports ``FLOPS_per_gpu`` = those FLOPs /
@@ -39,7 +40,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
 import warnings
@@ -166,11 +166,14 @@ class AutotuningMetricHook:
         samples = engine.global_samples - self._samples0
         steps = self.end - self.start
         per_step = [n / t for n, t in zip(self._step_samples, self._step_times, strict=True)]
-        step_time = statistics.median(self._step_times)
+        # the median step (the slower middle one for an even count): its samples/s and its time,
+        # so that throughput x latency is still the samples of a step
+        mid = sorted(range(len(per_step)), key=lambda i: self._step_times[i])[len(per_step) // 2]
+        step_time = self._step_times[mid]
         memory = _max_over_ranks(_peak_memory_bytes(self.baseline), engine.device)
         flops = getattr(engine.profiler, "last_step_flops", None) if engine.profiler is not None else None
         result = {
-            "throughput": statistics.median(per_step),
+            "throughput": per_step[mid],
             "throughput_window": samples / elapsed,
             "step_throughputs": per_step,
             "latency": step_time,
