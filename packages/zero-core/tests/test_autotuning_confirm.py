@@ -123,3 +123,32 @@ def test_confirm_top_k_is_checked() -> None:
 
     with pytest.raises(AutotuningError, match="confirm_top_k"):
         _load_section({"confirm_top_k": -1})
+
+
+def test_engine_metric_is_the_median_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One step slowed 10x (another job on the machine) does not move the experiment's metric."""
+    from types import SimpleNamespace
+
+    import torch
+    from zero_core.autotuning import engine_hook
+    from zero_core.config.builtin_sections import AutotuningConfig
+
+    clock = iter([0.0, 1.0, 2.0, 12.0, 13.0, 14.0, 15.0])  # mark, steps 2-5 (step 4 takes 10 s), finish
+    monkeypatch.setattr(engine_hook.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(engine_hook, "_end_process", lambda: None)
+    section = AutotuningConfig(
+        enabled=True, metric_path=str(tmp_path / "m.json"), start_profile_step=1, end_profile_step=5
+    )
+    engine = SimpleNamespace(
+        global_steps=0, global_samples=0, device=torch.device("cpu"), profiler=None, global_rank=0,
+        dp_world_size=2, config=SimpleNamespace(zero_optimization=SimpleNamespace(stage=1)),
+        train_micro_batch_size_per_gpu=lambda: 4, gradient_accumulation_steps=lambda: 1,
+    )  # fmt: skip
+    hook = engine_hook.AutotuningMetricHook(section, engine, 0)
+    for step in range(1, 6):
+        engine.global_steps, engine.global_samples = step, 8 * step
+        hook(engine)
+    metrics = json.loads((tmp_path / "m.json").read_text())
+    assert metrics["step_throughputs"] == [8.0, 8.0, 0.8, 8.0]
+    assert metrics["throughput"] == 8.0 and metrics["latency"] == 1.0  # the median step
+    assert metrics["throughput_window"] == pytest.approx(32 / 14.0)  # the window's mean, for the record
