@@ -35,6 +35,7 @@ import sys
 import time
 
 import torch
+from zero_core.autotuning.confirm import confirm_window_end
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_env import ROOT, cpu_model, git_commit  # noqa: E402
@@ -76,7 +77,7 @@ def _search(work: str, tuner: str, args: argparse.Namespace, point: tuple | None
     path = os.path.join(work, "cfg.json")
     with open(path, "w") as f:
         json.dump(config, f)
-    steps = max(args.end, args.remeasure_end, args.start + 3 * (args.end - args.start)) + 1
+    steps = max(args.end, args.remeasure_end, confirm_window_end(args.start, args.end)) + 1
     gpt = ["--steps", str(steps), "--seq_len", "64", "--d_model", str(args.d_model), "--n_layers", "2"]
     gpt += ["--n_heads", "4", "--corpus_bytes", "200000", "--no_save", "--out_dir", os.path.join(work, "out")]
     cmd = [sys.executable, "-m", "zero_core.launcher", "run", "--autotuning", "tune", "--nproc", "2"]
@@ -201,7 +202,7 @@ def _report(args: argparse.Namespace, rounds: list[dict], began: float) -> list[
         f"- space: stage 0-3 x micro-batch {args.mbs} x reduce_bucket_size {args.buckets} = {space} points "
         f"(allgather/prefetch buckets 5e8, overlap_comm on); GPT d_model {args.d_model}, 2 layers, seq 64; "
         f"samples/s: the engine's median step between optimizer steps {args.start} and {args.end} (the "
-        f"confirm phase's runs: to step {args.start + 3 * (args.end - args.start)}); each experiment is a "
+        f"confirm phase's runs: to step {confirm_window_end(args.start, args.end)}); each experiment is a "
         "fresh 2-rank launch",
         f"- tuner: model_based, tuner_early_stopping {args.early_stopping}, stage early stopping; grid: "
         "gridsearch, no early stopping; both with the confirm phase (top 3 re-measured); "
@@ -228,17 +229,26 @@ def main() -> None:
     p.add_argument("--mbs", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--buckets", type=int, nargs="+", default=[20_000, 2_000_000])
     p.add_argument("--start", type=int, default=2)
-    p.add_argument("--end", type=int, default=5)
+    # a step of this model takes ~10-20 ms and a launch ~5 s: a 10-step window costs little and is
+    # far steadier than DeepSpeed's default 2 (start 3, end 5)
+    p.add_argument("--end", type=int, default=12)
     p.add_argument("--d_model", type=int, default=64)
     p.add_argument("--early_stopping", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--remeasure", type=int, default=3, help="launches per pick in the re-measurement")
-    p.add_argument("--remeasure_end", type=int, default=11, help="end_profile_step of the re-measurement")
+    p.add_argument(
+        "--remeasure_end",
+        type=int,
+        default=None,
+        help="end_profile_step of the re-measurement (default: that of the confirm phase's runs)",
+    )
     p.add_argument("--report_only", action="store_true", help="rewrite the report from --work's rounds.json")
     p.add_argument("--resume", action="store_true", help="keep the rounds saved in --work, run the rest")
     p.add_argument("--work", default="/tmp/bench_autotune")
     p.add_argument("--out", default=os.path.join(ROOT, "tools", "bench", "results", "bench_autotune.md"))
     args = p.parse_args()
+    if args.remeasure_end is None:
+        args.remeasure_end = confirm_window_end(args.start, args.end)
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     from gpt import GPT, GPTConfig, num_params
 
