@@ -123,6 +123,8 @@ def test_confirm_top_k_is_checked() -> None:
 
     with pytest.raises(AutotuningError, match="confirm_top_k"):
         _load_section({"confirm_top_k": -1})
+    with pytest.warns(UserWarning, match="autotuning.confirm_topk: .*confirm_top_k"):
+        _load_section({"confirm_topk": 2})
 
 
 def test_engine_metric_is_the_median_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -77,6 +77,11 @@ def _load_section(raw: Any) -> Any:
 
     if not isinstance(raw, dict):
         raise AutotuningError(f"autotuning: expected an object, got {raw!r}")
+    from zero_core.config.unknown_keys import strip_unknown_keys
+
+    # a misspelt key (``confirm_topk``) is warned about here too, where the search reads it, not
+    # only in the experiments' logs (as the engine's config parsing does)
+    strip_unknown_keys(raw, AutotuningConfig, "autotuning", "warn", [])
     try:
         section = AutotuningConfig.model_validate(raw)
     except ValidationError as exc:
