@@ -13,9 +13,9 @@ candidates (by their search score; zero's extension of the ``autotuning`` sectio
 0 or 1 turns the phase off) and runs each again as a fresh launch:
 
 * over a window :data:`WINDOW_FACTOR` times as long (``end_profile_step`` moved out; the
-  launch, not the steps, is what an experiment costs, so the longer window is nearly free), and
-  the engine's metric is already the median of per-step samples/s (see [Note: autotuning
-  experiments]), so a single slow step does not count;
+  launch - process start, model build, communicator setup - usually costs more than a few more
+  steps), and the engine's metric is already that of the window's median step (see [Note:
+  autotuning experiments]), so a single slow step does not count;
 * :data:`ROUNDS` round(s), the candidates interleaved within each round (candidate order
   A B C, then A B C again), so a change in the machine's load falls on all of them alike.
 
@@ -26,8 +26,10 @@ search's ``end_profile_step``), the pick falls back to the search's best and ``s
 why. Confirm runs are experiments like the others: recorded in ``exps_dir`` (``<name>_confirm<r>``),
 listed in ``summary.md`` and reused by a restarted search.
 
-Cost: ``confirm_top_k * ROUNDS`` launches. With the defaults that is 3 launches, which keeps a
-model-based search (a handful of launches) well under a third of an exhaustive grid's.
+Cost: ``confirm_top_k * ROUNDS`` launches (3 with the defaults; an exhaustive grid pays them
+too). On the benchmark's 24-point space (``tools/bench/bench_autotune.py``) a model-based search
+takes 3-4 search launches, so 6-7 in all against the grid's 27: the target of at most 30% of the
+grid's time holds with one round; a second round (3 more launches) would not keep it.
 """
 
 from __future__ import annotations
