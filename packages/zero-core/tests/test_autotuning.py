@@ -218,6 +218,41 @@ def test_memory_pruning_launches_only_stage_3(tmp_path: Path) -> None:
     assert optimal["zero_optimization"]["stage"] == 3 and "autotuning" not in optimal
 
 
+def test_search_measures_the_model_and_confirms_the_pick(tmp_path: Path) -> None:
+    # One rank: no model_info, so one launch measures the model; stages 0 and 1 at micro-batch 2
+    # (two search launches); then the confirm phase runs both again over the longer window.
+    cfg = write_json(
+        tmp_path / "cfg.json",
+        {
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": [0, 1]},
+            "autotuning": {"enabled": True, **PROFILE, "tuner_type": "gridsearch"},
+        },
+    )
+    run_zero("--autotuning", "tune", "--nproc", "1", str(JOB), "--zero_config", str(cfg), cwd=tmp_path)
+    results = tmp_path / "autotuning_results"
+    info = json.loads((results / "profile_model_info" / "model_info.json").read_text())
+    assert info["num_params"] == 16 * 32 + 32 + 32 + 1  # the job's MLP
+    records = [r["result"] for r in experiment_records(tmp_path / "autotuning_exps").values()]
+    assert sorted((r["phase"], r["stage"]) for r in records) == [
+        ("confirm", 0),
+        ("confirm", 1),
+        ("search", 0),
+        ("search", 1),
+    ]
+    assert all(r["status"] == "ok" for r in records), records
+    confirm = [r for r in records if r["phase"] == "confirm"]
+    # steps 1-7: three times the search's window of steps 1-3 (see [Note: autotuning confirm phase])
+    assert {r["metrics"]["steps"] for r in confirm} == {6} and {r["metrics"]["steps"] for r in records} == {
+        2,
+        6,
+    }
+    optimal = json.loads((results / "ds_config_optimal.json").read_text())
+    assert optimal["zero_optimization"]["stage"] == max(confirm, key=lambda r: r["metric"])["stage"]
+    assert "Confirm phase: the search's 2 best candidates" in (results / "summary.md").read_text()
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

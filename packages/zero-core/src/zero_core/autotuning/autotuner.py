@@ -24,6 +24,9 @@ The autotuner finds the fastest configuration that fits, as DeepSpeed's does, in
    The probes of step 3 run with the knob values of the best experiment so far. Stages run from
    0 up; except with ``gridsearch``, a stage whose best is below the best of the stages before
    it ends the search (higher stages only add communication), as DeepSpeed's fast mode does.
+5. **Confirming the pick.** The ``confirm_top_k`` best candidates run again over a longer
+   window, interleaved, and the best median wins (see [Note: autotuning confirm phase] in
+   ``confirm.py``): one short noisy measurement does not decide the search.
 
 Every experiment's record is kept in ``exps_dir``; a restarted search with the same directories
 reuses every finished experiment (``overwrite: true`` reruns them). The best experiment's config
@@ -41,6 +44,7 @@ import signal
 import sys
 from typing import Any
 
+from zero_core.autotuning.confirm import ConfirmOutcome, run_confirm_phase
 from zero_core.autotuning.experiment import (
     ExperimentResult,
     ExperimentRunner,
@@ -73,6 +77,11 @@ def _load_section(raw: Any) -> Any:
 
     if not isinstance(raw, dict):
         raise AutotuningError(f"autotuning: expected an object, got {raw!r}")
+    from zero_core.config.unknown_keys import strip_unknown_keys
+
+    # a misspelt key (``confirm_topk``) is warned about here too, where the search reads it, not
+    # only in the experiments' logs (as the engine's config parsing does)
+    strip_unknown_keys(raw, AutotuningConfig, "autotuning", "warn", [])
     try:
         section = AutotuningConfig.model_validate(raw)
     except ValidationError as exc:
@@ -151,6 +160,7 @@ class Autotuner:
             print(f"[autotuning] note: {self.notes[-1]}", file=sys.stderr, flush=True)
         self.per_sample_bytes = 0.0
         self.progress = Progress(0)
+        self.confirmed = ConfirmOutcome()
 
     # -- step 1: model information ------------------------------------------------------
     def model_info(self) -> dict[str, Any]:
@@ -310,7 +320,7 @@ class Autotuner:
         # the progress bar's total: about two probes plus the tuner's trials per stage
         widest = max([len(self.space.knob_combos(s)) for s, _ in stages] + [1])
         per_stage = 2 + min(self.section.tuner_num_trials, self.section.num_tuning_micro_batch_sizes * widest)
-        self.progress = Progress(per_stage * len(stages))
+        self.progress = Progress(per_stage * len(stages) + self.section.confirm_top_k)
         best = None
         for stage, offload in stages:
             stage_best = self.tune_stage(stage, offload)
@@ -322,10 +332,39 @@ class Autotuner:
                 )
                 break
             best = stage_best if best is None else max(best, stage_best)
+        self.confirm()
         return self.finish()
 
+    # -- step 5: the confirm phase ------------------------------------------------------------
+    def confirm(self) -> None:
+        """Re-measure the best candidates (See [Note: autotuning confirm phase])."""
+        sec = self.section
+        self.confirmed = run_confirm_phase(
+            self.results,
+            self.metric,
+            sec.confirm_top_k,
+            sec.start_profile_step,
+            sec.end_profile_step,
+            self._run_confirm,
+        )
+        if self.confirmed.note:
+            self.notes.append(self.confirmed.note)
+            print(f"[autotuning] note: {self.confirmed.note}", file=sys.stderr, flush=True)
+
+    def _run_confirm(self, cand: Candidate, search: ExperimentResult, rnd: int, end: int) -> ExperimentResult:
+        config = experiment_config(self.user, self.space, cand, self.world)
+        name = f"{search.name}_confirm{rnd}"
+        result = self.runner.run(cand, name, config, {"end_profile_step": end}, phase="confirm")
+        self.results.append(result)
+        self.progress.update(result, self.metric)
+        self._write_summary(None, None)
+        return result
+
     def best_result(self) -> ExperimentResult | None:
-        ok = [r for r in self.results if r.score(self.metric) is not None]
+        """The confirm phase's pick; without one, the best search measurement."""
+        if self.confirmed.pick is not None:
+            return self.confirmed.pick
+        ok = [r for r in self.results if r.phase == "search" and r.score(self.metric) is not None]
         return max(ok, key=lambda r: r.score(self.metric)) if ok else None
 
     def optimal_command(self, config_path: str, config: dict[str, Any]) -> list[str]:
@@ -345,6 +384,7 @@ class Autotuner:
             self.pruned,
             self.notes,
             command,
+            self.confirmed,
         )
 
     def finish(self) -> ExperimentResult | None:

@@ -6,14 +6,19 @@ user's script with a config the autotuner wrote. That config carries an ``autotu
 with ``enabled: true`` and a ``metric_path``; as DeepSpeed's engine does, the engine then
 
 * records the wall clock and the global sample count after optimizer step ``start_profile_step``
-  and again after ``end_profile_step``, and writes ``{"throughput": samples/s, "latency":
-  s/step, "FLOPS_per_gpu": ..., "memory": peak bytes, "mbs": ...}`` as JSON to ``metric_path``
-  (rank 0, atomically), then ends the process (every rank, exit status 0), so the script's own
-  loop never runs past the measurement;
+  and after every step up to ``end_profile_step``, and writes ``{"throughput": samples/s,
+  "latency": s/step, "FLOPS_per_gpu": ..., "memory": peak bytes, "mbs": ...}`` as JSON to
+  ``metric_path`` (rank 0, atomically), then ends the process (every rank, exit status 0), so
+  the script's own loop never runs past the measurement. ``throughput`` and ``latency`` are
+  those of the window's median step (by time; the slower middle one for an even count; every
+  step's samples/s is in ``step_throughputs``), not the window's mean: one step slowed by
+  something else on the machine (another job, a page fault, a garbage collection) then does not
+  decide the experiment, which matters because the search compares experiments a few percent
+  apart (``throughput_window`` keeps the mean);
 * with ``metric: flops``, takes the FLOPs of one training step (forward and backward) from
   zero-profiler's flops profiler (the experiment's config profiles the step just before the
   window, so the profiler's overhead is not timed) and reports ``FLOPS_per_gpu`` = those FLOPs /
-  the mean step time of the window; the autotuner refuses ``flops`` up front when zero-profiler
+  the median step time of the window; the autotuner refuses ``flops`` up front when zero-profiler
   is not installed;
 * with ``model_info.profile: true`` (the autotuner's first launch), writes the model's parameter
   counts to ``model_info_path`` right after ``initialize`` and ends the process.
@@ -118,13 +123,18 @@ class AutotuningMetricHook:
         self.baseline = baseline_bytes
         self._t0: float | None = None
         self._samples0 = 0
+        self._last: tuple[float, int] = (0.0, 0)  # (time, global samples) at the previous step
+        self._step_times: list[float] = []
+        self._step_samples: list[int] = []
 
     def __call__(self, engine: Any) -> None:
         step = engine.global_steps
         if step == self.start:
             self._mark_start(engine)
-        elif step == self.end and self._t0 is not None:
-            self._finish(engine)
+        elif self.start < step <= self.end and self._t0 is not None:
+            self._mark_step(engine)
+            if step == self.end:
+                self._finish(engine)
 
     def _sync(self, engine: Any) -> None:
         from zero_core.accelerator import get_accelerator
@@ -137,18 +147,37 @@ class AutotuningMetricHook:
         self._sync(engine)
         self._t0 = time.perf_counter()
         self._samples0 = engine.global_samples
+        self._last = (self._t0, self._samples0)
+
+    def _mark_step(self, engine: Any) -> None:
+        # the accelerator's queue drained, so the step's time is its real time; no barrier: the
+        # step's collectives already keep the ranks together, and rank 0's clock is what is written
+        from zero_core.accelerator import get_accelerator
+
+        get_accelerator().synchronize()
+        now, samples = time.perf_counter(), engine.global_samples
+        self._step_times.append(max(now - self._last[0], 1e-9))
+        self._step_samples.append(samples - self._last[1])
+        self._last = (now, samples)
 
     def _finish(self, engine: Any) -> None:
         self._sync(engine)
         elapsed = max(time.perf_counter() - float(self._t0 or 0.0), 1e-9)
         samples = engine.global_samples - self._samples0
         steps = self.end - self.start
+        per_step = [n / t for n, t in zip(self._step_samples, self._step_times, strict=True)]
+        # the median step (the slower middle one for an even count): its samples/s and its time,
+        # so that throughput x latency is still the samples of a step
+        mid = sorted(range(len(per_step)), key=lambda i: self._step_times[i])[len(per_step) // 2]
+        step_time = self._step_times[mid]
         memory = _max_over_ranks(_peak_memory_bytes(self.baseline), engine.device)
         flops = getattr(engine.profiler, "last_step_flops", None) if engine.profiler is not None else None
         result = {
-            "throughput": samples / elapsed,
-            "latency": elapsed / steps,
-            "FLOPS_per_gpu": (flops / (elapsed / steps)) if flops else None,
+            "throughput": per_step[mid],
+            "throughput_window": samples / elapsed,
+            "step_throughputs": per_step,
+            "latency": step_time,
+            "FLOPS_per_gpu": (flops / step_time) if flops else None,
             "memory": int(memory),
             "elapsed": elapsed,
             "steps": steps,

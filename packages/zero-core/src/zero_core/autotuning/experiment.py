@@ -53,6 +53,8 @@ class ExperimentResult:
     wall_s: float = 0.0
     metrics: dict[str, Any] = field(default_factory=dict)
     reused: bool = False
+    #: "search", or "confirm" for a re-measurement (see [Note: autotuning confirm phase])
+    phase: str = "search"
 
     def score(self, metric: str) -> float | None:
         """Higher is better (latency negated); None unless the experiment succeeded."""
@@ -157,9 +159,15 @@ class ExperimentRunner:
         return ExperimentResult(**{**result, "reused": True})
 
     def run(
-        self, cand: Candidate, name: str, config: dict[str, Any], extra: dict[str, Any]
+        self,
+        cand: Candidate,
+        name: str,
+        config: dict[str, Any],
+        extra: dict[str, Any],
+        phase: str = "search",
     ) -> ExperimentResult:
-        """Run (or reuse) the experiment ``name``; ``extra`` goes into its ``autotuning`` section."""
+        """Run (or reuse) the experiment ``name``; ``extra`` goes into its ``autotuning`` section
+        (and overrides the search's keys there, e.g. ``end_profile_step`` for a confirm run)."""
         found = self.cached(name)
         if found is not None:
             return found
@@ -188,7 +196,9 @@ class ExperimentRunner:
         config_path = os.path.join(out_dir, "ds_config.json")
         write_json_atomic(config_path, exp_config)
         cmd = self.command(config_path, exp_config)
-        result = ExperimentResult(name, cand.stage, cand.mbs, cand.knob_dict(), cand.offload, "running")
+        result = ExperimentResult(
+            name, cand.stage, cand.mbs, cand.knob_dict(), cand.offload, "running", phase=phase
+        )
         record_path = os.path.join(self.exps_dir, f"{name}.json")
         write_json_atomic(
             record_path, {"name": name, "command": cmd, "config": config, "result": asdict(result)}
@@ -196,7 +206,8 @@ class ExperimentRunner:
         start = time.perf_counter()
         status, reason = self._launch(cmd, os.path.join(out_dir, "output.log"), name)
         result.wall_s = time.perf_counter() - start
-        self._classify(result, status, reason, metric_path, os.path.join(out_dir, "output.log"))
+        end_step = int(section["end_profile_step"])
+        self._classify(result, status, reason, metric_path, os.path.join(out_dir, "output.log"), end_step)
         write_json_atomic(
             record_path, {"name": name, "command": cmd, "config": config, "result": asdict(result)}
         )
@@ -237,7 +248,13 @@ class ExperimentRunner:
                 continue
 
     def _classify(
-        self, result: ExperimentResult, status: str, reason: str, metric_path: str, log_path: str
+        self,
+        result: ExperimentResult,
+        status: str,
+        reason: str,
+        metric_path: str,
+        log_path: str,
+        end_step: int,
     ) -> None:
         with open(log_path, errors="replace") as f:
             log = f.read()
@@ -251,7 +268,7 @@ class ExperimentRunner:
             else:
                 result.status = "error"
                 result.reason = (
-                    f"the script ended before optimizer step {self.section.end_profile_step} "
+                    f"the script ended before optimizer step {end_step} "
                     "(end_profile_step): it must train at least that many steps"
                 )
             return

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import os
 import shlex
+import statistics
 import sys
 from typing import Any
 
+from zero_core.autotuning.confirm import ConfirmOutcome
 from zero_core.autotuning.engine_hook import write_json_atomic
 from zero_core.autotuning.experiment import METRICS, ExperimentResult
 
@@ -59,6 +61,7 @@ def write_summary(
     pruned: list[str],
     notes: list[str],
     command: str | None,
+    confirmed: ConfirmOutcome | None = None,
 ) -> None:
     unit = {"throughput": "samples/s", "latency": "s/step", "flops": "FLOPS/GPU"}[metric]
     lines = ["# Autotuning summary", ""]
@@ -68,13 +71,15 @@ def write_summary(
     if best is not None:
         lines += [
             f"Best: **{best.name}** (ZeRO stage {best.stage}, micro-batch {best.mbs}, {_knobs_text(best)}): "
-            f"{best.metric:.4g} {unit}.",
+            f"{best.metric:.4g} {unit}"
+            + (" (the median of its confirm runs)." if best.phase == "confirm" else "."),
             "",
             f"Run it: `{command}`",
             "",
         ]
     else:
         lines += ["No experiment succeeded: no configuration fits (see the reasons below).", ""]
+    lines += _confirm_lines(confirmed, metric, unit)
     lines += [
         f"| experiment | stage | micro-batch | knobs | {metric} ({unit}) | peak memory (MiB) | status | wall (s) |",
         "|---|---|---|---|---|---|---|---|",
@@ -91,6 +96,33 @@ def write_summary(
     with open(tmp, "w") as f:
         f.write("\n".join(lines) + "\n")
     os.replace(tmp, path)
+
+
+def _confirm_lines(confirmed: ConfirmOutcome | None, metric: str, unit: str) -> list[str]:
+    """The confirm phase's table: each re-measured candidate's search and confirm measurements."""
+    if confirmed is None or not confirmed.runs:
+        return []
+    steps = {
+        r.metrics.get("steps") for runs in confirmed.runs.values() for r in runs if r.metrics.get("steps")
+    }
+    lines = [
+        f"Confirm phase: the search's {len(confirmed.runs)} best candidates measured again "
+        f"({len(next(iter(confirmed.runs.values())))} fresh launch(es) each, interleaved, "
+        f"{'/'.join(str(s) for s in sorted(steps)) or '-'} profiled steps; the pick is the best median "
+        "of these, the search's own measurement left out: see [Note: autotuning confirm phase]).",
+        "",
+        f"| candidate (search experiment) | search {metric} | confirm {metric} ({unit}) | median | picked |",
+        "|---|---|---|---|---|",
+    ]
+    picked = confirmed.pick
+    for cand, runs in confirmed.runs.items():
+        search = confirmed.search[cand]
+        ok = [r.metric for r in runs if r.score(metric) is not None and r.metric is not None]
+        values = ", ".join(f"{r.metric:.4g}" if r.metric is not None else r.status for r in runs)
+        median = f"{statistics.median(ok):.4g}" if ok else "-"
+        mark = "**yes**" if any(r is picked for r in runs) else ""
+        lines.append(f"| {search.name} | {search.metric:.4g} | {values} | {median} | {mark} |")
+    return [*lines, ""]
 
 
 def write_best(results_dir: str, config: dict[str, Any], command: list[str]) -> str:
@@ -120,7 +152,7 @@ def write_plot(path: str, results: list[ExperimentResult], metric: str) -> str |
     for stage in sorted({r.stage for r in results}):
         per_mbs: dict[int, float] = {}
         for r in results:
-            if r.stage == stage and r.status == "ok" and r.metric is not None:
+            if r.stage == stage and r.phase == "search" and r.status == "ok" and r.metric is not None:
                 per_mbs[r.mbs] = better(per_mbs.get(r.mbs, r.metric), r.metric)
         if per_mbs:
             xs = sorted(per_mbs)

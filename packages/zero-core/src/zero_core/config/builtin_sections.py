@@ -117,6 +117,9 @@ class AutotuningConfig(PermissiveSection):
     memory_budget: PosInt | None = None
     #: zero's extension: seconds before a hung experiment is killed (recorded as "timeout")
     experiment_timeout: PosFloat = 600.0
+    #: zero's extension: the search's best candidates measured again before the pick (0 or 1: no
+    #: confirm phase); see [Note: autotuning confirm phase] in ``zero_core.autotuning.confirm``
+    confirm_top_k: NonNegInt = 3
 
 
 class ElasticityConfig(PermissiveSection):
