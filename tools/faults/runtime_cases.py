@@ -2,7 +2,8 @@
 
 Each case function takes ``full`` (the by-hand size) and returns a list of rows
 ``(case, expected, observed, verdict)`` with verdict ``"ok"`` or ``"FAIL"``. ``run_faults.py``
-prints them as a table; ``tests/test_faults_runtime.py`` asserts every verdict is ``ok``.
+prints them as a table; ``tests/test_faults_runtime.py`` (the in-process cases) and
+``tests/test_faults_runtime_processes.py`` (``PROCESS_CASES``) assert every verdict is ``ok``.
 Multi-rank cases use ``zero_core.testing.run_multirank`` (forked gloo ranks); the exit and
 SIGTERM cases start real processes (``zero run``, a plain ``python``), because what they check
 happens at interpreter exit or on a signal.
@@ -380,3 +381,15 @@ CASES = [
     case_clean_exit,
     case_sigterm_nvme,
 ]
+#: the cases that start real interpreters (``zero run``, ``python``): most of the CI time of
+#: ``CASES``, tested in a file of their own so that pytest-xdist's ``--dist loadfile`` can run
+#: them beside the in-process ones instead of one worker carrying both
+PROCESS_CASES = [case_stall_real_exit, case_clean_exit, case_sigterm_nvme]
+
+
+def assert_ok(case: Any) -> None:
+    """Run ``case`` in its small (CI) size; AssertionError listing each row not ``ok``."""
+    rows = case(full=False)
+    assert rows, f"{case.__name__} produced no rows"
+    failed = [r for r in rows if r[3] != "ok"]
+    assert not failed, "\n".join(f"{c}: expected {e}; observed {o}" for c, e, o, _ in failed)

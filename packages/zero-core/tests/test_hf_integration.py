@@ -252,11 +252,11 @@ def test_trainer_at_stage3_matches_zeros_own_loop(launched):
         logits = hf(input_ids=results[0]["ids"]).logits
     torch.testing.assert_close(logits, results[0]["logits"], rtol=1e-5, atol=1e-6)
     # ZeroTrainer.evaluate on 2 ranks == a plain Trainer's evaluate of the saved model, one process
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "plain"), per_device_eval_batch_size=8, report_to=[], use_cpu=True
-    )
-    had_group = torch.distributed.is_initialized()
+    had_group = torch.distributed.is_initialized()  # before TrainingArguments, which may start one
     try:
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / "plain"), per_device_eval_batch_size=8, report_to=[], use_cpu=True
+        )
         plain = transformers.Trainer(model=hf, args=args, data_collator=transformers.default_data_collator)
         assert results[0]["eval"] == pytest.approx(plain.evaluate(Tokens())["eval_loss"], rel=1e-5)
     finally:

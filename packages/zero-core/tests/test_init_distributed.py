@@ -59,7 +59,12 @@ WORLD_VARS = (
 def clean_env(monkeypatch):
     """No launcher variables in os.environ; anything init_distributed exports is undone."""
     for var in WORLD_VARS:
-        monkeypatch.delenv(var, raising=False)
+        # setenv first: monkeypatch records the variable's original state (absent included) and
+        # restores it, where a bare delenv of an absent variable records nothing, so RANK,
+        # WORLD_SIZE ... exported by init_distributed stayed in this xdist worker and made a
+        # later test's transformers.TrainingArguments start a process group.
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
     yield monkeypatch
     if dist.is_initialized():
         dist.destroy_process_group()
