@@ -82,7 +82,11 @@ class PartitionRecords:
 
 # The process's one table (Stage3Context.records); entries live as long as their parameters.
 PARTITION_RECORDS = PartitionRecords()
-_STATES = PARTITION_RECORDS._states
+# The table's dict itself, for the hot paths (per-module and per-bucket loops of the coordinator,
+# hooks, gathers and gradient buckets): ``RECORDS_BY_ID[id(p)]`` / ``id(p) in RECORDS_BY_ID`` cost
+# what an attribute read does, without the Python call of :func:`partition_state`. Read-only.
+RECORDS_BY_ID: dict[int, PartitionState] = PARTITION_RECORDS._states
+_STATES = RECORDS_BY_ID
 
 
 def is_partitioned(param: Any) -> bool:
@@ -108,4 +112,11 @@ def full_shape(param: torch.Tensor) -> tuple[int, ...]:
     return tuple(param.shape if st is None else st.shape)
 
 
-__all__ = ["PARTITION_RECORDS", "PartitionRecords", "full_shape", "is_partitioned", "partition_state"]
+__all__ = [
+    "PARTITION_RECORDS",
+    "RECORDS_BY_ID",
+    "PartitionRecords",
+    "full_shape",
+    "is_partitioned",
+    "partition_state",
+]
