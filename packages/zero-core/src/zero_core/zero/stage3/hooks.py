@@ -32,8 +32,7 @@ from torch.utils._pytree import tree_flatten
 
 from zero_core.zero.stage3.leaf_modules import leaf_descendants
 from zero_core.zero.stage3.param_coordinator import ParamCoordinator
-from zero_core.zero.stage3.param_records import PARTITION_RECORDS as _RECORDS
-from zero_core.zero.stage3.param_records import partition_state
+from zero_core.zero.stage3.param_records import RECORDS_BY_ID as _BY_ID
 from zero_core.zero.stage3.partitioned_param import ParamStatus
 from zero_core.zero.stage3.runtime_context import stage3_context
 
@@ -46,7 +45,7 @@ class ZeroParamDict(dict):
 
     def __getitem__(self, key: str) -> Any:
         p = dict.__getitem__(self, key)
-        if p is not None and (st := _RECORDS.get(p)) is not None and st.status is not ParamStatus.AVAILABLE:
+        if p is not None and (st := _BY_ID.get(id(p))) is not None and st.status is not ParamStatus.AVAILABLE:
             _on_access(p)
         return p
 
@@ -54,7 +53,7 @@ class ZeroParamDict(dict):
         outside = stage3_context().on_access_outside_forward
         if outside:
             for p in dict.values(self):
-                if p is not None and p in _RECORDS:
+                if p is not None and id(p) in _BY_ID:
                     outside[-1](p)
         return dict.items(self)
 
@@ -162,7 +161,7 @@ class Stage3Hooks:
         if self.paused:
             return None
         leaves = _output_leaves(output)
-        returned = [t for t in leaves if isinstance(t, torch.nn.Parameter) and t in _RECORDS]
+        returned = [t for t in leaves if isinstance(t, torch.nn.Parameter) and id(t) in _BY_ID]
         if self.stack and self.stack[-1] is module:
             self.stack.pop()
         if returned and self.stack:
@@ -171,7 +170,7 @@ class Stage3Hooks:
 
             for p in returned:
                 register_external_parameter(self.stack[-1], p)
-                partition_state(p).active += 1
+                _BY_ID[id(p)].active += 1
         self.coordinator.release_module(module, "forward", keep=returned)
         active = stage3_context().active_hooks
         if not self.stack and active and active[-1] is self:
@@ -190,7 +189,7 @@ class Stage3Hooks:
         register_external_parameter(owner, p)
         self.coordinator.ensure_available([p], f"access from module {type(owner).__name__}")
         self.coordinator._track([p])
-        partition_state(p).active += 1
+        _BY_ID[id(p)].active += 1
 
     # -- backward -----------------------------------------------------------------------
     def _pre_backward(self, module: torch.nn.Module) -> None:
@@ -201,7 +200,7 @@ class Stage3Hooks:
         self.coordinator.fetch(module, "backward")
         # Parameters without gradients (frozen) are released at the end of backward.
         for p in module.parameters(recurse=bool(getattr(module, "_z3_leaf", False))):
-            st = _RECORDS.get(p)
+            st = _BY_ID.get(id(p))
             if st is not None:
                 st.active = 0
 
@@ -210,7 +209,7 @@ class Stage3Hooks:
         if grad is None:
             return
         param.grad = None
-        if param not in _RECORDS:
+        if id(param) not in _BY_ID:
             return
         coord = self.coordinator
         coord.extra_bytes = self.grad_bytes_live() + grad.numel() * grad.element_size()

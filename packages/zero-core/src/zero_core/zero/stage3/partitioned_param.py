@@ -81,7 +81,8 @@ import torch
 
 from zero_core import comm
 from zero_core.comm import watchdog as _watchdog
-from zero_core.zero.stage3.param_records import is_partitioned, partition_state
+from zero_core.zero.stage3.param_records import RECORDS_BY_ID as _BY_ID
+from zero_core.zero.stage3.param_records import is_partitioned
 from zero_core.zero.stage3.runtime_context import stage3_context
 from zero_core.zero.stage3.shard_groups import broadcast_group, gather_source, keep_secondary, source_key
 from zero_core.zero.stage3.streams import stage3_streams
@@ -130,11 +131,11 @@ def collective_timeout() -> float:
 
 def set_param_name(param: torch.nn.Parameter, name: str) -> None:
     """Record a readable name for error messages (the strategy uses qualified module names)."""
-    stage3_context().param_names[partition_state(param).id] = name
+    stage3_context().param_names[_BY_ID[id(param)].id] = name
 
 
 def param_name(param_or_id: torch.nn.Parameter | int) -> str:
-    pid = param_or_id if isinstance(param_or_id, int) else partition_state(param_or_id).id
+    pid = param_or_id if isinstance(param_or_id, int) else _BY_ID[id(param_or_id)].id
     return stage3_context().param_names.get(pid, f"param#{pid}")
 
 
@@ -253,7 +254,7 @@ def partition_param(
 
 def set_shard_dtype(param: torch.nn.Parameter, dtype: torch.dtype) -> None:
     """Cast a released partitioned parameter's storage (shard, gather buffer) to ``dtype``."""
-    st = partition_state(param)
+    st = _BY_ID[id(param)]
     st.secondary = None
     if st.shard.dtype == dtype:
         return
@@ -279,7 +280,7 @@ def read_shard(param: torch.nn.Parameter) -> torch.Tensor:
     Every other read or write of shard values goes through :func:`read_shard` /
     :func:`write_shard`, which use ``st.shard`` directly when the parameter is not offloaded.
     """
-    st = partition_state(param)
+    st = _BY_ID[id(param)]
     return st.shard if st.offload is None else st.offload.read(param).to(st.shard.device)
 
 
@@ -295,7 +296,7 @@ def shares_shard(master: torch.Tensor, st: PartitionState) -> bool:
 @torch.no_grad()
 def write_shard(param: torch.nn.Parameter, values: torch.Tensor) -> None:
     """Set this rank's shard to ``values`` (flat, cast to the shard dtype), wherever it lives."""
-    st = partition_state(param)
+    st = _BY_ID[id(param)]
     st.secondary = None  # stale: See [Note: MiCS and hpZ shard groups]
     if st.offload is None:
         st.shard.copy_(values.reshape(-1)[: st.shard.numel()])
@@ -327,7 +328,7 @@ def check_agreement(
     world = comm.get_world_size(group)
     if world == 1 or not collective_checks():
         return
-    first = partition_state(params[0]).id if params else -1
+    first = _BY_ID[id(params[0])].id if params else -1
     from zero_core.accelerator import get_accelerator
 
     device = get_accelerator().current_device_name()  # the backend's device (NCCL: the GPU)
@@ -372,7 +373,7 @@ class GatherHandle:
     ) -> None:
         self.params = params
         # the parameters' records, taken once per bucket (See [Note: stage 3 parameter records])
-        self.states = states if states is not None else [partition_state(p) for p in params]
+        self.states = states if states is not None else [_BY_ID[id(p)] for p in params]
         self._source = source
         self._work = work
         self._recv = recv
@@ -444,7 +445,7 @@ def gather_params(
     # each parameter's record is looked up once per bucket: See [Note: stage 3 parameter records]
     todo, states = [], []
     for p in params:
-        st = partition_state(p)
+        st = _BY_ID[id(p)]
         if st.status is ParamStatus.NOT_AVAILABLE:
             todo.append(p)
             states.append(st)
@@ -518,7 +519,7 @@ def release_param(param: torch.nn.Parameter, force: bool = False, keep_outside_v
     references to the gathered buffer are autograd's saved views, which must see the buffer
     re-gathered in place for backward. See [Note: tensors taken from a gathered parameter].
     """
-    st = partition_state(param)
+    st = _BY_ID[id(param)]
     if st.status is not ParamStatus.AVAILABLE:
         return False
     if not force and (st.persistent or st.holds > 0):
@@ -556,7 +557,7 @@ def _unallocated_full(st: PartitionState) -> torch.Tensor:
 @torch.no_grad()
 def shard_from_full(param: torch.nn.Parameter) -> None:
     """Copy this rank's chunk of the gathered value back into the shard (after a modification)."""
-    st = partition_state(param)
+    st = _BY_ID[id(param)]
     if st.status is not ParamStatus.AVAILABLE:
         raise RuntimeError(f"shard_from_full: {param_name(param)} is not gathered")
     write_shard(param, st.full[st.rank * st.shard_numel : (st.rank + 1) * st.shard_numel])
@@ -564,7 +565,7 @@ def shard_from_full(param: torch.nn.Parameter) -> None:
 
 def broadcast_full(param: torch.nn.Parameter, src: int) -> None:
     """Broadcast a gathered parameter's value from group rank ``src`` (modifier semantics)."""
-    st = partition_state(param)
+    st = _BY_ID[id(param)]
     group, world = broadcast_group(st)  # MiCS: over every replica, See [Note: MiCS and hpZ shard groups]
     if world == 1:
         return

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from zero_core import comm
-from zero_core.zero.stage3.param_records import partition_state
+from zero_core.zero.stage3.param_records import RECORDS_BY_ID as _BY_ID
 from zero_core.zero.stage3.partitioned_param import _wait, check_agreement, param_name
 from zero_core.zero.stage3.shard_groups import reduce_across_replicas
 from zero_core.zero.stage3.streams import stage3_streams
@@ -114,10 +114,10 @@ class GradBucketReducer:
     # -- filling --------------------------------------------------------------------------
     def add(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
         """Take ownership of ``param``'s complete full gradient (it must not be modified after)."""
-        st = partition_state(param)
+        st = _BY_ID[id(param)]
         b = self._filling
         if b.params:
-            first = partition_state(b.params[0])
+            first = _BY_ID[id(b.params[0])]
             if (
                 self._grads[0].dtype != grad.dtype
                 or first.group is not st.group
@@ -141,7 +141,7 @@ class GradBucketReducer:
             return
         grads = self._grads
         self._filling, self._grads, self._filling_numel = _Bucket(), [], 0
-        st0 = partition_state(b.params[0])
+        st0 = _BY_ID[id(b.params[0])]
         world = st0.world
         dtype, device = self.comm_dtype or grads[0].dtype, grads[0].device
         names = [param_name(p) for p in b.params[:4]]
@@ -151,7 +151,7 @@ class GradBucketReducer:
         with stage3_streams().reduce_scatter_issue(grads):  # See [Note: stage-3 streams]
             buf = torch.empty(world, b.total, dtype=dtype, device=device)  # copies below cast into it
             for p, off, g in zip(b.params, b.offsets, grads):
-                sn = partition_state(p).shard_numel
+                sn = _BY_ID[id(p)].shard_numel
                 _copy_rows(buf[:, off : off + sn], g.reshape(-1), sn)
             grads.clear()  # the full gradients are in the buffer now: free them
             if st0.grad_divisor != 1:
@@ -179,9 +179,9 @@ class GradBucketReducer:
         out = b.out
         assert out is not None
         # MiCS: the shard group's sum, then over the replicas (See [Note: MiCS and hpZ shard groups])
-        reduce_across_replicas(out, partition_state(b.params[0]).route, b.what)
+        reduce_across_replicas(out, _BY_ID[id(b.params[0])].route, b.what)
         for p, off in zip(b.params, b.offsets):
-            st = partition_state(p)
+            st = _BY_ID[id(p)]
             piece = out[off : off + st.shard_numel]
             if st.grad_shard is None:
                 st.grad_shard = piece.to(st.shard.dtype, copy=True)
