@@ -5,8 +5,9 @@ and hatch.toml wires the plugin with xdist's own reordering off."""
 from __future__ import annotations
 
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -30,3 +31,13 @@ def test_table_names_existing_files_and_hatch_passes_the_plugin():
     args = hatch_test["extra-args"]
     assert args[args.index("--dist") + 1] == "loadfile" and "--no-loadscope-reorder" in args
     assert args[args.index("-p") + 1] == "longest_files_first"
+
+
+def test_expected_left_counts_the_tests_still_to_run():
+    assigned = {
+        "a.py": {"a.py::t1": True, "a.py::t2": False},
+        "b.py": {"b.py::t": False},
+        "c.py": {"c.py::t": True},
+    }
+    assert lff.expected_left(assigned, {"a.py": 10.0, "b.py": 3.0, "c.py": 99.0}) == 8.0
+    assert lff.expected_left({}, {"a.py": 10.0}) == 0.0
