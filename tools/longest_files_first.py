@@ -75,6 +75,7 @@ def expected_left(assigned: dict[str, dict[str, bool]], seconds: dict[str, float
     return left
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: no error where xdist is absent or disabled
 def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN001, ANN201 (xdist's hook)
     if config.getvalue("dist") != "loadfile":
         return None
