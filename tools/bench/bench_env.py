@@ -36,7 +36,8 @@ def git_commit(*paths: str) -> str:
             ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", *(paths or (".",))],
+            # results files are what a run writes, not the code it measured
+            ["git", "status", "--porcelain", "--", *(paths or (".",)), ":(exclude)tools/bench/results"],
             cwd=ROOT,
             capture_output=True,
             text=True,

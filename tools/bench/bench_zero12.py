@@ -347,7 +347,7 @@ def main() -> None:
         + (" and DeepSpeed" if ds_flag else "")
         + " (CPU, gloo)",
         "",
-        f"- machine: {os.cpu_count()} CPUs ({cpu_model()}), {platform.platform()}; shared with other jobs",
+        f"- machine: {os.cpu_count()} CPUs ({cpu_model()}), {platform.platform()}",
         f"- load: {load.describe()}",
         f"- versions: {versions}",
         f"- git commit: {commit}",

@@ -348,7 +348,7 @@ def main() -> None:
         + (" and DeepSpeed stage 3" if flag else "")
         + " (CPU, gloo, 2 ranks)",
         "",
-        f"- machine: {os.cpu_count()} CPUs ({cpu_model()}), {platform.platform()}; shared with other jobs",
+        f"- machine: {os.cpu_count()} CPUs ({cpu_model()}), {platform.platform()}",
         f"- load: {load.describe()}",
         f"- versions: {versions}",
         f"- git commit: {commit}",
