@@ -10,17 +10,14 @@ watchdog with every process exiting.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from zero_core.testing.scripts import load_script
 
-_PATH = Path(__file__).resolve().parents[1] / "tools" / "faults" / "runtime_cases.py"
-_spec = importlib.util.spec_from_file_location("zero_faults_runtime_cases", _PATH)
-cases = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = cases
-_spec.loader.exec_module(cases)
+cases = load_script(
+    Path(__file__).resolve().parents[1] / "tools" / "faults" / "runtime_cases.py", "zero_faults_runtime_cases"
+)
 
 IN_PROCESS = [c for c in cases.CASES if c not in cases.PROCESS_CASES]
 
