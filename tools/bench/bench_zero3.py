@@ -22,18 +22,16 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import multiprocessing as mp
 import os
 import platform
 import resource
-import socket
 import sys
 import time
 from pathlib import Path
 
 import _timing
 import torch
-from bench_env import cpu_model, git_commit
+from bench_env import cpu_model, fork_ranks, git_commit
 from host_syncs_column import host_syncs_per_step, syncs_cell
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -196,50 +194,6 @@ def _timed_rank(names: list[str], precision: str, passes: int, steps: int) -> di
     }
 
 
-def _child(fn_args: tuple, rank: int, world: int, port: int, q: mp.Queue) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        q.put((rank, _timed_rank(*fn_args)))
-    except BaseException as exc:  # report, do not hang the parent
-        q.put((rank, repr(exc)))
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
-def _launch(args: tuple, world: int = 2) -> list[dict]:
-    """Fork ``world`` ranks running ``_variant(*args)`` (no zero_core needed: works in the DeepSpeed venv)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(args, r, world, port, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out: dict[int, dict] = {}
-    for _ in procs:
-        rank, res = q.get(timeout=3600)
-        if not isinstance(res, dict):
-            for p in procs:
-                p.kill()
-            raise RuntimeError(f"rank {rank} of {args} failed: {res}")
-        out[rank] = res
-    for p in procs:
-        p.join()
-    return [out[r] for r in range(world)]
-
-
 def _host_syncs(built: dict) -> dict[str, int]:
     """Host syncs per step of each variant, counted on untimed steps (see host_syncs_column.py)."""
     clock = _timing.PhaseClock()
@@ -333,7 +287,7 @@ def main() -> None:
     t0 = time.perf_counter()
     res = {}
     for precision in precisions:  # one launch per precision, all variants interleaved in it
-        res[precision] = _launch((names, precision, a.passes, a.steps))
+        res[precision] = fork_ranks(_timed_rank, (names, precision, a.passes, a.steps), 2)
         load.sample()
     wall = time.perf_counter() - t0
     tables, measured = _tables(res, names)

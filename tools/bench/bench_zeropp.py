@@ -32,17 +32,15 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import multiprocessing as mp
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-from bench_env import cpu_model, git_commit
+from bench_env import cpu_model, fork_ranks, git_commit
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("bench_gpt", ROOT / "examples" / "gpt.py")
@@ -197,57 +195,13 @@ def _variant(name: str, steps: int) -> dict:
     return {"times": times, "psi": psi, "intra": intra / steps, "inter": inter / steps}
 
 
-def _child(fn_args: tuple, rank: int, port: int, q: mp.Queue) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-        LOCAL_RANK=str(rank % PER_NODE),
-        ZERO_RANKS_PER_NODE=str(PER_NODE),
-    )
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        q.put((rank, _variant(*fn_args)))
-    except BaseException as exc:  # report, do not hang the parent
-        q.put((rank, repr(exc)))
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
-def _launch(args: tuple) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(args, r, port, q)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    out: dict[int, dict] = {}
-    for _ in procs:
-        rank, res = q.get(timeout=900)
-        if not isinstance(res, dict):
-            for p in procs:
-                p.kill()
-            raise RuntimeError(f"rank {rank} of {args} failed: {res}")
-        out[rank] = res
-    for p in procs:
-        p.join()
-    return [out[r] for r in range(WORLD)]
-
-
 def _run(names: list[str], steps: int, passes: int) -> tuple[dict, list[float]]:
     rows: dict = {}
     loads: list[float] = []
     for _ in range(passes):
         for name in names:
             loads.append(os.getloadavg()[0])
-            res = _launch((name, steps))
+            res = fork_ranks(_variant, (name, steps), WORLD, per_node=PER_NODE, timeout=900)
             r = rows.setdefault(name, {"times": [], "psi": res[0]["psi"], "intra": [], "inter": []})
             for rr in res:
                 r["times"] += rr["times"]
