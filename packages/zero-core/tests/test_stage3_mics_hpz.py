@@ -11,39 +11,9 @@ import functools
 import pytest
 import torch
 from zero_core.testing import run_multirank
+from zero_core.testing.models import BlockLM
 
 VOCAB, DIM, SEQ, BATCH, STEPS = 32, 16, 8, 2, 3
-
-
-class Block(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln = torch.nn.LayerNorm(DIM)
-        self.attn = torch.nn.MultiheadAttention(DIM, 2, batch_first=True)
-        self.fc1 = torch.nn.Linear(DIM, 4 * DIM)
-        self.fc2 = torch.nn.Linear(4 * DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.ln(x)
-        x = x + self.attn(h, h, h, need_weights=False)[0]
-        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
-
-
-class TinyLM(torch.nn.Module):
-    """The small transformer of test_stage3_parity.py (SGD with momentum: see its docstring)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = torch.nn.Embedding(VOCAB, DIM)
-        self.blocks = torch.nn.ModuleList([Block() for _ in range(2)])
-        self.head = torch.nn.Linear(DIM, VOCAB)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.emb(ids)
-        for b in self.blocks:
-            x = b(x)
-        logits = self.head(x)
-        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
 
 
 def _batches(world: int, accum: int, steps: int) -> torch.Tensor:
@@ -55,7 +25,7 @@ def _batches(world: int, accum: int, steps: int) -> torch.Tensor:
 def _reference(world: int, accum: int, steps: int, clip: float = 0.0) -> tuple[list, dict]:
     """Single-process training on every rank's micro-batches (the mean gradient)."""
     torch.manual_seed(0)
-    model = TinyLM()
+    model = BlockLM(2, VOCAB, DIM)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     data = _batches(world, accum, steps)
     losses = []
@@ -99,9 +69,9 @@ def _engine(
     if use_mics_init:
         init = zero_core.MiCS_Init if "mics_shard_size" in zero_cfg else zero_core.Init
         with init(config_dict_or_path=cfg):
-            model = TinyLM()
+            model = BlockLM(2, VOCAB, DIM)
     else:
-        model = TinyLM()
+        model = BlockLM(2, VOCAB, DIM)
     engine, *_ = zero_core.initialize(
         model=model, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), config=cfg
     )
@@ -164,7 +134,7 @@ def _check_exact(ref: tuple, got: list, world: int) -> None:
 
 
 def _psi_bytes() -> int:
-    return sum(p.numel() for p in TinyLM().parameters()) * 4
+    return sum(p.numel() for p in BlockLM(2, VOCAB, DIM).parameters()) * 4
 
 
 # name -> (zero_cfg, accum, build under zero.MiCS_Init / zero.Init, dtype, gradient_clipping)

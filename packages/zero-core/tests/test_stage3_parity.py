@@ -9,44 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 from zero_core.testing import run_multirank
+from zero_core.testing.models import BlockLM
 
 VOCAB, DIM, SEQ, BATCH, STEPS = 32, 16, 8, 2, 4
-
-
-class Block(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln = torch.nn.LayerNorm(DIM)
-        self.attn = torch.nn.MultiheadAttention(DIM, 2, batch_first=True)
-        self.fc1 = torch.nn.Linear(DIM, 4 * DIM)
-        self.fc2 = torch.nn.Linear(4 * DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.ln(x)
-        x = x + self.attn(h, h, h, need_weights=False)[0]
-        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
-
-
-class TinyLM(torch.nn.Module):
-    """A small transformer; with ``skip_odd`` its forward skips block 1 on odd calls."""
-
-    def __init__(self, skip_odd: bool = False) -> None:
-        super().__init__()
-        self.emb = torch.nn.Embedding(VOCAB, DIM)
-        self.blocks = torch.nn.ModuleList([Block() for _ in range(3)])
-        self.head = torch.nn.Linear(DIM, VOCAB)
-        self.skip_odd = skip_odd
-        self.calls = 0
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.emb(ids)
-        for i, b in enumerate(self.blocks):
-            if self.skip_odd and i == 1 and self.calls % 2 == 1:
-                continue
-            x = b(x)
-        self.calls += 1
-        logits = self.head(x)
-        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
 
 
 def _batches(world: int, accum: int, steps: int) -> torch.Tensor:
@@ -56,7 +21,7 @@ def _batches(world: int, accum: int, steps: int) -> torch.Tensor:
 
 def _reference(world: int, accum: int, steps: int, skip_odd: bool) -> tuple[list, dict]:
     torch.manual_seed(0)
-    model = TinyLM(skip_odd)
+    model = BlockLM(3, VOCAB, DIM, skip_odd=skip_odd)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     data = _batches(world, accum, steps)
     losses = []
@@ -90,9 +55,9 @@ def _rank_fn(world: int, accum: int, steps: int, zero_cfg: dict, skip_odd: bool,
     }
     if use_init:
         with zero_core.Init(config_dict_or_path=cfg):
-            model = TinyLM(skip_odd)
+            model = BlockLM(3, VOCAB, DIM, skip_odd=skip_odd)
     else:
-        model = TinyLM(skip_odd)
+        model = BlockLM(3, VOCAB, DIM, skip_odd=skip_odd)
     engine, *_ = zero_core.initialize(
         model=model, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), config=cfg
     )

@@ -87,6 +87,51 @@ class TinyLM(nn.Module):
         return loss * float("inf") if poison else loss
 
 
+class _Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(ln(x))`` then ``x + fc2(gelu(fc1(x)))``."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, 2, batch_first=True)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+class BlockLM(nn.Module):
+    """``emb``, ``blocks`` (``n_blocks`` transformer blocks, one submodule each, so that stage 3
+    gathers and prefetches per block), ``head``; forward takes token ids and returns the
+    next-token cross-entropy. With ``skip_odd`` the forward skips block 1 on odd calls (counted in
+    ``calls``), a model whose module order changes between iterations.
+    Train it with SGD, not Adam: the attention's key bias has a zero true gradient, and Adam turns
+    the summation-order noise of that zero into full-size steps of either sign."""
+
+    def __init__(self, n_blocks: int = 3, vocab: int = 32, dim: int = 16, *, skip_odd: bool = False) -> None:
+        super().__init__()
+        _check_sizes("BlockLM", n_blocks=n_blocks, vocab=vocab, dim=dim)
+        self.vocab = vocab
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList([_Block(dim) for _ in range(n_blocks)])
+        self.head = nn.Linear(dim, vocab)
+        self.skip_odd = skip_odd
+        self.calls = 0
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for i, b in enumerate(self.blocks):
+            if self.skip_odd and i == 1 and self.calls % 2 == 1:
+                continue
+            x = b(x)
+        self.calls += 1
+        logits = self.head(x)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, self.vocab), ids[:, 1:].reshape(-1))
+
+
 class MLPClassifier(nn.Module):
     """``cross_entropy(l2(tanh(l1(x))), y)``: a two-layer classifier of float feature vectors."""
 
