@@ -183,8 +183,9 @@ class ParamOffload:
             self._buffers = [locked_empty(need, torch.uint8) for _ in range(self.buffer_count)]
             self._free = list(self._buffers)
         for p in params:
-            self.params[partition_state(p).id] = p
-            self._write_nvme(partition_state(p).id, partition_state(p).shard)
+            st = partition_state(p)
+            self.params[st.id] = p
+            self._write_nvme(st.id, st.shard)
         self.wh.wait()
         self._free.extend(self._writing)
         self._writing.clear()

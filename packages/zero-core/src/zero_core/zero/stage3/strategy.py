@@ -384,25 +384,19 @@ class Stage3Strategy:
         # offloaded shards' device copies are reported by their offload (offloaded_parameters_device)
         ledger.add(
             "parameters",
-            (partition_state(p).shard for p in self.params if partition_state(p).offload is None),
+            (st.shard for st in self.records if st.offload is None),
         )
         ledger.add("gradients", self._grad_shards())
         ledger.add("master_weights", self.master.values())
         ledger.add("optimizer_states", state)
         ledger.add(
             "persistent_parameters",
-            (
-                partition_state(p).full
-                for p in self.persistent
-                if partition_state(p).status is ParamStatus.AVAILABLE
-            ),
+            (st.full for st in map(partition_state, self.persistent) if st.status is ParamStatus.AVAILABLE),
         )
         ledger.add(
             "gathered_parameters", (partition_state(p).full for p in self.coordinator.gathered.values())
         )
-        secondary = (
-            partition_state(p).secondary for p in self.params if partition_state(p).secondary is not None
-        )
+        secondary = (st.secondary for st in self.records if st.secondary is not None)
         ledger.add("secondary_parameters", secondary)  # hpZ: See [Note: MiCS and hpZ shard groups]
         out = ledger.categories
         # host-side pools, see [Note: optimizer offload hook] in zero_offload
@@ -417,11 +411,7 @@ class Stage3Strategy:
         return {"peak_gathered_and_full_grads": self.coordinator.peak_bytes}
 
     def _param_offloads(self) -> list[Any]:
-        found = {
-            id(partition_state(p).offload): partition_state(p).offload
-            for p in self.params
-            if partition_state(p).offload
-        }
+        found = {id(st.offload): st.offload for st in self.records if st.offload}
         return list(found.values())
 
     # Masters may live on NVMe (See [Note: masters on NVMe] in zero_offload): read and write them
@@ -487,7 +477,7 @@ class Stage3Strategy:
         """
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"zero_optimization.offload_optimizer.ratio must be in [0, 1], got {ratio!r}")
-        ids = [partition_state(p).id for p in self.params if partition_state(p).id in self.master]
+        ids = [st.id for st in self.records if st.id in self.master]
         total = sum(self.master[i].numel() for i in ids)
         chosen, acc = set(), 0
         for i in ids:

@@ -48,7 +48,7 @@ class Stage3Checkpointing:
         s.offload.sync_from_optimizer(s.optimizer)
         for p, saved in zip(s.params, state.get("shards", [])):
             write_shard(p, saved)
-        masters = [s.master[partition_state(p).id] for p in s.params if partition_state(p).id in s.master]
+        masters = [s.master[st.id] for st in s.records if st.id in s.master]
         for m, saved in zip(masters, state.get("master", [])):
             s._set_master_value(m, saved)
         s.refresh_persistent()
