@@ -224,17 +224,30 @@ def collective_seconds(step: Callable[[], None]) -> dict[str, float]:
     gloo runs a collective on its own thread; the profiler records it as ``gloo:<op>``. "reduce"
     sums all-reduce and reduce-scatter, "gather" all-gather and broadcast. This is the time the
     collectives took, overlapped or not: set it beside the phases' waits to see what was exposed.
+    zero's direct exchanges on gloo (a ``gloo_direct:<op>`` range whose ``gloo:send``/``gloo:recv``
+    transfers start inside it; see [Note: gloo direct collectives]) count from the range's start
+    to the end of their last transfer.
     """
     from torch.profiler import ProfilerActivity, profile
+
+    def kind_of(op: str) -> str | None:
+        return "reduce" if "reduce" in op else "gather" if ("gather" in op or "broadcast" in op) else None
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
     out = {"reduce": 0.0, "gather": 0.0}
-    for ev in prof.events():
-        if not ev.name.startswith("gloo:"):
-            continue
-        op = ev.name[len("gloo:") :]
-        kind = "reduce" if "reduce" in op else "gather" if ("gather" in op or "broadcast" in op) else None
-        if kind:
-            out[kind] += ev.cpu_time_total / 1e6
+    events = list(prof.events())
+    direct = [ev for ev in events if ev.name.startswith("gloo_direct:")]
+    transfers = [ev for ev in events if ev.name in ("gloo:send", "gloo:recv")]
+    for ev in events:
+        if ev.name.startswith("gloo:") and ev.name not in ("gloo:send", "gloo:recv"):
+            kind = kind_of(ev.name[len("gloo:") :])
+            if kind:
+                out[kind] += ev.cpu_time_total / 1e6
+    for rng in direct:
+        kind = kind_of(rng.name[len("gloo_direct:") :])
+        start, end = rng.time_range.start, rng.time_range.end
+        ends = [t.time_range.end for t in transfers if start <= t.time_range.start <= end]
+        if kind and ends:
+            out[kind] += (max(ends) - start) / 1e6
     return out

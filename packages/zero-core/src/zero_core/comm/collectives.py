@@ -16,6 +16,9 @@ result or error checked):
   copied back.
 * ``all_gather`` with tensors of different sizes is unsupported: each input is padded to the
   largest size, gathered flat and trimmed back.
+* gloo's ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` are slower than exchanging
+  the same bytes point to point: on gloo they run as direct exchanges, see
+  [Note: gloo direct collectives] in ``gloo_direct.py``.
 
 Post-processing runs when the op completes: immediately for synchronous calls, on the first
 ``wait()`` of the returned ``zero_core.comm.Work`` for ``async_op=True``.
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zero_core.comm import gloo_direct
 from zero_core.comm._issue import check_tensor, issue, nbytes
 from zero_core.comm.all_to_all import NO_ALL_TO_ALL, all_to_all_p2p, unsupported
 from zero_core.comm.groups import (
@@ -185,6 +189,20 @@ def _flat_out(output: torch.Tensor) -> torch.Tensor:
     )
 
 
+def _direct(
+    group: Any, tensor: torch.Tensor, full: torch.Tensor, piece: torch.Tensor, *, reduce: bool
+) -> bool:
+    """Whether to run the op as a direct exchange. See [Note: gloo direct collectives]."""
+    return gloo_direct.applies(group, tensor, reduce) and gloo_direct.fits(full, piece, group)
+
+
+def _run(work: gloo_direct.DirectWork, async_op: bool) -> gloo_direct.DirectWork | None:
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
 def reduce_scatter_tensor(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -199,13 +217,16 @@ def reduce_scatter_tensor(
     red = _Reduction(output, op, group, n, "reduce_scatter_tensor")
     flat_out = _flat_out(output)
     flat_in = input.reshape(-1).to(flat_out.dtype)
-
+    if red.op == ReduceOp.SUM and _direct(group, flat_in, flat_in, flat_out, reduce=True):
+        call = lambda a: _run(gloo_direct.reduce_scatter(flat_out, flat_in, group), a)  # noqa: E731
+    else:
+        call = lambda a: _reduce_scatter(flat_out, flat_in, op=red.op, group=group, async_op=a)  # noqa: E731
     return issue(
         "reduce_scatter_tensor",
         group,
         nbytes(input),
         input.device,
-        lambda a: _reduce_scatter(flat_out, flat_in, op=red.op, group=group, async_op=a),
+        call,
         async_op=async_op,
         finalize=lambda: red.finalize(flat_out),
     )
@@ -225,12 +246,16 @@ def all_gather_into_tensor(
         if flat_out.data_ptr() != output.data_ptr() or output.dtype == torch.bool:
             output.copy_(flat_out.view(output.shape).to(output.dtype))
 
+    if _direct(group, flat_in, flat_out, flat_in, reduce=False):
+        call = lambda a: _run(gloo_direct.all_gather(flat_out, flat_in, group), a)  # noqa: E731
+    else:
+        call = lambda a: _all_gather(flat_out, flat_in, group=group, async_op=a)  # noqa: E731
     return issue(
         "all_gather_into_tensor",
         group,
         nbytes(output),
         output.device,
-        lambda a: _all_gather(flat_out, flat_in, group=group, async_op=a),
+        call,
         async_op=async_op,
         finalize=finalize,
     )
