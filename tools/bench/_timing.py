@@ -226,7 +226,7 @@ def collective_seconds(step: Callable[[], None]) -> dict[str, float]:
     collectives took, overlapped or not: set it beside the phases' waits to see what was exposed.
     zero's direct exchanges on gloo (a ``gloo_direct:<op>`` range whose ``gloo:send``/``gloo:recv``
     transfers start inside it; see [Note: gloo direct collectives]) count from the range's start
-    to the end of their last transfer.
+    to the end of their last transfer; several in flight at once count once (the union).
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -244,10 +244,17 @@ def collective_seconds(step: Callable[[], None]) -> dict[str, float]:
             kind = kind_of(ev.name[len("gloo:") :])
             if kind:
                 out[kind] += ev.cpu_time_total / 1e6
+    spans: dict[str, list[tuple[float, float]]] = {"reduce": [], "gather": []}
     for rng in direct:
         kind = kind_of(rng.name[len("gloo_direct:") :])
         start, end = rng.time_range.start, rng.time_range.end
         ends = [t.time_range.end for t in transfers if start <= t.time_range.start <= end]
         if kind and ends:
-            out[kind] += (max(ends) - start) / 1e6
+            spans[kind].append((start, max(ends)))
+    for kind, intervals in spans.items():  # in flight together: the union, not the sum
+        reach = float("-inf")
+        for start, end in sorted(intervals):
+            if end > reach:
+                out[kind] += (end - max(start, reach)) / 1e6
+                reach = end
     return out

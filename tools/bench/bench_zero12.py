@@ -285,7 +285,7 @@ def _time_tables(res: list[dict], names: list[str]) -> tuple[list[str], dict]:
         "collective or on a core). reduce / gather = time spent in reduce (all-reduce, "
         "reduce-scatter) and gather (all-gather, broadcast) collectives over one profiled step, overlapped or not: "
         "gloo's own collectives on its thread, zero's direct exchanges on gloo from launch to their last "
-        "transfer (see [Note: gloo direct collectives] in zero_core/comm/gloo_direct.py).",
+        "transfer, counted once while several are in flight (see [Note: gloo direct collectives] in zero_core/comm/gloo_direct.py).",
         "",
         "| variant | forward wall | backward cpu (compute + hooks) | backward wait | step cpu | step wait "
         "| reduce (gloo) | gather (gloo) |",
