@@ -229,3 +229,24 @@ def test_absent_peer_times_out_naming_the_collective() -> None:
     text = str(info.value)
     assert "CollectiveTimeoutError" in text and "reduce_scatter_tensor" in text
     assert "did not complete" in text
+
+
+@multirank(world_sizes=(2,))
+def test_two_groups_of_the_same_ranks_in_different_orders(world_size):
+    rank = comm.get_rank()
+    groups = [comm.new_group([0, 1]), comm.new_group([0, 1])]
+    order = groups if rank == 0 else groups[::-1]  # legal: the groups are separate communicators
+    outs = {}
+    works = []
+    for g in order:
+        k = groups.index(g)
+        outs[k] = torch.empty(2 * 1000)
+        works.append(
+            comm.all_gather_into_tensor(
+                outs[k], torch.full((1000,), float(10 * k + rank)), group=g, async_op=True
+            )
+        )
+    for w in works:
+        w.wait()
+    for k in (0, 1):
+        assert torch.equal(outs[k], torch.tensor([10.0 * k, 10.0 * k + 1]).repeat_interleave(1000))

@@ -30,10 +30,11 @@ order, so the result does not depend on which message arrived first. Floating-po
 (AVG reaches here as SUM plus a division, see [Note: backend workarounds]); other ops and dtypes,
 other backends (NCCL has fast native ones) and one-member groups keep torch's collective.
 
-The transfers use tags of their own (a per-group sequence number above ``_TAG_BASE``), so they
-never match a user's or the pipeline engine's point-to-point messages on the same group. Every
-member issues the group's collectives in the same order (as any collective requires), so the
-sequence numbers agree.
+The transfers use tags of their own (a sequence number per process group, above ``_TAG_BASE``),
+so they never match a user's or the pipeline engine's point-to-point messages on the same group.
+Every member issues a group's collectives in the same order (as any collective requires), so the
+sequence numbers agree; groups are counted apart, as their collectives may interleave
+differently on different ranks.
 
 ``ZERO_GLOO_DIRECT_COLLECTIVES=0`` turns this off (torch's gloo collectives then run).
 """
@@ -43,6 +44,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -57,7 +59,9 @@ ENV_SWITCH = "ZERO_GLOO_DIRECT_COLLECTIVES"
 # Tags from 2**30 up: far from the small tags users and the pipeline engine pick.
 _TAG_BASE = 1 << 30
 _TAG_SPAN = 1 << 29
-_sequence: dict[tuple[int, ...], int] = {}
+# Per process group object (not per member list: two groups of the same ranks may see their
+# collectives in different orders); weak, so a destroyed group's count goes with it.
+_sequence: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 _sequence_lock = threading.Lock()
 
 
@@ -80,10 +84,11 @@ def applies(group: Any, tensor: torch.Tensor, reduce: bool) -> bool:
     return enabled()
 
 
-def _next_tag(ranks: tuple[int, ...]) -> int:
+def _next_tag(group: Any) -> int:
+    pg = dist.group.WORLD if group is None else group
     with _sequence_lock:
-        seq = _sequence.get(ranks, 0)
-        _sequence[ranks] = seq + 1
+        seq = _sequence.get(pg, 0)
+        _sequence[pg] = seq + 1
     return _TAG_BASE + seq % _TAG_SPAN
 
 
@@ -147,7 +152,7 @@ def _exchange(
     """
     ranks = group_ranks(group)
     n, me = len(ranks), dist.get_rank(group)
-    tag = _next_tag(ranks)
+    tag = _next_tag(group)
     works = []
     with torch.profiler.record_function(f"gloo_direct:{op}"):
         for k in range(1, n):
