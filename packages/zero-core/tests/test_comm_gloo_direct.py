@@ -206,6 +206,10 @@ def test_not_on_other_devices_or_backends(monkeypatch):
     assert not gloo_direct.applies(None, torch.ones(4, device="meta"), reduce=False)
     monkeypatch.setattr(gloo_direct.dist, "get_world_size", lambda group=None: 1)
     assert not gloo_direct.applies(None, t, reduce=False)
+    monkeypatch.setattr(gloo_direct.dist, "get_world_size", lambda group=None: gloo_direct.MAX_MEMBERS + 1)
+    assert not gloo_direct.applies(None, t, reduce=False)
+    monkeypatch.setattr(gloo_direct.dist, "get_world_size", lambda group=None: gloo_direct.MAX_MEMBERS)
+    assert gloo_direct.applies(None, t, reduce=False)
 
 
 TIMEOUT_S = 2.0

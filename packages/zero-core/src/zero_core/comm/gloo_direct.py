@@ -14,7 +14,10 @@ N           ranks  reduce_scatter gloo / direct  all_gather gloo / direct      a
 3,260,000   2      14.5 / 8.2                    9.9 / 5.4                     10.2
 262,144     4      7.9 / 2.5                     4.1 / 2.8                     7.8
 3,260,000   4      28.8 / 13.0                   15.5 / 9.9                    21.8
+3,260,000   8      67.2 / 28.4                   33.6 / 25.4                   75.2
 ==========  =====  ============================  ============================  ==========
+
+(4 and 8 ranks time-share the host's 2 cores.)
 
 gloo's reduce-scatter costs more than its all-reduce, so a ZeRO step (reduce-scatter, then
 all-gather of the updated parameters) paid about twice what DDP's one all-reduce pays; done
@@ -28,7 +31,9 @@ ring algorithm, ``(n - 1) / n`` of the full tensor, so the comms logger's counts
 buffers (``(n - 1) / n`` of the input, freed when the op completes) and sums in group-rank
 order, so the result does not depend on which message arrived first. Floating-point SUM only
 (AVG reaches here as SUM plus a division, see [Note: backend workarounds]); other ops and dtypes,
-other backends (NCCL has fast native ones) and one-member groups keep torch's collective.
+other backends (NCCL has fast native ones), one-member groups and groups of more than
+``MAX_MEMBERS`` (8, the largest measured; each member posts ``2 (n - 1)`` transfers) keep torch's
+collective.
 
 The transfers use tags of their own (a sequence number per process group, above ``_TAG_BASE``),
 so they never match a user's or the pipeline engine's point-to-point messages on the same group.
@@ -55,6 +60,7 @@ import torch.distributed as dist
 from zero_core.comm.groups import group_ranks
 
 ENV_SWITCH = "ZERO_GLOO_DIRECT_COLLECTIVES"
+MAX_MEMBERS = 8
 
 # Tags from 2**30 up: far from the small tags users and the pipeline engine pick.
 _TAG_BASE = 1 << 30
@@ -79,7 +85,7 @@ def applies(group: Any, tensor: torch.Tensor, reduce: bool) -> bool:
     """Whether an op on ``tensor`` over ``group`` runs here. See [Note: gloo direct collectives]."""
     if tensor.device.type != "cpu" or (reduce and not tensor.is_floating_point()):
         return False
-    if dist.get_world_size(group) < 2 or "gloo" not in str(dist.get_backend(group)):
+    if not 2 <= dist.get_world_size(group) <= MAX_MEMBERS or "gloo" not in str(dist.get_backend(group)):
         return False
     return enabled()
 
