@@ -74,3 +74,32 @@ def test_the_readme_quotes_what_the_scripts_measure() -> None:
     z3 = timing.readme_quotes(ROOT / "README.md", "bench_zero3")
     assert set(z12) == {"stage0/ddp fp32", "stage1/ddp fp32", "stage2/ddp fp32"}
     assert set(z3) == {"zero3/fsdp2 fp32", "zero3/fsdp2 bf16"}
+
+
+def test_union_of_overlapping_spans() -> None:
+    assert timing.union_seconds([]) == 0.0
+    assert timing.union_seconds([(0.0, 10.0), (5.0, 15.0), (20.0, 21.0)]) == pytest.approx(16e-6)
+    assert timing.union_seconds([(5.0, 6.0), (0.0, 10.0)]) == pytest.approx(10e-6)  # nested, any order
+
+
+def _profiled_direct_collectives() -> None:
+    import torch
+    from zero_core import comm
+
+    full, piece, gathered = torch.ones(2_000_000), torch.empty(1_000_000), torch.empty(2_000_000)
+
+    def step() -> None:
+        works = [comm.reduce_scatter_tensor(piece, full, async_op=True) for _ in range(3)]
+        for w in works:
+            w.wait()
+        comm.all_gather_into_tensor(gathered, piece)
+
+    step()
+    seconds = timing.collective_seconds(step)
+    assert seconds["reduce"] > 0 and seconds["gather"] > 0, seconds
+
+
+def test_collective_seconds_counts_direct_exchanges() -> None:
+    from zero_core.testing import run_multirank
+
+    run_multirank(_profiled_direct_collectives, 2, timeout=120)

@@ -251,10 +251,17 @@ def collective_seconds(step: Callable[[], None]) -> dict[str, float]:
         ends = [t.time_range.end for t in transfers if start <= t.time_range.start <= end]
         if kind and ends:
             spans[kind].append((start, max(ends)))
-    for kind, intervals in spans.items():  # in flight together: the union, not the sum
-        reach = float("-inf")
-        for start, end in sorted(intervals):
-            if end > reach:
-                out[kind] += (end - max(start, reach)) / 1e6
-                reach = end
+    for kind, intervals in spans.items():
+        out[kind] += union_seconds(intervals)
     return out
+
+
+def union_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Seconds covered by (start, end) intervals in microseconds (the profiler's unit): ops in
+    flight together count once."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total / 1e6
