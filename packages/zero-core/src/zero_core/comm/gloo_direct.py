@@ -17,11 +17,13 @@ N           ranks  reduce_scatter gloo / direct  all_gather gloo / direct      a
 3,260,000   8      67.2 / 28.4                   33.6 / 25.4                   75.2
 ==========  =====  ============================  ============================  ==========
 
-(4 and 8 ranks time-share the host's 2 cores.)
+(4 and 8 ranks time-share the host's 2 cores; 3.26M elements is the gradient of
+tools/bench/bench_zero12.py's model.)
 
-gloo's reduce-scatter costs more than its all-reduce, so a ZeRO step (reduce-scatter, then
-all-gather of the updated parameters) paid about twice what DDP's one all-reduce pays; done
-directly the pair costs about one all-reduce, which is what the ZeRO paper counts.
+At a few million elements gloo's reduce-scatter costs more than its all-reduce, so a ZeRO step
+(reduce-scatter, then all-gather of the updated parameters) paid about twice what DDP's one
+all-reduce pays; done directly the pair costs about one all-reduce, which is what the ZeRO paper
+counts.
 
 So on a gloo group with CPU tensors, both ops are run here as one round of ``isend``/``irecv``:
 member ``i`` sends chunk ``j`` of its input (reduce-scatter) or its whole input (all-gather) to
