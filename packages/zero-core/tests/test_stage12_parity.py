@@ -171,3 +171,19 @@ def test_stage12_matches_single_process(world: int, cases: list[dict]) -> None:
             where = f"case {case}, rank {rank}"
             assert aliased == (case["bucket"] == BIG), f"fp32 master aliasing: {aliased}; {where}"
             assert_trajectory_close(losses, state, ref_losses, ref_state, rtol=1e-5, atol=1e-6, where=where)
+
+
+def test_stage12_matches_with_torchs_own_gloo_collectives() -> None:
+    """The collectives NCCL users get (torch's own reduce-scatter and all-gather) train the same:
+    on gloo they are otherwise replaced by direct exchanges ([Note: gloo direct collectives])."""
+    cases = [CASES_2[1], CASES_2[2]]  # stage 2 with overlap and clipping; stage 1 with accumulation
+    results = run_multirank(
+        _run_cases, 2, args=(cases,), timeout=240, env={"ZERO_GLOO_DIRECT_COLLECTIVES": "0"}
+    )
+    for ci, case in enumerate(cases):
+        ref_losses, ref_state = _reference(2, case)
+        for rank, (per_rank, _) in enumerate(results):
+            losses, state, _ = per_rank[ci]
+            assert_trajectory_close(
+                losses, state, ref_losses, ref_state, rtol=1e-5, atol=1e-6, where=f"case {case}, rank {rank}"
+            )

@@ -124,3 +124,12 @@ def test_parity(world: int) -> None:
         accum = [g[len(cases)] for g in got]
         _check(_reference(world, 2, steps, True), accum, world)
         assert accum[0][3] > 0, "the order change should have been detected"
+
+
+def test_parity_with_torchs_own_gloo_collectives() -> None:
+    """The collectives NCCL users get (torch's own all-gather and reduce-scatter) train the same:
+    on gloo they are otherwise replaced by direct exchanges ([Note: gloo direct collectives])."""
+    steps = 3
+    jobs = [(1, steps, CASES["prefetch"], False, True)]
+    got = run_multirank(_many, 2, args=(2, jobs), timeout=120, env={"ZERO_GLOO_DIRECT_COLLECTIVES": "0"})
+    _check(_reference(2, 1, steps, False), [g[0] for g in got], 2)
