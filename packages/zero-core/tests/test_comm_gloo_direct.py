@@ -13,6 +13,7 @@ import torch.distributed as dist
 from zero_core import comm
 from zero_core.comm import ReduceOp, gloo_direct
 from zero_core.testing import RankFailedError, multirank, run_multirank
+from zero_core.utils.tensor_alias import apart_or_slot
 
 
 def _native(fn):
@@ -164,9 +165,9 @@ def test_what_keeps_torchs_collective(world_size):
     comm.reduce_scatter_tensor(out, ints)
     assert out.tolist() == ([1, 3] if rank == 0 else [5, 7])
     full = torch.arange(8, dtype=torch.float32) + rank
-    assert not gloo_direct.fits(full, full[1:5], None)
-    assert gloo_direct.fits(full, full[4 * rank : 4 * rank + 4], None)
-    assert gloo_direct.fits(full, torch.empty(4), None)
+    assert not apart_or_slot(full, full[1:5], rank)
+    assert apart_or_slot(full, full[4 * rank : 4 * rank + 4], rank)
+    assert apart_or_slot(full, torch.empty(4), rank)
     mx = torch.empty(4)
     comm.reduce_scatter_tensor(mx, full, op=ReduceOp.MAX)
     assert torch.equal(mx, (torch.arange(8, dtype=torch.float32) + 1).view(2, 4)[rank])

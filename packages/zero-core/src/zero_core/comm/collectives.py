@@ -42,6 +42,7 @@ from zero_core.comm.groups import (
     to_timedelta,
 )
 from zero_core.comm.work import Work
+from zero_core.utils.tensor_alias import apart_or_slot
 
 ReduceOp = dist.ReduceOp
 
@@ -189,11 +190,10 @@ def _flat_out(output: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _direct(
-    group: Any, tensor: torch.Tensor, full: torch.Tensor, piece: torch.Tensor, *, reduce: bool
-) -> bool:
-    """Whether to run the op as a direct exchange. See [Note: gloo direct collectives]."""
-    return gloo_direct.applies(group, tensor, reduce) and gloo_direct.fits(full, piece, group)
+def _direct(group: Any, full: torch.Tensor, piece: torch.Tensor, *, reduce: bool) -> bool:
+    """Whether to run the op as a direct exchange: gloo, and the two buffers apart or in place
+    (a partial overlap keeps torch's collective). See [Note: gloo direct collectives]."""
+    return gloo_direct.applies(group, piece, reduce) and apart_or_slot(full, piece, dist.get_rank(group))
 
 
 def _run(work: gloo_direct.DirectWork, async_op: bool) -> gloo_direct.DirectWork | None:
@@ -217,7 +217,7 @@ def reduce_scatter_tensor(
     red = _Reduction(output, op, group, n, "reduce_scatter_tensor")
     flat_out = _flat_out(output)
     flat_in = input.reshape(-1).to(flat_out.dtype)
-    if red.op == ReduceOp.SUM and _direct(group, flat_in, flat_in, flat_out, reduce=True):
+    if red.op == ReduceOp.SUM and _direct(group, flat_in, flat_out, reduce=True):
         call = lambda a: _run(gloo_direct.reduce_scatter(flat_out, flat_in, group), a)  # noqa: E731
     else:
         call = lambda a: _reduce_scatter(flat_out, flat_in, op=red.op, group=group, async_op=a)  # noqa: E731
@@ -246,7 +246,7 @@ def all_gather_into_tensor(
         if flat_out.data_ptr() != output.data_ptr() or output.dtype == torch.bool:
             output.copy_(flat_out.view(output.shape).to(output.dtype))
 
-    if _direct(group, flat_in, flat_out, flat_in, reduce=False):
+    if _direct(group, flat_out, flat_in, reduce=False):
         call = lambda a: _run(gloo_direct.all_gather(flat_out, flat_in, group), a)  # noqa: E731
     else:
         call = lambda a: _all_gather(flat_out, flat_in, group=group, async_op=a)  # noqa: E731

@@ -170,21 +170,9 @@ def _exchange(
     return works
 
 
-def fits(full: torch.Tensor, piece: torch.Tensor, group: Any) -> bool:
-    """Whether ``piece`` (one member's share) lies apart from ``full`` or is exactly this rank's
-    chunk of it: the layouts the direct path handles (in-place ops included). A partial overlap
-    keeps torch's collective."""
-    size = piece.numel() * piece.element_size()
-    lo, hi = full.data_ptr(), full.data_ptr() + full.numel() * full.element_size()
-    start = piece.data_ptr()
-    if start + size <= lo or start >= hi:
-        return True
-    return start == lo + dist.get_rank(group) * size
-
-
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Any) -> DirectWork:
     """SUM of every member's ``input`` chunk ``i`` into member ``i``'s ``output`` (flat,
-    contiguous; see :func:`fits`)."""
+    contiguous; apart from ``input`` or exactly this rank's chunk of it)."""
     n, me = dist.get_world_size(group), dist.get_rank(group)
     c = output.numel()
     chunks = input.view(n, c)
@@ -208,7 +196,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Any) -> Dir
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any) -> DirectWork:
-    """Every member's ``input`` into slot ``i`` of ``output`` (flat, contiguous; see :func:`fits`)."""
+    """Every member's ``input`` into slot ``i`` of ``output`` (flat, contiguous; apart from
+    ``output`` or exactly this rank's slot of it)."""
     n, me = dist.get_world_size(group), dist.get_rank(group)
     slots = output.view(n, input.numel())
     if slots[me].data_ptr() != input.data_ptr():  # not an in-place all-gather

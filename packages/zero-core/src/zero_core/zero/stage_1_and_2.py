@@ -53,6 +53,7 @@ from zero_core.protocols.optimizer_offload import NoOptimizerOffload, OptimizerO
 from zero_core.utils.grad_norm import any_nonfinite, needs_scaling, sum_of_squares
 from zero_core.utils.param_groups import reduction_groups
 from zero_core.utils.storage_bytes import StorageLedger
+from zero_core.utils.tensor_alias import apart_or_slot, overlaps
 from zero_core.zero.flat_partition import FlatPartition
 from zero_core.zero.grad_reduce import GroupGrads, PartitionedGradReducer
 from zero_core.zero.param_owners import PARAM_OWNERS, ParamLocation
@@ -97,25 +98,6 @@ def build_flat_masters(
     return torch.nn.Parameter(shard)
 
 
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` share bytes of the same storage."""
-    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-    a_lo, b_lo = a.data_ptr(), b.data_ptr()
-    return a_lo < b_lo + b.numel() * b.element_size() and b_lo < a_lo + a.numel() * a.element_size()
-
-
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` are the same contiguous elements of one storage."""
-    return (
-        a.data_ptr() == b.data_ptr()
-        and a.numel() == b.numel()
-        and a.dtype == b.dtype
-        and a.is_contiguous()
-        and b.is_contiguous()
-    )
-
-
 def gather_shards(
     layout: FlatPartition,
     shard: torch.Tensor,
@@ -140,7 +122,7 @@ def gather_shards(
         region = flat[chunk.start : chunk.start + chunk.padded]
         if not use_all_gather:
             a, b = chunk.piece_range(rank)
-            if not _overlaps(piece, flat[a:b]):
+            if not overlaps(piece, flat[a:b]):
                 flat[a:b].copy_(piece)
             for r in range(n):
                 src = comm.get_global_rank(group, r) if group is not None else r
@@ -155,8 +137,7 @@ def gather_shards(
             # fp32 master aliasing: the piece is usually this rank's own range of ``region``, the
             # in-place all-gather torch documents (input = output's rank-th slice; NCCL gathers in
             # place, gloo through its own scratch), so no copy is made; any other overlap is cloned.
-            own = region[rank * chunk.piece : (rank + 1) * chunk.piece]
-            if _overlaps(piece, region) and not _same_view(piece, own):
+            if not apart_or_slot(region, piece, rank):
                 piece = piece.clone()
             works.append(comm.all_gather_into_tensor(region, piece, group=group, async_op=True))
             continue
