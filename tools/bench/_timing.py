@@ -218,6 +218,16 @@ def check_lines(
     return lines, ok
 
 
+#: the legend of the benchmarks' per-phase tables (bench_zero12, bench_zero3): what each column counts
+PHASE_LEGEND = (
+    "wall = the phase's wall time; cpu = the main thread's CPU time in it; wait = wall - cpu (blocked on a "
+    "collective or on a core). reduce / gather = time spent in reduce (all-reduce, reduce-scatter) and "
+    "gather (all-gather, broadcast) collectives over one profiled step, overlapped or not: gloo's own "
+    "collectives on its thread, zero's direct exchanges on gloo from launch to their last transfer, counted "
+    "once while several are in flight (see [Note: gloo direct collectives] in zero_core/comm/gloo_direct.py)."
+)
+
+
 def collective_seconds(step: Callable[[], None]) -> dict[str, float]:
     """Seconds gloo spent running collectives during ``step()``, by kind, from torch's profiler.
 

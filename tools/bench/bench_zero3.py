@@ -245,20 +245,10 @@ def _tables(res: dict[str, list[dict]], names: list[str]) -> tuple[list[str], di
         "",
         "## Where the time goes (median ms per step, both ranks)",
         "",
-        PHASE_LEGEND,
+        _timing.PHASE_LEGEND,
         "",
         *phases,
     ], measured
-
-
-PHASE_LEGEND = (
-    "wall = the phase's wall time; cpu = the main thread's CPU time in it; wait = wall - cpu (blocked on a "
-    "collective or on a core). reduce / gather = time spent in reduce (all-reduce, reduce-scatter) "
-    "and gather (all-gather, broadcast) collectives over one profiled step, overlapped or not: gloo's own "
-    "collectives on its thread, zero's direct exchanges on gloo from launch to their last transfer, counted once while "
-    "several are in flight (see "
-    "[Note: gloo direct collectives] in zero_core/comm/gloo_direct.py)."
-)
 
 
 def main() -> None:
