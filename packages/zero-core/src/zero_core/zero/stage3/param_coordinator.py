@@ -160,8 +160,8 @@ class ParamCoordinator:
             h = self.inflight.get(_BY_ID[id(p)].id)
             if h is not None:
                 h.wait()
-                for q in h.params:
-                    self.inflight.pop(_BY_ID[id(q)].id, None)
+                for st in h.states:
+                    self.inflight.pop(st.id, None)
         handle = gather_params(params, what=what, quantize=self._quantize_for(phase) if phase else None)
         if handle is not None:
             handle.wait()
@@ -230,7 +230,7 @@ class ParamCoordinator:
         room = (
             self.max_live_parameters
             - self.live_numel
-            - sum(_BY_ID[id(q)].padded_numel for h in handles for q in h.params)
+            - sum(st.padded_numel for h in handles for st in h.states)
         )
         bucket: list[torch.nn.Parameter] = []
         seen: set[int] = set()
@@ -261,8 +261,8 @@ class ParamCoordinator:
         if handle is None:
             return
         self.prefetched += len(bucket)
-        for p in handle.params:
-            self.inflight[_BY_ID[id(p)].id] = handle
+        for st in handle.states:
+            self.inflight[st.id] = handle
         self._track(handle.params)
 
     def _trace_params(self, idx: int) -> tuple[list[torch.nn.Parameter], set[int], int]:

@@ -88,18 +88,17 @@ PARTITION_RECORDS = PartitionRecords()
 # hooks, gathers and gradient buckets): ``RECORDS_BY_ID[id(p)]`` / ``id(p) in RECORDS_BY_ID`` cost
 # what an attribute read does, without the Python call of :func:`partition_state`. Read-only.
 RECORDS_BY_ID: dict[int, PartitionState] = PARTITION_RECORDS._states
-_STATES = RECORDS_BY_ID
 
 
 def is_partitioned(param: Any) -> bool:
     """Whether ``param`` is a parameter partitioned by ZeRO stage 3 (``zero.Init`` or an engine)."""
-    return id(param) in _STATES
+    return id(param) in RECORDS_BY_ID
 
 
 def partition_state(param: Any) -> PartitionState:
     """The :class:`PartitionState` record of a partitioned parameter
     (See [Note: stage 3 parameter records])."""
-    st = _STATES.get(id(param))
+    st = RECORDS_BY_ID.get(id(param))
     if st is None:
         raise ValueError(
             f"partition_state: the {type(param).__name__} of shape {tuple(getattr(param, 'shape', ()))} is not "
@@ -110,7 +109,7 @@ def partition_state(param: Any) -> PartitionState:
 
 def full_shape(param: torch.Tensor) -> tuple[int, ...]:
     """``param``'s full shape: its record's while partitioned (``param.shape`` is then empty)."""
-    st = _STATES.get(id(param))
+    st = RECORDS_BY_ID.get(id(param))
     return tuple(param.shape if st is None else st.shape)
 
 

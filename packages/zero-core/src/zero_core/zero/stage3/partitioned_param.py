@@ -452,9 +452,8 @@ def gather_params(
     if not todo:
         return None
     by_group: dict[tuple[Any, ...], tuple[list[torch.nn.Parameter], list[PartitionState]]] = {}
-    for p, st in zip(
-        todo, states
-    ):  # by group, primary/secondary and quantization: See [Note: MiCS and hpZ shard groups]
+    # by group, primary/secondary and quantization: See [Note: MiCS and hpZ shard groups]
+    for p, st in zip(todo, states):
         q = (quantize(p) or False) if quantize is not None else False
         ps, sts = by_group.setdefault((*source_key(st), q), ([], []))
         ps.append(p)

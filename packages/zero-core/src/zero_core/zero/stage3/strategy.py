@@ -276,15 +276,17 @@ class Stage3Strategy:
                         "Stage3Strategy: the optimizer holds a tensor that is not a parameter of the model "
                         f"(shape {tuple(p.shape)}); build the optimizer from model.parameters()"
                     )
-                if p.requires_grad and partition_state(p).id in self.master:
-                    masters.append(self.master[partition_state(p).id])
+                m = self.master.get(partition_state(p).id) if p.requires_grad else None
+                if m is not None:
+                    masters.append(m)
             group["params"] = masters
 
     def on_shard_changed(self, p: torch.nn.Parameter) -> None:
         """``p``'s shard was changed outside the optimizer (``GatheredParameters`` with a
         modifier rank): refresh its master from it."""
-        m = self.master.get(partition_state(p).id)
-        if m is not None and not shares_shard(m, partition_state(p)):
+        st = partition_state(p)
+        m = self.master.get(st.id)
+        if m is not None and not shares_shard(m, st):
             self._set_master_value(m, read_shard(p))
 
     # -- TrainingStrategy --------------------------------------------------------------
@@ -293,10 +295,10 @@ class Stage3Strategy:
         self.reducer.on_reduced = self._stage_reduced if is_boundary else None
 
     def _stage_reduced(self, params: list[torch.nn.Parameter]) -> None:
-        for p in params:
-            m = self.master.get(partition_state(p).id)
+        for st in map(partition_state, params):
+            m = self.master.get(st.id)
             if m is not None and self.offload.owns(m):
-                self.offload.stage_grad_range(m, 0, partition_state(p).grad_shard)
+                self.offload.stage_grad_range(m, 0, st.grad_shard)
 
     def after_backward(self, is_boundary: bool) -> None:
         self.wait_reductions()
@@ -486,13 +488,9 @@ class Stage3Strategy:
                 break
             chosen.add(i)
             acc += n
-        by_param = {id(p): p for p in self.params}
+        by_param = {id(p): st.id for p, st in zip(self.params, self.records)}
         for group in self.optimizer.param_groups:
-            mine = [
-                partition_state(by_param[id(p)]).id
-                for p in group["params"]
-                if id(p) in by_param and partition_state(by_param[id(p)]).id in chosen
-            ]
+            mine = [by_param[id(p)] for p in group["params"] if by_param.get(id(p)) in chosen]
             if mine:
                 hosts = self.offload.adopt([self.master[i] for i in mine])  # the null object keeps them
                 for i, h in zip(mine, hosts):

@@ -33,11 +33,7 @@ class Stage3Checkpointing:
         s = self.strategy
         return {
             "optimizer": s.offload.state_dict_with_states(s.optimizer),  # the optimizer's own without offload
-            "master": [
-                s._master_value(s.master[partition_state(p).id])
-                for p in s.params
-                if partition_state(p).id in s.master
-            ],
+            "master": [s._master_value(s.master[st.id]) for st in s.records if st.id in s.master],
             "shards": [read_shard(p).detach() for p in s.params],
         }
 
