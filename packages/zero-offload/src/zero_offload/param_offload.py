@@ -156,24 +156,24 @@ class ParamOffload:
         the rest, without rewriting earlier files.
         """
         assert self.swap_dir is not None
-        biggest = max(params, key=lambda p: _nbytes(partition_state(p)))
-        elsize = partition_state(biggest).shard.element_size()
-        if _nbytes(partition_state(biggest)) > self.buffer_size * elsize:
+        states = [partition_state(p) for p in params]
+        biggest = max(states, key=_nbytes)
+        if _nbytes(biggest) > self.buffer_size * biggest.shard.element_size():
             raise ValueError(
                 f"zero_optimization.offload_param.buffer_size is {self.buffer_size} elements, but a parameter "
-                f"shard ({tuple(partition_state(biggest).shape)}: {partition_state(biggest).shard_numel} elements per rank) "
+                f"shard ({tuple(biggest.shape)}: {biggest.shard_numel} elements per rank) "
                 "does not fit in one buffer; raise buffer_size to at least the largest shard"
             )
         name = f"params{len(self._files)}.swp"
         cursor = 0
-        for p in params:
-            self.offset[partition_state(p).id] = (name, cursor)
-            cursor += _round(_nbytes(partition_state(p)))
+        for st in states:
+            self.offset[st.id] = (name, cursor)
+            cursor += _round(_nbytes(st))
         self.swap_dir.allocate(name, cursor)
         self._files.append(name)
         self._file_bytes += cursor
         # Buffers: only as large as the largest shard needs (never more than buffer_size elements).
-        need = _round(_nbytes(partition_state(biggest)))
+        need = _round(_nbytes(biggest))
         if not self._buffers or self._buffers[0].numel() < need:
             self.rh.wait()
             self.wh.wait()
@@ -182,8 +182,7 @@ class ParamOffload:
             self._writing = []
             self._buffers = [locked_empty(need, torch.uint8) for _ in range(self.buffer_count)]
             self._free = list(self._buffers)
-        for p in params:
-            st = partition_state(p)
+        for p, st in zip(params, states):
             self.params[st.id] = p
             self._write_nvme(st.id, st.shard)
         self.wh.wait()

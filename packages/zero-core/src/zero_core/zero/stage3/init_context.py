@@ -216,8 +216,9 @@ class Init:
             ids = {id(p) for p in scope.parameters()}
             params = [p for p in self._dirty.values() if id(p) in ids]
         for p in params:
-            del self._dirty[partition_state(p).id]
-            partition_state(p).holds -= 1
+            st = partition_state(p)
+            del self._dirty[st.id]
+            st.holds -= 1
             broadcast_full(p, 0)
             shard_from_full(p)
             release_param(p)
