@@ -90,13 +90,17 @@ def _trainer(out: str, stage: int, dropout: float, eval_dataset=None, **override
     )  # fmt: skip
 
 
-def _train(out: str, stage: int, resume=None, dropout: float = 0.0, eval_dataset=None, **overrides) -> dict:
+def _train(out: str, stage: int, resume=None, dropout: float = 0.0, eval_dataset=None, **overrides):
     """Train (or resume), then save the final weights to ``out/final``; what the test compares."""
     trainer = _trainer(out, stage, dropout, eval_dataset, **overrides)
     trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(os.path.join(out, "final"))
-    logs = [(e["step"], e["loss"], e["learning_rate"]) for e in trainer.state.log_history if "loss" in e]
-    return {"logs": logs, "trainer": trainer}
+    return trainer
+
+
+def _logs(trainer) -> list:
+    """``(step, loss, learning rate)`` of every logged training step."""
+    return [(e["step"], e["loss"], e["learning_rate"]) for e in trainer.state.log_history if "loss" in e]
 
 
 def _interrupted(src: str, out: str) -> None:
@@ -109,32 +113,29 @@ def _interrupted(src: str, out: str) -> None:
 
 
 def _best_model_run(out: str) -> dict:
-    res = _train(
+    trainer = _train(
         out, 3, eval_strategy="steps", eval_steps=1, save_steps=1, save_total_limit=2,
         load_best_model_at_end=True, eval_dataset=Tokens(8, VOCAB // 2, VOCAB, seed=7),
     )  # fmt: skip
-    trainer = res.pop("trainer")
     evals = [(e["step"], e["eval_loss"]) for e in trainer.state.log_history if "eval_loss" in e]
-    res.update(best=trainer.state.best_model_checkpoint, evals=evals, after=trainer.evaluate()["eval_loss"])
-    return res
+    return {
+        "best": trainer.state.best_model_checkpoint,
+        "evals": evals,
+        "after": trainer.evaluate()["eval_loss"],
+    }
 
 
 def _two_ranks(out: str) -> dict:
     """The uninterrupted runs, the resumes at 2 ranks, and the best-model run."""
     base = {
-        "s2": _train(f"{out}/s2", 2),
-        "s3": _train(f"{out}/s3", 3, save_total_limit=2),
-        "s2_dropout": _train(f"{out}/s2_dropout", 2, dropout=0.1),
+        "s2": _logs(_train(f"{out}/s2", 2)),
+        "s3": _logs(_train(f"{out}/s3", 3, save_total_limit=2)),
+        "s2_dropout": _logs(_train(f"{out}/s2_dropout", 2, dropout=0.1)),
     }
-    resumed = {
-        "s2_dropout": _train(
-            f"{out}/s2_dropout_at2", 2, resume=f"{out}/s2_dropout/checkpoint-{RESUME}", dropout=0.1
-        ),
-    }
+    dropout_src = f"{out}/s2_dropout/checkpoint-{RESUME}"
+    resumed = {"s2_dropout": _logs(_train(f"{out}/s2_dropout_at2", 2, resume=dropout_src, dropout=0.1))}
     _interrupted(f"{out}/s3/checkpoint-{RESUME}", f"{out}/s3_at2")
-    resumed["s3"] = _train(f"{out}/s3_at2", 3, resume=True)
-    for r in (*base.values(), *resumed.values()):
-        r.pop("trainer")
+    resumed["s3"] = _logs(_train(f"{out}/s3_at2", 3, resume=True))
     return {"base": base, "resumed": resumed, "best": _best_model_run(f"{out}/best")}
 
 
@@ -148,8 +149,7 @@ def _other_size(out: str) -> dict:
         src = f"{out}/{name}/checkpoint-{RESUME}"
         if name == latest:
             _interrupted(src, dst)
-        res[name] = _train(dst, stage, resume=True if name == latest else src)
-        res[name].pop("trainer")
+        res[name] = _logs(_train(dst, stage, resume=True if name == latest else src))
     return res
 
 
@@ -166,15 +166,16 @@ def _after_resume(logs: list) -> list:
     return [entry for entry in logs if entry[0] > RESUME]
 
 
-def _assert_same_run(resumed: dict, base: dict, final: str, base_final: str) -> None:
-    got, want = _after_resume(resumed["logs"]), _after_resume(base["logs"])
+def _assert_same_run(resumed: list, base: list, final: str, base_final: str) -> None:
+    got, want = _after_resume(resumed), _after_resume(base)
     assert [s for s, *_ in got] == list(range(RESUME + 1, STEPS + 1))
     assert [s for s, *_ in want] == [s for s, *_ in got]
     assert [loss for _, loss, _ in got] == pytest.approx([loss for _, loss, _ in want], rel=1e-5)
     assert [lr for *_, lr in got] == pytest.approx([lr for *_, lr in want], rel=1e-6)
     # the steps before the resume point come back from trainer_state.json
-    assert resumed["logs"][:RESUME] == base["logs"][:RESUME]
-    a, b = load_file(os.path.join(final, "model.safetensors")), load_file(os.path.join(base_final, "model.safetensors"))
+    assert resumed[:RESUME] == base[:RESUME]
+    a = load_file(os.path.join(final, "model.safetensors"))
+    b = load_file(os.path.join(base_final, "model.safetensors"))
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
@@ -205,7 +206,7 @@ def test_resume_at_the_same_world_size(launched):
             str(out / f"{name}_at2" / "final"), str(out / name / "final"),
         )  # fmt: skip
     # dropout makes the run depend on the restored generators: a run without it differs
-    assert two["base"]["s2_dropout"]["logs"][-1][1] != two["base"]["s2"]["logs"][-1][1]
+    assert two["base"]["s2_dropout"][-1][1] != two["base"]["s2"][-1][1]
 
 
 @pytest.mark.parametrize("world", [1, 4])
@@ -243,3 +244,60 @@ def test_load_best_model_at_end(launched):
     for k in final:
         torch.testing.assert_close(final[k], saved[k], rtol=0, atol=0, msg=k)
     assert any(not torch.equal(final[k], last[k]) for k in final)
+
+
+def test_resume_refuses_what_is_not_a_zero_trainer_checkpoint(tmp_path):
+    from zero_core.integrations.hf_trainer_checkpoint import check_trainer_checkpoint
+
+    with pytest.raises(ValueError, match="no such directory"):
+        check_trainer_checkpoint(str(tmp_path / "missing"))
+    with pytest.raises(TypeError, match="must be a path or True"):
+        check_trainer_checkpoint(3)
+    (tmp_path / "model.safetensors").write_bytes(b"")  # a save_only_model folder
+    with pytest.raises(ValueError, match="engine's checkpoint.*model weights only"):
+        check_trainer_checkpoint(str(tmp_path))
+    (tmp_path / "latest").write_text("global_step4")
+    with pytest.raises(ValueError, match="names 'global_step4'.*checkpoint.json is missing"):
+        check_trainer_checkpoint(str(tmp_path))
+    (tmp_path / "latest").write_text("../x")
+    with pytest.raises(ValueError, match="not a valid tag"):
+        check_trainer_checkpoint(str(tmp_path))
+
+
+def test_rng_files_restore_the_generators_at_the_same_world_size_only(tmp_path):
+    import random
+
+    from zero_core.checkpoint import rng
+    from zero_core.checkpoint.format import CheckpointError
+
+    torch.manual_seed(1)
+    random.seed(1)
+    rng.save_rank_file(str(tmp_path), "rng_state", 1, 2)
+    want = (torch.rand(3), random.random())
+    assert rng.load_rank_file(str(tmp_path), "rng_state", 1, 2) is None
+    assert torch.equal(torch.rand(3), want[0]) and random.random() == want[1]
+    assert "saved at world size 2, this run has 4" in rng.load_rank_file(str(tmp_path), "rng_state", 1, 4)
+    assert "does not exist" in rng.load_rank_file(str(tmp_path), "rng_state", 0, 2)
+    data = (tmp_path / "rng_state_1.safetensors").read_bytes()
+    (tmp_path / "rng_state_1.safetensors").write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(CheckpointError, match="rng_state_1.safetensors"):
+        rng.load_rank_file(str(tmp_path), "rng_state", 1, 2)
+
+
+def test_save_only_model_with_load_best_model_at_end_is_refused(tmp_path):
+    import zero_core.integrations as zi
+
+    had_group = torch.distributed.is_initialized()
+    try:
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), save_only_model=True, load_best_model_at_end=True,
+            eval_strategy="steps", save_strategy="steps", report_to=[], use_cpu=True,
+        )  # fmt: skip
+        with pytest.raises(ValueError, match="save_only_model=True writes no engine checkpoint"):
+            zi.ZeroTrainer(
+                model=torch.nn.Linear(2, 2), args=args, eval_dataset=Tokens(2),
+                zero_config={"zero_optimization": {"stage": 2}},
+            )  # fmt: skip
+    finally:  # a later run_multirank in this process refuses to fork with a group alive
+        if not had_group and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 from typing import Any
 
 import torch
