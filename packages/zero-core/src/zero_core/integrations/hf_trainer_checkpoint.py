@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from typing import Any
 
 from zero_core.checkpoint import rng
@@ -96,8 +97,13 @@ class TrainerCheckpoints:
     # -- saving ---------------------------------------------------------------------------
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """The engine's checkpoint (optimizer, scheduler, masters, loss scaler) in ``output_dir``
-        (collective: every rank calls it, as ``_save_checkpoint`` does)."""
-        self.engine.save_checkpoint(output_dir, tag=f"global_step{self.state.global_step}")
+        (collective: every rank calls it, as ``_save_checkpoint`` does). Its ``client_state``
+        records the global batch, which a resume at another layout must keep."""
+        self.engine.save_checkpoint(
+            output_dir,
+            tag=f"global_step{self.state.global_step}",
+            client_state={"train_batch_size": self.engine.train_batch_size()},
+        )
 
     def _save_scaler(self, output_dir: str) -> None:
         """Nothing: the engine's loss scaler is in its checkpoint (the Trainer pickles its own)."""
@@ -115,9 +121,18 @@ class TrainerCheckpoints:
     def _load_engine_checkpoint(self, path: str) -> None:
         """The engine's whole training state from a ``checkpoint-N`` folder (collective)."""
         path = check_trainer_checkpoint(path)
-        load_path, _ = self.engine.load_checkpoint(path)
+        load_path, client_state = self.engine.load_checkpoint(path)
         if load_path is None:  # check_trainer_checkpoint saw 'latest': only a race gets here
             raise ValueError(f"Can't find a valid checkpoint at {path}: the engine found nothing to load")
+        saved, now = (client_state or {}).get("train_batch_size"), self.engine.train_batch_size()
+        if saved is not None and saved != now:
+            warnings.warn(
+                f"ZeroTrainer: {path} was saved with a global batch of {saved} samples per step, this "
+                f"run has {now} (per-device batch x gradient accumulation x ranks): the run goes on "
+                "from the saved state, but the skipped batches and the steps after do not match the "
+                "saved run's",
+                stacklevel=2,
+            )
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """Nothing apart: the engine's checkpoint holds both and loads with the weights."""
