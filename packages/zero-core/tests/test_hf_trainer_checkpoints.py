@@ -287,6 +287,10 @@ def test_resume_refuses_what_is_not_a_zero_trainer_checkpoint(tmp_path):
     (tmp_path / "latest").write_text("global_step4")
     with pytest.raises(ValueError, match="names 'global_step4'.*checkpoint.json is missing"):
         check_trainer_checkpoint(str(tmp_path))
+    (tmp_path / "global_step4").mkdir()
+    (tmp_path / "global_step4" / "checkpoint.json").write_text("{}")
+    with pytest.raises(ValueError, match="no trainer_state.json.*interrupted"):
+        check_trainer_checkpoint(str(tmp_path))
     (tmp_path / "latest").write_text("../x")
     with pytest.raises(ValueError, match="not a valid tag"):
         check_trainer_checkpoint(str(tmp_path))

@@ -27,7 +27,8 @@ and optimizer (``_prepare_for_training``):
   ``hf_trainer_checkpoint.py``.
 
 So the logged training loss of a ``ZeroTrainer`` run equals that of the same model, data and
-config in a plain zero loop (``tests/test_hf_trainer.py``).
+config in a plain zero loop (``tests/test_hf_integration.py``), and a run resumed from one of
+its checkpoints continues it exactly (``tests/test_hf_trainer_checkpoints.py``).
 """
 
 from __future__ import annotations

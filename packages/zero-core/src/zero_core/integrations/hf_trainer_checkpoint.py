@@ -50,6 +50,7 @@ from zero_core.checkpoint.loader import resolve_tag
 
 logger = logging.getLogger(__name__)
 
+TRAINER_STATE = "trainer_state.json"  # the Trainer's TRAINER_STATE_NAME
 RNG_FILE = "rng_state"  # rng_state_<rank>.safetensors / .json, as the Trainer's rng_state_<rank>.pth
 _MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 
@@ -82,6 +83,12 @@ def check_trainer_checkpoint(path: Any) -> str:
         raise ValueError(
             f"Can't find a valid checkpoint at {path}: 'latest' names {tag!r}, but "
             f"{os.path.join(path, tag, COMMIT_FILE)} is missing (an incomplete save?)"
+        )
+    if not os.path.isfile(os.path.join(path, TRAINER_STATE)):
+        raise ValueError(
+            f"Can't find a valid checkpoint at {path}: it has the engine's checkpoint but no "
+            f"{TRAINER_STATE} (the Trainer's step, epoch and logs, written last: the save was "
+            "interrupted); resume from an earlier checkpoint"
         )
     return path
 
