@@ -320,13 +320,21 @@ class PipelineEngine:
         return average(outputs)
 
     def save_checkpoint(
-        self, save_dir: str, tag: Any = None, client_state: dict | None = None, save_latest: bool = True
+        self,
+        save_dir: str,
+        tag: Any = None,
+        client_state: dict | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
     ) -> str:
-        """Save layers, optimizer, scheduler, loss scaler and counters (call on every rank).
-        See [Note: per-layer pipeline checkpoints]."""
+        """Save weights, optimizer states, scheduler, loss scaler and counters (call on every rank);
+        returns the tag directory. The checkpoint loads at any number of stages, data-parallel
+        size and ZeRO stage: see [Note: universal pipeline checkpoints] in ``checkpoint.py``."""
         from zero_pipe.checkpoint import save_engine_checkpoint
 
-        return save_engine_checkpoint(self, save_dir, tag, client_state, save_latest)
+        return save_engine_checkpoint(
+            self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters
+        )
 
     def load_checkpoint(
         self,
@@ -336,8 +344,9 @@ class PipelineEngine:
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
-    ) -> tuple[str | None, dict]:
-        """Load a checkpoint of :meth:`save_checkpoint`; returns ``(path, client_state)``."""
+    ) -> tuple[str | None, dict | None]:
+        """Load a checkpoint of :meth:`save_checkpoint`, saved in any layout (call on every rank);
+        returns ``(path, client_state)``, ``(None, None)`` when there is none."""
         from zero_pipe.checkpoint import load_engine_checkpoint
 
         return load_engine_checkpoint(
