@@ -2,6 +2,10 @@
 loaded in another, training continues exactly as the uninterrupted run (losses and final weights,
 fp32 within 1e-5), tied weights, buffers, the LR scheduler and the counters included; the saved
 checkpoint converts with zero_to_fp32 to the model's full state dict and inspect_checkpoint shows it.
+Engine checkpoints of format 2 (written before, fixtures/format2 by fixtures/make_format2_checkpoint.py
+with that zero-pipe) still load: in their own layout training continues as the run that wrote them
+did; in another layout the optimizer states are refused with a message saying what to do, and the
+weights, scheduler and counters load without them.
 
 Each scenario's reference is the saving run itself continued past the save; the loading run starts
 from another initialisation, so nothing but the checkpoint can make it match.
@@ -9,8 +13,12 @@ from another initialisation, so nothing but the checkpoint can make it match.
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 from zero_core.testing import run_multirank
 from zero_pipe import LayerSpec, PipelineModule, TiedLayerSpec
@@ -146,7 +154,9 @@ def _assert_continues(reference, loaded):
         assert resumed_at["steps"] == BEFORE and resumed_at["samples"] == BEFORE * MB * MICRO
         assert state["steps"] == ref_state["steps"] == BEFORE + AFTER
         assert state["samples"] == ref_state["samples"]
-        torch.testing.assert_close(torch.tensor(state["lr"][0]), torch.tensor(ref_state["lr"][0]), rtol=1e-6, atol=0)
+        torch.testing.assert_close(
+            torch.tensor(state["lr"][0]), torch.tensor(ref_state["lr"][0]), rtol=1e-6, atol=0
+        )
     weights = _merge(loaded, 1)
     assert sorted(weights) == sorted(ref_weights)
     for name, value in ref_weights.items():
@@ -199,3 +209,55 @@ def test_zero_to_fp32_and_inspect_read_a_pipeline_checkpoint(saved_2x1_stage0, t
     assert "pipeline: 2 stages x 1 chunk, 1 data-parallel replica, ZeRO stage 0, 6 layers" in report
     assert "tied: embed (stages 0, 1)" in report
     assert report.count("OK") == 2  # both rank files verified
+
+
+# -- format 2 ----------------------------------------------------------------------------
+FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "format2")
+ROOT = os.path.join(FIXTURE, "ckpt")
+
+
+def _same_layout_rank():
+    engine = _engine(2, 0, seed=2)
+    _, client = engine.load_checkpoint(ROOT)
+    start = (engine.global_steps, engine.global_samples, client)
+    return _train(engine, BEFORE, AFTER), _weights(engine), start
+
+
+def test_format2_checkpoint_continues_in_its_own_layout():
+    expected = json.load(open(os.path.join(FIXTURE, "expected.json")))
+    want = load_file(os.path.join(FIXTURE, "expected.safetensors"))
+    results = run_multirank(_same_layout_rank, 2)
+    weights = {}
+    for losses, w, start in results:
+        assert start == (BEFORE, BEFORE * MB * MICRO, {"epoch": 1})
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(expected["losses"]), rtol=1e-5, atol=1e-6
+        )
+        weights.update(w)
+    assert sorted(weights) == sorted(want)
+    for name, value in want.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _other_layout_rank():
+    engine = _engine(1, 1, seed=2)
+    with pytest.raises(ValueError, match=r"format-2 zero-pipe checkpoint.*load_optimizer_states=False"):
+        engine.load_checkpoint(ROOT)
+    _, client = engine.load_checkpoint(ROOT, load_optimizer_states=False)
+    saved = PipelineModule(specs(), num_stages=1, stage_id=0)
+    saved.load_state_dir(os.path.join(ROOT, "global_step2"))
+    same = all(torch.equal(engine.module.state_dict()[k], v) for k, v in saved.state_dict().items())
+    return same, engine.global_steps, client
+
+
+def test_format2_checkpoint_in_another_layout_loads_without_optimizer_states():
+    [(same, steps, client)] = run_multirank(_other_layout_rank, 1)
+    assert same and steps == BEFORE and client == {"epoch": 1}
+
+
+def test_zero_to_fp32_says_how_to_convert_a_format2_checkpoint():
+    from zero_core.checkpoint.format import CheckpointError
+    from zero_core.checkpoint.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with pytest.raises(CheckpointError, match="does not record its layers' module names.*save it again"):
+        get_fp32_state_dict_from_zero_checkpoint(ROOT)
