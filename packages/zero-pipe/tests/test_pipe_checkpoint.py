@@ -83,11 +83,13 @@ def _save_rank(root):
     model, engine = _engine(2)
     _train(engine, 3, seed=1)
     engine.save_checkpoint(root, tag="t3", client_state={"epoch": 4})
+    draws = torch.rand(3)  # the generator as saved: a load in the same layout puts it back
     cont = _train(engine, 2, seed=2)
     _, logits = engine.eval_batch(iter(data(MBS, seed=3)), return_logits=True)
     # A fresh engine (other init) resumes from the checkpoint: same losses as continuing.
     _, engine2 = _engine(2, seed_layers=False)
     path, client = engine2.load_checkpoint(root)
+    assert torch.equal(torch.rand(3), draws)
     resumed = _train(engine2, 2, seed=2)
     return cont, resumed, client, engine2.global_steps, engine2.get_lr(), logits
 

@@ -188,6 +188,51 @@ def test_one_stage_at_zero_stage_1_to_two_stages_at_zero_stage_0(tmp_path):
     _assert_continues(reference, run_multirank(_load_run, 2, args=(root, 2, 0)))
 
 
+class OtherBlock(Block):
+    """The same shapes under another name: a different model to a strict load."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.other = self.lin
+        del self.lin
+
+    def forward(self, x):
+        return torch.tanh(self.other(x) * self.mix)
+
+
+def _mismatch_rank(root, zero_dir):
+    import zero_core
+    from zero_core.checkpoint import CheckpointError
+
+    def engine_of(layers):
+        model = PipelineModule(layers, num_stages=1, loss_fn=nn.functional.cross_entropy)
+        cfg = {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": MICRO}
+        cfg["optimizer"] = {"type": "Adam", "params": {"lr": 0.02}}
+        return zero_core.initialize(model=model, config=cfg)[0]
+
+    with pytest.raises(CheckpointError, match="has 6 layers, this one 7"):
+        engine_of(specs() + [LayerSpec(Block)]).load_checkpoint(root)
+    other = specs()
+    other[2] = LayerSpec(OtherBlock)
+    engine = engine_of(other)
+    with pytest.raises(
+        CheckpointError, match=r"missing \['layers\.2\.other\.weight'.*unexpected \['layers\.2\.lin\.bias'"
+    ):
+        engine.load_checkpoint(root)
+    engine.load_checkpoint(root, load_module_strict=False)  # the layers that match load
+    assert engine.global_steps == BEFORE
+    # a checkpoint of a ZeroEngine holds no pipeline layout (and other names)
+    cfg = {"train_batch_size": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    zero_core.initialize(model=nn.Linear(2, 2), config=cfg)[0].save_checkpoint(zero_dir)
+    with pytest.raises(CheckpointError, match="without a pipeline section: it was saved by a ZeroEngine"):
+        engine_of(specs()).load_checkpoint(zero_dir)
+
+
+def test_a_different_model_is_a_clear_error(saved_2x1_stage0, tmp_path):
+    root, _ = saved_2x1_stage0
+    run_multirank(_mismatch_rank, 1, args=(root, str(tmp_path / "zero")))
+
+
 def test_zero_to_fp32_and_inspect_read_a_pipeline_checkpoint(saved_2x1_stage0, tmp_path):
     """The conversion equals the model's full state dict at the save and loads strictly into the
     module built as one stage; inspect_checkpoint reports the pipeline layout and verifies every file."""

@@ -25,7 +25,13 @@ from zero_core.engine.strategy_factory import compute_dtype
 from zero_pipe import _dist
 from zero_pipe.executor import ComputeSpan, StageExecutor
 from zero_pipe.module import PipelineModule
-from zero_pipe.optimizer_step import PipelineConfigError, StageOptimizer, build_strategy, check_zero_stage
+from zero_pipe.optimizer_step import (
+    PipelineConfigError,
+    StageOptimizer,
+    build_strategy,
+    check_no_experts_across_stages,
+    check_zero_stage,
+)
 from zero_pipe.schedule import (
     InferenceSchedule,
     InterleavedInferenceSchedule,
@@ -80,6 +86,7 @@ class PipelineEngine:
         self.has_bool_tensors = has_bool_tensors
         self.config = self._load_config(config)
         check_zero_stage(self.config.zero_optimization.stage)
+        check_no_experts_across_stages(module, self.grid)
         self.micro_batch_size = int(self.config.train_micro_batch_size_per_gpu)
         self.micro_batches = int(self.config.gradient_accumulation_steps)
         self._train_batch_size = self.micro_batch_size * self.micro_batches * self.dp_size
