@@ -251,7 +251,9 @@ def test_schedule_drives_the_optimizer_after_its_load_state_dict(name):
         reference.step()
         sched.step()
         assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in reference_opt.param_groups]
-        assert [g.get("betas") for g in opt.param_groups] == [g.get("betas") for g in reference_opt.param_groups]
+        assert [g.get("betas") for g in opt.param_groups] == [
+            g.get("betas") for g in reference_opt.param_groups
+        ]
 
 
 # ------------------------------------------------------------------------------ config and validation

@@ -234,7 +234,16 @@ def test_module_checkpoint_is_verified_and_sealed(tmp_path):
     from zero_core.checkpoint import CheckpointError
 
     ckpt = tmp_path / "layers"
-    _one_stage().save_state_dict(str(ckpt))
+    saved = _one_stage()
+    saved.save_state_dict(str(ckpt))
+    # the tools read the directory too: the module's state dict, every file verified
+    from zero_core.checkpoint.inspect import describe
+    from zero_core.checkpoint.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    converted = get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
+    assert sorted(converted) == sorted(saved.state_dict())
+    assert all(torch.equal(converted[k], v) for k, v in saved.state_dict().items())
+    assert "zero-pipe module layers (save_state_dict) | 6 layers | saved at 1 stage" in describe(str(ckpt))
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # staging renamed into place
     index = json.load(open(ckpt / "pipe_layers.json"))
     assert "seal" in index and set(index["files"]) == {

@@ -11,8 +11,8 @@ model's weights as one safetensors file per piece, through the one checkpoint wr
   layer's module name in the ``PipelineModule`` (``layers.<idx>``, ``tied_modules.<key>``);
 * zero-moe's ``save_moe_checkpoint``: ``moe_index.json``, ``non_expert.safetensors`` (full
   names) and ``layer_<L>_expert_<G>.safetensors`` per global expert, keyed by names inside the
-  expert; the expert's full name is ``<layer module>.zero_moe.experts.zero_experts.<G>.<key>``
-  (the names of the model built with ``ep_size=1``).
+  expert; the expert's full name is ``<expert_names>.<G>.<key>`` (the record's name of the
+  layer's expert list: the names of the model built with ``ep_size=1``).
 
 :func:`open_module_dir` reads either as the converter's checkpoint object (the same methods as
 ``zero_to_fp32._Checkpoint``): each file is verified against the record before it is read,
@@ -94,7 +94,11 @@ def _moe_names(meta: dict[str, Any], path: str) -> dict[str, str]:
             if layer >= len(layers) or not isinstance(layers[layer].get("module"), str):
                 raise CheckpointError(f"{path}: {name} names MoE layer {layer}, which the record lacks")
             module = layers[layer]["module"]
-            out[name] = f"{module + '.' if module else ''}zero_moe.experts.zero_experts.{int(m.group(2))}."
+            # records before "expert_names": zero-moe's layout of the time
+            experts = layers[layer].get(
+                "expert_names", f"{module + '.' if module else ''}zero_moe.experts.zero_experts"
+            )
+            out[name] = f"{experts}.{int(m.group(2))}."
     return out
 
 
