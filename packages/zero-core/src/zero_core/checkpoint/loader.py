@@ -193,10 +193,8 @@ def load_checkpoint(
 ) -> tuple[str | None, dict[str, Any] | None]:
     """Load a checkpoint into ``engine``; returns ``(load_path, client_state)``, ``(None, None)`` if none.
 
-    ``restore_engine(engine, meta, reader, load_optimizer_states, load_lr_scheduler_states)``
-    replaces the restore of the engine-level state (counters, loss scaler, optimizer
-    hyper-parameters, LR scheduler, RNG) for engines that keep it differently (zero-pipe).
-
+    ``restore_engine(engine, meta, reader, load_opt, load_sched)`` replaces ``_restore_engine``
+    (counters, loss scaler, hyper-parameters, scheduler, RNG) for engines keeping them otherwise (zero-pipe).
     [Note: shared verification]
     Before anything is read, ``open_checkpoint`` verifies ``checkpoint.json`` and every rank
     table (CRC-32C), and ``CheckpointReader.begin_single_pass`` checks that every rank tensor
@@ -243,7 +241,7 @@ def load_checkpoint(
         if custom_load_fn is not None:
             custom_load_fn(src=full_module_state_dict(reader, engine.module), dst=engine.module)
         if not load_module_only:
-            restore = _restore_engine if restore_engine is None else restore_engine
+            restore = restore_engine or _restore_engine
             restore(engine, meta, reader, load_optimizer_states, load_lr_scheduler_states)
         finish = getattr(strategy, "after_checkpoint_load", None)
         if finish is not None:  # see [Note: rank-local optimizer state]
