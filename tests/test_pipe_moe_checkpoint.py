@@ -9,6 +9,9 @@ rank (zero-moe's expert groups span the world), rather than hanging in a reducti
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -123,6 +126,9 @@ def test_one_stage_pipeline_with_experts_reshards_over_expert_parallel_sizes(tmp
     assert sorted(weights) == sorted(ref_weights)
     for name, value in ref_weights.items():
         torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    record = json.load(open(os.path.join(root, "global_step2", "checkpoint.json")))
+    listed = [name for name, _, _ in record["parameters"]]
+    assert sorted(listed) == sorted(at_save) and len(set(listed)) == len(listed)  # every expert listed once
     converted = get_fp32_state_dict_from_zero_checkpoint(root)
     assert sorted(converted) == sorted(at_save)
     assert all(torch.equal(converted[n], v) for n, v in at_save.items())

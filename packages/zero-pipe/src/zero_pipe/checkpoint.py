@@ -73,6 +73,7 @@ from zero_core.checkpoint.saver import (
     save_checkpoint,
     shared_parameters,
 )
+from zero_core.utils.param_groups import is_expert_param
 
 from zero_pipe import _dist
 from zero_pipe.layer_files import LAYERS_INDEX, first_tied_index, read_root
@@ -179,12 +180,12 @@ def _rank_record(engine: Any) -> dict[str, Any]:
     """What one rank contributes to the root record (gathered to rank 0)."""
     module, grid = engine.module, engine.grid
     names = checkpoint_names(module)
-    params = []
-    if grid.data_parallel_id == 0:
-        params = [
-            [names[n], bool(p.requires_grad), list(p.shape), _layer_order(module, names[n])]
-            for n, p in module.named_parameters()
-        ]
+    # replica 0 of each stage lists its parameters; the other replicas only the experts they hold
+    params = [
+        [names[n], bool(p.requires_grad), list(p.shape), _layer_order(module, names[n])]
+        for n, p in module.named_parameters()
+        if grid.data_parallel_id == 0 or is_expert_param(p)
+    ]
     return {
         "stage": grid.stage_id,
         "data_parallel_rank": grid.data_parallel_id,
