@@ -39,8 +39,7 @@ from where the caller points it.
 Strictness (``load_module_strict``): every parameter and buffer a stage holds must be in the
 checkpoint, every saved name under one of the stage's layers must be one of its own, a name
 under no layer of the module is an error, and the record's number of layers must be the
-module's. Rank-local optimizer state (the 1-bit optimizers' error feedback) is saved only with
-one stage, where ranks are data-parallel ranks; with more it restarts, as across world sizes.
+module's.
 
 Engine checkpoints of format 2 (layer files and per-rank optimizer files, before this) still
 load: see [Note: format-2 pipeline checkpoints] in ``legacy_checkpoint.py``.
@@ -65,7 +64,6 @@ from zero_core.checkpoint.loader import (
     tag_directory,
 )
 from zero_core.checkpoint.metadata import check_hyperparameters, check_int, check_seal
-from zero_core.checkpoint.rank_local import RANK_LOCAL
 from zero_core.checkpoint.replicated import checkpoint_names
 from zero_core.checkpoint.saver import (
     buffer_fragments,
@@ -115,7 +113,7 @@ class _StageFragments:
         out = [
             f
             for f in self.inner.checkpoint_fragments(exclude_frozen_parameters=exclude_frozen_parameters)
-            if not f.name.startswith(skip) and not (f.kind == RANK_LOCAL and self.grid.pipe_parallel_size > 1)
+            if not f.name.startswith(skip)
         ]
         # global rank 0 gets its buffers from the saver; replica 0 of every other stage adds its own
         if self.grid.data_parallel_id == 0 and _dist.get_rank() != 0:
@@ -298,7 +296,8 @@ def check_names(reader: CheckpointReader, module: PipelineModule, *, strict: boo
     names = checkpoint_names(module)
     params = {names[n]: p for n, p in module.named_parameters()}
     params_set = {names.get(n, n) for n, _ in module.named_parameters(remove_duplicate=False)}
-    buffers = {n for n, _ in module.named_buffers() if n in module.state_dict()}
+    persistent = module.state_dict(keep_vars=True)
+    buffers = {n for n, _ in module.named_buffers() if n in persistent}
     saved_params = set(reader.names(PARAM)) | set(reader.names(FP32))
     saved_buffers = set(reader.names(BUFFER))
     missing = [
@@ -310,14 +309,15 @@ def check_names(reader: CheckpointReader, module: PipelineModule, *, strict: boo
     every_layer = {f"layers.{i}" for i in range(len(module.layer_specs))} | {
         f"tied_modules.{s.key}" for s in module.layer_specs if isinstance(s, TiedLayerSpec)
     }
-    mine = {_layer_prefix(n) for n in params_set | buffers} - {None}
-    experts = any(getattr(p, "allreduce", True) is False for p in module.parameters())
+    own = params_set | buffers
+    mine = {_layer_prefix(n) for n in own} - {None}
+    experts = any(is_expert_param(p) for p in module.parameters())
     unexpected = []
     for n in sorted(saved_params | saved_buffers):
         prefix = _layer_prefix(n)
         if prefix is not None and prefix not in every_layer:
             unexpected.append(n)
-        elif (prefix in mine or prefix is None) and n not in params_set | buffers and not experts:
+        elif (prefix in mine or prefix is None) and n not in own and not experts:
             unexpected.append(n)  # (an expert-parallel stage holds only its own experts)
     if missing or unexpected:
         raise CheckpointError(
