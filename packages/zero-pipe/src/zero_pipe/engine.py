@@ -25,7 +25,13 @@ from zero_core.engine.strategy_factory import compute_dtype
 from zero_pipe import _dist
 from zero_pipe.executor import ComputeSpan, StageExecutor
 from zero_pipe.module import PipelineModule
-from zero_pipe.optimizer_step import PipelineConfigError, StageOptimizer, build_strategy, check_zero_stage
+from zero_pipe.optimizer_step import (
+    PipelineConfigError,
+    StageOptimizer,
+    build_strategy,
+    check_no_experts_across_stages,
+    check_zero_stage,
+)
 from zero_pipe.schedule import (
     InferenceSchedule,
     InterleavedInferenceSchedule,
@@ -80,6 +86,7 @@ class PipelineEngine:
         self.has_bool_tensors = has_bool_tensors
         self.config = self._load_config(config)
         check_zero_stage(self.config.zero_optimization.stage)
+        check_no_experts_across_stages(module, self.grid)
         self.micro_batch_size = int(self.config.train_micro_batch_size_per_gpu)
         self.micro_batches = int(self.config.gradient_accumulation_steps)
         self._train_batch_size = self.micro_batch_size * self.micro_batches * self.dp_size
@@ -320,13 +327,21 @@ class PipelineEngine:
         return average(outputs)
 
     def save_checkpoint(
-        self, save_dir: str, tag: Any = None, client_state: dict | None = None, save_latest: bool = True
+        self,
+        save_dir: str,
+        tag: Any = None,
+        client_state: dict | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
     ) -> str:
-        """Save layers, optimizer, scheduler, loss scaler and counters (call on every rank).
-        See [Note: per-layer pipeline checkpoints]."""
+        """Save weights, optimizer states, scheduler, loss scaler and counters (call on every rank);
+        returns the tag directory. The checkpoint loads at any number of stages, data-parallel
+        size and ZeRO stage: see [Note: universal pipeline checkpoints] in ``checkpoint.py``."""
         from zero_pipe.checkpoint import save_engine_checkpoint
 
-        return save_engine_checkpoint(self, save_dir, tag, client_state, save_latest)
+        return save_engine_checkpoint(
+            self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters
+        )
 
     def load_checkpoint(
         self,
@@ -336,8 +351,9 @@ class PipelineEngine:
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
-    ) -> tuple[str | None, dict]:
-        """Load a checkpoint of :meth:`save_checkpoint`; returns ``(path, client_state)``."""
+    ) -> tuple[str | None, dict | None]:
+        """Load a checkpoint of :meth:`save_checkpoint`, saved in any layout (call on every rank);
+        returns ``(path, client_state)``, ``(None, None)`` when there is none."""
         from zero_pipe.checkpoint import load_engine_checkpoint
 
         return load_engine_checkpoint(

@@ -392,7 +392,7 @@ class PipelineModule(nn.Module):
         """Model-specific extra losses for reporting; none by default."""
         return None
 
-    # -- checkpoint naming (files: see zero_pipe.checkpoint) --------------------------------
+    # -- checkpoint naming (files: see zero_pipe.layer_files) -------------------------------
     def ckpt_prefix(self, checkpoints_path: str, tag: str) -> str:
         """Directory prefix of every checkpoint file of this module."""
         import os
@@ -436,14 +436,15 @@ class PipelineModule(nn.Module):
 
     def save_state_dict(self, save_dir: str) -> None:
         """Write this stage's layers, one safetensors file per layer (collective when distributed).
-        See [Note: per-layer pipeline checkpoints] in ``checkpoint.py``."""
-        from zero_pipe.checkpoint import save_module_layers
+        See [Note: per-layer pipeline checkpoints] in ``layer_files.py``."""
+        from zero_pipe.layer_files import save_module_layers
 
         save_module_layers(self, save_dir)
 
     def load_state_dir(self, load_dir: str, strict: bool = True) -> None:
-        """Load this stage's layers from per-layer files saved with any number of stages."""
-        from zero_pipe.checkpoint import load_module_layers
+        """Load this stage's layers (saved with any number of stages) from a ``save_state_dict``
+        directory or an engine checkpoint's tag directory."""
+        from zero_pipe.layer_files import load_module_layers
 
         load_module_layers(self, load_dir, strict=strict)
 

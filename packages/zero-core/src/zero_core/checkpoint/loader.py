@@ -156,7 +156,8 @@ def full_module_state_dict(reader: CheckpointReader, module: torch.nn.Module) ->
     return out
 
 
-def _restore_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]], where: str) -> None:
+def restore_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]], where: str) -> None:
+    """Set each param group's saved hyper-parameters (lr, betas ...); the group counts must match."""
     if len(saved) != len(optimizer.param_groups):
         raise CheckpointError(
             f"{where}: the checkpoint has {len(saved)} optimizer param groups, this optimizer has "
@@ -187,9 +188,13 @@ def load_checkpoint(
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
     custom_load_fn: Callable[..., Any] | None = None,
+    *,
+    restore_engine: Callable[..., None] | None = None,
 ) -> tuple[str | None, dict[str, Any] | None]:
     """Load a checkpoint into ``engine``; returns ``(load_path, client_state)``, ``(None, None)`` if none.
 
+    ``restore_engine(engine, meta, reader, load_opt, load_sched)`` replaces ``_restore_engine``
+    (counters, loss scaler, hyper-parameters, scheduler, RNG) for engines keeping them otherwise (zero-pipe).
     [Note: shared verification]
     Before anything is read, ``open_checkpoint`` verifies ``checkpoint.json`` and every rank
     table (CRC-32C), and ``CheckpointReader.begin_single_pass`` checks that every rank tensor
@@ -236,7 +241,8 @@ def load_checkpoint(
         if custom_load_fn is not None:
             custom_load_fn(src=full_module_state_dict(reader, engine.module), dst=engine.module)
         if not load_module_only:
-            _restore_engine(engine, meta, reader, load_optimizer_states, load_lr_scheduler_states)
+            restore = restore_engine or _restore_engine
+            restore(engine, meta, reader, load_optimizer_states, load_lr_scheduler_states)
         finish = getattr(strategy, "after_checkpoint_load", None)
         if finish is not None:  # see [Note: rank-local optimizer state]
             finish()
@@ -264,7 +270,7 @@ def _restore_engine(
     engine.micro_steps = int(meta["micro_steps"])
     engine.loss_scaler.load_state_dict(meta["loss_scaler"])
     if load_opt:
-        _restore_param_groups(engine.optimizer, meta["optimizer"]["param_groups"], reader.tag_dir)
+        restore_param_groups(engine.optimizer, meta["optimizer"]["param_groups"], reader.tag_dir)
     sched = getattr(engine, "lr_scheduler", None)
     if load_sched and sched is not None and meta.get("lr_scheduler") is not None:
         sched.load_state_dict(meta["lr_scheduler"])

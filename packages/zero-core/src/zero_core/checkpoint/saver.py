@@ -84,7 +84,8 @@ def shared_parameters(module: torch.nn.Module, names: dict[str, str]) -> list[li
     return out
 
 
-def _param_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+def param_group_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param group's JSON-compatible hyper-parameters (``params`` and tensor values left out)."""
     out = []
     for i, g in enumerate(optimizer.param_groups):
         hp = {}
@@ -131,7 +132,7 @@ def _engine_meta(
         "lr_scheduler": sched_state,
         "optimizer": {
             "class": type(engine.optimizer).__name__,
-            "param_groups": _param_groups(engine.optimizer),
+            "param_groups": param_group_hyperparameters(engine.optimizer),
         },
         "parameters": [
             [names[n], bool(p.requires_grad), list(p.shape)] for n, p in engine.module.named_parameters()
@@ -189,8 +190,16 @@ def save_checkpoint(
     client_state: dict[str, Any] | None = None,
     save_latest: bool = True,
     exclude_frozen_parameters: bool = False,
+    *,
+    extra_meta: dict[str, Any] | None = None,
 ) -> bool:
-    """Save ``engine``'s training state under ``save_dir/tag``; collective, call on every rank."""
+    """Save ``engine``'s training state under ``save_dir/tag``; collective, call on every rank.
+
+    ``extra_meta`` (JSON-compatible, used on rank 0) is merged into ``checkpoint.json`` over the
+    engine's own entries: an engine whose ranks hold different parts of the model (zero-pipe's
+    stages) gives the whole ``parameters`` list and its layout there. The process group is
+    ``engine.dp_group`` (the world when the engine has none).
+    """
     if not isinstance(save_dir, (str, os.PathLike)):
         raise TypeError(f"save_checkpoint: save_dir must be a path, got {type(save_dir).__name__}")
     save_dir = os.fspath(save_dir)
@@ -211,6 +220,10 @@ def save_checkpoint(
     world = comm.get_world_size(group) if on else 1
     # The ranks already agreed on ``tag`` (the engine's save agreement: See [Note: checkpoint tag agreement]).
     meta = _engine_meta(engine, tag, world, client_state, exclude_frozen_parameters) if rank == 0 else None
+    if extra_meta is not None:
+        check_json_compatible(extra_meta, "extra_meta")
+        if meta is not None:
+            meta.update(extra_meta)
 
     stage_dir = os.path.join(save_dir, staging_dir_name(tag))
     if rank == 0:

@@ -508,6 +508,18 @@ def _tag_dir(checkpoint_dir: str, tag: str) -> str:
     raise CheckpointError(f"{os.path.join(d, COMMIT_FILE)} is missing: {d} is not a complete zero checkpoint")
 
 
+def _open(checkpoint_dir: Any, tag: Any) -> _Checkpoint:
+    """The checkpoint to convert; zero_core's copy also reads the module-only directories of zero-pipe
+    and zero-moe (see [Note: module-only checkpoint directories] in ``module_dirs.py``)."""
+    if __package__ == "zero_core.checkpoint" and isinstance(checkpoint_dir, (str, os.PathLike)):
+        from zero_core.checkpoint.module_dirs import open_module_dir
+
+        found = open_module_dir(checkpoint_dir, tag)
+        if found is not None:
+            return found
+    return _Checkpoint(checkpoint_dir, tag)
+
+
 def _plan(ckpt: _Checkpoint, exclude_frozen: bool) -> list[tuple[str, str]]:
     """(name, kind) of every output tensor, in the model's parameter order, then buffers."""
     params = ckpt.meta.get("parameters", [])
@@ -547,7 +559,7 @@ def get_fp32_state_dict_from_zero_checkpoint(
     checkpoint_dir: str | os.PathLike[str], tag: Any = None, exclude_frozen_parameters: bool = False
 ) -> dict[str, torch.Tensor]:
     """The consolidated fp32 weights (and buffers) of a checkpoint, as an in-memory state dict on CPU."""
-    ckpt = _Checkpoint(checkpoint_dir, tag)
+    ckpt = _open(checkpoint_dir, tag)
     try:
         out = {n: _value(ckpt, n, k) for n, k in _plan(ckpt, exclude_frozen_parameters)}
         for alias, owner in _aliases(ckpt, out):  # tied weights: the same tensor under both names
@@ -793,7 +805,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     strictly into the model: see [Note: tied weights in converted files].
     """
     output_file, tag, limit = _resolve_output(output_dir, max_shard_size, safe_serialization, tag)
-    ckpt = _Checkpoint(checkpoint_dir, tag)
+    ckpt = _open(checkpoint_dir, tag)
     try:
         entries = [_Out(ckpt, name, kind) for name, kind in _plan(ckpt, exclude_frozen_parameters)]
         if safe_serialization:
