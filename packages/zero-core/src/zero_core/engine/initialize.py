@@ -293,6 +293,10 @@ def _build_engine(
         compute_dtype=dtype,
     )
     engine.profiler = _build_profiler(model, cfg, engine)
+    if cfg.dump_state:
+        from zero_core.engine.state_report import dump_engine_state
+
+        dump_engine_state(engine)
     return engine, scheduler
 
 
