@@ -218,7 +218,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 f"{owner}: param_groups[{index}]['exp_avg_mask'] must be a tensor, got {type(mask).__name__}"
             )
         for t in tensors:
-            if torch.broadcast_shapes(mask.shape, t.shape) != t.shape:
+            try:
+                fits = torch.broadcast_shapes(mask.shape, t.shape) == t.shape
+            except RuntimeError:
+                fits = False
+            if not fits:
                 raise ValueError(
                     f"{owner}: param_groups[{index}]['exp_avg_mask'] has shape {tuple(mask.shape)}, which does "
                     f"not broadcast to the group's parameter of shape {tuple(t.shape)}"
