@@ -56,6 +56,10 @@ NO_EFFECT: dict[str, str] = {
         "DeepSpeed loads stage-3 checkpoints one local rank after another to bound host memory; zero's "
         "ranks read their own fragments straight into place, with the same result"
     ),
+    "zero_optimization.override_module_apply": (
+        "zero.Init gathers a partitioned parameter whenever it is touched inside the context, so "
+        "Module.apply sees whole parameters whether or not apply itself is wrapped"
+    ),
     "zero_optimization.log_trace_cache_warnings": (
         "a logging switch of DeepSpeed's stage-3 prefetch trace, which zero does not have"
     ),
