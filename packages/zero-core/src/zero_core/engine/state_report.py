@@ -15,27 +15,32 @@ from typing import Any
 
 
 def engine_state(engine: Any) -> dict[str, Any]:
-    """The engine's resolved settings, as JSON-compatible values."""
+    """The engine's resolved settings, as JSON-compatible values (``ZeroEngine`` or zero-pipe's
+    ``PipelineEngine``)."""
     optimizer = engine.optimizer
+    scheduler = getattr(engine, "lr_scheduler", None)
     return {
-        "zero_stage": engine.zero_optimization_stage(),
+        "zero_stage": int(engine.config.zero_optimization.stage),
         "compute_dtype": str(engine.compute_dtype).replace("torch.", ""),
-        "data_parallel_world_size": engine.dp_world_size,
+        "data_parallel_world_size": getattr(engine, "dp_world_size", getattr(engine, "dp_size", None)),
         "train_batch_size": engine.train_batch_size(),
         "train_micro_batch_size_per_gpu": engine.train_micro_batch_size_per_gpu(),
         "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
+        "engine": type(engine).__name__,
         "strategy": type(engine.strategy).__name__,
         "optimizer": None if optimizer is None else type(optimizer).__name__,
-        "lr_scheduler": None if engine.lr_scheduler is None else type(engine.lr_scheduler).__name__,
+        "lr_scheduler": None if scheduler is None else type(scheduler).__name__,
         "loss_scale": engine.loss_scaler.loss_scale,
-        "device": str(engine.device),
+        "device": str(getattr(engine, "device", "")),
         "config": engine.config.to_dict(),
     }
 
 
 def dump_engine_state(engine: Any) -> None:
     """Print :func:`engine_state` on global rank 0 (``"dump_state": true``)."""
-    if engine.global_rank == 0:
+    from zero_core import comm
+
+    if not comm.is_initialized() or comm.get_rank() == 0:
         text = json.dumps(engine_state(engine), indent=2, sort_keys=True, default=str)
         print(f"[zero] engine state (dump_state):\n{text}", flush=True)
 
