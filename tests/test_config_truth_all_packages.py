@@ -21,7 +21,9 @@ FAMILY = ("zero_pipe", "zero_moe", "zero_offload", "zero_profiler", "zero_ops", 
 
 
 def _tables():
-    spec = importlib.util.spec_from_file_location("config_key_tables", ROOT / "tools" / "config_key_tables.py")
+    spec = importlib.util.spec_from_file_location(
+        "config_key_tables", ROOT / "tools" / "config_key_tables.py"
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -63,4 +65,6 @@ def test_readme_lists_the_three_sets() -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     migration = readme.split("\n## Migrating from DeepSpeed\n", 1)[1].split("\n## ", 1)[0]
     if tables.readme_block(migration) != tables.render():
-        pytest.fail("README.md's config key tables are out of date: run python tools/config_key_tables.py --write")
+        pytest.fail(
+            "README.md's config key tables are out of date: run python tools/config_key_tables.py --write"
+        )

@@ -36,7 +36,9 @@ class _Launches:
         return "done", ""
 
 
-def _tuner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nproc: int = 2, **section: Any) -> tuple[Autotuner, _Launches]:
+def _tuner(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nproc: int = 2, **section: Any
+) -> tuple[Autotuner, _Launches]:
     tmp_path.mkdir(parents=True, exist_ok=True)
     monkeypatch.chdir(tmp_path)
     launches = _Launches()
@@ -55,7 +57,16 @@ def _tuner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nproc: int = 2, **se
         },
     }
     write_json(tmp_path / "cfg.json", cfg)
-    argv = ["run", "--autotuning", "tune", "--nproc", str(nproc), "job.py", "--zero_config", str(tmp_path / "cfg.json")]
+    argv = [
+        "run",
+        "--autotuning",
+        "tune",
+        "--nproc",
+        str(nproc),
+        "job.py",
+        "--zero_config",
+        str(tmp_path / "cfg.json"),
+    ]
     return Autotuner(build_parser().parse_args(argv)), launches
 
 
@@ -71,7 +82,12 @@ def test_search_limits_follow_the_section(tmp_path: Path, monkeypatch: pytest.Mo
     # train batch = micro-batch x 2 ranks within [4, 8]: micro-batches 2 to 4 only
     bounded = _tried(tmp_path / "b", monkeypatch, min_train_batch_size=4, max_train_batch_size=8)
     assert set(bounded) <= {2, 3, 4} and {2, 4} <= set(bounded)
-    micro = _tried(tmp_path / "c", monkeypatch, min_train_micro_batch_size_per_gpu=4, max_train_micro_batch_size_per_gpu=8)
+    micro = _tried(
+        tmp_path / "c",
+        monkeypatch,
+        min_train_micro_batch_size_per_gpu=4,
+        max_train_micro_batch_size_per_gpu=8,
+    )
     assert min(micro) == 4 and max(micro) == 8
     fewer = _tried(tmp_path / "d", monkeypatch, num_tuning_micro_batch_sizes=2)
     assert len(set(fewer)) == 2
@@ -109,7 +125,9 @@ def test_model_info_comes_from_the_configured_places(tmp_path: Path, monkeypatch
     tuner, _ = _tuner(tmp_path, monkeypatch, model_info=None, results_dir="res")
     assert tuner.model_info()["num_params"] == 99 and not profiled
     tuner, _ = _tuner(tmp_path, monkeypatch, model_info=None, results_dir="res", overwrite=True)
-    assert tuner.model_info()["num_params"] == 7 and profiled == [str(tmp_path / "res/profile_model_info/model_info.json")]
+    assert tuner.model_info()["num_params"] == 7 and profiled == [
+        str(tmp_path / "res/profile_model_info/model_info.json")
+    ]
 
 
 def test_arg_mappings_set_the_script_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -120,7 +138,9 @@ def test_arg_mappings_set_the_script_flags(tmp_path: Path, monkeypatch: pytest.M
     assert "--batch" not in plain.runner.command("c.json", {"train_micro_batch_size_per_gpu": 6})
 
 
-def test_mp_size_and_memory_budget_decide_what_is_tried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mp_size_and_memory_budget_decide_what_is_tried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     tuner, _ = _tuner(tmp_path, monkeypatch, nproc=4, mp_size=2, memory_budget=10**12)
     assert tuner.world == 2 and [s for s, _ in tuner.prune([0, 1, 2, 3], 10**6)] == [0, 1, 2, 3]
     # 1e6 parameters, 2 ranks: 16 B/param at stage 0 (16 MB) do not fit 8 MB; stage 3's 8 MB/rank does

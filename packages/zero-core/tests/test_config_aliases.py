@@ -246,6 +246,7 @@ def test_bf16_keys_of_deepspeed_0_19():
     assert load_config({"train_batch_size": 1, "bf16": {"enabled": True}}).bf16.check_grad_overflow is True
     for key in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
         with pytest.raises(
-            ConfigError, match=rf"bf16.{key}: true asks for .* which zero does not implement; not implemented yet"
+            ConfigError,
+            match=rf"bf16.{key}: true asks for .* which zero does not implement; not implemented yet",
         ):
             load_config({"train_batch_size": 1, "bf16": {"enabled": True, key: True}})

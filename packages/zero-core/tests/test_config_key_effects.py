@@ -48,7 +48,11 @@ def test_dump_state_prints_the_engine_state_once() -> None:
     assert "engine state (dump_state)" not in plain
     head, _, body = dumped.partition("[zero] engine state (dump_state):\n")
     state = json.loads(body[: body.index("\n}\n") + 2])
-    assert state["zero_stage"] == 0 and state["optimizer"] == "AdamW" and state["gradient_accumulation_steps"] == 1
+    assert (
+        state["zero_stage"] == 0
+        and state["optimizer"] == "AdamW"
+        and state["gradient_accumulation_steps"] == 1
+    )
     assert state["config"]["dump_state"] is True and state["config"]["steps_per_print"] == 1
 
 
@@ -88,16 +92,23 @@ def _masters_after_load(stage: int, from_fp32: bool, path: str) -> list[list[flo
 
 
 def _load_cases(path: str) -> list:
-    return [(_masters_after_load(s, True, f"{path}/a{s}"), _masters_after_load(s, False, f"{path}/b{s}")) for s in (0, 1, 2, 3)]
+    return [
+        (_masters_after_load(s, True, f"{path}/a{s}"), _masters_after_load(s, False, f"{path}/b{s}"))
+        for s in (0, 1, 2, 3)
+    ]
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_load_from_fp32_weights_false_builds_masters_from_the_16bit_weights(world: int, tmp_path) -> None:
-    for stage, ((saved, _), (rebuilt, weights)) in enumerate(run_multirank(_load_cases, world, args=(str(tmp_path),))[0]):
+    for stage, ((saved, _), (rebuilt, weights)) in enumerate(
+        run_multirank(_load_cases, world, args=(str(tmp_path),))[0]
+    ):
         for m32, m16 in zip(saved, rebuilt):
             as_bf16 = torch.tensor(m32).bfloat16().float()
             assert torch.equal(torch.tensor(m16), as_bf16), f"stage {stage}: not the bf16 weights"
-            assert not torch.equal(torch.tensor(m32), as_bf16), f"stage {stage}: the saved masters are bf16 values"
+            assert not torch.equal(torch.tensor(m32), as_bf16), (
+                f"stage {stage}: the saved masters are bf16 values"
+            )
         if weights is not None:
             assert all(torch.equal(w.reshape(-1), torch.tensor(m)) for w, m in zip(weights, rebuilt))
 
@@ -122,7 +133,9 @@ def test_steps_per_print_and_wall_clock_breakdown_shape_the_progress_line() -> N
         lambda: (_progress({"steps_per_print": 3}, 6), _progress({"wall_clock_breakdown": True}, 2)), 1
     )[0]
     assert [line.split(" | ")[0] for line in every3] == ["[zero] step 3", "[zero] step 6"]
-    assert len(timed) == 2 and all("forward" in line and "backward" in line and " ms" in line for line in timed)
+    assert len(timed) == 2 and all(
+        "forward" in line and "backward" in line and " ms" in line for line in timed
+    )
     assert not any(" ms" in line for line in every3)
 
 
@@ -137,13 +150,17 @@ def _timeouts() -> tuple[float, float]:
 
 def test_comms_timeout_bounds_every_collective() -> None:
     before, after = run_multirank(_timeouts, 1)[0]
-    assert after == 7.0 and before != 7.0  # the collective watchdog's deadline: See [Note: collective watchdog]
+    assert (
+        after == 7.0 and before != 7.0
+    )  # the collective watchdog's deadline: See [Note: collective watchdog]
 
 
 def _step_collectives(extra_zero: dict, stage: int = 2) -> dict[str, int]:
     from zero_core.comm import comms_logger
 
-    engine, _ = _engine({"zero_optimization": {"stage": stage, **extra_zero}, "steps_per_print": 10**6}, stage)
+    engine, _ = _engine(
+        {"zero_optimization": {"stage": stage, **extra_zero}, "steps_per_print": 10**6}, stage
+    )
     comms_logger.reset()
     comms_logger.enable()
     engine.backward(engine(torch.ones(2, DIM)).pow(2).mean())
@@ -168,7 +185,10 @@ def _knob_cases() -> dict:
 def test_stage12_knobs_change_the_collectives() -> None:
     c = run_multirank(_knob_cases, 2)[0]
     assert c["base"]["reduce_scatter_tensor"] >= 1 and c["base"]["reduce"] == 0
-    assert c["allreduce"]["reduce_scatter_tensor"] == 0 and c["allreduce"]["all_reduce"] > c["base"]["all_reduce"]
+    assert (
+        c["allreduce"]["reduce_scatter_tensor"] == 0
+        and c["allreduce"]["all_reduce"] > c["base"]["all_reduce"]
+    )
     assert c["reduce"]["reduce_scatter_tensor"] == 0 and c["reduce"]["reduce"] > 0
     assert c["buckets"]["reduce_scatter_tensor"] > c["base"]["reduce_scatter_tensor"]
     assert c["broadcast"]["all_gather_into_tensor"] == 0 and c["broadcast"]["broadcast"] > 0
@@ -216,7 +236,9 @@ def _grads_alive_late_in_backward(contiguous: bool) -> int:
 
 
 def test_contiguous_gradients_frees_each_gradient_in_its_hook() -> None:
-    on, off = run_multirank(lambda: (_grads_alive_late_in_backward(True), _grads_alive_late_in_backward(False)), 2)[0]
+    on, off = run_multirank(
+        lambda: (_grads_alive_late_in_backward(True), _grads_alive_late_in_backward(False)), 2
+    )[0]
     assert on == 0 and off == 3  # copied into the bucket and freed at once, or kept until the launch
 
 

@@ -112,7 +112,11 @@ def _engine_grads(stage: int, accum: str | None, comm_fp32: bool) -> list[torch.
 
 def _run(stages: tuple[int, ...], comm_fp32: bool) -> list:
     return [
-        (_engine_grads(s, "fp32", comm_fp32), _engine_grads(s, None, comm_fp32), _engine_grads(s, "bf16", comm_fp32))
+        (
+            _engine_grads(s, "fp32", comm_fp32),
+            _engine_grads(s, None, comm_fp32),
+            _engine_grads(s, "bf16", comm_fp32),
+        )
         for s in stages
     ]
 

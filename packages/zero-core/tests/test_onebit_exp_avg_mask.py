@@ -17,7 +17,12 @@ ROWS, DIM = 20, 4
 UNUSED = slice(1, ROWS, 2)  # odd rows: each exchanged chunk mixes used and unused entries
 CASES = {
     "OneBitAdam": {"freeze_step": 2},
-    "ZeroOneAdam": {"var_freeze_step": 4, "var_update_scaler": 1, "local_step_scaler": 2, "local_step_clipper": 4},
+    "ZeroOneAdam": {
+        "var_freeze_step": 4,
+        "var_update_scaler": 1,
+        "local_step_scaler": 2,
+        "local_step_clipper": 4,
+    },
     "OneBitLamb": {"freeze_step": 2},
 }
 

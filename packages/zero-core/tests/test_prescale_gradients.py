@@ -94,4 +94,6 @@ def test_predivide_factor_at_stages_1_to_3_is_an_error() -> None:
     from zero_core.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="gradient_predivide_factor: 2 applies at ZeRO stage 0"):
-        load_config({"train_batch_size": 8, "gradient_predivide_factor": 2.0, "zero_optimization": {"stage": 2}})
+        load_config(
+            {"train_batch_size": 8, "gradient_predivide_factor": 2.0, "zero_optimization": {"stage": 2}}
+        )

@@ -66,7 +66,11 @@ def _train(sparse: bool, extra: dict) -> tuple[list[torch.Tensor], list[torch.Te
 
 
 def _cases() -> list:
-    bf16 = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}, "gradient_accumulation_steps": 2}
+    bf16 = {
+        "bf16": {"enabled": True},
+        "data_types": {"grad_accum_dtype": "fp32"},
+        "gradient_accumulation_steps": 2,
+    }
     return [
         _train(False, {}),  # dense reference
         _train(True, {}),  # nn.Embedding(sparse=True)
@@ -107,5 +111,7 @@ def test_stages_1_to_3_refuse_sparse_gradients() -> None:
 
     for message in run_multirank(lambda: [_stage_error(s) for s in (1, 2, 3)], 1)[0]:
         assert "does not take sparse ones" in message and "emb.weight" in message, message
-    with pytest.raises(ConfigError, match="sparse_gradients: true reduces embedding gradients sparsely at ZeRO stage 0"):
+    with pytest.raises(
+        ConfigError, match="sparse_gradients: true reduces embedding gradients sparsely at ZeRO stage 0"
+    ):
         load_config({"train_batch_size": 2, "sparse_gradients": True, "zero_optimization": {"stage": 1}})

@@ -33,7 +33,9 @@ def _writes_at_initialize(nvme: str, fast_init: bool) -> int:
             "train_micro_batch_size_per_gpu": 4,
             "zero_optimization": {"stage": 2, "sub_group_size": 1000, "offload_optimizer": off},
         }
-        engine, *_ = zero_core.initialize(model=model, optimizer=torch.optim.Adam(model.parameters()), config=cfg)
+        engine, *_ = zero_core.initialize(
+            model=model, optimizer=torch.optim.Adam(model.parameters()), config=cfg
+        )
         engine.destroy()
     finally:
         AsyncIOHandle.async_pwrite = original
@@ -42,6 +44,10 @@ def _writes_at_initialize(nvme: str, fast_init: bool) -> int:
 
 def test_fast_init_skips_the_zero_writes(tmp_path) -> None:
     slow, fast = run_multirank(
-        lambda: (_writes_at_initialize(str(tmp_path / "a"), False), _writes_at_initialize(str(tmp_path / "b"), True)), 1
+        lambda: (
+            _writes_at_initialize(str(tmp_path / "a"), False),
+            _writes_at_initialize(str(tmp_path / "b"), True),
+        ),
+        1,
     )[0]
     assert slow > 0 and fast == 0, (slow, fast)

@@ -83,6 +83,8 @@ def _masters(tmp: str, from_fp32: bool) -> list[torch.Tensor]:
 
 
 def test_pipeline_load_from_fp32_weights_false_rebuilds_the_masters(tmp_path) -> None:
-    saved, rebuilt = run_multirank(lambda: (_masters(str(tmp_path / "a"), True), _masters(str(tmp_path / "b"), False)), 2)[0]
+    saved, rebuilt = run_multirank(
+        lambda: (_masters(str(tmp_path / "a"), True), _masters(str(tmp_path / "b"), False)), 2
+    )[0]
     assert all(torch.equal(r, s.bfloat16().float()) for r, s in zip(rebuilt, saved))
     assert any(not torch.equal(s, s.bfloat16().float()) for s in saved)

@@ -28,7 +28,8 @@ _ZPP = _CORE + "test_stage3_zeropp_quantized.py::test_bytes_per_step_match_the_f
 EFFECT_TESTS: dict[str, str] = {
     # -- top level ------------------------------------------------------------------------------
     "train_batch_size": _CORE + "test_config_batch.py::test_derivation",
-    "train_micro_batch_size_per_gpu": _CORE + "test_engine_dataloader.py::test_sharded_reshuffled_collated_loader",
+    "train_micro_batch_size_per_gpu": _CORE
+    + "test_engine_dataloader.py::test_sharded_reshuffled_collated_loader",
     "gradient_accumulation_steps": _CORE + "test_engine_stage0.py::test_stage0_matches_single_process",
     "steps_per_print": _KEYS + "test_steps_per_print_and_wall_clock_breakdown_shape_the_progress_line",
     "wall_clock_breakdown": _KEYS + "test_steps_per_print_and_wall_clock_breakdown_shape_the_progress_line",
@@ -36,9 +37,12 @@ EFFECT_TESTS: dict[str, str] = {
     "memory_breakdown": _KEYS + "test_memory_breakdown_and_throughput_switch_change_the_progress_line",
     "gradient_clipping": _CORE + "test_engine_stage0.py::test_stage0_matches_single_process",
     "prescale_gradients": _CORE + "test_prescale_gradients.py::test_fp16_shows_the_division_before_the_sum",
-    "gradient_predivide_factor": _CORE + "test_prescale_gradients.py::test_fp16_shows_the_division_before_the_sum",
-    "sparse_gradients": _CORE + "test_sparse_gradients.py::test_sparse_reduction_equals_dense_and_sends_fewer_bytes",
-    "communication_data_type": _CORE + "test_stage3_comm_dtype.py::test_reduce_scatter_uses_communication_data_type",
+    "gradient_predivide_factor": _CORE
+    + "test_prescale_gradients.py::test_fp16_shows_the_division_before_the_sum",
+    "sparse_gradients": _CORE
+    + "test_sparse_gradients.py::test_sparse_reduction_equals_dense_and_sends_fewer_bytes",
+    "communication_data_type": _CORE
+    + "test_stage3_comm_dtype.py::test_reduce_scatter_uses_communication_data_type",
     "comms_timeout": _KEYS + "test_comms_timeout_bounds_every_collective",
     "zero_allow_unknown_keys": _CORE + "test_config_errors.py::test_unknown_keys_downgraded_by_config_switch",
     "dataloader_drop_last": _CORE + "test_engine_dataloader.py::test_sharded_reshuffled_collated_loader",
@@ -52,9 +56,11 @@ EFFECT_TESTS: dict[str, str] = {
     "fp16.consecutive_hysteresis": _FP16,
     "fp16.min_loss_scale": _FP16,
     "bf16.enabled": _CORE + "test_engine_bf16.py::test_bf16_matches_hand_written_mixed_precision",
-    "bf16.check_grad_overflow": _CORE + "test_engine_bf16.py::test_bf16_skips_a_step_with_non_finite_gradients",
+    "bf16.check_grad_overflow": _CORE
+    + "test_engine_bf16.py::test_bf16_skips_a_step_with_non_finite_gradients",
     "data_types.grad_accum_dtype": (
-        _CORE + "test_grad_accum_dtype.py::test_fp32_accumulation_is_the_exact_fp32_sum_of_the_bf16_micro_gradients"
+        _CORE
+        + "test_grad_accum_dtype.py::test_fp32_accumulation_is_the_exact_fp32_sum_of_the_bf16_micro_gradients"
     ),
     # -- optimizer, scheduler -------------------------------------------------------------------
     "optimizer.type": _CORE + "test_optim_builder.py::test_builds_each_config_type",
@@ -62,8 +68,10 @@ EFFECT_TESTS: dict[str, str] = {
     "scheduler.type": _CORE + "test_lr_schedules.py::test_build_from_config_matches_direct_construction",
     "scheduler.params": _CORE + "test_lr_schedules.py::test_build_from_config_matches_direct_construction",
     # -- zero_optimization ----------------------------------------------------------------------
-    "zero_optimization.stage": _CORE + "test_stage12_memory_comm.py::test_stage12_memory_and_comm_volume_match_theory",
-    "zero_optimization.contiguous_gradients": _KEYS + "test_contiguous_gradients_frees_each_gradient_in_its_hook",
+    "zero_optimization.stage": _CORE
+    + "test_stage12_memory_comm.py::test_stage12_memory_and_comm_volume_match_theory",
+    "zero_optimization.contiguous_gradients": _KEYS
+    + "test_contiguous_gradients_frees_each_gradient_in_its_hook",
     "zero_optimization.reduce_scatter": _KEYS + "test_stage12_knobs_change_the_collectives",
     "zero_optimization.reduce_bucket_size": _KEYS + "test_stage12_knobs_change_the_collectives",
     "zero_optimization.use_multi_rank_bucket_allreduce": _KEYS + "test_stage12_knobs_change_the_collectives",
@@ -73,14 +81,19 @@ EFFECT_TESTS: dict[str, str] = {
     "zero_optimization.load_from_fp32_weights": (
         _KEYS + "test_load_from_fp32_weights_false_builds_masters_from_the_16bit_weights"
     ),
-    "zero_optimization.offload_param.device": _OFF + "test_offload_param.py::test_offload_param_matches_single_process_torch",
+    "zero_optimization.offload_param.device": _OFF
+    + "test_offload_param.py::test_offload_param_matches_single_process_torch",
     "zero_optimization.offload_param.nvme_path": (
         _OFF + "test_offload_memory_faults.py::test_offload_nvme_unwritable_path_fails_at_initialize"
     ),
-    "zero_optimization.offload_param.buffer_count": _OFF + "test_offload_param.py::test_offload_param_clear_errors",
-    "zero_optimization.offload_param.pin_memory": _OFF + "test_offload_copies.py::test_offload_copies_are_pinned_non_blocking_and_fenced",
-    "zero_optimization.offload_param.buffer_size": _OFF + "test_offload_param.py::test_offload_param_clear_errors",
-    "zero_optimization.offload_param.max_in_cpu": _OFF + "test_offload_param.py::test_offload_param_matches_single_process_torch",
+    "zero_optimization.offload_param.buffer_count": _OFF
+    + "test_offload_param.py::test_offload_param_clear_errors",
+    "zero_optimization.offload_param.pin_memory": _OFF
+    + "test_offload_copies.py::test_offload_copies_are_pinned_non_blocking_and_fenced",
+    "zero_optimization.offload_param.buffer_size": _OFF
+    + "test_offload_param.py::test_offload_param_clear_errors",
+    "zero_optimization.offload_param.max_in_cpu": _OFF
+    + "test_offload_param.py::test_offload_param_matches_single_process_torch",
     "zero_optimization.offload_optimizer.device": (
         _OFF + "test_offload_memory_faults.py::test_offload_memory_device_side_is_params_and_grads"
     ),
@@ -99,19 +112,23 @@ EFFECT_TESTS: dict[str, str] = {
     "zero_optimization.offload_optimizer.pipeline_write": (
         _OFF + "test_offload_memory_faults.py::test_offload_nvme_buffer_count_too_small_for_pipeline"
     ),
-    "zero_optimization.offload_optimizer.fast_init": _OFF + "test_offload_fast_init.py::test_fast_init_skips_the_zero_writes",
-    "zero_optimization.offload_optimizer.ratio": _OFF + "test_offload_parity.py::test_offload_matches_single_process_torch",
+    "zero_optimization.offload_optimizer.fast_init": _OFF
+    + "test_offload_fast_init.py::test_fast_init_skips_the_zero_writes",
+    "zero_optimization.offload_optimizer.ratio": _OFF
+    + "test_offload_parity.py::test_offload_matches_single_process_torch",
     "zero_optimization.sub_group_size": (
         _OFF + "test_offload_memory_faults.py::test_offload_memory_device_side_is_params_and_grads"
     ),
     "zero_optimization.prefetch_bucket_size": _CORE + "test_stage3_api.py::test_memory_and_comm_volume",
-    "zero_optimization.param_persistence_threshold": _CORE + "test_stage3_api.py::test_memory_and_comm_volume",
+    "zero_optimization.param_persistence_threshold": _CORE
+    + "test_stage3_api.py::test_memory_and_comm_volume",
     "zero_optimization.model_persistence_threshold": (
         _KEYS + "test_model_persistence_threshold_caps_the_persistent_parameters"
     ),
     "zero_optimization.max_live_parameters": _CORE + "test_stage3_api.py::test_memory_and_comm_volume",
     "zero_optimization.max_reuse_distance": _CORE + "test_stage3_api.py::test_memory_and_comm_volume",
-    "zero_optimization.gather_16bit_weights_on_model_save": _CORE + "test_stage3_hf_models.py::test_hf_model_under_stage3",
+    "zero_optimization.gather_16bit_weights_on_model_save": _CORE
+    + "test_stage3_hf_models.py::test_hf_model_under_stage3",
     "zero_optimization.ignore_unused_parameters": (
         _CORE + "test_stage12_unused_frozen.py::test_stage12_unused_and_frozen_parameters"
     ),
@@ -125,7 +142,8 @@ EFFECT_TESTS: dict[str, str] = {
     "zero_optimization.mics_hierarchical_params_gather": _MICS,
     # -- activation checkpointing ---------------------------------------------------------------
     "activation_checkpointing.partition_activations": _AC + "test_partition_activations_two_ranks",
-    "activation_checkpointing.contiguous_memory_optimization": _AC + "test_contiguous_buffers_profile_and_reset",
+    "activation_checkpointing.contiguous_memory_optimization": _AC
+    + "test_contiguous_buffers_profile_and_reset",
     "activation_checkpointing.cpu_checkpointing": _AC + "test_checkpoint_in_cpu_keeps_a_separate_copy",
     "activation_checkpointing.number_checkpoints": _AC + "test_contiguous_buffers_profile_and_reset",
     "activation_checkpointing.synchronize_checkpoint_boundary": (
@@ -148,7 +166,8 @@ EFFECT_TESTS: dict[str, str] = {
     "comms_logger.prof_all": _LOG + "test_configure_from_config_section",
     "comms_logger.debug": _LOG + "test_verbose_debug_and_log_summary",
     "comms_logger.prof_ops": _LOG + "test_prof_ops_filter_and_async_timing",
-    "checkpoint.tag_validation": _CORE + "test_deepspeed_compat_config.py::test_checkpoint_tag_validation_modes",
+    "checkpoint.tag_validation": _CORE
+    + "test_deepspeed_compat_config.py::test_checkpoint_tag_validation_modes",
     # -- plugin sections: pipeline (zero-pipe), aio (zero-offload/zero-ops), flops_profiler ------
     "pipeline.stages": "packages/zero-pipe/tests/test_pipe_initialize.py::test_initialize_builds_pipeline_engine_from_config",
     "pipeline.activation_checkpoint_interval": (
@@ -176,10 +195,13 @@ EFFECT_TESTS: dict[str, str] = {
     "autotuning.exps_dir": _AT + "test_finished_experiments_are_reused_from_exps_dir_unless_overwrite",
     "autotuning.overwrite": _AT + "test_finished_experiments_are_reused_from_exps_dir_unless_overwrite",
     "autotuning.metric": _CORE + "test_autotuning.py::test_search_measures_the_model_and_confirms_the_pick",
-    "autotuning.start_profile_step": _CORE + "test_autotuning_confirm.py::test_engine_metric_is_the_median_step",
-    "autotuning.end_profile_step": _CORE + "test_autotuning_confirm.py::test_engine_metric_is_the_median_step",
+    "autotuning.start_profile_step": _CORE
+    + "test_autotuning_confirm.py::test_engine_metric_is_the_median_step",
+    "autotuning.end_profile_step": _CORE
+    + "test_autotuning_confirm.py::test_engine_metric_is_the_median_step",
     "autotuning.metric_path": _CORE + "test_autotuning_confirm.py::test_engine_metric_is_the_median_step",
-    "autotuning.tuner_type": _CORE + "test_autotuning.py::test_search_measures_the_model_and_confirms_the_pick",
+    "autotuning.tuner_type": _CORE
+    + "test_autotuning.py::test_search_measures_the_model_and_confirms_the_pick",
     "autotuning.tuner_early_stopping": _AT + "test_search_limits_follow_the_section",
     "autotuning.tuner_num_trials": _AT + "test_search_limits_follow_the_section",
     "autotuning.arg_mappings": _AT + "test_arg_mappings_set_the_script_flags",
@@ -192,8 +214,10 @@ EFFECT_TESTS: dict[str, str] = {
     "autotuning.model_info": _CORE + "test_autotuning.py::test_memory_pruning_launches_only_stage_3",
     "autotuning.model_info_path": _AT + "test_model_info_comes_from_the_configured_places",
     "autotuning.memory_budget": _AT + "test_mp_size_and_memory_budget_decide_what_is_tried",
-    "autotuning.experiment_timeout": _CORE + "test_autotuning.py::test_failures_are_recorded_and_a_killed_search_resumes",
+    "autotuning.experiment_timeout": _CORE
+    + "test_autotuning.py::test_failures_are_recorded_and_a_killed_search_resumes",
     "autotuning.confirm_top_k": _CORE + "test_autotuning_confirm.py::test_confirm_top_k_limits_the_phase",
     # -- timers ----------------------------------------------------------------------------------
-    "timers.throughput.enabled": _KEYS + "test_memory_breakdown_and_throughput_switch_change_the_progress_line",
+    "timers.throughput.enabled": _KEYS
+    + "test_memory_breakdown_and_throughput_switch_change_the_progress_line",
 }

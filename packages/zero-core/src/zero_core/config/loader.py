@@ -20,8 +20,8 @@ from pydantic import ValidationError
 
 from zero_core.config import sections
 from zero_core.config.errors import ConfigError, format_validation_error
-from zero_core.config.root import ZeroConfig
 from zero_core.config.no_effect import check_no_effect
+from zero_core.config.root import ZeroConfig
 from zero_core.config.unimplemented import check_unimplemented, check_unimplemented_keys
 from zero_core.config.unknown_keys import ENV_VAR, strip_unknown_keys, unknown_key_policy
 
@@ -198,7 +198,9 @@ def load_config(
     source = _pick_source(config, args, config_params)
     if isinstance(source, ZeroConfig):
         cfg, where = source, None
-        _check_key_values(cfg, unknown_key_policy({"zero_allow_unknown_keys": cfg.zero_allow_unknown_keys}), None)
+        _check_key_values(
+            cfg, unknown_key_policy({"zero_allow_unknown_keys": cfg.zero_allow_unknown_keys}), None
+        )
     else:
         raw, where = read_config(source)
         try:

@@ -86,7 +86,9 @@ _MOE = (
     "the moe section configures nothing here: build MoE layers in code with zero.moe.MoE(hidden_size, "
     "expert, num_experts=..., ep_size=..., k=...), as DeepSpeed does, and remove the key"
 )
-_NOT_YET = "not implemented yet; remove the key (zero keeps fp32 master weights, gradients and optimizer states)"
+_NOT_YET = (
+    "not implemented yet; remove the key (zero keeps fp32 master weights, gradients and optimizer states)"
+)
 
 
 def _moe(what: str) -> Unimplemented:
@@ -113,7 +115,9 @@ UNIMPLEMENTED: dict[str, Unimplemented] = {
         "NVIDIA Apex AMP (DeepSpeed 0.19 removed it too)", "use the fp16 or bf16 section instead", _enabled
     ),
     # Newer DeepSpeed keys, outside DeepSpeed's documented key set (removed from the config before validation).
-    "torch_autocast": Unimplemented("torch.autocast mixed precision", "use the bf16 or fp16 sections", _enabled),
+    "torch_autocast": Unimplemented(
+        "torch.autocast mixed precision", "use the bf16 or fp16 sections", _enabled
+    ),
     "comet": Unimplemented("the Comet monitor", "use tensorboard, wandb or csv_monitor", _enabled),
     "weight_quantization": Unimplemented(
         "weight quantization", "see zero.init_inference's int8 dtype; remove the section", _truthy
@@ -137,14 +141,16 @@ UNIMPLEMENTED: dict[str, Unimplemented] = {
     "bf16.bf16_master_weights_and_grads": Unimplemented("bf16 master weights and gradients", _NOT_YET),
     "bf16.bf16_optimizer_states": Unimplemented("bf16 optimizer states", _NOT_YET),
     "zero_optimization.use_all_reduce_for_fetch_params": Unimplemented(
-        "the stage-3 parameter fetch as an all-reduce", "not implemented yet; remove the key (the fetch is an all-gather)"
+        "the stage-3 parameter fetch as an all-reduce",
+        "not implemented yet; remove the key (the fetch is an all-gather)",
     ),
     "zero_optimization.module_granularity_threshold": Unimplemented(
         "fetching the parameters of small modules as one unit",
         "not implemented yet; remove the key, or mark such modules with zero.utils.set_z3_leaf_modules",
     ),
     "zero_optimization.legacy_stage1": Unimplemented(
-        "the ZeRO stage 1 of DeepSpeed before 0.5.9 (DeepSpeed refuses it too)", "remove the key and use stage 1"
+        "the ZeRO stage 1 of DeepSpeed before 0.5.9 (DeepSpeed refuses it too)",
+        "remove the key and use stage 1",
     ),
     "zero_optimization.zeropp_loco_param": Unimplemented(
         "LoCo error feedback for ZeRO++ quantized gradients (DeepSpeed 0.19 removed it)",

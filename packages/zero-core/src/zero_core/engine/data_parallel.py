@@ -68,7 +68,12 @@ class DataParallelStrategy:
         ]
         self.sparse = [
             SparseGradReducer(
-                sparse, native, group=reduce_group, divisor=dp_world, comm_dtype=comm_dtype, accum_dtype=accum_dtype
+                sparse,
+                native,
+                group=reduce_group,
+                divisor=dp_world,
+                comm_dtype=comm_dtype,
+                accum_dtype=accum_dtype,
             )
             for reduce_group, params in reduction_groups(self.params, group)
             if (sparse := [p for p in params if id(p) in native])
@@ -203,7 +208,9 @@ class DataParallelStrategy:
         ledger = StorageLedger()
         ledger.add("parameters", self.module.parameters())
         grads = [g for g in map(self.grad_of, self.params) if g is not None]
-        ledger.add("gradients", (t for g in grads for t in ((g._indices(), g._values()) if g.is_sparse else (g,))))
+        ledger.add(
+            "gradients", (t for g in grads for t in ((g._indices(), g._values()) if g.is_sparse else (g,)))
+        )
         ledger.add("gradients", (m.grad for m in self.master.values()))  # fp32, during the step
         ledger.add("master_weights", self.master.values())
         ledger.add("optimizer_states", state)

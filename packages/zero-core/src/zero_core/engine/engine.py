@@ -28,8 +28,8 @@ from zero_core.engine.loss_scaler import LossScaler
 from zero_core.engine.model_states import ModelStates
 from zero_core.engine.module_attrs import forward_to_module
 from zero_core.engine.no_sync import NoSyncGuard
-from zero_core.engine.strategy import TrainingStrategy
 from zero_core.engine.state_report import breakdown_text
+from zero_core.engine.strategy import TrainingStrategy
 from zero_core.engine.timers import Timers
 from zero_core.utils import termination
 

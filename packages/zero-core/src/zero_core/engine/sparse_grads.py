@@ -152,7 +152,9 @@ class SparseGradReducer:
         val_all = torch.empty((world * most, *send.shape[1:]), dtype=send.dtype, device=p.device)
         comm.all_gather_into_tensor(idx_all, idx_pad, group=self.group)
         comm.all_gather_into_tensor(val_all, val_pad, group=self.group)
-        keep = torch.cat([torch.arange(r * most, r * most + c, device=p.device) for r, c in enumerate(counts)])
+        keep = torch.cat(
+            [torch.arange(r * most, r * most + c, device=p.device) for r, c in enumerate(counts)]
+        )
         rows, vals = idx_all.index_select(0, keep), val_all.index_select(0, keep).to(dtype)
         if self.native[id(p)]:
             grad = torch.sparse_coo_tensor(rows.unsqueeze(0), vals, p.shape, check_invariants=False)
