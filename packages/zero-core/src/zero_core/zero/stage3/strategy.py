@@ -152,11 +152,9 @@ class Stage3Strategy:
             max_reuse_distance=int(max_reuse_distance),
         )
         self.reducer = GradBucketReducer(
-            int(reduce_bucket_size),
-            overlap=bool(overlap_comm),
-            comm_dtype=comm_dtype,
-            accum_dtype=accum_dtype,
+            int(reduce_bucket_size), overlap=bool(overlap_comm), comm_dtype=comm_dtype
         )
+        self.reducer.accum_dtype = accum_dtype  # See [Note: gradient accumulation dtype] (grad_buckets.py)
         self._switch_zeropp(quantized_weights, quantized_nontrainable_weights, quantized_gradients)
         for po in self._param_offloads():
             po.follow(self.coordinator)  # read ahead in the recorded module order
