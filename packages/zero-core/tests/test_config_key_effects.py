@@ -263,6 +263,7 @@ def test_synchronize_checkpoint_boundary_synchronizes_around_each_checkpoint(mon
     from zero_core.activation_checkpointing import checkpointing as ac
 
     calls = []
+    monkeypatch.setattr(ac, "_STATE", ac.CheckpointingState())  # unconfigured, and restored after
     monkeypatch.setattr(ac, "_synchronize", lambda: calls.append(1))
     block = nn.Linear(DIM, DIM)
     x = torch.randn(2, DIM, requires_grad=True)

@@ -144,6 +144,10 @@ class SparseGradReducer:
             self._set(p, None)
             return
         most = max(counts)
+        if most == 0:  # gradients without a non-zero row anywhere: zero
+            zero = torch.zeros(p.shape, dtype=dtype, device=p.device)
+            self._set(p, zero.to_sparse(sparse_dim=1) if self.native[id(p)] else zero)
+            return
         idx_pad = torch.zeros(most, dtype=torch.long, device=p.device)
         idx_pad[: indices.numel()] = indices
         val_pad = torch.zeros((most, *send.shape[1:]), dtype=send.dtype, device=p.device)
