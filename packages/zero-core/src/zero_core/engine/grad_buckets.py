@@ -52,7 +52,9 @@ The reductions run in ``communication_data_type`` when it is set, else in the dt
 reduced: the wide sums at stages 0-1 (so the boundary's gradient is exactly the reduced fp32
 sum), each micro-step's 16-bit gradients at stages 2-3. DeepSpeed casts stage 0-1's fp32 sums
 to its communication dtype, which defaults to the model's: set ``"communication_data_type":
-"bf16"`` (or ``"fp16"``) for its bytes on the wire.
+"bf16"`` (or ``"fp16"``) for its bytes on the wire. (DeepSpeed 0.19 serves fp32 accumulation
+with its bf16 optimizer at stage 1 and in pipelines, its ZeRO optimizers at stages 1-3, and
+refuses it at stage 0; zero has it at stages 0-3, and refuses it in pipelines.)
 """
 
 from __future__ import annotations
