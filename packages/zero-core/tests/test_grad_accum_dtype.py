@@ -189,3 +189,48 @@ def test_grad_accum_dtype_narrower_than_training_is_an_error() -> None:
     with pytest.raises(ConfigError, match='data_types.grad_accum_dtype: "bf16" with fp32 training'):
         load_config({**base, "data_types": {"grad_accum_dtype": "bf16"}})
     load_config({**base, "fp16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}})
+
+
+def _syncs(stage: int, precision: str) -> tuple[list[int], list[int]]:
+    """Host reads per micro-step and per optimizer step with fp32 accumulation (steps 2 and 3)."""
+    import zero_core
+    from zero_core import comm
+    from zero_core.testing.host_syncs import count_host_syncs
+    from zero_core.zero.stage3 import set_collective_checks
+
+    set_collective_checks(False)  # stage 3's per-bucket agreement read is another matter (issue 33, point 3)
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 2,
+        "steps_per_print": 10**6,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        precision: {"enabled": True, **({"initial_scale_power": 8} if precision == "fp16" else {})},
+        "data_types": {"grad_accum_dtype": "fp32"},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 100},
+    }
+    engine, *_ = zero_core.initialize(model=_model(), config=cfg)
+    dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+    micro, steps = [], []
+    for step in range(3):
+        for k in range(2):
+            with count_host_syncs() as c:
+                engine.backward(engine(_x(10 * step + k, comm.get_rank()).to(dtype)).float().pow(2).mean())
+                if k == 0:
+                    engine.step()
+            with count_host_syncs() as s:
+                if k == 1:
+                    engine.step()
+            if step > 0:
+                micro.append(c.total)
+                if k == 1:
+                    steps.append(s.total)
+    engine.destroy()
+    set_collective_checks(True)
+    return micro, steps
+
+
+def test_fp32_accumulation_adds_no_host_sync() -> None:
+    cases = [(0, "bf16"), (1, "fp16"), (2, "bf16"), (3, "bf16")]
+    for per_rank in run_multirank(lambda: [_syncs(*c) for c in cases], 2, timeout=240):
+        for case, (micro, steps) in zip(cases, per_rank):
+            assert micro == [0] * len(micro) and max(steps) <= 1, (case, micro, steps)
