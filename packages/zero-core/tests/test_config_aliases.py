@@ -15,7 +15,8 @@ ALIASES = [
     ("stage3_max_live_parameters", "max_live_parameters", 5),
     ("stage3_max_reuse_distance", "max_reuse_distance", 6),
     ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save", True),
-    ("stage3_use_all_reduce_for_fetch_params", "use_all_reduce_for_fetch_params", True),
+    # stage3_use_all_reduce_for_fetch_params: not implemented, so setting it is an error naming the
+    # canonical key (test_config_truth.py::test_aliases_count_as_the_key)
 ]
 
 
@@ -245,6 +246,7 @@ def test_bf16_keys_of_deepspeed_0_19():
     assert load_config({"train_batch_size": 1, "bf16": {"enabled": True}}).bf16.check_grad_overflow is True
     for key in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
         with pytest.raises(
-            ConfigError, match=rf"bf16.{key}: true is not implemented; zero keeps fp32 master"
+            ConfigError,
+            match=rf"bf16.{key}: true asks for .* which zero does not implement; not implemented yet",
         ):
             load_config({"train_batch_size": 1, "bf16": {"enabled": True, key: True}})

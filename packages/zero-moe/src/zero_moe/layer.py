@@ -9,7 +9,7 @@ import warnings
 import torch
 from torch import nn
 from zero_core import comm
-from zero_core.config.unimplemented import warn_no_effect
+from zero_core.config.no_effect import warn_no_effect
 
 from zero_moe import groups
 from zero_moe.deepspeed_names import accept_deepspeed_moe_names
@@ -45,7 +45,7 @@ class MoE(nn.Module):
 
     ``enable_expert_tensor_parallelism`` only matters with tensor model parallelism, which zero
     does not provide: it is recorded (for engines), has no effect on the computation, and
-    ``True`` warns so (zero-core's ``config/unimplemented.py`` ``NO_EFFECT``).
+    ``True`` warns so, once per process (zero-core's ``config/no_effect.py`` ``NO_EFFECT``).
     ``use_tutel`` is accepted for compatibility; the built-in dispatch is always used.
     """
 

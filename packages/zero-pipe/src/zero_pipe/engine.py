@@ -20,9 +20,11 @@ from typing import Any
 import torch
 from zero_core.config import ZeroConfig, load_config
 from zero_core.engine.loss_scaler import LossScaler, build_loss_scaler
+from zero_core.engine.state_report import breakdown_text
 from zero_core.engine.strategy_factory import compute_dtype
 
 from zero_pipe import _dist
+from zero_pipe.config_checks import check_pipeline_config
 from zero_pipe.executor import ComputeSpan, StageExecutor
 from zero_pipe.module import PipelineModule
 from zero_pipe.optimizer_step import (
@@ -87,6 +89,7 @@ class PipelineEngine:
         self.config = self._load_config(config)
         check_zero_stage(self.config.zero_optimization.stage)
         check_no_experts_across_stages(module, self.grid)
+        check_pipeline_config(self.config, module)
         self.micro_batch_size = int(self.config.train_micro_batch_size_per_gpu)
         self.micro_batches = int(self.config.gradient_accumulation_steps)
         self._train_batch_size = self.micro_batch_size * self.micro_batches * self.dp_size
@@ -259,11 +262,13 @@ class PipelineEngine:
         now = time.perf_counter()
         iter_time, self._print_clock = (now - self._print_clock) / every, now
         if _dist.get_rank() == 0:  # the loss was broadcast to every stage, so rank 0 has it
-            print(
-                f"steps: {self.global_steps} loss: {loss.item():0.4f} iter time (s): {iter_time:0.3f} "
-                f"samples/sec: {self._train_batch_size / iter_time:0.3f}",
-                flush=True,
-            )
+            line = f"steps: {self.global_steps} loss: {loss.item():0.4f} iter time (s): {iter_time:0.3f}"
+            throughput = getattr(getattr(self.config, "timers", None), "throughput", None)
+            if getattr(throughput, "enabled", True):  # timers.throughput.enabled
+                line += f" samples/sec: {self._train_batch_size / iter_time:0.3f}"
+            if self.config.memory_breakdown:
+                line += " | " + breakdown_text(self.memory_breakdown())
+            print(line, flush=True)
 
     def eval_batch(
         self,

@@ -85,6 +85,8 @@ def load_format2_checkpoint(
         _check_counters(state, ckpt_dir)
         engine.strategy.load_state_dict(state["strategy"])
         engine.loss_scaler.load_state_dict(state["loss_scaler"])
+        if not engine.config.zero_optimization.load_from_fp32_weights:
+            engine.stage_optimizer.refresh_masters_from_module()  # DeepSpeed's masters from the 16-bit weights
     else:
         # Scheduler, counters and client state are the same on every rank: take (stage 0, replica 0)'s.
         state = load_state(ckpt_dir, meta, _rank_stem(0, 0), skip=("strategy", "loss_scaler"))

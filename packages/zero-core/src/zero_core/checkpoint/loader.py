@@ -225,6 +225,9 @@ def load_checkpoint(
         )
     meta, reader = open_checkpoint(load_dir, tag)
     reader.aliases = global_expert_names(engine.module)  # see [Note: expert fragments]
+    zc = getattr(getattr(engine, "config", None), "zero_optimization", None)
+    # zero_optimization.load_from_fp32_weights: false builds the masters from the 16-bit weights
+    reader.masters_from_weights = not bool(getattr(zc, "load_from_fp32_weights", True))
     load_opt = load_optimizer_states and not load_module_only
     try:
         # sizes of every rank file checked here, checksums in the single pass (see [Note: shared verification])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import warnings
 from typing import Annotated, Any, ClassVar
 
-from pydantic import BeforeValidator, ConfigDict, model_validator
+from pydantic import BeforeValidator, ConfigDict
 
 from zero_core.config.base import AUTO, ConfigModel, NonNegFloat, NonNegInt, PosFloat, PosInt, one_of
 
@@ -99,19 +99,10 @@ class BF16Config(ConfigModel):
     immediate_grad_update: bool = False
     # DeepSpeed (0.19's default): a step whose gradient norm is inf/nan is skipped, not applied.
     check_grad_overflow: bool = True
-    # DeepSpeed's bf16 masters/states; zero keeps fp32 masters, gradients and Adam states with bf16.
+    # DeepSpeed's bf16 masters/states; zero keeps fp32 masters, gradients and Adam states with bf16
+    # (true is an error: config/unimplemented.py).
     bf16_master_weights_and_grads: bool = False
     bf16_optimizer_states: bool = False
-
-    @model_validator(mode="after")
-    def _check_low_precision_masters(self) -> BF16Config:
-        on = [k for k in ("bf16_master_weights_and_grads", "bf16_optimizer_states") if getattr(self, k)]
-        if on:
-            raise ValueError(
-                f"bf16.{on[0]}: true is not implemented; zero keeps fp32 master weights, gradients and "
-                "optimizer states with bf16 (remove the key or set it to false)"
-            )
-        return self
 
     @classmethod
     def _translate_deprecated(cls, data: dict[str, Any]) -> dict[str, Any]:

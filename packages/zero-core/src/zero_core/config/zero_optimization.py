@@ -217,12 +217,6 @@ class ZeroOptimizationConfig(ConfigModel):
                 problems.append(
                     f"zero_optimization.{key}: ZeRO++ quantization needs stage 3, got stage {self.stage}"
                 )
-        if self.zeropp_loco_param is not None:
-            # LoCo (error feedback for qgZ's int4 gradients) is not implemented: say so, never ignore it
-            problems.append(
-                "zero_optimization.zeropp_loco_param: LoCo error feedback for quantized gradients is not "
-                "implemented; remove the key (zero_quantized_gradients works without it)"
-            )
         if problems:
             raise ValueError("\n".join(problems))
         if self.overlap_comm is None:

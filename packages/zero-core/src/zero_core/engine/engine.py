@@ -28,6 +28,7 @@ from zero_core.engine.loss_scaler import LossScaler
 from zero_core.engine.model_states import ModelStates
 from zero_core.engine.module_attrs import forward_to_module
 from zero_core.engine.no_sync import NoSyncGuard
+from zero_core.engine.state_report import breakdown_text
 from zero_core.engine.strategy import TrainingStrategy
 from zero_core.engine.timers import Timers
 from zero_core.utils import termination
@@ -101,6 +102,9 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
         )
         self._last_boundary_time = time.perf_counter()
         self._samples_per_sec = 0.0
+        # timers.throughput.enabled: samples/s on the progress line and in the monitors
+        throughput = getattr(getattr(config, "timers", None), "throughput", None)
+        self._throughput = bool(getattr(throughput, "enabled", True))
         # why training must not go on: a load failed after overwriting part of the state
         # (see [Note: single-pass load] in checkpoint/single_pass.py), and whether it touched the optimizer
         self._invalid_state: str | None = None
@@ -407,8 +411,9 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
                 ("Train/Samples/train_loss", loss, self.global_samples),
                 ("Train/Samples/lr", self.get_lr()[0], self.global_samples),
                 ("Train/Samples/loss_scale", self.loss_scaler.loss_scale, self.global_samples),
-                ("Train/Samples/samples_per_sec", self._samples_per_sec, self.global_samples),
             ]
+            if self._throughput:
+                events.append(("Train/Samples/samples_per_sec", self._samples_per_sec, self.global_samples))
             if self.get_global_grad_norm() is not None:
                 events.append(("Train/Samples/grad_norm", self.get_global_grad_norm(), self.global_samples))
         every = self.config.steps_per_print or 10  # None: the default interval
@@ -424,10 +429,12 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
             self.monitor.write_events(events)
         if mem_per_rank is not None and self.global_rank == 0:
             loss = self.last_loss
-            line = (
-                f"[zero] step {step} | loss {loss:.4f} | lr {self.get_lr()[0]:.3e} | "
-                f"samples/s {self._samples_per_sec:.1f} | model states {max(mem_per_rank):.1f} MB/rank (max)"
-            )
+            line = f"[zero] step {step} | loss {loss:.4f} | lr {self.get_lr()[0]:.3e} | "
+            if self._throughput:  # timers.throughput.enabled
+                line += f"samples/s {self._samples_per_sec:.1f} | "
+            line += f"model states {max(mem_per_rank):.1f} MB/rank (max)"
+            if self.config.memory_breakdown:  # See engine/state_report.py
+                line += " | " + breakdown_text(self.memory_breakdown())
             if self.loss_scaler.checks_overflow:
                 line += f" | loss scale {self.loss_scaler.loss_scale:g} | skipped {self.skipped_steps}"
             if self._wall_clock:

@@ -95,10 +95,11 @@ def _apply_comms_timeout(cfg: ZeroConfig) -> None:
     comm.watchdog.get_watchdog()  # started now, so its records exist before the first step
 
 
-#: config sections that only another package of the family acts on: section -> (import name, what)
+#: config sections that only another package of the family acts on: section -> (import name, what).
+#: (``moe`` is not one: MoE layers take their settings in code and the section configures nothing,
+#: its keys are errors when set, see config/unimplemented.py.)
 OWNED_SECTIONS = {
     "pipeline": ("zero_pipe", "pipeline parallelism"),
-    "moe": ("zero_moe", "Mixture-of-Experts"),
 }
 
 
@@ -293,6 +294,10 @@ def _build_engine(
         compute_dtype=dtype,
     )
     engine.profiler = _build_profiler(model, cfg, engine)
+    if cfg.dump_state:
+        from zero_core.engine.state_report import dump_engine_state
+
+        dump_engine_state(engine)
     return engine, scheduler
 
 

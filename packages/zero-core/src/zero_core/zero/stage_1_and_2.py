@@ -250,6 +250,7 @@ class PartitionedOptimizerStrategy:
         ignore_unused_parameters: bool = True,
         comm_dtype: torch.dtype | None = None,
         optimizer_offload: OptimizerOffload | None = None,
+        accum_dtype: torch.dtype | None = None,
     ) -> None:
         _check_arguments(
             stage, optimizer, dtype, reduce_bucket_size, allgather_bucket_size, round_robin_gradients
@@ -287,6 +288,7 @@ class PartitionedOptimizerStrategy:
             ignore_unused_parameters=ignore_unused_parameters,
             comm_dtype=comm_dtype,
             backward_order=backward_order,
+            accum_dtype=accum_dtype,
         )
 
     def _build_flat_buffers(self) -> None:

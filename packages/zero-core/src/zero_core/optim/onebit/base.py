@@ -24,6 +24,18 @@ with error feedback. So the optimizer, not the engine, decides what crosses the 
 
 With one process the exchange is the identity, so the algorithms' math (frozen variance,
 LAMB's frozen coefficients, 0/1 Adam's local steps) runs unchanged.
+
+[Note: momentum mask]
+The 1-bit exchange cannot send an exact zero (every element goes as +-scale), so entries whose
+momentum must stay zero (the rows of an embedding no batch looks up, as BERT's position
+embeddings past the trained sequence length) would drift by their error feedback. DeepSpeed's
+remedy is kept: a parameter group may carry ``"exp_avg_mask"``, a tensor broadcastable to each
+of its parameters, which multiplies every result of the compressed exchange (1-bit Adam's and
+1-bit LAMB's momentum, 0/1 Adam's gradient and accumulated update), so masked entries leave
+each exchange at exactly zero; the dense warm-up steps are untouched. The mask is the training
+script's, not the checkpoint's: it is never saved (it is no JSON value) and
+``load_state_dict`` keeps the live groups' masks, as DeepSpeed does (a mask may change between
+training phases, e.g. with the sequence length).
 """
 
 from __future__ import annotations
@@ -192,6 +204,42 @@ class CompressedOptimizer(torch.optim.Optimizer):
             segment_sizes=layout.segment_sizes,
         )
         layout.scatter(buf, tensors)
+        self._apply_mask(index, tensors)
+
+    def _apply_mask(self, index: int, tensors: list[torch.Tensor]) -> None:
+        """Multiply the exchanged ``tensors`` by group ``index``'s ``exp_avg_mask``: See [Note: momentum mask]."""
+        group = self.param_groups[index]
+        mask = group.get("exp_avg_mask")
+        if mask is None:
+            return
+        owner = type(self).__name__
+        if not torch.is_tensor(mask):
+            raise TypeError(
+                f"{owner}: param_groups[{index}]['exp_avg_mask'] must be a tensor, got {type(mask).__name__}"
+            )
+        for t in tensors:
+            try:
+                fits = torch.broadcast_shapes(mask.shape, t.shape) == t.shape
+            except RuntimeError:
+                fits = False
+            if not fits:
+                raise ValueError(
+                    f"{owner}: param_groups[{index}]['exp_avg_mask'] has shape {tuple(mask.shape)}, which does "
+                    f"not broadcast to the group's parameter of shape {tuple(t.shape)}"
+                )
+            if mask.device != t.device or mask.dtype != t.dtype:
+                mask = mask.to(device=t.device, dtype=t.dtype)
+                group["exp_avg_mask"] = mask  # moved once, as DeepSpeed does
+            t.mul_(mask)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Torch's, keeping the live param groups' ``exp_avg_mask`` (See [Note: momentum mask])."""
+        groups = [dict(g) for g in state_dict.get("param_groups", [])]
+        for live, saved in zip(self.param_groups, groups):
+            saved.pop("exp_avg_mask", None)
+            if "exp_avg_mask" in live:
+                saved["exp_avg_mask"] = live["exp_avg_mask"]
+        super().load_state_dict({**state_dict, "param_groups": groups})
 
     def reset_errors(self) -> None:
         """Forget the error-feedback buffers (they start from zero at the next exchange)."""

@@ -112,6 +112,7 @@ class Stage3Strategy:
         quantized_nontrainable_weights: bool = False,
         quantized_gradients: bool = False,
         route: ShardRoute | None = None,
+        accum_dtype: torch.dtype | None = None,
     ) -> None:
         _check_arguments(module, optimizer, dtype, param_persistence_threshold, model_persistence_threshold)
         self.module = module
@@ -153,6 +154,7 @@ class Stage3Strategy:
         self.reducer = GradBucketReducer(
             int(reduce_bucket_size), overlap=bool(overlap_comm), comm_dtype=comm_dtype
         )
+        self.reducer.accum_dtype = accum_dtype  # See [Note: gradient accumulation dtype] (grad_buckets.py)
         self._switch_zeropp(quantized_weights, quantized_nontrainable_weights, quantized_gradients)
         for po in self._param_offloads():
             po.follow(self.coordinator)  # read ahead in the recorded module order
