@@ -20,6 +20,14 @@ be loaded at.
   by tensor; so the peak is about one DeepSpeed rank file, whatever the number of ranks.
 * Crash safety: the tag is written into a staging directory and published by zero's own
   commit (``saver.commit_tag``): checksums, sealed ``checkpoint.json``, ``latest`` last.
+* Loss scale (fp16): ``cur_scale``, ``cur_iter``, ``last_overflow_iter`` and ``cur_hysteresis``
+  are carried as saved (the stage 0 fp16 optimizer saves no hysteresis: the config's is used).
+  Two DeepSpeed 0.19.8 behaviours zero does not copy, so an fp16 run matches DeepSpeed's
+  losses only until the first loss-scale growth after the load: DeepSpeed unscales a growth
+  step's gradients with the grown scale (halving them), and grows the scale one step later
+  than zero's (and its own older) ``(cur_iter - last_overflow_iter) % window == 0`` rule. Its
+  stage 0 fp16 optimizer also updates differently from zero's fp16 stage 0 (the state it saves
+  is imported exactly; the following losses differ).
 * What is not carried: RNG states (DeepSpeed saves none; zero's loader then leaves each rank's
   generators as they are) and DeepSpeed's data sampler / random-LTD states (zero has no
   equivalent; a warning names them when present).
@@ -214,9 +222,19 @@ def _rank_fragments(
     """Rank ``rank``'s optimizer file (and stage 3 model file) as fragments; with its optimizer dict."""
     path = folder.optim_files[rank]
     progress(f"reading {os.path.basename(path)} ({os.path.getsize(path) / 2**20:.1f} MiB)")
-    osd = load_deepspeed_file(path).get("optimizer_state_dict")
+    loaded = load_deepspeed_file(path)
+    osd = loaded.get("optimizer_state_dict") if isinstance(loaded, dict) else None
     if not isinstance(osd, dict):
         raise CheckpointError(f"{path} holds no optimizer_state_dict: not a DeepSpeed ZeRO optimizer file")
+    try:
+        return _partition_fragments(folder, model, rank, path, osd)
+    except ValueError as e:  # a range outside its tensor: the file does not match its recorded layout
+        raise CheckpointError(f"{path}: {e}") from None
+
+
+def _partition_fragments(
+    folder: DeepSpeedFolder, model: _Model, rank: int, path: str, osd: dict[str, Any]
+) -> tuple[list[Fragment], Any, list[dict[str, Any]]]:
     world = len(folder.optim_files)
     if model.stage == 3:
         frags, hyper = zero3_fragments(osd, model.groups, rank, world, path)

@@ -129,6 +129,11 @@ def zero3_fragments(
     out: list[Fragment] = []
     for s, shapes in enumerate(groups):
         flat = flats[s].detach().reshape(-1)
+        need = sum(-(-math.prod(shape) // world) for _, shape in shapes)
+        if need != flat.numel():
+            raise CheckpointError(
+                f"{where}: sub-group {s} holds {flat.numel()} elements, its parameters' shards {need}"
+            )
         keys = elementwise_keys(states[s], flat.numel(), f"{where}: sub-group {s}")
         offset = 0
         for name, shape in shapes:
@@ -140,10 +145,6 @@ def zero3_fragments(
             if rank == 0:
                 out += scalar_fragments(name, states[s], where)
             offset += shard
-        if offset != flat.numel():
-            raise CheckpointError(
-                f"{where}: sub-group {s} holds {flat.numel()} elements, its parameters' shards {offset}"
-            )
     return out, hyper
 
 

@@ -206,6 +206,11 @@ def _flat_group_fragments(
     out = []
     for g, group in enumerate(names):
         master = flat[g].detach().reshape(-1)
+        need = sum(math.prod(shapes[name]) for name in group)
+        if need != master.numel():
+            raise CheckpointError(
+                f"{where}: param group {g}'s parameters need {need} elements, its flat master has {master.numel()}"
+            )
         keys = [k for k, v in states[g].items() if torch.is_tensor(v) and v.dim() >= 1]
         offset = 0
         for name in group:
@@ -224,8 +229,4 @@ def _flat_group_fragments(
                 )
             out += scalar_fragments(name, {k: v for k, v in states[g].items() if k not in keys}, where)
             offset += numel
-        if offset != master.numel():
-            raise CheckpointError(
-                f"{where}: param group {g}'s parameters need {offset} elements, its flat master has {master.numel()}"
-            )
     return out
