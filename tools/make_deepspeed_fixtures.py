@@ -50,6 +50,15 @@ VARIANTS: dict[str, tuple[int, str, int, dict]] = {
     "stage3_bf16_ws2": (3, "bf16", 2, {}),
     # bf16 weights with fp32 gradient accumulation: DeepSpeed's BF16_Optimizer (bf16_zero_* files)
     "stage1_bf16acc32_ws2": (1, "bf16", 2, {"data_types": {"grad_accum_dtype": "fp32"}}),
+    # a tied pair and a frozen parameter (fixture_model.TiedFrozenModel)
+    "stage2_tiedfrozen_ws2": (2, "fp32", 2, {"model": "tied_frozen"}),
+    "stage3_tiedfrozen_ws2": (
+        3,
+        "bf16",
+        2,
+        {"model": "tied_frozen", "zero_optimization": {"stage3_param_persistence_threshold": 0}},
+    ),
+    "stage0_tiedfrozen_ws1": (0, "fp32", 1, {"model": "tied_frozen"}),
     "stage0_fp16_ws1": (0, "fp16", 1, {}),
     "stage2_fp16_ws2": (2, "fp16", 2, {}),
 }
@@ -95,6 +104,8 @@ def config_for(stage: int, precision: str, world: int, extra: dict) -> dict:
             "min_loss_scale": 1,
         }
     for k, v in extra.items():
+        if k == "model":
+            continue
         cfg[k] = {**cfg.get(k, {}), **v} if isinstance(v, dict) else v
     return cfg
 
@@ -137,7 +148,7 @@ def worker(phase: str, variant: str, out: str) -> None:
         _allow_fp16_on_cpu()
     rank = torch.distributed.get_rank()
     cfg = config_for(stage, precision, world, extra)
-    model = build_model(seed=1234 if phase == "train" else 4321)
+    model = build_model(seed=1234 if phase == "train" else 4321, kind=extra.get("model", "plain"))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=cfg)
     ckpt = os.path.join(out, variant)
     if phase == "train":
@@ -166,7 +177,8 @@ def worker(phase: str, variant: str, out: str) -> None:
             "deepspeed_version": deepspeed.__version__,
             "torch_version": torch.__version__,
             "config": cfg,
-            "model": "fixture_model.FixtureModel (build_model(seed=1234), param_groups(model))",
+            "model_kind": extra.get("model", "plain"),
+            "model": "fixture_model.build_model(seed=1234, kind=model_kind), param_groups(model)",
             "data": "fixture_model.rank_batch(step, rank, world_size); loss: fixture_model.loss_fn",
             "losses_before_save": before,
             "losses_after_load": losses,

@@ -8,8 +8,8 @@ DeepSpeed (its own venv, ``DS_ACCELERATOR=cpu``, 2 ranks over gloo) trains the b
 a ZeRO-3 checkpoint. Then, per checkpoint and round, in fresh processes and alternating order:
 
 * zero: ``tools/from_deepspeed.py DS_DIR OUT`` (everything: fp32 masters, both Adam moments,
-  counters; the zero checkpoint a run continues from), and zero's ``tools/zero_to_fp32.py`` on
-  that output (one fp32 state dict, what DeepSpeed's script gives);
+  counters; the zero checkpoint a run continues from), and the standalone ``zero_to_fp32.py`` the
+  converter writes beside it, on that output (one fp32 state dict, what DeepSpeed's script gives);
 * DeepSpeed: the ``zero_to_fp32.py`` DeepSpeed copied into the folder, ``--safe_serialization``
   (one fp32 state dict of the weights only: it skips the optimizer states).
 
@@ -136,7 +136,9 @@ def _round(ds: str, ds_python: str, workdir: str, order: list[str]) -> dict[str,
             shutil.rmtree(zero_fp32, ignore_errors=True)
             cmd = [
                 sys.executable,
-                os.path.join(ROOT, "tools", "zero_to_fp32.py"),
+                os.path.join(
+                    zero_ckpt, "zero_to_fp32.py"
+                ),  # the standalone copy, as DeepSpeed users run theirs
                 zero_ckpt,
                 zero_fp32 + ".safetensors",
             ]
@@ -209,7 +211,7 @@ def _report(results: dict[int, dict], args: argparse.Namespace, loads: list[floa
     ]
     what = {
         "zero import": "zero checkpoint: fp32 masters + Adam moments + counters (resumable at any world size)",
-        "zero to fp32": "zero's tools/zero_to_fp32.py on the imported checkpoint: one fp32 state dict",
+        "zero to fp32": "the zero_to_fp32.py copied into the imported checkpoint: one fp32 state dict",
         "DeepSpeed zero_to_fp32": "DeepSpeed's zero_to_fp32.py --safe_serialization: one fp32 state dict",
     }
     for stage, res in results.items():

@@ -45,16 +45,29 @@ def _record(variant: str) -> dict:
     return json.loads((FIXTURES / f"{variant}.json").read_text())
 
 
+def _group_names(kind: str = "plain") -> list[list[str]]:
+    """The parameter names of each of ``fixture_model.param_groups``'s groups."""
+    model = fm.build_model(kind=kind)
+    return [
+        [n for n, p in model.named_parameters() if any(p is q for q in g["params"])]
+        for g in fm.param_groups(model)
+    ]
+
+
 def _convert(variant: str, tmp_path: Path, **kw) -> str:
     out = tmp_path / f"zero_{variant}"
+    rec = _record(variant)
+    if rec["zero_stage"] == 0 and rec.get("model_kind") == "tied_frozen":
+        # a frozen parameter fits a group's next shape too: the groups cannot be told from shapes
+        kw.setdefault("param_groups", _group_names("tied_frozen"))
     from_deepspeed(FIXTURES / variant, out, **kw)
     return str(out)
 
 
-def _continue(ckpt: str, cfg: dict, world: int) -> list[float]:
+def _continue(ckpt: str, cfg: dict, world: int, kind: str) -> list[float]:
     """One rank: a fresh model, the converted checkpoint loaded, the next 5 batches; mean losses."""
     rank = comm.get_rank() if comm.is_initialized() else 0
-    model = fm.build_model(seed=4321)  # not the saved weights: the load must bring them
+    model = fm.build_model(seed=4321, kind=kind)  # not the saved weights: the load must bring them
     engine, *_ = zero_core.initialize(model=model, model_parameters=fm.param_groups(model), config=cfg)
     engine.load_checkpoint(ckpt)
     losses = []
@@ -77,7 +90,9 @@ def _zero_losses(ckpt: str, variant: str, world: int | None = None, stage: int |
     cfg["train_micro_batch_size_per_gpu"] = fm.GLOBAL_BATCH // world
     if stage is not None:
         cfg["zero_optimization"]["stage"] = stage
-    return run_multirank(_continue, world_size=world, args=(ckpt, cfg, world), timeout=300)[0]
+    return run_multirank(
+        _continue, world_size=world, args=(ckpt, cfg, world, rec.get("model_kind", "plain")), timeout=300
+    )[0]
 
 
 def _max_diff(got: list[float], want: list[float]) -> float:
@@ -98,6 +113,9 @@ SAME_LAYOUT = [
     "stage3_fp32_ws1",
     "stage3_fp32_ws2",
     "stage3_bf16_ws2",
+    "stage0_tiedfrozen_ws1",
+    "stage2_tiedfrozen_ws2",
+    "stage3_tiedfrozen_ws2",
 ]
 
 
@@ -120,6 +138,8 @@ ANOTHER_LAYOUT = [  # (fixture, zero world size, zero stage or None for the save
     ("stage2_bf16_ws2", 1, None),
     ("stage3_bf16_ws2", 4, 2),
     ("stage2_fp16_ws2", 1, 3),
+    ("stage2_tiedfrozen_ws2", 1, 3),
+    ("stage3_tiedfrozen_ws2", 4, 1),
 ]
 
 
@@ -226,6 +246,22 @@ def test_partitions_of_every_stage_give_the_same_weights(tmp_path: Path) -> None
             torch.testing.assert_close(sd[k], ref[k], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize(
+    "variant", ["stage0_tiedfrozen_ws1", "stage2_tiedfrozen_ws2", "stage3_tiedfrozen_ws2"]
+)
+def test_tied_and_frozen_parameters_are_carried(variant: str, tmp_path: Path) -> None:
+    """The tied pair is stored once and named as a pair; the frozen weight (stage 3: its shards) is there."""
+    ckpt = _convert(variant, tmp_path)
+    meta = json.loads((Path(ckpt) / "global_step3" / "checkpoint.json").read_text())
+    assert meta["shared_parameters"] == [["tail.weight", "head.weight"]]
+    trained = {n: t for n, t, _ in meta["parameters"]}
+    assert trained["norm.weight"] is False and trained["head.weight"] is True and "tail.weight" not in trained
+    sd = get_fp32_state_dict_from_zero_checkpoint(ckpt)
+    assert torch.equal(sd["tail.weight"], sd["head.weight"])
+    initial = fm.build_model(kind="tied_frozen").norm.weight.detach()
+    assert torch.equal(sd["norm.weight"], initial.float())  # frozen: still its initial value
+
+
 def _touch(path: str) -> None:
     Path(path).write_text("ran")
 
@@ -293,11 +329,7 @@ def test_incomplete_and_unsupported_folders_are_refused(tmp_path: Path) -> None:
 
 
 def test_stage0_groups_inferred_from_shapes_or_given(tmp_path: Path) -> None:
-    model = fm.build_model()
-    names = [
-        [n for n, p in model.named_parameters() if any(p is q for q in g["params"])]
-        for g in fm.param_groups(model)
-    ]
+    names = _group_names()
     inferred = get_fp32_state_dict_from_zero_checkpoint(_convert("stage0_bf16_ws2", tmp_path))
     given = get_fp32_state_dict_from_zero_checkpoint(
         _convert("stage0_bf16_ws2", tmp_path / "given", param_groups=names)
@@ -310,6 +342,10 @@ def test_stage0_groups_inferred_from_shapes_or_given(tmp_path: Path) -> None:
     assert assign_groups(shapes, [[(4,)], [(4,), (2, 2)]], [["b"], ["a", "c"]], "x") == [["b"], ["a", "c"]]
     with pytest.raises(CheckpointError, match="puts 'c'"):
         assign_groups(shapes, [[(4,)], [(4,), (2, 2)]], [["a"], ["c", "b"]], "x")
+    with pytest.raises(
+        CheckpointError, match="cannot tell which optimizer param group 'fc1.weight'.*none \\(frozen\\)"
+    ):
+        _convert("stage0_tiedfrozen_ws1", tmp_path / "frozen", param_groups=None)
     with pytest.raises(CheckpointError, match="param_groups is for stage 0"):
         _convert("stage2_fp32_ws1", tmp_path / "s2", param_groups=names)
 
@@ -376,7 +412,7 @@ def test_command_line_tool(tmp_path: Path) -> None:
 def test_fixtures_are_small_and_recorded() -> None:
     """The committed fixtures stay small, and each records what wrote it."""
     total = sum(p.stat().st_size for p in FIXTURES.rglob("*") if p.is_file())
-    assert total < 400_000
+    assert total < 450_000
     for rec_path in FIXTURES.glob("*.json"):
         rec = json.loads(rec_path.read_text())
         assert (

@@ -85,7 +85,7 @@ def assign_groups(
         if len(fits) + int(may_skip) > 1:
             raise CheckpointError(
                 f"{where}: cannot tell which optimizer param group {name!r} belongs to (the checkpoint does not "
-                f"name them, and {len(fits)} groups{' or none (frozen)' if may_skip else ''} fit its shape "
+                f"name them, and {len(fits)} group(s){' or none (frozen)' if may_skip else ''} fit its shape "
                 f"{shapes[name]}); pass param_groups=[[names of group 0], [names of group 1], ...] "
                 "(tools/from_deepspeed.py --param-groups FILE.json)"
             )
