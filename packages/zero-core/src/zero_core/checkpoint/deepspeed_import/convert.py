@@ -26,8 +26,13 @@ be loaded at.
   losses only until the first loss-scale growth after the load: DeepSpeed unscales a growth
   step's gradients with the grown scale (halving them), and grows the scale one step later
   than zero's (and its own older) ``(cur_iter - last_overflow_iter) % window == 0`` rule. Its
-  stage 0 fp16 optimizer also updates differently from zero's fp16 stage 0 (the state it saves
-  is imported exactly; the following losses differ).
+  stage 0 fp16 optimizer also updates differently from zero's fp16 stage 0: from the same
+  initial weights the losses differ from the first update, and the Adam moments it saves are
+  about 1/130 of those the same run holds at ZeRO-2. The state it saves is imported exactly;
+  the losses that follow differ.
+* Versions: the layout is DeepSpeed's from 0.14 to 0.19 (absent newer keys such as
+  ``param_alignment_paddings`` read as zeros, FusedAdam's per-group and CPU Adam's integer step
+  counts read as Adam's tensor ``step``); the committed fixtures are DeepSpeed 0.19.8's.
 * What is not carried: RNG states (DeepSpeed saves none; zero's loader then leaves each rank's
   generators as they are) and DeepSpeed's data sampler / random-LTD states (zero has no
   equivalent; a warning names them when present).
@@ -279,7 +284,7 @@ def _meta(
         "tag": tag,
         "world_size": world,
         "zero_stage": model.stage,
-        "exclude_frozen_parameters": model.stage > 0 and states.get("frozen_param_shapes") is None,
+        "exclude_frozen_parameters": model.stage >= 2 and states.get("frozen_param_shapes") is None,
         **record,
         "optimizer": {"class": str(opt_type), "param_groups": extra["param_groups"]},
         "loss_scaler": extra["loss_scaler"],
