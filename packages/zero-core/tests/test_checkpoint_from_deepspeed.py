@@ -163,6 +163,11 @@ def test_stage0_fp16_state_is_deepspeeds(tmp_path: Path) -> None:
     after the load are DeepSpeed's, and so is the first loss.
     """
     ckpt = _convert("stage0_fp16_ws1", tmp_path)
+    # an engine in one forked rank: the test process keeps no process group (see run_multirank)
+    assert run_multirank(_check_stage0_fp16_state, 1, args=(ckpt,), timeout=300) == [True]
+
+
+def _check_stage0_fp16_state(ckpt: str) -> bool:
     saved = load_deepspeed_file(
         str(FIXTURES / "stage0_fp16_ws1" / "global_step3" / "mp_rank_00_model_states.pt")
     )
@@ -189,6 +194,7 @@ def test_stage0_fp16_state_is_deepspeeds(tmp_path: Path) -> None:
     x, y = fm.rank_batch(fm.STEPS_BEFORE_SAVE, 0, 1)
     first = fm.loss_fn(engine(x.to(engine.compute_dtype)), y).item()
     assert first == pytest.approx(_record("stage0_fp16_ws1")["losses_after_load"][0], abs=TOL_EXACT)
+    return True
 
 
 def test_engine_state_is_carried(tmp_path: Path) -> None:
@@ -293,13 +299,19 @@ def test_a_file_holding_another_class_is_refused_without_running_it(tmp_path: Pa
     assert marker.read_text() == "ran"
 
 
-def test_engine_load_checkpoint_on_a_deepspeed_folder_says_to_convert() -> None:
+def _load_deepspeed_folder() -> str:
     model = fm.build_model()
     engine, *_ = zero_core.initialize(
         model=model, config={"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     )
-    with pytest.raises(CheckpointError, match=r"is a DeepSpeed checkpoint.*tools/from_deepspeed.py"):
+    with pytest.raises(CheckpointError, match=r"is a DeepSpeed checkpoint.*tools/from_deepspeed.py") as e:
         engine.load_checkpoint(str(FIXTURES / "stage2_fp32_ws2"))
+    return str(e.value)
+
+
+def test_engine_load_checkpoint_on_a_deepspeed_folder_says_to_convert() -> None:
+    (msg,) = run_multirank(_load_deepspeed_folder, 1, timeout=300)
+    assert "zero.checkpoint.from_deepspeed" in msg and "any world size" in msg
 
 
 def test_incomplete_and_unsupported_folders_are_refused(tmp_path: Path) -> None:
