@@ -340,6 +340,15 @@ def test_incomplete_and_unsupported_folders_are_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "out" / "global_step3").exists()
 
 
+def test_a_tag_directory_and_another_tag_name(tmp_path: Path) -> None:
+    tag_dir = FIXTURES / "stage2_fp32_ws1" / "global_step3"
+    out = from_deepspeed(tag_dir, tmp_path / "out", out_tag="from_ds")
+    assert out == str(tmp_path / "out" / "from_ds") and (tmp_path / "out" / "latest").read_text() == "from_ds"
+    sd = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "out"))
+    ref = get_fp32_state_dict_from_zero_checkpoint(_convert("stage2_fp32_ws1", tmp_path))
+    assert all(torch.equal(sd[k], ref[k]) for k in ref)
+
+
 def test_stage0_groups_inferred_from_shapes_or_given(tmp_path: Path) -> None:
     names = _group_names()
     inferred = get_fp32_state_dict_from_zero_checkpoint(_convert("stage0_bf16_ws2", tmp_path))
