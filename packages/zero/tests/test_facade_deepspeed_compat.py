@@ -23,3 +23,10 @@ def test_facade_exports():
     assert zero.zero.OnDevice is zero.OnDevice and zero.zero.MiCS_Init is zero.MiCS_Init
     assert callable(zero.checkpointing.non_reentrant_checkpoint)
     assert copy.copy(zero.utils.set_random_seed) is zero.utils.set_random_seed
+
+
+def test_facade_exports_the_deepspeed_checkpoint_importer():
+    import zero
+    import zero_core.checkpoint
+
+    assert zero.checkpoint.from_deepspeed is zero_core.checkpoint.from_deepspeed

@@ -74,6 +74,19 @@ def _format_version(meta: Any, commit: str) -> int:
     return v
 
 
+def _refuse_deepspeed(load_dir: str, tag_dir: str) -> None:
+    """A DeepSpeed checkpoint is converted once, not on every load; see [Note: importing a DeepSpeed checkpoint]."""
+    from zero_core.checkpoint.deepspeed_import.layout import is_deepspeed_checkpoint
+
+    if is_deepspeed_checkpoint(tag_dir):
+        raise CheckpointError(
+            f"{tag_dir} is a DeepSpeed checkpoint, not a zero one. Convert it once: "
+            f"`python tools/from_deepspeed.py {load_dir} OUT_DIR` (or "
+            f"zero.checkpoint.from_deepspeed({load_dir!r}, OUT_DIR)), then load OUT_DIR: the converted "
+            "checkpoint loads at any world size and ZeRO stage"
+        )
+
+
 def open_checkpoint(load_dir: str, tag: str) -> tuple[dict[str, Any], CheckpointReader]:
     """Read and verify ``checkpoint.json`` and every rank table of ``load_dir/tag``."""
     tag_dir = tag_directory(load_dir, tag)
@@ -81,6 +94,7 @@ def open_checkpoint(load_dir: str, tag: str) -> tuple[dict[str, Any], Checkpoint
     if not os.path.isdir(tag_dir):
         raise CheckpointError(f"checkpoint tag directory {tag_dir} does not exist")
     if not os.path.isfile(commit):
+        _refuse_deepspeed(load_dir, tag_dir)
         raise CheckpointError(f"{commit} is missing: {tag_dir} is not a complete zero checkpoint")
     meta = read_json(commit)
     version = _format_version(meta, commit)

@@ -166,9 +166,13 @@ def _write_rank(stage_dir: str, rank: int, world: int, fragments: list[Fragment]
     atomic_write_bytes(os.path.join(stage_dir, rank_json_name(rank)), dumps(table), sync_dir=False)
 
 
-def _commit(
+def commit_tag(
     save_dir: str, stage_dir: str, tag: str, world: int, meta: dict[str, Any], save_latest: bool
 ) -> None:
+    """Seal ``meta`` with every rank table's record as ``checkpoint.json`` and publish ``stage_dir`` as ``tag``.
+
+    Rank 0 only, after every ``rank_<r>.json`` is in ``stage_dir`` (also the DeepSpeed importer's commit).
+    """
     meta["files"] = {}
     for r in range(world):
         n, crcs = file_crc32c(os.path.join(stage_dir, rank_json_name(r)))
@@ -247,6 +251,6 @@ def save_checkpoint(
         raise
     _barrier(group)
     if rank == 0:
-        _commit(save_dir, stage_dir, tag, world, meta, save_latest)
+        commit_tag(save_dir, stage_dir, tag, world, meta, save_latest)
     _barrier(group)
     return True
