@@ -90,9 +90,26 @@ def _zero_losses(ckpt: str, variant: str, world: int | None = None, stage: int |
     cfg["train_micro_batch_size_per_gpu"] = fm.GLOBAL_BATCH // world
     if stage is not None:
         cfg["zero_optimization"]["stage"] = stage
+    _reduce_wide_sums_as_deepspeed(cfg)
     return run_multirank(
         _continue, world_size=world, args=(ckpt, cfg, world, rec.get("model_kind", "plain")), timeout=300
     )[0]
+
+
+def _reduce_wide_sums_as_deepspeed(cfg: dict) -> None:
+    """At stages 0-1 zero reduces fp32-accumulated gradients in fp32 unless
+    ``communication_data_type`` is set; DeepSpeed reduces them in the model's dtype (a deliberate
+    difference, see [Note: gradient accumulation dtype] and the README). Ask for DeepSpeed's."""
+    wide = cfg.get("data_types", {}).get("grad_accum_dtype") in ("fp32", "float32")
+    model = (
+        "bf16"
+        if cfg.get("bf16", {}).get("enabled")
+        else "fp16"
+        if cfg.get("fp16", {}).get("enabled")
+        else None
+    )
+    if wide and model and cfg["zero_optimization"].get("stage", 0) <= 1:
+        cfg.setdefault("communication_data_type", model)
 
 
 def _max_diff(got: list[float], want: list[float]) -> float:

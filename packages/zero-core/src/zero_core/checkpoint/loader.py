@@ -237,11 +237,7 @@ def load_checkpoint(
         raise CheckpointError(
             f"load_checkpoint: the {type(strategy).__name__} strategy cannot load checkpoints"
         )
-    meta, reader = open_checkpoint(load_dir, tag)
-    reader.aliases = global_expert_names(engine.module)  # see [Note: expert fragments]
-    zc = getattr(getattr(engine, "config", None), "zero_optimization", None)
-    # zero_optimization.load_from_fp32_weights: false builds the masters from the 16-bit weights
-    reader.masters_from_weights = not bool(getattr(zc, "load_from_fp32_weights", True))
+    meta, reader = _open_for(engine, load_dir, tag)
     load_opt = load_optimizer_states and not load_module_only
     try:
         # sizes of every rank file checked here, checksums in the single pass (see [Note: shared verification])
@@ -276,6 +272,16 @@ def load_checkpoint(
     if hasattr(engine, "state_restored"):
         engine.state_restored(optimizer=load_opt)
     return reader.tag_dir, meta.get("client_state", {})
+
+
+def _open_for(engine: Any, load_dir: str, tag: str) -> tuple[dict[str, Any], CheckpointReader]:
+    """``open_checkpoint`` with the reader set up for ``engine``: expert names, master source."""
+    meta, reader = open_checkpoint(load_dir, tag)
+    reader.aliases = global_expert_names(engine.module)  # see [Note: expert fragments]
+    zc = getattr(getattr(engine, "config", None), "zero_optimization", None)
+    # zero_optimization.load_from_fp32_weights: false builds the masters from the 16-bit weights
+    reader.masters_from_weights = not bool(getattr(zc, "load_from_fp32_weights", True))
+    return meta, reader
 
 
 def _restore_engine(
