@@ -655,12 +655,16 @@ def _shards(entries: list[_Out], max_bytes: int) -> Iterator[list[_Out]]:
 
 
 def _atomic_fd(path: str, fill: Any) -> None:
-    """Create ``path`` atomically: ``fill(fd)`` writes a temporary file that is fsynced and renamed."""
+    """Create ``path`` atomically: ``fill(fd, tmp)`` writes the temporary file ``tmp`` (through the
+    open ``fd`` or by its name), which is then fsynced and renamed.
+
+    The converter's one writer (it cannot use zero_core's: See [Note: one atomic writer] in
+    ``zero_core/checkpoint/atomic.py``)."""
     tmp = f"{path}.tmp.{os.getpid()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        fill(fd)
-        os.fsync(fd)
+        fill(fd, tmp)
+        os.fsync(fd)  # the file's data, however written
     except BaseException:
         os.close(fd)
         os.unlink(tmp)
@@ -716,7 +720,7 @@ def _write_safetensors(path: str, shard: list[_Out], progress: _Progress) -> Non
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
 
-    def fill(fd: int) -> None:
+    def fill(fd: int, tmp: str) -> None:
         _write_all(fd, struct.pack("<Q", len(raw)) + raw)
         for e in shard:
             e.write(fd)
@@ -730,13 +734,10 @@ def _write_safetensors(path: str, shard: list[_Out], progress: _Progress) -> Non
 
 def _write_bin(path: str, shard: list[_Out], progress: _Progress, aliases: list[tuple[str, str]]) -> None:
     torch = _torch()
-    tmp = f"{path}.tmp.{os.getpid()}"
     state = {e.name: e.value() for e in shard}
     state.update({a: state[o] for a, o in aliases if o in state})  # tied: torch.save stores it once
-    torch.save(state, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+
+    _atomic_fd(path, lambda fd, tmp: torch.save(state, tmp))  # by name: the bytes torch.save(path) writes
     progress.update(sum(e.nbytes for e in shard))
 
 
@@ -837,7 +838,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(
             index = {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": weight_map}
             index_path = os.path.join(out_dir, f"{stem}{ext}.index.json")
             data = json.dumps(index, indent=2, sort_keys=True).encode()
-            _atomic_fd(index_path, lambda fd: _write_all(fd, data))
+            _atomic_fd(index_path, lambda fd, tmp: _write_all(fd, data))
             written.append(index_path)
         return written
     finally:
