@@ -508,15 +508,21 @@ def _tag_dir(checkpoint_dir: str, tag: str) -> str:
     raise CheckpointError(f"{os.path.join(d, COMMIT_FILE)} is missing: {d} is not a complete zero checkpoint")
 
 
-def _open(checkpoint_dir: Any, tag: Any) -> _Checkpoint:
-    """The checkpoint to convert; zero_core's copy also reads the module-only directories of zero-pipe
-    and zero-moe (see [Note: module-only checkpoint directories] in ``module_dirs.py``)."""
-    if __package__ == "zero_core.checkpoint" and isinstance(checkpoint_dir, (str, os.PathLike)):
-        from zero_core.checkpoint.module_dirs import open_module_dir
+#: Readers ``(checkpoint_dir, tag) -> checkpoint or None`` tried before the engine checkpoint's own.
+#: ``zero_core.checkpoint`` adds the one of the module-only directories of zero-pipe and zero-moe
+#: (see [Note: module-only checkpoint directories] in ``module_dirs.py``), which builds on this
+#: file's reader; the standalone copy has none.
+EXTRA_READERS: list[Any] = []
 
-        found = open_module_dir(checkpoint_dir, tag)
-        if found is not None:
-            return found
+
+def _open(checkpoint_dir: Any, tag: Any) -> _Checkpoint:
+    """The checkpoint to convert: the first of :data:`EXTRA_READERS` that recognises it, else an
+    engine checkpoint."""
+    if isinstance(checkpoint_dir, (str, os.PathLike)):
+        for reader in EXTRA_READERS:
+            found = reader(checkpoint_dir, tag)
+            if found is not None:
+                return found
     return _Checkpoint(checkpoint_dir, tag)
 
 
@@ -886,4 +892,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if __package__ == "zero_core.checkpoint":  # ``python -m``: the package's module, readers added
+        from zero_core.checkpoint import zero_to_fp32 as _library
+
+        sys.exit(_library.main())
     sys.exit(main())
