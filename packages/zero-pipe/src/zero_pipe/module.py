@@ -24,54 +24,9 @@ from torch import nn
 from zero_core.activation_checkpointing import checkpoint as _zero_checkpoint
 
 from zero_pipe import _dist
+from zero_pipe.layer_spec import LayerSpec, TiedLayerSpec
 from zero_pipe.partition import partition_balanced, partition_uniform, type_weights
 from zero_pipe.topology import PipeDataParallelTopology, PipelineParallelGrid, ProcessTopology
-
-
-class LayerSpec:
-    """A recipe ``typename(*module_args, **module_kwargs)`` built only where it is needed."""
-
-    def __init__(self, typename: type, *module_args: Any, **module_kwargs: Any) -> None:
-        if not (isinstance(typename, type) and issubclass(typename, nn.Module)):
-            raise TypeError(f"LayerSpec: typename must be an nn.Module subclass, got {typename!r}")
-        self.typename = typename
-        self.module_args = module_args
-        self.module_kwargs = module_kwargs
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.typename.__name__}, args={self.module_args}, kwargs={self.module_kwargs})"
-
-    def build(self, log: bool = False) -> nn.Module:
-        """Instantiate the layer."""
-        if log:
-            print(f"building {self!r}")
-        return self.typename(*self.module_args, **self.module_kwargs)
-
-
-class TiedLayerSpec(LayerSpec):
-    """A layer sharing its module (and so ``tied_weight_attr`` weights) with every other
-    ``TiedLayerSpec`` of the same ``key``. ``forward_fn(module, x)``, when given, replaces
-    ``module(x)`` at this position (e.g. an embedding reused as output projection)."""
-
-    def __init__(
-        self,
-        key: str,
-        typename: type,
-        *module_args: Any,
-        forward_fn: Callable[[nn.Module, Any], Any] | None = None,
-        tied_weight_attr: str | list[str] = "weight",
-        **module_kwargs: Any,
-    ) -> None:
-        super().__init__(typename, *module_args, **module_kwargs)
-        if not isinstance(key, str) or not key:
-            raise ValueError(f"TiedLayerSpec: key must be a non-empty string, got {key!r}")
-        if forward_fn is not None and not callable(forward_fn):
-            raise TypeError(f"TiedLayerSpec: forward_fn must be callable, got {forward_fn!r}")
-        self.key = key
-        self.forward_fn = forward_fn
-        self.tied_weight_attr = (
-            [tied_weight_attr] if isinstance(tied_weight_attr, str) else list(tied_weight_attr)
-        )
 
 
 def _layer_type_name(layer: Any) -> str:
@@ -444,17 +399,13 @@ class PipelineModule(nn.Module):
     def load_state_dir(self, load_dir: str, strict: bool = True) -> None:
         """Load this stage's layers (saved with any number of stages) from a ``save_state_dict``
         directory or an engine checkpoint's tag directory."""
-        from zero_pipe.layer_files import load_module_layers
+        from zero_pipe.checkpoint import load_module_state
 
-        load_module_layers(self, load_dir, strict=strict)
+        load_module_state(self, load_dir, strict=strict)
 
     def layer_modules(self) -> dict[int, nn.Module]:
         """Global layer index -> the module holding that layer's state (tied: first position)."""
         out: dict[int, nn.Module] = {}
-        first_tied: dict[str, int] = {}
-        for idx, spec in enumerate(self.layer_specs):
-            if isinstance(spec, TiedLayerSpec):
-                first_tied.setdefault(spec.key, idx)
         for idx in self._local_indices:
             spec = self.layer_specs[idx]
             if isinstance(spec, TiedLayerSpec):
