@@ -45,6 +45,7 @@ RENAMES_ALLOWED = {
     "packages/zero-core/src/zero_core/checkpoint/staged.py",  # publishes a directory, not a file
     "packages/zero-core/src/zero_core/checkpoint/zero_to_fp32.py",  # runs without zero_core
     "packages/zero-profiler/src/zero_profiler/profiler.py",  # depends on torch alone
+    "tools/env_prefetch.py",  # runs under hatch before any package is installed
 }
 
 
@@ -305,17 +306,25 @@ def test_the_length_rule_sees_methods_and_nested_functions(tmp_path: Path) -> No
 
 
 # -- one atomic writer -----------------------------------------------------------------------------
+def _is_rename(node: ast.Call) -> bool:
+    """``os.replace``, ``os.rename``, ``shutil.move``, or ``path.replace(target)`` /
+    ``path.rename(target)`` (pathlib's: one argument, where ``str.replace`` takes two)."""
+    func = node.func
+    if not isinstance(func, ast.Attribute):
+        return False
+    if isinstance(func.value, ast.Name) and (func.value.id, func.attr) in {
+        ("os", "replace"),
+        ("os", "rename"),
+        ("shutil", "move"),
+    }:
+        return True
+    return func.attr in ("replace", "rename") and len(node.args) == 1 and not node.keywords
+
+
 def renames(path: Path) -> list[int]:
-    """Lines calling ``os.replace``, ``os.rename`` or ``shutil.move``."""
-    calls = {("os", "replace"), ("os", "rename"), ("shutil", "move")}
-    return [
-        node.lineno
-        for node in ast.walk(ast.parse(path.read_text(), str(path)))
-        if isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Attribute)
-        and isinstance(node.func.value, ast.Name)
-        and (node.func.value.id, node.func.attr) in calls
-    ]
+    """Lines renaming a file (see :func:`_is_rename`)."""
+    tree = ast.parse(path.read_text(), str(path))
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call) and _is_rename(node)]
 
 
 def test_files_are_renamed_into_place_only_by_the_atomic_writer() -> None:
@@ -332,3 +341,17 @@ def test_files_are_renamed_into_place_only_by_the_atomic_writer() -> None:
     )
     for rel in RENAMES_ALLOWED:
         assert (ROOT / rel).is_file(), f"{rel} is gone: drop it from RENAMES_ALLOWED"
+
+
+def test_the_rename_finder_sees_os_and_pathlib_renames_not_str_replace(tmp_path: Path) -> None:
+    f = tmp_path / "m.py"
+    f.write_text(
+        "import os, shutil\n"
+        "os.replace(a, b)\n"
+        "os.rename(a, b)\n"
+        "shutil.move(a, b)\n"
+        "tmp.replace(final)\n"
+        "name.replace('-', '_')\n"
+        "cfg.replace(x=1)\n"
+    )
+    assert renames(f) == [2, 3, 4, 5]

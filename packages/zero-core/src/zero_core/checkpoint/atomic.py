@@ -25,8 +25,9 @@ a writer of their own, each because it must run where ``zero_core`` cannot be im
 * ``tools/env_prefetch.py``: it runs under hatch before any package of the family is installed.
 
 ``checkpoint/staged.py`` renames directories (publishing a complete tag), which is not a file
-write. The cross-package test ``tests/test_structure.py`` fails on any other ``os.replace`` /
-``os.rename`` outside these places.
+write. The cross-package test ``tests/test_structure.py`` fails on a rename (``os.replace``,
+``os.rename``, ``shutil.move``, pathlib's ``replace``/``rename``) anywhere else in
+``packages/*/src`` and ``tools/``.
 
 ``ZERO_CHECKPOINT_KILL_AFTER_BYTES`` (a test hook, read on every write) makes the writing
 process SIGKILL itself once that many bytes went to temporary files, to prove the claim.
