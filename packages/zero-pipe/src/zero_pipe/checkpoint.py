@@ -50,7 +50,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from zero_core.checkpoint import rng
@@ -74,8 +74,11 @@ from zero_core.checkpoint.saver import (
 from zero_core.utils.param_groups import is_expert_param
 
 from zero_pipe import _dist
-from zero_pipe.layer_files import LAYERS_INDEX, first_tied_index, read_root
-from zero_pipe.module import PipelineModule, TiedLayerSpec
+from zero_pipe.layer_files import LAYERS_INDEX, load_layer_files, read_root
+from zero_pipe.layer_spec import TiedLayerSpec, first_tied_index
+
+if TYPE_CHECKING:  # PipelineModule.load_state_dir calls in here: the class is only a type for this file
+    from zero_pipe.module import PipelineModule
 
 PIPELINE_SECTION = "pipeline"
 SECTION_VERSION = 1
@@ -171,7 +174,11 @@ def _layer_order(module: PipelineModule, name: str) -> int:
     m = _LAYER_RE.match(name)
     if m is None:
         return -1
-    return int(m.group(2)) if m.group(2) is not None else first_tied_index(module).get(m.group(3), -1)
+    return (
+        int(m.group(2))
+        if m.group(2) is not None
+        else first_tied_index(module.layer_specs).get(m.group(3), -1)
+    )
 
 
 def _rank_record(engine: Any) -> dict[str, Any]:
@@ -431,3 +438,16 @@ def load_module_weights(module: PipelineModule, tag_dir: str, strict: bool = Tru
                 reader.read_into(b, name, BUFFER)
     finally:
         reader.close()
+
+
+def load_module_state(module: PipelineModule, load_dir: str, strict: bool = True) -> None:
+    """``PipelineModule.load_state_dir``: this stage's layers, saved with any number of stages,
+    from an engine checkpoint's tag directory (either format) or a ``save_state_dict`` directory
+    (see [Note: per-layer pipeline checkpoints] in ``layer_files.py``)."""
+    if not isinstance(load_dir, (str, os.PathLike)):
+        raise TypeError(f"load_module_layers: load_dir must be a path, got {type(load_dir).__name__}")
+    load_dir = os.fspath(load_dir)
+    if os.path.isfile(os.path.join(load_dir, COMMIT_FILE)):
+        load_module_weights(module, load_dir, strict=strict)
+    else:
+        load_layer_files(module, load_dir, strict)

@@ -29,32 +29,26 @@ format 2 hold the same layer files and still load (``legacy_checkpoint.py``).
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from zero_core.checkpoint.format import COMMIT_FILE, CheckpointError
 from zero_core.checkpoint.metadata import check_int, read_sealed
 from zero_core.checkpoint.staged import StagedSave, files_matching, read_tensors
 
-from zero_pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
+from zero_pipe.layer_spec import LayerSpec, TiedLayerSpec, first_tied_index
+
+if TYPE_CHECKING:  # the module's methods call in here: its class is only a type for this file
+    from zero_pipe.module import PipelineModule
 
 FORMAT_VERSION = 2  # 2: written through zero-core's checkpoint writer (staged, checksummed, sealed)
 LAYERS_INDEX = "pipe_layers.json"
 
 
-def first_tied_index(module: PipelineModule) -> dict[str, int]:
-    """Tied key -> the first global layer index using it."""
-    first: dict[str, int] = {}
-    for idx, spec in enumerate(module.layer_specs):
-        if isinstance(spec, TiedLayerSpec):
-            first.setdefault(spec.key, idx)
-    return first
-
-
 def layer_owner_index(module: PipelineModule, idx: int) -> int:
     """The global index whose file holds layer ``idx``'s state (tied layers share one)."""
     spec = module.layer_specs[idx]
-    return first_tied_index(module)[spec.key] if isinstance(spec, TiedLayerSpec) else idx
+    return first_tied_index(module.layer_specs)[spec.key] if isinstance(spec, TiedLayerSpec) else idx
 
 
 def layer_module_names(module: PipelineModule) -> dict[str, str]:
@@ -98,8 +92,6 @@ def save_module_layers(module: PipelineModule, save_dir: str) -> None:
     See [Note: per-layer pipeline checkpoints]: ``save_dir`` is written as a whole, through a
     staging directory beside it.
     """
-    if not isinstance(module, PipelineModule):
-        raise TypeError(f"save_module_layers: module must be a PipelineModule, got {type(module)}")
     if not isinstance(save_dir, (str, os.PathLike)):
         raise TypeError(f"save_module_layers: save_dir must be a path, got {type(save_dir).__name__}")
     path = os.path.abspath(os.fspath(save_dir))
@@ -132,19 +124,9 @@ def read_root(path: str) -> dict[str, Any]:
     return meta
 
 
-def load_module_layers(module: PipelineModule, load_dir: str, strict: bool = True) -> None:
-    """Load this stage's layers from a directory of :func:`save_module_layers`, or from an engine
-    checkpoint's tag directory (either format), saved with any number of stages."""
-    if not isinstance(module, PipelineModule):
-        raise TypeError(f"load_module_layers: module must be a PipelineModule, got {type(module)}")
-    if not isinstance(load_dir, (str, os.PathLike)):
-        raise TypeError(f"load_module_layers: load_dir must be a path, got {type(load_dir).__name__}")
-    load_dir = os.fspath(load_dir)
-    if os.path.isfile(os.path.join(load_dir, COMMIT_FILE)):
-        from zero_pipe.checkpoint import load_module_weights
-
-        load_module_weights(module, load_dir, strict=strict)
-        return
+def load_layer_files(module: PipelineModule, load_dir: str, strict: bool = True) -> None:
+    """Load this stage's layers from a directory of :func:`save_module_layers`, saved with any
+    number of stages (an engine checkpoint's tag directory: ``checkpoint.load_module_state``)."""
     index_path = os.path.join(load_dir, LAYERS_INDEX)
     if not os.path.isfile(index_path):
         raise FileNotFoundError(

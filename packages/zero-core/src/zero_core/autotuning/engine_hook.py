@@ -38,7 +38,6 @@ DeepSpeed job) trains normally, with a warning that the search is run by ``zero 
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -48,18 +47,17 @@ from typing import Any
 import torch
 
 from zero_core import comm
+from zero_core.checkpoint.atomic import atomic_write_json
 
 #: the environment variable the autotuner sets on its experiments (the value: the experiment's name)
 EXPERIMENT_ENV = "ZERO_AUTOTUNING_EXPERIMENT"
 
 
 def write_json_atomic(path: str, data: Any) -> None:
-    """Write ``data`` as JSON to ``path`` through a temporary file and a rename."""
+    """Write ``data`` as JSON to ``path`` (its folder made if missing) through zero-core's one
+    atomic writer: see [Note: one atomic writer] in ``checkpoint/atomic.py``."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-    os.replace(tmp, path)
+    atomic_write_json(path, data)
 
 
 def process_baseline_bytes(model: torch.nn.Module) -> int:

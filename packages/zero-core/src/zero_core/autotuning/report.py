@@ -19,6 +19,7 @@ from typing import Any
 from zero_core.autotuning.confirm import ConfirmOutcome
 from zero_core.autotuning.engine_hook import write_json_atomic
 from zero_core.autotuning.experiment import METRICS, ExperimentResult
+from zero_core.checkpoint.atomic import atomic_path, atomic_write_text
 
 PLOT_NAME = "metric_vs_micro_batch.png"
 
@@ -92,10 +93,7 @@ def write_summary(
             f"| {r.name} | {r.stage} | {r.mbs} | {_knobs_text(r)} | {value} | {mem} | "
             f"{status.replace('|', '/')} | {r.wall_s:.1f} |"
         )
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, "\n".join(lines) + "\n")
 
 
 def _confirm_lines(confirmed: ConfirmOutcome | None, metric: str, unit: str) -> list[str]:
@@ -129,10 +127,7 @@ def write_best(results_dir: str, config: dict[str, Any], command: list[str]) -> 
     """``ds_config_optimal.json`` and ``cmd_optimal.txt``; returns the command as one line."""
     write_json_atomic(os.path.join(results_dir, "ds_config_optimal.json"), config)
     line = shlex.join(command)
-    tmp = os.path.join(results_dir, "cmd_optimal.txt.tmp")
-    with open(tmp, "w") as f:
-        f.write(line + "\n")
-    os.replace(tmp, os.path.join(results_dir, "cmd_optimal.txt"))
+    atomic_write_text(os.path.join(results_dir, "cmd_optimal.txt"), line + "\n")
     return line
 
 
@@ -163,8 +158,9 @@ def write_plot(path: str, results: list[ExperimentResult], metric: str) -> str |
     ax.set_title("autotuning: best of each (stage, micro-batch)")
     ax.legend()
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, format="png")
+    finally:
+        plt.close(fig)
     return None

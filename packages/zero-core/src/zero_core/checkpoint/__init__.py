@@ -18,3 +18,11 @@ __all__ = [
     "open_checkpoint",
     "save_checkpoint",
 ]
+
+# zero_core's converter also reads zero-pipe's and zero-moe's weights-only directories: the reader
+# (module_dirs.py) builds on the converter's, which must not import it (See [Note: standalone
+# conversion script]), so it is handed over here, when the package is first imported.
+from zero_core.checkpoint import module_dirs as _module_dirs  # noqa: E402
+from zero_core.checkpoint import zero_to_fp32 as _zero_to_fp32  # noqa: E402
+
+_zero_to_fp32.EXTRA_READERS.append(_module_dirs.open_module_dir)

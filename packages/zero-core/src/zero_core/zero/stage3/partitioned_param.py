@@ -70,7 +70,6 @@ aborts gloo before the header can be read. Turn them off with
 
 from __future__ import annotations
 
-import datetime
 import enum
 import os
 import weakref
@@ -81,10 +80,17 @@ import torch
 
 from zero_core import comm
 from zero_core.comm import watchdog as _watchdog
+from zero_core.zero.stage3.collective_wait import Stage3CollectiveError, wait_bounded
 from zero_core.zero.stage3.param_records import RECORDS_BY_ID as _BY_ID
 from zero_core.zero.stage3.param_records import is_partitioned
 from zero_core.zero.stage3.runtime_context import stage3_context
-from zero_core.zero.stage3.shard_groups import broadcast_group, gather_source, keep_secondary, source_key
+from zero_core.zero.stage3.shard_groups import (
+    ShardRoute,
+    broadcast_group,
+    gather_source,
+    keep_secondary,
+    source_key,
+)
 from zero_core.zero.stage3.streams import stage3_streams
 
 _ALIGN = 16  # bytes; every shard starts at an address aligned for any dtype view
@@ -94,10 +100,6 @@ class ParamStatus(enum.Enum):
     NOT_AVAILABLE = 0
     INFLIGHT = 1
     AVAILABLE = 2
-
-
-class Stage3CollectiveError(RuntimeError):
-    """Ranks disagreed on (or did not join) a stage-3 collective."""
 
 
 def set_collective_timeout(seconds: float) -> None:
@@ -252,6 +254,23 @@ def partition_param(
     param.data = st.empty
 
 
+@torch.no_grad()
+def partition_on_route(param: torch.nn.Parameter, route: ShardRoute) -> None:
+    """Partition ``param`` for ``route``'s MiCS or hpZ layout, rank 0's values everywhere (see
+    [Note: MiCS and hpZ shard groups]); a parameter already partitioned is left as it is."""
+    if is_partitioned(param):
+        return
+    if route.mics:
+        if route.world > 1:  # replicas must agree: rank 0 of the world, not of each shard group
+            data = param.data.contiguous()
+            comm.broadcast(data, src=0)
+            param.data = data
+        partition_param(param, route.shard_group, broadcast_from=None, grad_divisor=route.world)
+    else:
+        partition_param(param, None, broadcast_from=0)
+    _BY_ID[id(param)].route = route
+
+
 def set_shard_dtype(param: torch.nn.Parameter, dtype: torch.dtype) -> None:
     """Cast a released partitioned parameter's storage (shard, gather buffer) to ``dtype``."""
     st = _BY_ID[id(param)]
@@ -308,19 +327,6 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def _wait(work: Any, what: str) -> None:
-    wd = _watchdog.get_watchdog()
-    if wd is not None:
-        wd.note(what)  # the parameters of this collective, for the watchdog's diagnosis
-    try:
-        work.wait(timeout=datetime.timedelta(seconds=collective_timeout()))
-    except Exception as exc:
-        raise Stage3CollectiveError(
-            f"ZeRO stage 3: {what} failed or did not complete within {collective_timeout():g} s on rank "
-            f"{comm.get_rank()}: another rank did not join or failed (ranks took different paths through the model?). Backend said: {exc}"
-        ) from exc
-
-
 def check_agreement(
     kind: int, params: Sequence[torch.nn.Parameter], nbytes: int, group: Any, what: str
 ) -> None:
@@ -335,7 +341,7 @@ def check_agreement(
     mine = torch.tensor([kind, first, len(params), nbytes], dtype=torch.int64, device=device)
     every = torch.empty(4 * world, dtype=torch.int64, device=device)
     work = comm.all_gather_into_tensor(every, mine, group=group, async_op=True)
-    _wait(work, f"the agreement check before {what}")
+    wait_bounded(work, f"the agreement check before {what}")
     rows = every.view(world, 4)
     if bool((rows == mine).all()):
         return
@@ -390,7 +396,7 @@ class GatherHandle:
         self.done = True
         if self._work is not None:  # See [Note: stage-3 streams]
             results = [self._recv] if self._recv is not None else list(getattr(self._unpack, "buffers", ()))
-            stage3_streams().all_gather_wait(lambda: _wait(self._work, self._what), results)
+            stage3_streams().all_gather_wait(lambda: wait_bounded(self._work, self._what), results)
         for i, (p, st, off) in enumerate(zip(self.params, self.states, self._offsets)):
             st.full.untyped_storage().resize_(st.padded_numel * st.full.element_size())
             if self._unpack is not None:
@@ -571,4 +577,4 @@ def broadcast_full(param: torch.nn.Parameter, src: int) -> None:
     what = f"broadcast of {param_name(param)} from rank {src}"
     check_agreement(2, [param], st.padded_numel * st.full.element_size(), group, what)
     src_global = comm.get_global_rank(group, src) if group is not None else src
-    _wait(comm.broadcast(st.full, src=src_global, group=group, async_op=True), what)
+    wait_bounded(comm.broadcast(st.full, src=src_global, group=group, async_op=True), what)

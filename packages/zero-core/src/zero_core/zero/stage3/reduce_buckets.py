@@ -39,8 +39,9 @@ from typing import Any
 import torch
 
 from zero_core import comm
+from zero_core.zero.stage3.collective_wait import wait_bounded
 from zero_core.zero.stage3.param_records import RECORDS_BY_ID as _BY_ID
-from zero_core.zero.stage3.partitioned_param import _wait, check_agreement, param_name
+from zero_core.zero.stage3.partitioned_param import check_agreement, param_name
 from zero_core.zero.stage3.shard_groups import reduce_across_replicas
 from zero_core.zero.stage3.streams import stage3_streams
 
@@ -180,7 +181,7 @@ class GradBucketReducer:
     # -- completion -----------------------------------------------------------------------
     def _complete(self, b: _Bucket) -> None:
         work = b.work  # the compute stream waits for it: See [Note: stage-3 streams]
-        stage3_streams().reduce_scatter_wait(lambda: work is None or _wait(work, b.what), [b.out])
+        stage3_streams().reduce_scatter_wait(lambda: work is None or wait_bounded(work, b.what), [b.out])
         out = b.out
         assert out is not None
         # MiCS: the shard group's sum, then over the replicas (See [Note: MiCS and hpZ shard groups])

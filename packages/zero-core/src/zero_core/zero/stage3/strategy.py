@@ -33,6 +33,7 @@ from zero_core.zero.stage3.partitioned_param import (
     ParamStatus,
     gather_params,
     is_partitioned,
+    partition_on_route,
     partition_param,
     read_shard,
     release_param,
@@ -243,7 +244,7 @@ class Stage3Strategy:
             )
         route = self.route  # See [Note: MiCS and hpZ shard groups]
         if not is_partitioned(p):
-            route.partition(p)
+            partition_on_route(p, route)
         elif partition_state(p).route is None and route.mics:
             raise ValueError(
                 "Stage3Strategy: a parameter was partitioned by zero.Init, but the config sets "
