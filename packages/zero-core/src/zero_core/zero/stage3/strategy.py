@@ -25,6 +25,7 @@ from zero_core.utils.grad_norm import any_nonfinite, needs_scaling, sum_of_squar
 from zero_core.utils.param_groups import is_expert_param
 from zero_core.utils.storage_bytes import StorageLedger
 from zero_core.zero.param_owners import PARAM_OWNERS
+from zero_core.zero.stage3.collective_agreement import confirm_agreement
 from zero_core.zero.stage3.expert_partition import partition_group
 from zero_core.zero.stage3.hooks import Stage3Hooks
 from zero_core.zero.stage3.param_coordinator import ParamCoordinator
@@ -302,6 +303,8 @@ class Stage3Strategy:
 
     def after_backward(self, is_boundary: bool) -> None:
         self.wait_reductions()
+        if is_boundary:  # headers compared before the step: See [Note: stage 3 collective agreement]
+            confirm_agreement()
 
     def wait_reductions(self) -> None:
         self.reducer.finish()
