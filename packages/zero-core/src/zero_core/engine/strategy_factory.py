@@ -125,6 +125,8 @@ class Stage3Options:
     quantized_weights: bool  # ZeRO++ qwZ
     quantized_nontrainable_weights: bool
     quantized_gradients: bool  # ZeRO++ qgZ
+    module_granularity_threshold: int  # See [Note: module granularity threshold]
+    use_all_reduce_for_fetch_params: bool  # See [Note: all-reduce fetch]
 
     @classmethod
     def from_config(cls, cfg: ZeroConfig, *, eval_only: bool = False) -> Stage3Options:
@@ -145,6 +147,8 @@ class Stage3Options:
             quantized_weights=bool(zc.zero_quantized_weights),
             quantized_nontrainable_weights=bool(zc.zero_quantized_nontrainable_weights),
             quantized_gradients=bool(zc.zero_quantized_gradients),
+            module_granularity_threshold=int(zc.module_granularity_threshold),
+            use_all_reduce_for_fetch_params=bool(zc.use_all_reduce_for_fetch_params),
         )
 
 

@@ -58,6 +58,7 @@ import torch
 
 from zero_core import comm
 from zero_core.comm import watchdog as _watchdog
+from zero_core.zero.stage3.allreduce_fetch import all_reduce_fetch, fetch_by_all_reduce
 from zero_core.zero.stage3.collective_agreement import (  # noqa: F401 (re-exported: the public names)
     Stage3CollectiveError,
     check_agreement,
@@ -369,20 +370,53 @@ def gather_params(
     if not todo:
         return None
     by_group: dict[tuple[Any, ...], tuple[list[torch.nn.Parameter], list[PartitionState]]] = {}
-    # by group, primary/secondary and quantization: See [Note: MiCS and hpZ shard groups]
+    all_reduce = fetch_by_all_reduce(states[0])  # the owner decides: See [Note: all-reduce fetch]
+    # by group, primary/secondary, quantization and (all-reduce fetch) dtype: See [Note: MiCS and
+    # hpZ shard groups]
     for p, st in zip(todo, states):
         q = (quantize(p) or False) if quantize is not None else False
-        ps, sts = by_group.setdefault((*source_key(st), q), ([], []))
+        ar = st.shard.dtype if all_reduce and not q and _all_reducible(st) else None
+        ps, sts = by_group.setdefault((*source_key(st), q, ar), ([], []))
         ps.append(p)
         sts.append(st)
     if len(by_group) == 1:
-        ((*_, q),) = by_group
-        return _gather_group(todo, states, what, q)
-    return GroupedGatherHandle([_gather_group(ps, sts, what, key[-1]) for key, (ps, sts) in by_group.items()])
+        ((*_, q, ar),) = by_group
+        return _gather_group(todo, states, what, q, ar is not None)
+    return GroupedGatherHandle(
+        [_gather_group(ps, sts, what, key[-2], key[-1] is not None) for key, (ps, sts) in by_group.items()]
+    )
+
+
+def _all_reducible(st: PartitionState) -> bool:
+    """A fetch of the primary shards over one flat group (See [Note: all-reduce fetch])."""
+    source = gather_source(st)
+    return not source.secondary and (source.route is None or source.route.hops is None)
+
+
+def _all_reduce_group(
+    todo: list[torch.nn.Parameter], states: list[PartitionState], source: Any, label: str
+) -> GatherHandle:
+    """The bucket fetched by one all-reduce of a zero-padded buffer (See [Note: all-reduce fetch])."""
+    label = label.replace("all-gather of", "all-reduce fetch of", 1)
+    nbytes = sum(st.padded_numel for st in states) * states[0].shard.element_size()
+    check_agreement(3, todo, nbytes, source.group, label)
+    crossing = [st.shard for st in states if st.offload is not None]  # See [Note: stage-3 streams]
+
+    def release(p: torch.nn.Parameter, st: PartitionState) -> None:
+        if st.offload is not None:
+            st.offload.release(p)  # See [Note: offloaded shards]
+
+    with stage3_streams().all_gather_issue(crossing):
+        work, unpack, _ = all_reduce_fetch(todo, states, source.group, release)
+    return GatherHandle(todo, work, None, [0] * len(todo), 0, label, source, unpack=unpack, states=states)
 
 
 def _gather_group(
-    todo: list[torch.nn.Parameter], states: list[PartitionState], what: str, quantized: Any = False
+    todo: list[torch.nn.Parameter],
+    states: list[PartitionState],
+    what: str,
+    quantized: Any = False,
+    all_reduce: bool = False,
 ) -> GatherHandle:
     label = f"all-gather of {[param_name(p) for p in todo[:4]]}" + (f" ({what})" if what else "")
     source = gather_source(states[0])  # See [Note: MiCS and hpZ shard groups]
@@ -398,6 +432,8 @@ def _gather_group(
             st.offload.fetch(p)  # See [Note: offloaded shards]
     if world == 1:
         return GatherHandle(todo, None, None, offsets, chunk, label, source, states=states)
+    if all_reduce:
+        return _all_reduce_group(todo, states, source, label)
     check_agreement(0, todo, chunk, source.group, label)
     device = states[0].shard.device
     # read on the all-gather stream, possibly freed soon after: See [Note: stage-3 streams]

@@ -28,6 +28,7 @@ from zero_core.zero.param_owners import PARAM_OWNERS
 from zero_core.zero.stage3.collective_agreement import confirm_agreement
 from zero_core.zero.stage3.expert_partition import partition_group
 from zero_core.zero.stage3.hooks import Stage3Hooks
+from zero_core.zero.stage3.module_granularity import mark_fine_grained_leaves
 from zero_core.zero.stage3.param_coordinator import ParamCoordinator
 from zero_core.zero.stage3.param_records import partition_state
 from zero_core.zero.stage3.partitioned_param import (
@@ -113,6 +114,8 @@ class Stage3Strategy:
         quantized_nontrainable_weights: bool = False,
         quantized_gradients: bool = False,
         route: ShardRoute | None = None,
+        module_granularity_threshold: int = 0,
+        use_all_reduce_for_fetch_params: bool = False,
     ) -> None:
         _check_arguments(module, optimizer, dtype, param_persistence_threshold, model_persistence_threshold)
         self.module = module
@@ -157,6 +160,10 @@ class Stage3Strategy:
         self._switch_zeropp(quantized_weights, quantized_nontrainable_weights, quantized_gradients)
         for po in self._param_offloads():
             po.follow(self.coordinator)  # read ahead in the recorded module order
+        # every fetch of these parameters as an all-reduce: See [Note: all-reduce fetch]
+        self.fetch_by_all_reduce = bool(use_all_reduce_for_fetch_params)
+        # before the hooks: leaves get one hook for their subtree (See [Note: module granularity threshold])
+        self.granularity_leaves = mark_fine_grained_leaves(module, module_granularity_threshold)
         self.hooks = Stage3Hooks(
             module,
             self.coordinator,
