@@ -83,7 +83,6 @@ class Swapped(torch.nn.Module):
 
 
 def _deferred_rank(prefetch: bool) -> dict:
-    import zero_core
     from zero_core.zero.stage3 import Stage3CollectiveError, set_collective_checks, set_collective_timeout
 
     set_collective_timeout(10)
@@ -137,7 +136,7 @@ def _absent_rank(mode: bool | str) -> None:
         (False, f"did not complete within {TIMEOUT_S:g} s"),
         (
             True,
-            f"rank(s) [1] did not reach collective #1 on the group of ranks [0, 1] (all-gather of ['a.weight'",
+            "rank(s) [1] did not reach collective #1 on the group of ranks [0, 1] (all-gather of ['a.weight'",
         ),
     ],
 )
