@@ -36,6 +36,12 @@ def compute_dtype(cfg: ZeroConfig) -> torch.dtype:
     return torch.float32
 
 
+def master_dtype(cfg: ZeroConfig) -> torch.dtype:
+    """The optimizer's master weights' dtype: bf16 with ``bf16.bf16_master_weights_and_grads``
+    (See [Note: bf16 master weights]), else fp32."""
+    return torch.bfloat16 if cfg.bf16.bf16_master_weights_and_grads else torch.float32
+
+
 def comm_dtype(cfg: ZeroConfig) -> torch.dtype | None:
     """``communication_data_type`` as a dtype (None: the gradients' own dtype)."""
     return COMM_DTYPES.get(str(cfg.communication_data_type or "").lower())
@@ -86,6 +92,7 @@ class PartitionedOptions:
     round_robin_gradients: bool
     ignore_unused_parameters: bool
     comm_dtype: torch.dtype | None
+    master_dtype: torch.dtype  # See [Note: bf16 master weights]
 
     @classmethod
     def from_config(cls, cfg: ZeroConfig, *, pipeline: bool = False) -> PartitionedOptions:
@@ -103,6 +110,7 @@ class PartitionedOptions:
             round_robin_gradients=bool(zc.round_robin_gradients),
             ignore_unused_parameters=bool(zc.ignore_unused_parameters),
             comm_dtype=comm_dtype(cfg),
+            master_dtype=master_dtype(cfg),
         )
 
 
@@ -127,6 +135,7 @@ class Stage3Options:
     quantized_gradients: bool  # ZeRO++ qgZ
     module_granularity_threshold: int  # See [Note: module granularity threshold]
     use_all_reduce_for_fetch_params: bool  # See [Note: all-reduce fetch]
+    master_dtype: torch.dtype  # See [Note: bf16 master weights]
 
     @classmethod
     def from_config(cls, cfg: ZeroConfig, *, eval_only: bool = False) -> Stage3Options:
@@ -149,6 +158,7 @@ class Stage3Options:
             quantized_gradients=bool(zc.zero_quantized_gradients),
             module_granularity_threshold=int(zc.module_granularity_threshold),
             use_all_reduce_for_fetch_params=bool(zc.use_all_reduce_for_fetch_params),
+            master_dtype=master_dtype(cfg),
         )
 
 

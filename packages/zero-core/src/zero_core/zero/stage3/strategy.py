@@ -8,6 +8,8 @@ state: the client optimizer's ``param_groups`` are rebound to fp32 *master shard
 parameter. In fp32 the master shard is the parameter's shard itself (no copy); in fp16/bf16 it
 is an fp32 copy and the 16-bit shard is refreshed from it after every step. Model-state bytes
 per rank are therefore (2 + 2 + 12)Ψ/N with 16-bit training and Adam, plus what is gathered.
+With bf16 masters (See [Note: bf16 master weights]) the master is the bf16 shard itself and
+the bytes are (2 + 2 + 4)Ψ/N.
 See [Note: engine strategies] for the contract with the engine.
 """
 
@@ -22,6 +24,7 @@ import torch
 from zero_core import comm
 from zero_core.protocols.optimizer_offload import NoOptimizerOffload, OptimizerOffload, add_host_breakdown
 from zero_core.utils.grad_norm import any_nonfinite, needs_scaling, sum_of_squares
+from zero_core.utils.master_dtype import check_master_dtype
 from zero_core.utils.param_groups import is_expert_param
 from zero_core.utils.storage_bytes import StorageLedger
 from zero_core.zero.param_owners import PARAM_OWNERS
@@ -116,8 +119,16 @@ class Stage3Strategy:
         route: ShardRoute | None = None,
         module_granularity_threshold: int = 0,
         use_all_reduce_for_fetch_params: bool = False,
+        master_dtype: torch.dtype = torch.float32,
     ) -> None:
         _check_arguments(module, optimizer, dtype, param_persistence_threshold, model_persistence_threshold)
+        check_master_dtype(master_dtype, dtype, "Stage3Strategy")
+        if master_dtype != torch.float32 and optimizer_offload is not None:
+            raise ValueError(
+                "Stage3Strategy: bf16 master weights cannot be offloaded (offload_optimizer); "
+                "See [Note: bf16 master weights]"
+            )
+        self.master_dtype = master_dtype  # See [Note: bf16 master weights]
         self.module = module
         self.optimizer = optimizer
         self.group = group
@@ -222,15 +233,13 @@ class Stage3Strategy:
             if not p.requires_grad or not self._make_masters:
                 set_shard_dtype(p, self.dtype)
                 continue
-            if (
-                st.shard.dtype == torch.float32
-                and self.dtype == torch.float32
-                and self.param_offload is None
-                and st.offload is None
-            ):
-                master = torch.nn.Parameter(st.shard)  # shares storage: no extra copy in fp32
+            if self.master_dtype == self.dtype and self.param_offload is None and st.offload is None:
+                # the shard itself: no extra copy in fp32, nor with bf16 masters (See [Note: bf16
+                # master weights])
+                set_shard_dtype(p, self.dtype)
+                master = torch.nn.Parameter(st.shard)
             else:
-                master = torch.nn.Parameter(read_shard(p).detach().float().clone())
+                master = torch.nn.Parameter(read_shard(p).detach().to(self.master_dtype, copy=True))
                 set_shard_dtype(p, self.dtype)
             self.master[st.id] = master
 
@@ -350,10 +359,10 @@ class Stage3Strategy:
                 m.grad = None
             elif g is None:
                 m.grad = None
-            elif g.dtype == torch.float32 and shares_shard(m, st):
+            elif g.dtype == m.dtype and shares_shard(m, st):  # fp32, or bf16 masters: as it is
                 m.grad = g.mul_(grad_scale) if needs_scaling(grad_scale) else g
             else:
-                m.grad = g.float().mul_(grad_scale)
+                m.grad = g.to(m.dtype).mul_(grad_scale)
         self.optimizer.step()  # device-side masters (all of them without offload; 1 - ratio with it)
         self.offload.step(self.optimizer, grad_scale)
         for p, st in zip(self.params, self.records):
