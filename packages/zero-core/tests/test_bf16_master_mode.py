@@ -58,23 +58,25 @@ def _reference(world: int, make_opt) -> dict[str, torch.Tensor]:  # noqa: ANN001
     return state_snapshot(model)
 
 
-def _config(stage: int, bf16: dict) -> dict:
+def _config(stage: int, bf16: dict, **zero) -> dict:  # noqa: ANN003
     return {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_clipping": 0.0,
         "steps_per_print": 10**6,
         "bf16": bf16,
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **zero},
     }
 
 
-def _train(stage: int, bf16: dict, make_opt) -> dict:  # noqa: ANN001
+def _train(stage: int, bf16: dict, make_opt, **zero) -> dict:  # noqa: ANN001, ANN003
     import zero_core
     from zero_core import comm
 
     rank, world = comm.get_rank(), comm.get_world_size()
     model = _net()
-    engine, _, _, _ = zero_core.initialize(model=model, optimizer=make_opt, config=_config(stage, bf16))
+    engine, _, _, _ = zero_core.initialize(
+        model=model, optimizer=make_opt, config=_config(stage, bf16, **zero)
+    )
     breakdown = {}
     for step in range(STEPS):
         x, y = _batch(step, world)
@@ -91,6 +93,7 @@ def _train(stage: int, bf16: dict, make_opt) -> dict:  # noqa: ANN001
     )
     return {
         "state": state_snapshot(model, gathered=stage == 3),
+        "aliased": getattr(engine.strategy, "master_aliases_params", stage == 3),
         "dtypes": dtypes,
         "breakdown": breakdown,
         "scalars": scalars,
@@ -99,7 +102,10 @@ def _train(stage: int, bf16: dict, make_opt) -> dict:  # noqa: ANN001
 
 
 def _stages(make_opt) -> dict:  # noqa: ANN001
-    return {stage: _train(stage, BOTH, make_opt) for stage in (1, 2, 3)}
+    out = {stage: _train(stage, BOTH, make_opt) for stage in (1, 2, 3)}
+    # small buckets: a rank's shard is pieces of several chunks, so the master is a bf16 copy
+    out["2, several chunks"] = _train(2, BOTH, make_opt, reduce_bucket_size=100)
+    return out
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -109,6 +115,7 @@ def test_bf16_masters_train_exactly_like_a_torch_bf16_model(world: int) -> None:
         for stage, r in by_stage.items():
             assert_states_equal(r["state"], want, where=f"stage {stage}, rank {rank} of {world}")
             assert r["dtypes"] == {"torch.bfloat16"}, (stage, r["dtypes"])  # masters and Adam's moments
+            assert r["aliased"] == (stage != "2, several chunks"), (stage, world)
 
 
 def _stage3_on_4() -> dict:
@@ -169,3 +176,43 @@ def test_unsupported_combinations_are_named_errors(extra: dict, says: str) -> No
         load_config(cfg)
     for stage in (1, 2, 3):  # both keys together load at the stages DeepSpeed supports
         assert load_config({"train_batch_size": 2, "bf16": BOTH, "zero_optimization": {"stage": stage}})
+
+
+def _resume(path: str) -> list[bool]:
+    """Per stage: does a run saved after 2 steps and resumed take the same third step (and keep bf16 states)?"""
+    import zero_core
+    from zero_core import comm
+
+    rank, world = comm.get_rank(), comm.get_world_size()
+
+    def step(engine, s: int) -> None:  # noqa: ANN001
+        x, y = _batch(s, world)
+        rows = slice(rank * MICRO, (rank + 1) * MICRO)
+        engine.backward(_loss(engine, x[rows], y[rows]))
+        engine.step()
+
+    same = []
+    for stage in (1, 2, 3):
+        runs = []
+        for resumed in (False, True):
+            model = _net()
+            engine, _, _, _ = zero_core.initialize(model=model, optimizer=_adam, config=_config(stage, BOTH))
+            if resumed:
+                engine.load_checkpoint(f"{path}/stage{stage}")
+            else:
+                for s in range(2):
+                    step(engine, s)
+                engine.save_checkpoint(f"{path}/stage{stage}")
+            step(engine, 2)
+            opt = engine.strategy.optimizer
+            assert {t.dtype for s in opt.state.values() for t in s.values() if t.dim() > 0} == {
+                torch.bfloat16
+            }
+            runs.append(state_snapshot(model, gathered=stage == 3))
+        same.append(all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0]))
+    return same
+
+
+def test_checkpoint_resume_is_exact(tmp_path) -> None:  # noqa: ANN001
+    for r in run_multirank(_resume, 2, args=(str(tmp_path),), timeout=240):
+        assert r == [True, True, True], r

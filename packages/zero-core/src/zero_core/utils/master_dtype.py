@@ -46,14 +46,19 @@ import torch
 MASTER_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def check_master_dtype(master_dtype: Any, dtype: Any, where: str) -> None:
-    """``master_dtype`` is fp32, or bf16 with bf16 training (See [Note: bf16 master weights])."""
+def check_master_dtype(master_dtype: Any, dtype: Any, where: str, offloaded: bool = False) -> None:
+    """``master_dtype`` is fp32, or bf16 with bf16 training and masters kept on the device
+    (``offloaded``: the optimizer is offloaded). See [Note: bf16 master weights]."""
     if master_dtype not in MASTER_DTYPES:
         raise ValueError(
             f"{where}: master_dtype must be torch.float32 or torch.bfloat16, got {master_dtype!r}"
         )
     if master_dtype == torch.bfloat16 and dtype != torch.bfloat16:
         raise ValueError(f"{where}: bf16 master weights need bf16 training, got training dtype {dtype}")
+    if master_dtype == torch.bfloat16 and offloaded:
+        raise ValueError(
+            f"{where}: bf16 master weights cannot be offloaded (offload_optimizer steps fp32 masters)"
+        )
 
 
 def model_state_bytes_per_param(stage: int, world: int, bf16_masters: bool) -> float:

@@ -162,7 +162,6 @@ def _check_arguments(
     reduce_bucket_size: int,
     allgather_bucket_size: int,
     round_robin_gradients: Any,
-    master_dtype: Any = torch.float32,
 ) -> None:
     """Clear errors for the strategy's arguments, before anything is built."""
     if stage not in (1, 2):
@@ -175,7 +174,6 @@ def _check_arguments(
         )
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"ZeRO stage {stage}: training dtype must be fp32, fp16 or bf16, got {dtype}")
-    check_master_dtype(master_dtype, dtype, f"ZeRO stage {stage}")
     _positive_int(reduce_bucket_size, "reduce_bucket_size")
     _positive_int(allgather_bucket_size, "allgather_bucket_size")
     if len(optimizer.state) > 0:
@@ -260,19 +258,11 @@ class PartitionedOptimizerStrategy:
         master_dtype: torch.dtype = torch.float32,
     ) -> None:
         _check_arguments(
-            stage,
-            optimizer,
-            dtype,
-            reduce_bucket_size,
-            allgather_bucket_size,
-            round_robin_gradients,
-            master_dtype,
+            stage, optimizer, dtype, reduce_bucket_size, allgather_bucket_size, round_robin_gradients
         )
-        if master_dtype != torch.float32 and optimizer_offload is not None:
-            raise ValueError(
-                f"ZeRO stage {stage}: bf16 master weights cannot be offloaded (offload_optimizer); "
-                "See [Note: bf16 master weights]"
-            )
+        check_master_dtype(
+            master_dtype, dtype, f"ZeRO stage {stage}", offloaded=optimizer_offload is not None
+        )
         self.stage = stage
         self.master_dtype = master_dtype  # See [Note: bf16 master weights]
         self.module = module

@@ -16,7 +16,7 @@ which shares the original; the TCP store serialises the operations of one client
 no device read, nothing for ``zero_core.testing.host_syncs`` to count. One exchange is three
 store round trips (post mine, drop my key of two exchanges ago, read the peers'), about
 0.15 ms on one host, against about 0.7 ms for the 32-byte gloo all-gather of the headers this
-replaced (both measured on the 2-core development machine). Dropping key ``seq - 2`` is safe
+replaced (300 of each, 2 ranks of the loaded 2-core development machine). Dropping key ``seq - 2`` is safe
 because a rank posts ``seq`` only after it has read every peer's ``seq - 1``, which each peer
 posted only after reading everyone's ``seq - 2``.
 
@@ -29,10 +29,11 @@ When the comparison happens depends on the backend (mode ``True``, the default):
   later stage-3 collective, and the accumulation boundary (the strategy's ``after_backward``)
   waits for every header posted so far to be compared: ranks that disagree get the named error
   there at the latest, before the optimizer step applies anything. A mismatched collective
-  meanwhile stalls only the device stream; a host blocked behind it (a wait given a deadline,
-  a host read) is freed by the collective watchdog's deadline, and a failed or timed-out
-  stage-3 wait reports this verdict instead of a bare timeout (see ``_wait`` in
-  ``partitioned_param.py``).
+  meanwhile stalls only the device stream, and every later stage-3 wait raises the verdict
+  instead of waiting. A host blocked behind it elsewhere (a host read of a result) is ended by
+  the collective watchdog's deadline, whose diagnosis then names the disagreement (the verdict
+  is noted to the watchdog); a failed or timed-out stage-3 wait reports the verdict too
+  (:func:`wait_bounded`).
 
 ``set_collective_checks`` / ``ZERO_STAGE3_COLLECTIVE_CHECKS`` select the mode: ``True``/``1``
 (the above), ``"deferred"`` (the side thread on every backend: NCCL's behaviour, testable on
@@ -297,13 +298,16 @@ def _device_check(header: Header, group: Any, what: str) -> None:
 def wait_bounded(work: Any, what: str) -> None:
     """Wait for a stage-3 collective within the watchdog's deadline; a failure becomes a
     :class:`Stage3CollectiveError` naming ``what`` (and a disagreement already found)."""
+    agreement = _SLOT.agreement
+    if agreement is not None:
+        agreement.raise_if_failed()  # the verdict is in: waiting on a mismatched collective is pointless
     wd = _watchdog.get_watchdog()
     if wd is not None:
         wd.note(what)  # the parameters of this collective, for the watchdog's diagnosis
     try:
         work.wait(timeout=datetime.timedelta(seconds=collective_timeout()))
     except Exception as exc:
-        found = _SLOT.agreement.error if _SLOT.agreement is not None else None
+        found = agreement.error if agreement is not None else None
         if found is not None:
             raise Stage3CollectiveError(found) from exc
         raise Stage3CollectiveError(

@@ -122,12 +122,7 @@ class Stage3Strategy:
         master_dtype: torch.dtype = torch.float32,
     ) -> None:
         _check_arguments(module, optimizer, dtype, param_persistence_threshold, model_persistence_threshold)
-        check_master_dtype(master_dtype, dtype, "Stage3Strategy")
-        if master_dtype != torch.float32 and optimizer_offload is not None:
-            raise ValueError(
-                "Stage3Strategy: bf16 master weights cannot be offloaded (offload_optimizer); "
-                "See [Note: bf16 master weights]"
-            )
+        check_master_dtype(master_dtype, dtype, "Stage3Strategy", offloaded=optimizer_offload is not None)
         self.master_dtype = master_dtype  # See [Note: bf16 master weights]
         self.module = module
         self.optimizer = optimizer
@@ -173,18 +168,22 @@ class Stage3Strategy:
             po.follow(self.coordinator)  # read ahead in the recorded module order
         # every fetch of these parameters as an all-reduce: See [Note: all-reduce fetch]
         self.fetch_by_all_reduce = bool(use_all_reduce_for_fetch_params)
-        # before the hooks: leaves get one hook for their subtree (See [Note: module granularity threshold])
-        self.granularity_leaves = mark_fine_grained_leaves(module, module_granularity_threshold)
+        self._install_hooks(module_granularity_threshold)
+        self._rebind_optimizer()
+        self.offload.finalize(self.optimizer)
+        self._take_ownership()
+
+    def _install_hooks(self, module_granularity_threshold: int) -> None:
+        """The hooks of [Note: stage 3 hooks]; first the fine-grained modules become leaves, which
+        get one hook for their subtree (See [Note: module granularity threshold])."""
+        self.granularity_leaves = mark_fine_grained_leaves(self.module, module_granularity_threshold)
         self.hooks = Stage3Hooks(
-            module,
+            self.module,
             self.coordinator,
             self.reducer.add,
             on_backward_end=self.reducer.flush,
             grad_bytes_live=self.reducer.live_bytes,
         )
-        self._rebind_optimizer()
-        self.offload.finalize(self.optimizer)
-        self._take_ownership()
 
     def _take_ownership(self) -> None:
         """Become the owner of the parameters: in PARAM_OWNERS for the safe_get helpers (See
