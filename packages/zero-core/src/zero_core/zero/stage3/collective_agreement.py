@@ -131,8 +131,8 @@ class StoreAgreement:
     """Header exchanges through the store, inline or on a side thread; see the Note above."""
 
     def __init__(self, store: Any) -> None:
-        self.store = store
-        self._timeout = 0.0
+        self.store = store  # the main thread's client; the side thread clones its own
+        self._timeouts: dict[int, float] = {}
         self._seq: dict[tuple[int, ...], int] = {}
         self._pending: deque[tuple[tuple[int, ...], int, int, Header, str]] = deque()
         self._cond = threading.Condition()
@@ -147,7 +147,7 @@ class StoreAgreement:
         seq = self._seq.get(ranks, 0) + 1
         self._seq[ranks] = seq
         if inline:
-            message = self._exchange(ranks, me, seq, header, what)
+            message = self._exchange(self.store, ranks, me, seq, header, what)
             if message is not None:
                 self.error = self.error or message
                 raise Stage3CollectiveError(message)
@@ -176,12 +176,13 @@ class StoreAgreement:
         self.raise_if_failed()
 
     def _run(self) -> None:
+        store = self.store.clone()  # never queued behind the main thread's exchanges
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: bool(self._pending))
                 ranks, me, seq, header, what = self._pending[0]
             try:
-                message = self._exchange(ranks, me, seq, header, what)
+                message = self._exchange(store, ranks, me, seq, header, what)
             except Exception as exc:  # the store is gone (the end of a job): stop comparing
                 message = f"ZeRO stage 3: the agreement check before {what} failed: {exc}"
             with self._cond:
@@ -198,12 +199,13 @@ class StoreAgreement:
                     self._done = self._posted
                     return
 
-    def _exchange(self, ranks: tuple[int, ...], me: int, seq: int, header: Header, what: str) -> str | None:
-        store, group = self.store, ",".join(map(str, ranks))
-        timeout = collective_timeout()
-        if timeout != self._timeout:
+    def _exchange(
+        self, store: Any, ranks: tuple[int, ...], me: int, seq: int, header: Header, what: str
+    ) -> str | None:
+        group, timeout = ",".join(map(str, ranks)), collective_timeout()
+        if self._timeouts.get(id(store)) != timeout:
             store.set_timeout(datetime.timedelta(seconds=timeout))
-            self._timeout = timeout
+            self._timeouts[id(store)] = timeout
         store.set(f"{_KEY}/{group}/{me}/{seq}", " ".join(map(str, header)))
         if seq > 2:
             store.delete_key(f"{_KEY}/{group}/{me}/{seq - 2}")
