@@ -179,3 +179,32 @@ def test_deferred_check_is_confirmed_at_the_boundary_without_waiting_in_the_micr
     for r in (r0, r1):
         assert "ranks disagree on the next collective (#2 on its group)" in r["text"], r["text"]
         assert "rank 0: all-gather of ['a']" in r["text"] and "rank 1: all-gather of ['b']" in r["text"]
+
+
+def _subgroup_rank() -> str:
+    from zero_core import comm
+    from zero_core.zero.stage3 import Stage3CollectiveError
+    from zero_core.zero.stage3.collective_agreement import check_agreement
+    from zero_core.zero.stage3.partitioned_param import partition_param, set_param_name
+
+    groups = [comm.new_group([0, 1]), comm.new_group([2, 3])]
+    rank = comm.get_rank()
+    mine = groups[rank // 2]
+    a, b = torch.nn.Parameter(torch.ones(8)), torch.nn.Parameter(torch.ones(8))
+    for name, p in (("a", a), ("b", b)):
+        partition_param(p, mine)
+        set_param_name(p, name)
+    try:
+        check_agreement(0, [a], 32, mine, "all-gather 1")  # default mode: compared before the collective
+        check_agreement(0, [b if rank == 3 else a], 32, mine, "all-gather 2")
+    except Stage3CollectiveError as exc:
+        return str(exc)
+    return "agreed"
+
+
+def test_agreement_on_a_subgroup_names_its_global_ranks() -> None:
+    r0, r1, r2, r3 = run_multirank(_subgroup_rank, 4, timeout=60)
+    assert r0 == r1 == "agreed", (r0, r1)
+    for text in (r2, r3):
+        assert "ranks disagree on the next collective (#2 on its group)" in text, text
+        assert "rank 2: all-gather of ['a']" in text and "rank 3: all-gather of ['b']" in text, text

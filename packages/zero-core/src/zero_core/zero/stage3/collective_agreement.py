@@ -10,15 +10,15 @@ an all-reduce fetch) every rank states a *header*: kind, first parameter id, par
 payload bytes, numbered per process group; the ranks compare headers of the same number, and
 a difference is a :class:`Stage3CollectiveError` naming what each rank was about to run.
 
-The headers are host integers, so they travel as bytes through the process group's store (a
-clone of its client, so that blocking here never stalls the collective watchdog's thread,
-which shares the original; the TCP store serialises the operations of one client): no tensor,
-no device read, nothing for ``zero_core.testing.host_syncs`` to count. One exchange is three
-store round trips (post mine, drop my key of two exchanges ago, read the peers'), about
-0.15 ms on one host, against about 0.7 ms for the 32-byte gloo all-gather of the headers this
-replaced (300 of each, 2 ranks of the loaded 2-core development machine). Dropping key ``seq - 2`` is safe
-because a rank posts ``seq`` only after it has read every peer's ``seq - 1``, which each peer
-posted only after reading everyone's ``seq - 2``.
+The headers are host integers, so they travel as bytes through the process group's store
+(through clones of its client, one per thread: the TCP store serialises the operations of one
+client, and a blocked read here must never stall the collective watchdog's thread, which uses
+the original): no tensor, no device read, nothing for ``zero_core.testing.host_syncs`` to
+count. One exchange is three store round trips (post mine, drop my key of two exchanges ago,
+read the peers'), about 0.15 ms on one host, against about 0.7 ms for the 32-byte gloo
+all-gather of the headers this replaced (300 of each, 2 ranks of the loaded 2-core development
+machine). Dropping key ``seq - 2`` is safe because a rank posts ``seq`` only after it has read
+every peer's ``seq - 1``, which each peer posted only after reading everyone's ``seq - 2``.
 
 When the comparison happens depends on the backend (mode ``True``, the default):
 
@@ -116,10 +116,13 @@ def describe(header: Sequence[int]) -> str:
     return f"{KINDS.get(kind, kind)} of {names}{more} ({size} bytes)"
 
 
-def mismatch_error(rows: Sequence[Sequence[int] | None], me: int, what: str, seq: int | None = None) -> str:
-    """The message naming what each rank of the group was about to run."""
+def mismatch_error(
+    rows: Sequence[Sequence[int] | None], ranks: Sequence[int], me: int, what: str, seq: int | None = None
+) -> str:
+    """The message naming what each rank of the group (global ``ranks``, row by row) was about to
+    run; ``me`` is this process's global rank."""
     number = f" (#{seq} on its group)" if seq is not None else ""
-    lines = [f"  rank {r}: {describe(h) if h is not None else '(no header)'}" for r, h in enumerate(rows)]
+    lines = [f"  rank {r}: {describe(h) if h is not None else '(no header)'}" for r, h in zip(ranks, rows)]
     return (
         f"ZeRO stage 3: ranks disagree on the next collective{number} (this is rank {me}, running {what}).\n"
         + "\n".join(lines)
@@ -142,7 +145,8 @@ class StoreAgreement:
         self.error: str | None = None  # the first disagreement found (kept: later ones follow from it)
 
     def check(self, ranks: tuple[int, ...], me: int, header: Header, what: str, inline: bool) -> None:
-        """Number ``header`` on ``ranks``' group and compare it with the peers' (``inline``: now)."""
+        """Number ``header`` on the group of global ``ranks`` and compare it with the peers'
+        (``inline``: now); ``me`` is this process's global rank."""
         self.raise_if_failed()
         seq = self._seq.get(ranks, 0) + 1
         self._seq[ranks] = seq
@@ -222,7 +226,7 @@ class StoreAgreement:
         rows = [header if r == me else next(theirs) for r in ranks]
         if all(row == header for row in rows):
             return None
-        return mismatch_error(rows, ranks.index(me), what, seq)
+        return mismatch_error(rows, ranks, me, what, seq)
 
 
 def _present(store: Any, key: str) -> bool:
@@ -277,8 +281,7 @@ def check_agreement(
         _device_check(header, group, what)
         return
     inline = mode is True and "nccl" not in comm.get_backend(group).lower()
-    ranks = comm.group_ranks(group)
-    agreement.check(ranks, ranks.index(comm.get_rank()), header, what, inline)
+    agreement.check(comm.group_ranks(group), comm.get_rank(), header, what, inline)
 
 
 def _device_check(header: Header, group: Any, what: str) -> None:
@@ -294,7 +297,7 @@ def _device_check(header: Header, group: Any, what: str) -> None:
     rows = every.view(world, 4)
     if bool((rows == mine).all()):  # the one host read per collective of this mode
         return
-    raise Stage3CollectiveError(mismatch_error(rows.tolist(), comm.get_rank(group), what))
+    raise Stage3CollectiveError(mismatch_error(rows.tolist(), comm.group_ranks(group), comm.get_rank(), what))
 
 
 def wait_bounded(work: Any, what: str) -> None:
