@@ -68,6 +68,13 @@ EFFECT_TESTS: dict[str, str] = {
     "scheduler.type": _CORE + "test_lr_schedules.py::test_build_from_config_matches_direct_construction",
     "scheduler.params": _CORE + "test_lr_schedules.py::test_build_from_config_matches_direct_construction",
     # -- zero_optimization ----------------------------------------------------------------------
+    "bf16.bf16_master_weights_and_grads": _CORE
+    + "test_bf16_master_mode.py::test_bf16_masters_train_exactly_like_a_torch_bf16_model",
+    "bf16.bf16_optimizer_states": _CORE + "test_bf16_master_mode.py::test_memory_breakdown_shows_the_formula",
+    "zero_optimization.module_granularity_threshold": _CORE
+    + "test_stage3_module_granularity.py::test_threshold_fetches_blocks_whole_and_trains_like_torch",
+    "zero_optimization.use_all_reduce_for_fetch_params": _CORE
+    + "test_stage3_allreduce_fetch.py::test_all_reduce_fetch_trains_like_torch_and_like_the_all_gather",
     "zero_optimization.stage": _CORE
     + "test_stage12_memory_comm.py::test_stage12_memory_and_comm_volume_match_theory",
     "zero_optimization.contiguous_gradients": _KEYS

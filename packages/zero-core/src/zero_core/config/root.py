@@ -31,7 +31,14 @@ from zero_core.config.checkpoint import CheckpointConfig
 from zero_core.config.errors import format_validation_error
 from zero_core.config.monitoring import CommsLoggerConfig, CSVConfig, TensorBoardConfig, WandbConfig
 from zero_core.config.optimizer import OptimizerConfig, SchedulerConfig
-from zero_core.config.precision import AmpConfig, BF16Config, DataType, DataTypesConfig, FP16Config
+from zero_core.config.precision import (
+    AmpConfig,
+    BF16Config,
+    DataType,
+    DataTypesConfig,
+    FP16Config,
+    bf16_master_problems,
+)
 from zero_core.config.zero_optimization import ZeroOptimizationConfig
 
 Section = SerializeAsAny[BaseModel]
@@ -196,6 +203,9 @@ class ZeroConfig(ConfigModel):
                 f"{self.zero_optimization.stage}); use fp16 or bf16 with ZeRO"
             )
         problems += self._stage_dependent_problems()
+        zc = self.zero_optimization  # See [Note: bf16 master weights]
+        offloaded = zc.offload_optimizer is not None and zc.offload_optimizer.enabled
+        problems += bf16_master_problems(self.bf16, int(zc.stage), offloaded)
         if problems:
             raise ValueError("\n".join(problems))
         return self

@@ -86,9 +86,6 @@ _MOE = (
     "the moe section configures nothing here: build MoE layers in code with zero.moe.MoE(hidden_size, "
     "expert, num_experts=..., ep_size=..., k=...), as DeepSpeed does, and remove the key"
 )
-_NOT_YET = (
-    "not implemented yet; remove the key (zero keeps fp32 master weights, gradients and optimizer states)"
-)
 
 
 def _moe(what: str) -> Unimplemented:
@@ -137,16 +134,6 @@ UNIMPLEMENTED: dict[str, Unimplemented] = {
     "fp16.fp16_master_weights_and_grads": Unimplemented(
         "fp16 master weights and gradients",
         "remove the key: zero keeps fp32 master weights and gradients with fp16 (offload_optimizer saves the memory)",
-    ),
-    "bf16.bf16_master_weights_and_grads": Unimplemented("bf16 master weights and gradients", _NOT_YET),
-    "bf16.bf16_optimizer_states": Unimplemented("bf16 optimizer states", _NOT_YET),
-    "zero_optimization.use_all_reduce_for_fetch_params": Unimplemented(
-        "the stage-3 parameter fetch as an all-reduce",
-        "not implemented yet; remove the key (the fetch is an all-gather)",
-    ),
-    "zero_optimization.module_granularity_threshold": Unimplemented(
-        "fetching the parameters of small modules as one unit",
-        "not implemented yet; remove the key, or mark such modules with zero.utils.set_z3_leaf_modules",
     ),
     "zero_optimization.legacy_stage1": Unimplemented(
         "the ZeRO stage 1 of DeepSpeed before 0.5.9 (DeepSpeed refuses it too)",

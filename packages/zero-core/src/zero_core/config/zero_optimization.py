@@ -217,6 +217,14 @@ class ZeroOptimizationConfig(ConfigModel):
                 problems.append(
                     f"zero_optimization.{key}: ZeRO++ quantization needs stage 3, got stage {self.stage}"
                 )
+        for key in ("module_granularity_threshold", "use_all_reduce_for_fetch_params"):
+            if getattr(self, key) and self.stage != 3:  # how stage 3 fetches its partitioned parameters
+                warnings.warn(
+                    f"zero_optimization.{key}: applies to stage 3's parameter fetches only; ignored at "
+                    f"stage {self.stage}, as DeepSpeed does",
+                    UserWarning,
+                    stacklevel=2,
+                )
         if problems:
             raise ValueError("\n".join(problems))
         if self.overlap_comm is None:

@@ -43,6 +43,12 @@ def accum_dtype(cfg: ZeroConfig) -> torch.dtype | None:
     return wanted if wanted is not None and wanted != compute_dtype(cfg) else None
 
 
+def master_dtype(cfg: ZeroConfig) -> torch.dtype:
+    """The optimizer's master weights' dtype: bf16 with ``bf16.bf16_master_weights_and_grads``
+    (See [Note: bf16 master weights]), else fp32."""
+    return torch.bfloat16 if cfg.bf16.bf16_master_weights_and_grads else torch.float32
+
+
 def comm_dtype(cfg: ZeroConfig) -> torch.dtype | None:
     """``communication_data_type`` as a dtype (None: the dtype of what is reduced)."""
     return COMM_DTYPES.get(str(cfg.communication_data_type or "").lower())
@@ -100,6 +106,7 @@ class PartitionedOptions:
     ignore_unused_parameters: bool
     comm_dtype: torch.dtype | None
     accum_dtype: torch.dtype | None
+    master_dtype: torch.dtype  # See [Note: bf16 master weights]
 
     @classmethod
     def from_config(cls, cfg: ZeroConfig, *, pipeline: bool = False) -> PartitionedOptions:
@@ -118,6 +125,7 @@ class PartitionedOptions:
             ignore_unused_parameters=bool(zc.ignore_unused_parameters),
             comm_dtype=comm_dtype(cfg),
             accum_dtype=accum_dtype(cfg),
+            master_dtype=master_dtype(cfg),
         )
 
 
@@ -141,6 +149,9 @@ class Stage3Options:
     quantized_nontrainable_weights: bool
     quantized_gradients: bool  # ZeRO++ qgZ
     accum_dtype: torch.dtype | None
+    module_granularity_threshold: int  # See [Note: module granularity threshold]
+    use_all_reduce_for_fetch_params: bool  # See [Note: all-reduce fetch]
+    master_dtype: torch.dtype  # See [Note: bf16 master weights]
 
     @classmethod
     def from_config(cls, cfg: ZeroConfig, *, eval_only: bool = False) -> Stage3Options:
@@ -162,6 +173,9 @@ class Stage3Options:
             quantized_nontrainable_weights=bool(zc.zero_quantized_nontrainable_weights),
             quantized_gradients=bool(zc.zero_quantized_gradients),
             accum_dtype=accum_dtype(cfg),
+            module_granularity_threshold=int(zc.module_granularity_threshold),
+            use_all_reduce_for_fetch_params=bool(zc.use_all_reduce_for_fetch_params),
+            master_dtype=master_dtype(cfg),
         )
 
 

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from zero_core import comm
-from zero_core.zero.stage3.collective_wait import wait_bounded
+from zero_core.zero.stage3.collective_agreement import wait_bounded
 from zero_core.zero.stage3.param_records import RECORDS_BY_ID as _BY_ID
 from zero_core.zero.stage3.partitioned_param import check_agreement, param_name
 from zero_core.zero.stage3.shard_groups import reduce_across_replicas

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from zero_core import comm
-from zero_core.zero.stage3.collective_wait import wait_bounded
+from zero_core.zero.stage3.collective_agreement import wait_bounded
 from zero_core.zero.stage3.param_records import partition_state
 
 
