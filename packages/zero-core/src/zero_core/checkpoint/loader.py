@@ -221,6 +221,13 @@ def load_checkpoint(
     meta, reader = open_checkpoint(load_dir, tag)
     reader.aliases = global_expert_names(engine.module)  # see [Note: expert fragments]
     load_opt = load_optimizer_states and not load_module_only
+    if load_opt and engine.optimizer is not None and meta["optimizer"].get("class") is None:
+        reader.close()  # before any state is touched: See [Note: engine without an optimizer]
+        raise CheckpointError(
+            f"load_checkpoint: {reader.tag_dir} was saved by an engine without an optimizer, so it "
+            "holds no optimizer states; pass load_optimizer_states=False (or load_module_only=True) "
+            "to load its module into this engine"
+        )
     try:
         # sizes of every rank file checked here, checksums in the single pass (see [Note: shared verification])
         reader.begin_single_pass(getattr(engine, "dp_group", None))
@@ -263,7 +270,7 @@ def _restore_engine(
     engine.skipped_steps = int(meta["skipped_steps"])
     engine.micro_steps = int(meta["micro_steps"])
     engine.loss_scaler.load_state_dict(meta["loss_scaler"])
-    if load_opt:
+    if load_opt and engine.optimizer is not None:  # See [Note: engine without an optimizer]
         _restore_param_groups(engine.optimizer, meta["optimizer"]["param_groups"], reader.tag_dir)
     sched = getattr(engine, "lr_scheduler", None)
     if load_sched and sched is not None and meta.get("lr_scheduler") is not None:

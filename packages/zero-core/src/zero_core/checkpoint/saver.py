@@ -100,6 +100,17 @@ def _param_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return out
 
 
+def _optimizer_meta(optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """The optimizer's class and hyper-parameters; ``class`` None for an engine without one.
+
+    See [Note: engine without an optimizer]: its checkpoint holds the module only, and the
+    placeholder's groups (lr 0) are not saved, so a training engine never loads them.
+    """
+    if optimizer is None:
+        return {"class": None, "param_groups": []}
+    return {"class": type(optimizer).__name__, "param_groups": _param_groups(optimizer)}
+
+
 def _zero_stage(engine: Any) -> int:
     return int(getattr(getattr(engine.config, "zero_optimization", None), "stage", 0) or 0)
 
@@ -129,10 +140,7 @@ def _engine_meta(
         "micro_steps": int(engine.micro_steps),
         "loss_scaler": engine.loss_scaler.state_dict(),
         "lr_scheduler": sched_state,
-        "optimizer": {
-            "class": type(engine.optimizer).__name__,
-            "param_groups": _param_groups(engine.optimizer),
-        },
+        "optimizer": _optimizer_meta(engine.optimizer),
         "parameters": [
             [names[n], bool(p.requires_grad), list(p.shape)] for n, p in engine.module.named_parameters()
         ],
