@@ -136,6 +136,14 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
         """Bring back every state :meth:`offload_states` moved, to the device it came from."""
         self._model_states.reload(self.strategy, non_blocking)
 
+    @property
+    def flops_profiler(self) -> Any:
+        """DeepSpeed's name for the engine's profiler: zero-profiler's ``FlopsProfiler`` of the
+        ``flops_profiler`` section (``get_total_flops()`` ..., and after the profiled step the
+        ``flops``/``macs``/``params`` of its profile), None without the section. ``engine.profiler``
+        is the per-step driver around it."""
+        return getattr(self.profiler, "profiler", None)
+
     # -- the strategy's parts -----------------------------------------------------------
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
