@@ -255,9 +255,10 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
     ) -> torch.Tensor:
         """Backward of ``loss`` scaled by 1/gradient_accumulation_steps and the loss scale.
 
-        Returns, as DeepSpeed does, the loss divided by ``gradient_accumulation_steps`` (when
-        ``scale_wrt_gas``), without the fp16 loss scale. Inside :meth:`no_sync` the gradients
-        stay on this rank (See [Note: no_sync]).
+        Returns, as DeepSpeed does, the loss divided by ``gradient_accumulation_steps`` in fp32
+        (``loss.float() / gas``, whatever the training dtype) when ``scale_wrt_gas`` and the
+        steps are more than one, else ``loss`` itself; never the fp16 loss scale. Inside
+        :meth:`no_sync` the gradients stay on this rank (See [Note: no_sync]).
         """
         self._require_valid_state("backward")
         require_optimizer(self.strategy.optimizer, "backward")
@@ -270,7 +271,7 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
         self._losses.append(loss.detach().float().reshape(()))  # on the device: no host sync
         gas_scaled = loss
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
-            gas_scaled = loss / self.gradient_accumulation_steps()
+            gas_scaled = loss.float() / self.gradient_accumulation_steps()
         scaled = self.loss_scaler.scale_loss(gas_scaled.float())
         if self._wall_clock:
             self.timers.start("backward")
