@@ -167,6 +167,20 @@ def _restore_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str
             group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
 
 
+def _require_optimizer_states(
+    engine: Any, meta: dict[str, Any], reader: CheckpointReader, load_opt: bool
+) -> None:
+    """Refuse, before any state is touched, to load optimizer states a checkpoint does not hold
+    (one saved by an engine without an optimizer: See [Note: engine without an optimizer])."""
+    if load_opt and engine.optimizer is not None and meta["optimizer"].get("class") is None:
+        reader.close()
+        raise CheckpointError(
+            f"load_checkpoint: {reader.tag_dir} was saved by an engine without an optimizer, so it "
+            "holds no optimizer states; pass load_optimizer_states=False (or load_module_only=True) "
+            "to load its module into this engine"
+        )
+
+
 def _check_arguments(load_dir: Any, custom_load_fn: Any) -> str:
     """``load_dir`` as a str, or a clear error for a bad argument."""
     if not isinstance(load_dir, (str, os.PathLike)):
@@ -221,13 +235,7 @@ def load_checkpoint(
     meta, reader = open_checkpoint(load_dir, tag)
     reader.aliases = global_expert_names(engine.module)  # see [Note: expert fragments]
     load_opt = load_optimizer_states and not load_module_only
-    if load_opt and engine.optimizer is not None and meta["optimizer"].get("class") is None:
-        reader.close()  # before any state is touched: See [Note: engine without an optimizer]
-        raise CheckpointError(
-            f"load_checkpoint: {reader.tag_dir} was saved by an engine without an optimizer, so it "
-            "holds no optimizer states; pass load_optimizer_states=False (or load_module_only=True) "
-            "to load its module into this engine"
-        )
+    _require_optimizer_states(engine, meta, reader, load_opt)
     try:
         # sizes of every rank file checked here, checksums in the single pass (see [Note: shared verification])
         reader.begin_single_pass(getattr(engine, "dp_group", None))
@@ -270,6 +278,9 @@ def _restore_engine(
     engine.skipped_steps = int(meta["skipped_steps"])
     engine.micro_steps = int(meta["micro_steps"])
     engine.loss_scaler.load_state_dict(meta["loss_scaler"])
+    pld = getattr(engine, "progressive_layer_drop", None)
+    if pld is not None:  # the schedule follows the restored counter: See [Note: progressive layer drop]
+        pld.resume_at(engine.global_steps)
     if load_opt and engine.optimizer is not None:  # See [Note: engine without an optimizer]
         _restore_param_groups(engine.optimizer, meta["optimizer"]["param_groups"], reader.tag_dir)
     sched = getattr(engine, "lr_scheduler", None)
