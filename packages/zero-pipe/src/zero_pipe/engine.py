@@ -80,6 +80,13 @@ class PipelineEngine:
         self.has_bool_tensors = has_bool_tensors
         self.config = self._load_config(config)
         check_zero_stage(self.config.zero_optimization.stage)
+        if getattr(getattr(self.config, "progressive_layer_drop", None), "enabled", False):
+            # See [Note: progressive layer drop] in zero_core.engine.progressive_layer_drop
+            raise PipelineConfigError(
+                "progressive_layer_drop: the pipeline engine cannot pass progressive_layer_drop/pld_theta "
+                "to the stages of a PipelineModule (DeepSpeed's pipeline forward fails with a TypeError "
+                "there); switch the section off or train the model without pipeline parallelism"
+            )
         self.micro_batch_size = int(self.config.train_micro_batch_size_per_gpu)
         self.micro_batches = int(self.config.gradient_accumulation_steps)
         self._train_batch_size = self.micro_batch_size * self.micro_batches * self.dp_size

@@ -2,8 +2,8 @@
 
 [Note: unimplemented features]
 A DeepSpeed user's config file must load unchanged, so every documented section is accepted,
-including those of features zero does not have (progressive layer drop, curriculum learning,
-compression, the hybrid engine, ...). Accepting a section must not mean silently ignoring it:
+including those of features zero does not have (curriculum learning, compression, the hybrid
+engine, ...). Accepting a section must not mean silently ignoring it:
 training without the layer drop or the curriculum the user asked for is a different run. So a
 section that is *switched on* is an error naming the section and what to do; one that is present
 but off (``"enabled": false``, as generated configs often carry) loads silently. Features that
@@ -58,7 +58,6 @@ def _tp_size(value: Any) -> bool:
 
 #: name -> (is the feature switched on?, what it is, error (True) or warning (False) when on).
 UNIMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str, bool]] = {
-    "progressive_layer_drop": (_enabled, "progressive layer drop", True),
     "curriculum_learning": (_enabled, "curriculum learning", True),
     "data_efficiency": (_enabled, "the data-efficiency library (curriculum, random-LTD)", True),
     "compression_training": (_compression_on, "compression training", True),

@@ -28,6 +28,7 @@ from zero_core.engine.loss_scaler import LossScaler
 from zero_core.engine.model_states import ModelStates
 from zero_core.engine.module_attrs import forward_to_module
 from zero_core.engine.no_sync import NoSyncGuard
+from zero_core.engine.progressive_layer_drop import build_progressive_layer_drop
 from zero_core.engine.strategy import TrainingStrategy
 from zero_core.engine.timers import Timers
 from zero_core.utils import termination
@@ -88,6 +89,8 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
         self._step_hooks = list(step_hooks or [])
         # zero-profiler's StepProfiler (the ``flops_profiler`` section), or None
         self.profiler = profiler
+        # DeepSpeed's attribute; None without the section. See [Note: progressive layer drop]
+        self.progressive_layer_drop = build_progressive_layer_drop(config)
         self.timers = Timers()
         self._wall_clock = config.wall_clock_breakdown
         # fp16.auto_cast: forward casts floating-point inputs to fp16
@@ -245,6 +248,8 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
             self.timers.start("forward")
         if self._auto_cast_fp16:
             args, kwargs = cast_floating(args, torch.float16), cast_floating(kwargs, torch.float16)
+        if self.progressive_layer_drop is not None and self.module.training:
+            kwargs = {**kwargs, **self.progressive_layer_drop.get_state()}  # See [Note: progressive layer drop]
         out = self.module(*args, **kwargs)
         if self._wall_clock:
             self.timers.stop("forward")
@@ -300,6 +305,8 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
         if self._wall_clock:
             self.timers.start("step")
         self._note(f"engine.step (optimizer step {self.global_steps})")
+        if self.progressive_layer_drop is not None:  # before the counter moves, as DeepSpeed
+            self.progressive_layer_drop.update_state(self.global_steps)
         self._boundary_step(lr_kwargs)
         if self._wall_clock:
             self.timers.stop("step")
