@@ -67,7 +67,9 @@ def _rank(root: str) -> dict:
             want = want + 0.5
         train.save_checkpoint(d, tag="trained")
 
-        evaluator, opt, _, _ = zero_core.initialize(model=copy.deepcopy(base), config=_cfg(stage, world, False))
+        evaluator, opt, _, _ = zero_core.initialize(
+            model=copy.deepcopy(base), config=_cfg(stage, world, False)
+        )
         assert opt is None and evaluator.optimizer is None
         path, client = evaluator.load_checkpoint(d, tag="trained")
         assert path.endswith("trained") and client == {}
