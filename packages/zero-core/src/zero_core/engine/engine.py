@@ -249,10 +249,8 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
         if self._auto_cast_fp16:
             args, kwargs = cast_floating(args, torch.float16), cast_floating(kwargs, torch.float16)
         if self.progressive_layer_drop is not None and self.module.training:
-            kwargs = {
-                **kwargs,
-                **self.progressive_layer_drop.get_state(),
-            }  # See [Note: progressive layer drop]
+            # See [Note: progressive layer drop]
+            kwargs = {**kwargs, **self.progressive_layer_drop.get_state()}
         out = self.module(*args, **kwargs)
         if self._wall_clock:
             self.timers.stop("forward")
