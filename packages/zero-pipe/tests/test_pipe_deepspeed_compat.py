@@ -125,11 +125,21 @@ def _empty_cache_rank(save_dir):
     # DeepSpeed's checkpoint tests call it on every engine they build, pipelines included:
     # right after initialize, after training and before saving.
     assert engine.empty_partition_cache() is None
+    # DeepSpeed's engine attributes those tests use: the device to build data on, the skipped-step
+    # counter, and set_dataloader (training continues from a fresh iterator over the loader)
+    assert engine.device == torch.device("cpu") and engine.skipped_steps == 0
     losses = []
     for _ in range(3):
         losses.append(engine.train_batch().item())
         engine.empty_partition_cache()
     engine.save_checkpoint(save_dir, tag="t")
+    # set_dataloader: train_batch() then draws its micro-batches from that loader
+    fixed = [(Pairs().x[:MB], Pairs().y[:MB])] * GAS
+    want = engine.eval_batch(iter(fixed)).item()
+    engine.set_dataloader(fixed)
+    assert engine.train_batch().item() == pytest.approx(want, rel=1e-6)
+    with pytest.raises(TypeError, match="set_dataloader: expected an iterable"):
+        engine.set_dataloader(3)
     return losses
 
 

@@ -187,6 +187,26 @@ class PipelineEngine:
         """Bytes held on this rank by category, measured from live tensors."""
         return self.strategy.memory_breakdown()
 
+    @property
+    def device(self) -> torch.device:
+        """The device this stage computes on (DeepSpeed's attribute; scripts build their data there)."""
+        from zero_pipe.optimizer_step import _backend_device
+
+        return _backend_device()
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for an fp16 overflow (DeepSpeed's counter)."""
+        return self.stage_optimizer.skipped_steps
+
+    def set_dataloader(self, loader: Any) -> None:
+        """DeepSpeed's: train on ``loader`` (an iterator over it on the first and last stages)."""
+        if not hasattr(loader, "__iter__"):
+            raise TypeError(f"set_dataloader: expected an iterable data loader, got {type(loader)}")
+        if self.is_first_stage() or self.is_last_stage():
+            self.training_dataloader = loader
+            self.data_iterator = iter(loader)
+
     def empty_partition_cache(self) -> None:
         """Release parameters kept gathered between steps, as the ZeRO engine's method does.
 
