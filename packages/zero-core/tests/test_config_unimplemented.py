@@ -122,8 +122,9 @@ def test_a_long_section_is_cut_in_the_message():
 @pytest.mark.parametrize("key", sorted(NO_EFFECT))
 def test_accepted_keys_without_effect_warn_when_set(key: str) -> None:
     section, _, name = key.partition(".")
+    on, off = ({name: True}, {name: False}) if name else (True, False)  # a section's key or a top-level one
     with pytest.warns(UserWarning, match=f"{key} is set but has no effect"):
-        load_config({**BASE, section: {name: True}}, world_size=1)
+        load_config({**BASE, section: on}, world_size=1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # left at its default (false): silent
-        load_config({**BASE, section: {name: False}}, world_size=1)
+        load_config({**BASE, section: off}, world_size=1)

@@ -252,6 +252,7 @@ def load_checkpoint(
             custom_load_fn(src=full_module_state_dict(reader, engine.module), dst=engine.module)
         if not load_module_only:
             _restore_engine(engine, meta, reader, load_optimizer_states, load_lr_scheduler_states)
+            _restore_sparse_names(engine, meta, load_module_strict)
         finish = getattr(strategy, "after_checkpoint_load", None)
         if finish is not None:  # see [Note: rank-local optimizer state]
             finish()
@@ -268,6 +269,20 @@ def load_checkpoint(
     if hasattr(engine, "state_restored"):
         engine.state_restored(optimizer=load_opt)
     return reader.tag_dir, meta.get("client_state", {})
+
+
+def _restore_sparse_names(engine: Any, meta: dict[str, Any], strict: bool) -> None:
+    """DeepSpeed's ``sparse_tensor_module_names`` from the record (See [Note: sparse gradients])."""
+    saved = meta.get("sparse_tensor_module_names")
+    if saved is None or not hasattr(engine, "sparse_tensor_module_names"):
+        return  # a record older than the field, or an engine without the bookkeeping
+    from zero_core.utils.sparse_names import restored_names
+
+    own_params = {n for n, _ in engine.module.named_parameters()}
+    saved_params = {entry[0] for entry in meta.get("parameters", [])}
+    engine.sparse_tensor_module_names = restored_names(
+        engine.sparse_tensor_module_names, saved, own_params, saved_params, strict
+    )
 
 
 def _restore_engine(

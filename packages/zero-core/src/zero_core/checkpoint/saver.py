@@ -145,6 +145,8 @@ def _engine_meta(
             [names[n], bool(p.requires_grad), list(p.shape)] for n, p in engine.module.named_parameters()
         ],
         "shared_parameters": shared_parameters(engine.module, names),
+        # See [Note: sparse gradients]
+        "sparse_tensor_module_names": sorted(getattr(engine, "sparse_tensor_module_names", ())),
         "config": cfg.to_dict() if hasattr(cfg, "to_dict") else None,
         "client_state": client_state,
     }

@@ -97,6 +97,11 @@ NO_EFFECT: dict[str, str] = {
         "every reduce bucket is already split evenly over the ranks, so there is nothing to rotate "
         "(see [Note: round_robin_gradients] in zero/stage_1_and_2.py)"
     ),
+    "sparse_gradients": (
+        "embedding gradients are reduced dense, the same averaged values DeepSpeed's row-sparse "
+        "exchange gives, with more bytes on the wire; engine.sparse_tensor_module_names is kept "
+        "(see [Note: sparse gradients] in utils/sparse_names.py)"
+    ),
     "moe.enable_expert_tensor_parallelism": (
         "zero has no tensor model parallelism to split experts over; experts stay whole on their "
         "expert-parallel rank"
@@ -116,7 +121,7 @@ def check_no_effect(raw: dict[str, Any]) -> None:
     for key in NO_EFFECT:
         section, _, name = key.partition(".")
         value = raw.get(section)
-        if isinstance(value, dict) and value.get(name):
+        if value is True if not name else isinstance(value, dict) and value.get(name):
             warn_no_effect(key, stacklevel=4)
 
 

@@ -32,6 +32,7 @@ from zero_core.engine.progressive_layer_drop import build_progressive_layer_drop
 from zero_core.engine.strategy import TrainingStrategy
 from zero_core.engine.timers import Timers
 from zero_core.utils import termination
+from zero_core.utils.sparse_names import sparse_module_names
 
 
 class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
@@ -91,6 +92,8 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
         self.profiler = profiler
         # DeepSpeed's attribute; None without the section. See [Note: progressive layer drop]
         self.progressive_layer_drop = build_progressive_layer_drop(config)
+        # DeepSpeed's bookkeeping of sparse_gradients: See [Note: sparse gradients]
+        self.sparse_tensor_module_names = sparse_module_names(module, bool(config.sparse_gradients))
         self.timers = Timers()
         self._wall_clock = config.wall_clock_breakdown
         # fp16.auto_cast: forward casts floating-point inputs to fp16

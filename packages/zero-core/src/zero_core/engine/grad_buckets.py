@@ -15,7 +15,9 @@ A parameter may get no gradient on some rank (unused in that rank's forward). Ea
 carries one extra element per parameter holding 1 if this rank produced a gradient; after
 the SUM the count tells whether any rank did. A parameter no rank produced a gradient for
 keeps ``grad = None`` (so optimizers skip it exactly as in single-process PyTorch); one that
-only some ranks used is averaged with zeros from the others.
+only some ranks used is averaged with zeros from the others. A sparse gradient
+(``nn.Embedding(..., sparse=True)``) is densified into its slot and comes back dense (See
+[Note: sparse gradients]).
 
 Bucket size: an explicit ``zero_optimization.reduce_bucket_size`` is honoured. Without one,
 stage 0 does not use that key's default (5e8 elements, sized for the ZeRO stages' reduce
@@ -144,6 +146,8 @@ class BucketedAllReduce:
             dst = buf[off : off + p.numel()]
             if g is None:
                 dst.zero_()
+            elif g.is_sparse:  # nn.Embedding(sparse=True): reduced dense (See [Note: sparse gradients])
+                dst.copy_(g.to_dense().reshape(-1))
             elif g.data_ptr() != dst.data_ptr():  # not already this slot (see finish())
                 dst.copy_(g.reshape(-1))
         bucket.had_grad = [g is not None for g in grads]
