@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import zero
+from zero_core.testing import run_multirank
 from zero_profiler import FlopsProfiler
 
 HIDDEN = 10
@@ -42,7 +43,7 @@ def _train(config: dict, steps: int = 3) -> Any:
 BASE = {"train_batch_size": 1, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
 
 
-def test_flops_profiler_is_the_profile_of_the_profiled_step():
+def _profiled_rank() -> bool:
     cfg = {**BASE, "flops_profiler": {"enabled": True, "profile_step": 1, "top_modules": 3}}
     engine = _train(cfg)
     prof = engine.flops_profiler
@@ -52,8 +53,11 @@ def test_flops_profiler_is_the_profile_of_the_profiled_step():
     assert prof.macs == HIDDEN * HIDDEN
     assert abs(prof.flops - 2 * HIDDEN * HIDDEN - HIDDEN) / 210 < 0.05
     assert prof.params == HIDDEN * HIDDEN + HIDDEN
-
-
-def test_flops_profiler_is_none_without_the_section():
-    engine = _train(BASE, steps=1)
+    engine = _train(BASE, steps=1)  # without the section
     assert engine.flops_profiler is None and engine.profiler is None
+    return True
+
+
+def test_flops_profiler_is_the_profile_of_the_profiled_step_and_none_without_the_section():
+    # initialize sets up a process group: in a forked rank, never in the test process
+    assert run_multirank(_profiled_rank, 1, timeout=120) == [True]

@@ -198,10 +198,7 @@ def test_no_sync_errors_backward_return_attribute_forwarding_and_eval_engine():
         assert r["last_loss"] == pytest.approx(sum(r["seen"]) / 2, rel=1e-6)
 
 
-@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
-def test_backward_returns_the_fp32_loss_over_gas(dtype):
-    # DeepSpeed divides loss.float() by gradient_accumulation_steps and returns that (an fp32
-    # tensor in fp16/bf16 runs too); with one step, or scale_wrt_gas=False, the loss itself.
+def _backward_return_rank(dtype: str) -> bool:
     import zero_core
 
     for gas in (1, 2):
@@ -221,3 +218,12 @@ def test_backward_returns_the_fp32_loss_over_gas(dtype):
             torch.testing.assert_close(ret, loss.float() / gas, rtol=0, atol=0)
         loss = engine(x[MICRO:].to(engine.compute_dtype), y[MICRO:])
         assert engine.backward(loss, scale_wrt_gas=False) is loss
+    return True
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+def test_backward_returns_the_fp32_loss_over_gas(dtype):
+    # DeepSpeed divides loss.float() by gradient_accumulation_steps and returns that (an fp32
+    # tensor in fp16/bf16 runs too); with one step, or scale_wrt_gas=False, the loss itself.
+    # (initialize sets up a process group: in a forked rank, never in the test process)
+    assert run_multirank(_backward_return_rank, 1, args=(dtype,), timeout=120) == [True]

@@ -132,7 +132,7 @@ def test_engine_passes_the_schedule_and_trains_as_plain_pytorch(stage, tmp_path)
     assert r["resumed"] == ds_theta(THETA, GAMMA, 2)
 
 
-def test_a_model_without_the_arguments_fails_and_off_means_nothing_passed():
+def _plain_rank() -> bool:
     import zero_core
 
     class Plain(torch.nn.Module):
@@ -155,3 +155,9 @@ def test_a_model_without_the_arguments_fails_and_off_means_nothing_passed():
         zero_core.initialize(
             model=Plain(), config={**cfg, "progressive_layer_drop": {"enabled": True, "theta": 2}}
         )
+    return True
+
+
+def test_a_model_without_the_arguments_fails_and_off_means_nothing_passed():
+    # initialize sets up a process group: in a forked rank, never in the test process
+    assert run_multirank(_plain_rank, 1, timeout=120) == [True]
