@@ -15,7 +15,6 @@ from zero_core.config.unimplemented import NEWER_KEYS, UNIMPLEMENTED
 BASE = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 8}
 
 ON = {
-    "progressive_layer_drop": {"enabled": True, "theta": 0.5, "gamma": 0.001},
     "curriculum_learning": {"enabled": True, "curriculum_type": "seqlen"},
     "data_efficiency": {"enabled": True},
     "compression_training": {"enabled": True},
@@ -76,9 +75,9 @@ def test_autotuning_is_implemented_and_loads_silently() -> None:
 
 
 def test_the_unknown_keys_switch_downgrades_to_a_warning() -> None:
-    with pytest.warns(UserWarning, match="progressive_layer_drop: .* \\(ignored\\)"):
+    with pytest.warns(UserWarning, match="curriculum_learning: .* \\(ignored\\)"):
         load_config(
-            {**BASE, "zero_allow_unknown_keys": True, "progressive_layer_drop": {"enabled": True}},
+            {**BASE, "zero_allow_unknown_keys": True, "curriculum_learning": {"enabled": True}},
             world_size=1,
         )
 

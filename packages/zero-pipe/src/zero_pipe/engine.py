@@ -90,6 +90,13 @@ class PipelineEngine:
         check_zero_stage(self.config.zero_optimization.stage)
         check_no_experts_across_stages(module, self.grid)
         check_pipeline_config(self.config, module)
+        if getattr(getattr(self.config, "progressive_layer_drop", None), "enabled", False):
+            # See [Note: progressive layer drop] in zero_core.engine.progressive_layer_drop
+            raise PipelineConfigError(
+                "progressive_layer_drop: the pipeline engine cannot pass progressive_layer_drop/pld_theta "
+                "to the stages of a PipelineModule (DeepSpeed's pipeline forward fails with a TypeError "
+                "there); switch the section off or train the model without pipeline parallelism"
+            )
         self.micro_batch_size = int(self.config.train_micro_batch_size_per_gpu)
         self.micro_batches = int(self.config.gradient_accumulation_steps)
         self._train_batch_size = self.micro_batch_size * self.micro_batches * self.dp_size
@@ -189,6 +196,36 @@ class PipelineEngine:
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes held on this rank by category, measured from live tensors."""
         return self.strategy.memory_breakdown()
+
+    @property
+    def device(self) -> torch.device:
+        """The device this stage computes on (DeepSpeed's attribute; scripts build their data there)."""
+        from zero_pipe.optimizer_step import _backend_device
+
+        return _backend_device()
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for an fp16 overflow (DeepSpeed's counter)."""
+        return self.stage_optimizer.skipped_steps
+
+    def set_dataloader(self, loader: Any) -> None:
+        """DeepSpeed's: train on ``loader`` (an iterator over it on the first and last stages)."""
+        if not hasattr(loader, "__iter__"):
+            raise TypeError(f"set_dataloader: expected an iterable data loader, got {type(loader)}")
+        if self.is_first_stage() or self.is_last_stage():
+            self.training_dataloader = loader
+            self.data_iterator = iter(loader)
+
+    def empty_partition_cache(self) -> None:
+        """Release parameters kept gathered between steps, as the ZeRO engine's method does.
+
+        A pipeline stage runs ZeRO stage 0 or 1, which keeps no gathered copies, so there is
+        nothing to release unless the stage's strategy holds such a cache. DeepSpeed's pipeline
+        engine inherits the method; its checkpoint tests call it on every engine."""
+        release = getattr(self.strategy, "empty_partition_cache", None)
+        if release is not None:
+            release()
 
     def set_dataiterator(self, iterator: Iterator[Any]) -> None:
         if not hasattr(iterator, "__next__"):

@@ -112,6 +112,11 @@ class FlopsProfiler:
         self.step_latency: float | None = None  # set by callers that time the optimizer step
         self._tracker: ModuleTracker | None = None
         self.started = False
+        # DeepSpeed's attributes: forward FLOPs, MACs and parameters of the last printed profile
+        # (the engine's profile step reads them as ``engine.flops_profiler.flops``)
+        self.flops: int | None = None
+        self.macs: int | None = None
+        self.params: int | None = None
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -265,6 +270,9 @@ class FlopsProfiler:
         _check_depth(module_depth)
         _check_int("top_modules", top_modules, 1)
         tracker = self._require("print_model_profile")
+        self.flops = int(self.get_total_flops())
+        self.macs = int(self.get_total_macs())
+        self.params = int(self.get_total_params())
         parts = [
             report.summary_text(self._summary(profile_step)),
             report.aggregated_text(self.model, tracker.stats, module_depth, top_modules),

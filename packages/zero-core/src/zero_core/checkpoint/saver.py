@@ -101,6 +101,17 @@ def param_group_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[s
     return out
 
 
+def _optimizer_meta(optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """The optimizer's class and hyper-parameters; ``class`` None for an engine without one.
+
+    See [Note: engine without an optimizer]: its checkpoint holds the module only, and the
+    placeholder's groups (lr 0) are not saved, so a training engine never loads them.
+    """
+    if optimizer is None:
+        return {"class": None, "param_groups": []}
+    return {"class": type(optimizer).__name__, "param_groups": param_group_hyperparameters(optimizer)}
+
+
 def _zero_stage(engine: Any) -> int:
     return int(getattr(getattr(engine.config, "zero_optimization", None), "stage", 0) or 0)
 
@@ -130,14 +141,13 @@ def _engine_meta(
         "micro_steps": int(engine.micro_steps),
         "loss_scaler": engine.loss_scaler.state_dict(),
         "lr_scheduler": sched_state,
-        "optimizer": {
-            "class": type(engine.optimizer).__name__,
-            "param_groups": param_group_hyperparameters(engine.optimizer),
-        },
+        "optimizer": _optimizer_meta(engine.optimizer),
         "parameters": [
             [names[n], bool(p.requires_grad), list(p.shape)] for n, p in engine.module.named_parameters()
         ],
         "shared_parameters": shared_parameters(engine.module, names),
+        # See [Note: sparse gradients]
+        "sparse_tensor_module_names": sorted(getattr(engine, "sparse_tensor_module_names", ())),
         "config": cfg.to_dict() if hasattr(cfg, "to_dict") else None,
         "client_state": client_state,
     }

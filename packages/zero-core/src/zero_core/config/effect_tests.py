@@ -75,6 +75,12 @@ EFFECT_TESTS: dict[str, str] = {
     + "test_stage3_module_granularity.py::test_threshold_fetches_blocks_whole_and_trains_like_torch",
     "zero_optimization.use_all_reduce_for_fetch_params": _CORE
     + "test_stage3_allreduce_fetch.py::test_all_reduce_fetch_trains_like_torch_and_like_the_all_gather",
+    "progressive_layer_drop.enabled": _CORE
+    + "test_engine_progressive_layer_drop.py::test_engine_passes_the_schedule_and_trains_as_plain_pytorch",
+    "progressive_layer_drop.theta": _CORE
+    + "test_engine_progressive_layer_drop.py::test_schedule_is_deepspeeds_to_the_bit",
+    "progressive_layer_drop.gamma": _CORE
+    + "test_engine_progressive_layer_drop.py::test_schedule_is_deepspeeds_to_the_bit",
     "zero_optimization.stage": _CORE
     + "test_stage12_memory_comm.py::test_stage12_memory_and_comm_volume_match_theory",
     "zero_optimization.contiguous_gradients": _KEYS

@@ -2,9 +2,9 @@
 
 [Note: unimplemented features]
 A DeepSpeed user's config file must load unchanged, so every documented key is accepted,
-including those of features zero does not have (progressive layer drop, curriculum learning,
+including those of features zero does not have (curriculum learning,
 compression, sequence parallelism, ...). Accepting a key must not mean silently ignoring it:
-training without the layer drop or the curriculum the user asked for is a different run. So
+training without the curriculum or the compression the user asked for is a different run. So
 every such key is listed in :data:`UNIMPLEMENTED`, in one of two forms:
 
 * a whole section with a switch (``"curriculum_learning"`` with ``is_on``): the section
@@ -96,7 +96,6 @@ def _moe(what: str) -> Unimplemented:
 #: an entry to ``effect_tests.EFFECT_TESTS`` when its feature lands.
 UNIMPLEMENTED: dict[str, Unimplemented] = {
     # -- whole sections, switched on ------------------------------------------------------------
-    "progressive_layer_drop": Unimplemented("progressive layer drop", _OFF, _enabled),
     "curriculum_learning": Unimplemented("curriculum learning", _OFF, _enabled),
     "data_efficiency": Unimplemented("the data-efficiency library (curriculum, random-LTD)", _OFF, _enabled),
     "compression_training": Unimplemented("compression training", _OFF, _compression_on),

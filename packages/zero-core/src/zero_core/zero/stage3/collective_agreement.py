@@ -127,6 +127,24 @@ def mismatch_error(
         f"ZeRO stage 3: ranks disagree on the next collective{number} (this is rank {me}, running {what}).\n"
         + "\n".join(lines)
         + "\nEvery rank must run the same modules in the same order (data-dependent control flow must agree)."
+        + _leaf_hint([_name(int(h[1])) for h in rows if h is not None and int(h[2]) > 0])
+    )
+
+
+def _leaf_hint(names: list[str]) -> str:
+    """What to mark when ranks ran different submodules: See [Note: z3 leaf modules]."""
+    parts = [n.split(".")[:-1] for n in names]  # module paths of each rank's first parameter
+    common: list[str] = []
+    for level in zip(*parts) if parts else ():
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    where = f" inside '{'.'.join(common)}'" if common else ""
+    return (
+        f"\nThe ranks ran different submodules{where}. A block whose forward picks submodules by its "
+        "data (a mixture-of-experts layer routing tokens to experts) must be marked a ZeRO-3 leaf "
+        "module before initialize: zero.utils.set_z3_leaf_modules(model, [BlockClass]) gathers it "
+        "whole and reduces its gradients as one unit."
     )
 
 
