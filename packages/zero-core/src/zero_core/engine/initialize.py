@@ -147,12 +147,13 @@ def _build_profiler(model: torch.nn.Module, cfg: ZeroConfig, engine: ZeroEngine)
 
 
 def _check_compressed_optimizer(cfg: ZeroConfig, optimizer: Any, is_pipeline: bool) -> None:
-    """1-bit Adam, 0/1 Adam and 1-bit LAMB run on plain data parallelism only (as in DeepSpeed)."""
-    from zero_core.optim.onebit import CompressedOptimizer
+    """1-bit Adam, 0/1 Adam and 1-bit LAMB run on plain data parallelism only (as in DeepSpeed).
 
+    Told apart by what the stage-0 strategy asks them, ``communicates_gradients`` (zero-ops'
+    [Note: communication-compressed optimizers]): zero-core imports no optimizer of zero-ops."""
     section = cfg.optimizer
     named = (section.type if section is not None else "").replace("_", "").lower()
-    if isinstance(optimizer, CompressedOptimizer):
+    if callable(getattr(optimizer, "communicates_gradients", None)):
         name = type(optimizer).__name__
     elif optimizer is None and named in ("onebitadam", "zerooneadam", "onebitlamb"):
         name = f"optimizer.type {section.type!r}"
