@@ -193,10 +193,10 @@ def initialize(
     from zero_core.distributed import init_distributed
 
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    # measured before anything is built: see [Note: autotuning experiments]
-    from zero_core.autotuning.engine_hook import build_autotuning_hook, model_info, process_baseline_bytes
+    # measured before anything is built: see engine/autotuning_experiment.py
+    from zero_core.engine.autotuning_experiment import attach_experiment_hook, experiment_baseline
 
-    baseline_bytes, model_counts = process_baseline_bytes(model), model_info(model)
+    baseline = experiment_baseline(model)
     group = mpu.get_data_parallel_group() if mpu is not None else None
     cfg, model_engine, dp_world = _agreed_config(model, optimizer, config, config_params, args, mpu, group)
     if model_engine is not None:
@@ -220,9 +220,7 @@ def initialize(
             drop_last=cfg.dataloader_drop_last,
         )
     engine, scheduler = _build_engine(model, optimizer, model_parameters, lr_scheduler, loader, cfg, group)
-    hook = build_autotuning_hook(cfg, engine, model_counts, baseline_bytes)
-    if hook is not None:
-        engine._step_hooks.append(hook)
+    attach_experiment_hook(cfg, engine, baseline)
     return engine, engine.optimizer, loader, scheduler
 
 
