@@ -67,7 +67,7 @@ def test_present_but_off_loads_silently(name: str) -> None:
 
 
 def test_autotuning_is_implemented_and_loads_silently() -> None:
-    # zero run --autotuning reads the section (see zero_core.autotuning); loading it is not a warning
+    # zero run --autotuning reads the section (see zero_profiler.autotuning); loading it is not a warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         cfg = load_config({**BASE, "autotuning": {"enabled": True, "metric_path": "m.json"}}, world_size=1)

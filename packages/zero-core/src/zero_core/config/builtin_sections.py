@@ -89,7 +89,7 @@ class AioConfig(PermissiveSection):
 
 class AutotuningConfig(PermissiveSection):
     """``autotuning``: the autotuner's search (read by ``zero run --autotuning tune|run``; see
-    [Note: autotuning search] in ``zero_core.autotuning.autotuner``)."""
+    [Note: autotuning search] in zero-profiler's ``zero_profiler.autotuning.autotuner``)."""
 
     config_path: ClassVar[str] = "autotuning"
 
@@ -120,7 +120,7 @@ class AutotuningConfig(PermissiveSection):
     #: zero's extension: seconds before a hung experiment is killed (recorded as "timeout")
     experiment_timeout: PosFloat = 600.0
     #: zero's extension: the search's best candidates measured again before the pick (0 or 1: no
-    #: confirm phase); see [Note: autotuning confirm phase] in ``zero_core.autotuning.confirm``
+    #: confirm phase); see [Note: autotuning confirm phase] in ``zero_profiler.autotuning.confirm``
     confirm_top_k: NonNegInt = 3
 
 

@@ -17,7 +17,8 @@ _FP16 = _CORE + "test_engine_fp16.py::test_overflow_on_one_rank_skips_everywhere
 _AC = _CORE + "test_activation_checkpointing.py::"
 _MON = _CORE + "test_monitors.py::"
 _LOG = _CORE + "test_comm_logger.py::"
-_AT = _CORE + "test_autotuning_section_keys.py::"
+_TUNE = "packages/zero-profiler/tests/"  # the autotuner is zero-profiler's (zero_profiler.autotuning)
+_AT = _TUNE + "test_autotuning_section_keys.py::"
 _OFF = "packages/zero-offload/tests/"
 _PROF = "packages/zero-profiler/tests/test_profiler_engine_hook.py::test_profiles_only_the_configured_step"
 _AIO = "packages/zero-ops/tests/test_ops_aio.py::"
@@ -202,18 +203,18 @@ EFFECT_TESTS: dict[str, str] = {
     "flops_profiler.detailed": _PROF,
     "flops_profiler.output_file": _PROF,
     # -- autotuning (zero run --autotuning) -----------------------------------------------------
-    "autotuning.enabled": _CORE + "test_autotuning.py::test_engine_hook_only_for_experiments",
-    "autotuning.fast": _CORE + "test_autotuning.py::test_space_from_auto_lists_and_fixed_values",
+    "autotuning.enabled": _TUNE + "test_autotuning.py::test_engine_hook_only_for_experiments",
+    "autotuning.fast": _TUNE + "test_autotuning.py::test_space_from_auto_lists_and_fixed_values",
     "autotuning.results_dir": _AT + "test_model_info_comes_from_the_configured_places",
     "autotuning.exps_dir": _AT + "test_finished_experiments_are_reused_from_exps_dir_unless_overwrite",
     "autotuning.overwrite": _AT + "test_finished_experiments_are_reused_from_exps_dir_unless_overwrite",
-    "autotuning.metric": _CORE + "test_autotuning.py::test_search_measures_the_model_and_confirms_the_pick",
-    "autotuning.start_profile_step": _CORE
+    "autotuning.metric": _TUNE + "test_autotuning.py::test_search_measures_the_model_and_confirms_the_pick",
+    "autotuning.start_profile_step": _TUNE
     + "test_autotuning_confirm.py::test_engine_metric_is_the_median_step",
-    "autotuning.end_profile_step": _CORE
+    "autotuning.end_profile_step": _TUNE
     + "test_autotuning_confirm.py::test_engine_metric_is_the_median_step",
-    "autotuning.metric_path": _CORE + "test_autotuning_confirm.py::test_engine_metric_is_the_median_step",
-    "autotuning.tuner_type": _CORE
+    "autotuning.metric_path": _TUNE + "test_autotuning_confirm.py::test_engine_metric_is_the_median_step",
+    "autotuning.tuner_type": _TUNE
     + "test_autotuning.py::test_search_measures_the_model_and_confirms_the_pick",
     "autotuning.tuner_early_stopping": _AT + "test_search_limits_follow_the_section",
     "autotuning.tuner_num_trials": _AT + "test_search_limits_follow_the_section",
@@ -224,12 +225,12 @@ EFFECT_TESTS: dict[str, str] = {
     "autotuning.min_train_micro_batch_size_per_gpu": _AT + "test_search_limits_follow_the_section",
     "autotuning.num_tuning_micro_batch_sizes": _AT + "test_search_limits_follow_the_section",
     "autotuning.mp_size": _AT + "test_mp_size_and_memory_budget_decide_what_is_tried",
-    "autotuning.model_info": _CORE + "test_autotuning.py::test_memory_pruning_launches_only_stage_3",
+    "autotuning.model_info": _TUNE + "test_autotuning.py::test_memory_pruning_launches_only_stage_3",
     "autotuning.model_info_path": _AT + "test_model_info_comes_from_the_configured_places",
     "autotuning.memory_budget": _AT + "test_mp_size_and_memory_budget_decide_what_is_tried",
-    "autotuning.experiment_timeout": _CORE
+    "autotuning.experiment_timeout": _TUNE
     + "test_autotuning.py::test_failures_are_recorded_and_a_killed_search_resumes",
-    "autotuning.confirm_top_k": _CORE + "test_autotuning_confirm.py::test_confirm_top_k_limits_the_phase",
+    "autotuning.confirm_top_k": _TUNE + "test_autotuning_confirm.py::test_confirm_top_k_limits_the_phase",
     # -- timers ----------------------------------------------------------------------------------
     "timers.throughput.enabled": _KEYS
     + "test_memory_breakdown_and_throughput_switch_change_the_progress_line",

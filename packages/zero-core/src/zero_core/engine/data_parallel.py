@@ -5,9 +5,9 @@ overlapped all-reduce of ``grad_buckets.py``. With fp16/bf16 the module's parame
 low precision and the optimizer steps fp32 master copies (the client optimizer's
 ``param_groups`` are rebound to them), then the result is copied back. See
 [Note: engine strategies] in ``strategy.py``. An optimizer that does its own data-parallel
-communication (1-bit Adam and its kin, see [Note: communication-compressed optimizers]) is
-bound to the group, and the gradients are all-reduced here only for the steps where its
-``communicates_gradients()`` says False. Embedding gradients that are sparse (or, with
+communication (1-bit Adam and its kin in zero-ops, see [Note: communication-compressed
+optimizers] in ``zero_ops/onebit/base.py``) is bound to the group, and the gradients are
+all-reduced here only for the steps where its ``communicates_gradients()`` says False. Embedding gradients that are sparse (or, with
 ``sparse_gradients``, dense embedding gradients) are reduced as rows instead (see
 [Note: sparse gradient reduction] in ``sparse_grads.py``); with a wider
 ``data_types.grad_accum_dtype`` the micro-step gradients are summed in it (see

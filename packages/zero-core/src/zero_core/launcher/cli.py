@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from zero_core import plugins
 from zero_core.launcher.env_report import collect_report, format_report
 from zero_core.launcher.run import LaunchError, add_run_arguments, check_job, run_job
 from zero_core.version import __version__
@@ -52,11 +53,15 @@ def run_command(args: argparse.Namespace) -> int:
     if not args.autotuning:
         return run_job(args)
     check_job(args)
-    from zero_core.autotuning.autotuner import AutotuningError, autotune
-
+    try:  # the autotuner is zero-profiler's (its autotuning extra)
+        autotuner = plugins.require(
+            "zero_profiler.autotuning.autotuner", "zero run --autotuning", extra="autotuning"
+        )
+    except plugins.MissingPackageError as exc:
+        raise LaunchError(str(exc)) from None
     try:
-        return autotune(args)
-    except AutotuningError as exc:
+        return autotuner.autotune(args)
+    except autotuner.AutotuningError as exc:
         raise LaunchError(str(exc)) from None
 
 

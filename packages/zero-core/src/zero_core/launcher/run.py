@@ -101,7 +101,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="search for the fastest config that fits (the config's 'autotuning' section): tune writes "
         "the results (autotuning_results/ds_config_optimal.json, summary.md); run also launches the job "
-        "with the best config. The script must take its config as --zero_config/--deepspeed_config PATH",
+        "with the best config. The script must take its config as --zero_config/--deepspeed_config PATH. "
+        "The autotuner is zero-profiler's (its autotuning extra)",
     )
     parser.add_argument("-m", "--module", action="store_true", help="run the script as a module (python -m)")
     parser.add_argument("script", help="training script (or module with -m)")

@@ -8,9 +8,12 @@ import torch
 import zero_core
 from zero_core import comm
 from zero_core.comm import comms_logger
-from zero_core.optim import FusedAdam, Lamb, OnebitAdam, OnebitLamb, ZeroOneAdam, build_optimizer
+from zero_core.optim import build_optimizer
 from zero_core.testing import multirank, run_multirank
 from zero_core.testing.models import TinyLM, token_batch
+from zero_ops.adam import FusedAdam
+from zero_ops.lamb import Lamb
+from zero_ops.onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
 
 ONEBIT = {"OneBitAdam": OnebitAdam, "ZeroOneAdam": ZeroOneAdam, "OneBitLamb": OnebitLamb}
 

@@ -1,7 +1,7 @@
 """1-bit Adam (Tang et al., arXiv 2102.02888), as DeepSpeed's ``OnebitAdam`` exposes it.
 
 Warm-up (the first ``freeze_step`` steps): Adam on all-reduced gradients, with the arithmetic
-of :class:`zero_core.optim.adam.FusedAdam` (decoupled weight decay), so it matches that
+of :class:`zero_ops.adam.FusedAdam` (decoupled weight decay), so it matches that
 optimizer bit for bit. Then the variance is frozen, and each step updates the momentum with
 this rank's own gradient and averages the momentum through the error-compensated 1-bit
 exchange (see [Note: compressed all-reduce]); every rank then applies the same update.
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from zero_core.optim.onebit.base import FreezeStepOptimizer, check_int, init_adam_style
+from zero_ops.onebit.base import FreezeStepOptimizer, check_int, init_adam_style
 
 
 def adam_moments(state: dict[str, Any], p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

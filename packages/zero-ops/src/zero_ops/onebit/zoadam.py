@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from zero_core.optim.onebit.adam import adam_apply, adam_denominator, adam_moments
-from zero_core.optim.onebit.base import CompressedOptimizer, check_int, init_adam_style
+from zero_ops.onebit.adam import adam_apply, adam_denominator, adam_moments
+from zero_ops.onebit.base import CompressedOptimizer, check_int, init_adam_style
 
 _PHASE = {
     "compression_step": 0,

@@ -4,10 +4,9 @@ The model-state figure is the ZeRO paper's (arXiv 1910.02054, Figure 1): with mi
 (fp16/bf16) and Adam, 2 bytes of parameters + 2 of gradients + K = 12 of optimizer states
 (fp32 master copy, momentum, variance) per parameter, of which stage 1 partitions the optimizer
 states over the N data-parallel ranks, stage 2 also the gradients, stage 3 also the parameters.
-zero-profiler owns that estimator (``zero_profiler.memory_estimators.zero_paper_model_states_bytes``);
-it is used when installed and the run is mixed-precision. zero-core does not depend on
-zero-profiler, so without it, and for fp32 training (4 bytes of parameters and of gradients, K =
-8: momentum and variance, no master copy), the same partitioning is computed here.
+That estimator is zero-profiler's own (``zero_profiler.memory_estimators.zero_paper_model_states_bytes``)
+and is used for mixed-precision runs; for fp32 training (4 bytes of parameters and of gradients,
+K = 8: momentum and variance, no master copy) the same partitioning is computed here.
 Offloading the optimizer states (``offload_optimizer``) moves their K bytes off the device.
 """
 
@@ -15,6 +14,8 @@ from __future__ import annotations
 
 import os
 from typing import Any
+
+from zero_profiler.memory_estimators import zero_paper_model_states_bytes
 
 #: environment override of the memory budget (bytes; "64MB", "2GiB" also accepted), for tests
 BUDGET_ENV = "ZERO_AUTOTUNING_MEMORY_BUDGET"
@@ -51,12 +52,7 @@ def model_states_bytes(
         )
     p, n = float(num_params), world_size
     if mixed_precision and not offload_optimizer:
-        from zero_core.plugins import is_available
-
-        if is_available("zero_profiler"):
-            from zero_profiler.memory_estimators import zero_paper_model_states_bytes
-
-            return float(zero_paper_model_states_bytes(num_params, world_size, stage))
+        return float(zero_paper_model_states_bytes(num_params, world_size, stage))
     param_b, grad_b, k = (2, 2, 12) if mixed_precision else (4, 4, 8)
     if offload_optimizer:
         k = 0

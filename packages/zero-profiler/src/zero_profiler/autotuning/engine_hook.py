@@ -3,7 +3,9 @@
 [Note: autotuning experiments]
 Every experiment of the autotuner (``zero run --autotuning tune|run``) is a real launch of the
 user's script with a config the autotuner wrote. That config carries an ``autotuning`` section
-with ``enabled: true`` and a ``metric_path``; as DeepSpeed's engine does, the engine then
+with ``enabled: true`` and a ``metric_path``; zero-core's ``initialize`` then adds this module's
+step hook to the engine (``zero_core/engine/autotuning_experiment.py``, the seam: zero-core imports
+nothing of the autotuner), and, as DeepSpeed's engine does, the engine
 
 * records the wall clock and the global sample count after optimizer step ``start_profile_step``
   and after every step up to ``end_profile_step``, and writes ``{"throughput": samples/s,
@@ -18,8 +20,7 @@ with ``enabled: true`` and a ``metric_path``; as DeepSpeed's engine does, the en
 * with ``metric: flops``, takes the FLOPs of one training step (forward and backward) from
   zero-profiler's flops profiler (the experiment's config profiles the step just before the
   window, so the profiler's overhead is not timed) and reports ``FLOPS_per_gpu`` = those FLOPs /
-  the median step time of the window; the autotuner refuses ``flops`` up front when zero-profiler
-  is not installed;
+  the median step time of the window;
 * with ``model_info.profile: true`` (the autotuner's first launch), writes the model's parameter
   counts to ``model_info_path`` right after ``initialize`` and ends the process.
 
@@ -29,11 +30,12 @@ interpreter and its libraries (hundreds of MB that training does not use), so th
 reports the peak RSS minus what the process held before ``initialize`` other than the model's
 own parameters and buffers: the model states, activations and buffers training added. The
 autotuner compares that figure with its memory budget; above it, the experiment counts as
-out of memory (see [Note: autotuning search] in ``autotuner.py``).
+out of memory (see [Note: autotuning search] in ``autotuner.py``). The baseline is taken by
+zero-core at the start of ``initialize`` (``experiment_baseline``), before anything is built.
 
 A config with ``autotuning.enabled`` but no ``metric_path`` (a user's config copied from a
 DeepSpeed job) trains normally, with a warning that the search is run by ``zero run
---autotuning``.
+--autotuning``: zero-core says so without this module, so such a config runs with zero-core alone.
 """
 
 from __future__ import annotations
@@ -41,16 +43,14 @@ from __future__ import annotations
 import os
 import sys
 import time
-import warnings
 from typing import Any
 
 import torch
-
 from zero_core import comm
 from zero_core.checkpoint.atomic import atomic_write_json
+from zero_core.engine.autotuning_experiment import EXPERIMENT_ENV
 
-#: the environment variable the autotuner sets on its experiments (the value: the experiment's name)
-EXPERIMENT_ENV = "ZERO_AUTOTUNING_EXPERIMENT"
+__all__ = ["EXPERIMENT_ENV", "AutotuningMetricHook", "build_autotuning_hook", "write_json_atomic"]
 
 
 def write_json_atomic(path: str, data: Any) -> None:
@@ -58,19 +58,6 @@ def write_json_atomic(path: str, data: Any) -> None:
     atomic writer: see [Note: one atomic writer] in ``checkpoint/atomic.py``."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     atomic_write_json(path, data)
-
-
-def process_baseline_bytes(model: torch.nn.Module) -> int:
-    """On the CPU accelerator: the RSS the process holds now, less the model's own tensors.
-
-    Taken at the start of ``initialize``; see [Note: autotuning experiments]."""
-    from zero_core.accelerator import get_accelerator
-
-    acc = get_accelerator()
-    if acc.device(acc.current_device()).type != "cpu":
-        return 0
-    held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    return max(0, acc.memory_allocated() - held)
 
 
 def _peak_memory_bytes(baseline: int) -> int:
@@ -195,35 +182,14 @@ class AutotuningMetricHook:
         _end_process()
 
 
-def model_info(model: torch.nn.Module) -> dict[str, int]:
-    """Parameter counts of ``model``: full sizes, also of ZeRO-3 partitioned parameters (``ds_numel``)."""
-    params = list(model.parameters())
-
-    def numel(p: torch.nn.Parameter) -> int:
-        return int(getattr(p, "ds_numel", p.numel()))
-
-    return {
-        "num_params": sum(numel(p) for p in params),
-        "trainable_num_params": sum(numel(p) for p in params if p.requires_grad),
-    }
-
-
-def build_autotuning_hook(cfg: Any, engine: Any, info: dict[str, int], baseline_bytes: int) -> Any:
-    """The step hook of an autotuning experiment, or None for an ordinary run.
+def build_autotuning_hook(
+    section: Any, engine: Any, info: dict[str, int], baseline_bytes: int
+) -> AutotuningMetricHook:
+    """The step hook of an autotuning experiment, for the ``autotuning`` config ``section`` of a
+    launch with a ``metric_path`` (zero-core's ``attach_experiment_hook`` calls it; ``info``
+    and ``baseline_bytes`` are its ``experiment_baseline``).
 
     With ``model_info.profile`` the model information is written and the process ends here."""
-    section = getattr(cfg, "autotuning", None)
-    if section is None or not getattr(section, "enabled", False):
-        return None
-    if not section.metric_path:
-        if not os.environ.get(EXPERIMENT_ENV):
-            warnings.warn(
-                "autotuning.enabled is set, but the search is run by `zero run --autotuning tune|run "
-                "SCRIPT ...`; this run trains normally",
-                UserWarning,
-                stacklevel=3,
-            )
-        return None
     model_info = getattr(section, "model_info", None) or {}
     if model_info.get("profile"):
         path = section.model_info_path or os.path.join(

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from zero_core.optim import FusedAdam
 from zero_core.testing import parity, run_multirank
 from zero_core.testing.models import TinyLM, token_batch
+from zero_ops.adam import FusedAdam
 
 STEPS, MICRO, SEQ, VOCAB = 8, 2, 8, 32
 ADAM = {"lr": 1e-2, "betas": [0.9, 0.99], "weight_decay": 0.1, "bias_correction": False}

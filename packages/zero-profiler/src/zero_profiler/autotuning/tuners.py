@@ -40,7 +40,7 @@ from collections.abc import Callable
 
 import torch
 
-from zero_core.autotuning.space import Candidate, features, knob_feature
+from zero_profiler.autotuning.space import Candidate, features, knob_feature
 
 Evaluate = Callable[[Candidate], float | None]
 

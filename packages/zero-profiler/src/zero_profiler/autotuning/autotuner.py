@@ -7,7 +7,7 @@ The autotuner finds the fastest configuration that fits, as DeepSpeed's does, in
    from ``model_info_path``, or from one launch of the script (ZeRO stage 3, smallest
    micro-batch) whose engine writes it and exits (``results_dir/profile_model_info/``).
 2. **Pruning by memory.** Each stage's model-state bytes per device (``memory.py``: the ZeRO
-   paper's formula, through zero-profiler when installed) are compared with the memory budget
+   paper's formula, zero-profiler's estimator) are compared with the memory budget
    (the device's free memory, host RAM available per rank on the CPU accelerator, or the
    override of ``autotuning.memory_budget`` / ``ZERO_AUTOTUNING_MEMORY_BUDGET``). A stage whose
    model states do not fit is never launched; on a GPU it is kept with its optimizer states
@@ -44,8 +44,8 @@ import signal
 import sys
 from typing import Any
 
-from zero_core.autotuning.confirm import ConfirmOutcome, run_confirm_phase
-from zero_core.autotuning.experiment import (
+from zero_profiler.autotuning.confirm import ConfirmOutcome, run_confirm_phase
+from zero_profiler.autotuning.experiment import (
     ExperimentResult,
     ExperimentRunner,
     config_arg_index,
@@ -53,9 +53,9 @@ from zero_core.autotuning.experiment import (
     with_config,
     with_mapped_args,
 )
-from zero_core.autotuning.memory import device_is_cpu, device_memory_budget, model_states_bytes
-from zero_core.autotuning.report import PLOT_NAME, Progress, write_best, write_plot, write_summary
-from zero_core.autotuning.space import (
+from zero_profiler.autotuning.memory import device_is_cpu, device_memory_budget, model_states_bytes
+from zero_profiler.autotuning.report import PLOT_NAME, Progress, write_best, write_plot, write_summary
+from zero_profiler.autotuning.space import (
     Candidate,
     batch_fits,
     build_space,
@@ -63,7 +63,7 @@ from zero_core.autotuning.space import (
     experiment_name,
     micro_batch_candidates,
 )
-from zero_core.autotuning.tuners import TUNERS
+from zero_profiler.autotuning.tuners import TUNERS
 
 
 class AutotuningError(RuntimeError):
@@ -72,7 +72,6 @@ class AutotuningError(RuntimeError):
 
 def _load_section(raw: Any) -> Any:
     from pydantic import ValidationError
-
     from zero_core.config.builtin_sections import AutotuningConfig
 
     if not isinstance(raw, dict):
@@ -127,15 +126,7 @@ class Autotuner:
         except (OSError, json.JSONDecodeError) as exc:
             raise AutotuningError(f"zero run --autotuning: cannot read the config {path!r}: {exc}") from None
         self.section = _load_section(self.user.get("autotuning", {}))
-        self.metric = self.section.metric
-        if self.metric == "flops":
-            from zero_core.plugins import is_available
-
-            if not is_available("zero_profiler"):
-                raise AutotuningError(
-                    "autotuning.metric 'flops' is measured by the flops profiler of the 'zero-profiler' "
-                    "package, which is not installed: pip install zero-profiler (or use metric 'throughput')"
-                )
+        self.metric = self.section.metric  # 'flops': the flops profiler is this package's own
         self.world, ranks_per_node = _world_size(args, self.section.mp_size)
         self.budget, self.budget_source = device_memory_budget(self.section, ranks_per_node)
         self.results_dir = os.path.abspath(self.section.results_dir)
@@ -189,7 +180,7 @@ class Autotuner:
             "autotuning": {"enabled": True, "metric_path": os.path.join(out_dir, "metrics.json"), **extra},
         }
         config_path = os.path.join(out_dir, "ds_config.json")
-        from zero_core.autotuning.engine_hook import write_json_atomic
+        from zero_profiler.autotuning.engine_hook import write_json_atomic
 
         write_json_atomic(config_path, exp_config)
         print(f"[autotuning] profiling the model (one launch at ZeRO stage {cand.stage}) ...", flush=True)

@@ -4,7 +4,7 @@ An embedding whose odd rows no batch looks up has an exactly-zero gradient there
 1-bit exchange starts, those entries come back non-zero (1-bit compression sends every element
 as +-scale) unless the group's ``exp_avg_mask`` zeroes them: with the mask, their momentum and
 weights stay exactly what they were; without it they drift. The mask is the training script's:
-``load_state_dict`` keeps the live one. See [Note: momentum mask] in zero_core/optim/onebit/base.py.
+``load_state_dict`` keeps the live one. See [Note: momentum mask] in zero_ops/onebit/base.py.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def test_the_mask_keeps_unused_rows_at_zero_momentum_once_compression_starts() -
 
 def test_load_state_dict_keeps_the_live_mask_and_bad_masks_are_clear_errors() -> None:
     import pytest
-    from zero_core.optim import OnebitAdam
+    from zero_ops.onebit import OnebitAdam
 
     p = nn.Parameter(torch.ones(3, 2))
     live = torch.tensor([[1.0], [0.0], [1.0]])

@@ -1,7 +1,7 @@
 """1-bit LAMB (Li et al., arXiv 2104.06069), as DeepSpeed's ``OnebitLamb`` exposes it.
 
 Warm-up (the first ``freeze_step`` steps): LAMB on all-reduced gradients, with the
-arithmetic of :class:`zero_core.optim.lamb.Lamb` (so it matches that optimizer bit for bit),
+arithmetic of :class:`zero_ops.lamb.Lamb` (so it matches that optimizer bit for bit),
 while each tensor's trust ratio ``clamp(||w|| / ||update||, min_coeff, max_coeff)`` is
 averaged: ``coeff = coeff_beta * coeff + (1 - coeff_beta) * ratio``.
 
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from zero_core.optim.onebit.base import FreezeStepOptimizer, check_int, check_number, init_adam_style
+from zero_ops.onebit.base import FreezeStepOptimizer, check_int, check_number, init_adam_style
 
 
 def _lamb_update(

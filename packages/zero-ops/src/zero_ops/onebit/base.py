@@ -46,10 +46,10 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-
 from zero_core import comm
 from zero_core.comm.compressed import compressed_all_reduce
-from zero_core.optim.onebit.layout import ChunkLayout
+
+from zero_ops.onebit.layout import ChunkLayout
 
 #: ``comm_backend_name`` values: the torch.distributed backends zero can run on.
 COMM_BACKENDS = ("nccl", "gloo", "mpi", "ucc", "xccl")

@@ -15,12 +15,17 @@ import time
 from pathlib import Path
 
 import pytest
-from zero_core.autotuning.experiment import _failure_reason, config_arg_index, with_config, with_mapped_args
-from zero_core.autotuning.memory import model_states_bytes, parse_bytes
-from zero_core.autotuning.space import Candidate, build_space, micro_batch_candidates
-from zero_core.autotuning.tuners import TUNERS
 from zero_core.config.builtin_sections import AutotuningConfig
 from zero_core.testing.launch import experiment_records, run_zero, write_json
+from zero_profiler.autotuning.experiment import (
+    _failure_reason,
+    config_arg_index,
+    with_config,
+    with_mapped_args,
+)
+from zero_profiler.autotuning.memory import model_states_bytes, parse_bytes
+from zero_profiler.autotuning.space import Candidate, build_space, micro_batch_candidates
+from zero_profiler.autotuning.tuners import TUNERS
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
@@ -150,7 +155,7 @@ def test_model_based_tuner_carries_what_earlier_stages_taught() -> None:
 
 
 def test_probes_take_the_best_knobs_so_far() -> None:
-    from zero_core.autotuning.autotuner import Autotuner
+    from zero_profiler.autotuning.autotuner import Autotuner
 
     tuner = Autotuner.__new__(Autotuner)
     tuner.scores = {
@@ -172,22 +177,15 @@ def test_probes_take_the_best_knobs_so_far() -> None:
     assert tuner._probe_knobs(combos3) == combos3[0]
 
 
-def test_flops_metric_without_zero_profiler_names_the_package(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import zero_core.plugins
-    from zero_core.autotuning.autotuner import Autotuner, AutotuningError
+def test_a_metric_path_in_the_search_config_is_noted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from zero_profiler.autotuning.autotuner import Autotuner
 
-    monkeypatch.setattr(zero_core.plugins, "is_available", lambda name: name != "zero_profiler")
     monkeypatch.chdir(tmp_path)  # the search makes its results and experiments directories here
-    cfg = write_json(tmp_path / "cfg.json", {"autotuning": {"enabled": True, "metric": "flops"}})
     from zero_core.launcher.cli import build_parser
 
+    cfg = write_json(tmp_path / "cfg.json", {"autotuning": {"enabled": True, "metric_path": "m.json"}})
     args = build_parser().parse_args(["run", "--autotuning", "tune", "job.py", "--zero_config", str(cfg)])
-    with pytest.raises(AutotuningError, match="'zero-profiler' package, which is not installed"):
-        Autotuner(args)
     # a metric_path in the search's own config is the engine's key: the search says it is not used
-    write_json(tmp_path / "cfg.json", {"autotuning": {"enabled": True, "metric_path": "m.json"}})
     assert any("metric_path 'm.json' is not used" in n for n in Autotuner(args).notes)
 
 
@@ -333,20 +331,23 @@ def test_failures_are_recorded_and_a_killed_search_resumes(tmp_path: Path) -> No
 
 
 def test_engine_hook_only_for_experiments(monkeypatch: pytest.MonkeyPatch) -> None:
+    # zero-core's seam (engine/autotuning_experiment.py) adds this package's hook to the engine
     from types import SimpleNamespace
 
-    from zero_core.autotuning.engine_hook import EXPERIMENT_ENV, AutotuningMetricHook, build_autotuning_hook
+    from zero_core.engine.autotuning_experiment import ExperimentBaseline, attach_experiment_hook
+    from zero_profiler.autotuning.engine_hook import EXPERIMENT_ENV, AutotuningMetricHook
+
+    def hooks_for(section: AutotuningConfig) -> list:
+        engine = SimpleNamespace(global_rank=0, _step_hooks=[])
+        attach_experiment_hook(SimpleNamespace(autotuning=section), engine, ExperimentBaseline())
+        return engine._step_hooks
 
     monkeypatch.delenv(EXPERIMENT_ENV, raising=False)
-    off = SimpleNamespace(autotuning=AutotuningConfig())
-    assert build_autotuning_hook(off, None, {}, 0) is None
-    plain = SimpleNamespace(autotuning=AutotuningConfig(enabled=True))
+    assert hooks_for(AutotuningConfig()) == []
     with pytest.warns(UserWarning, match="the search is run by `zero run --autotuning"):
-        assert build_autotuning_hook(plain, None, {}, 0) is None  # a plain run trains normally
-    asked = SimpleNamespace(autotuning=AutotuningConfig(enabled=True, metric_path="m.json"))
-    assert isinstance(
-        build_autotuning_hook(asked, SimpleNamespace(global_rank=0), {}, 0), AutotuningMetricHook
-    )
+        assert hooks_for(AutotuningConfig(enabled=True)) == []  # a plain run trains normally
+    (hook,) = hooks_for(AutotuningConfig(enabled=True, metric_path="m.json"))
+    assert isinstance(hook, AutotuningMetricHook) and hook.metric_path == "m.json"
     bad = AutotuningConfig(enabled=True, metric_path="m.json", start_profile_step=5, end_profile_step=5)
     with pytest.raises(ValueError, match="end_profile_step \\(5\\) must be greater than start_profile_step"):
         AutotuningMetricHook(bad, None, 0)
@@ -354,7 +355,7 @@ def test_engine_hook_only_for_experiments(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_largest_micro_batch_search_stops_on_oom() -> None:
     # the search's logic alone: an "experiment" runs out of memory above micro-batch 6
-    from zero_core.autotuning.autotuner import Autotuner
+    from zero_profiler.autotuning.autotuner import Autotuner
 
     tuner = Autotuner.__new__(Autotuner)
     tuner.num_params, tuner.world, tuner.mixed, tuner.budget, tuner.per_sample_bytes = (

@@ -23,8 +23,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from zero_core.autotuning.engine_hook import EXPERIMENT_ENV, write_json_atomic
-from zero_core.autotuning.space import Candidate
+from zero_profiler.autotuning.engine_hook import EXPERIMENT_ENV, write_json_atomic
+from zero_profiler.autotuning.space import Candidate
 
 #: the script flags that carry the config path (ours and DeepSpeed's)
 CONFIG_FLAGS = ("--zero_config", "--deepspeed_config", "--zero-config", "--deepspeed-config")

@@ -16,10 +16,11 @@ import statistics
 import sys
 from typing import Any
 
-from zero_core.autotuning.confirm import ConfirmOutcome
-from zero_core.autotuning.engine_hook import write_json_atomic
-from zero_core.autotuning.experiment import METRICS, ExperimentResult
 from zero_core.checkpoint.atomic import atomic_path, atomic_write_text
+
+from zero_profiler.autotuning.confirm import ConfirmOutcome
+from zero_profiler.autotuning.engine_hook import write_json_atomic
+from zero_profiler.autotuning.experiment import METRICS, ExperimentResult
 
 PLOT_NAME = "metric_vs_micro_batch.png"
 

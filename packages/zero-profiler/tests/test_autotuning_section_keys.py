@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from zero_core.autotuning.autotuner import Autotuner
-from zero_core.autotuning.engine_hook import write_json_atomic
-from zero_core.autotuning.experiment import ExperimentRunner
 from zero_core.launcher.cli import build_parser
 from zero_core.testing.launch import write_json
+from zero_profiler.autotuning.autotuner import Autotuner
+from zero_profiler.autotuning.engine_hook import write_json_atomic
+from zero_profiler.autotuning.experiment import ExperimentRunner
 
 
 class _Launches:

@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-
 from zero_core.comm.compressed import padded_numel
 
 

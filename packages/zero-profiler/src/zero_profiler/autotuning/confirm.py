@@ -38,8 +38,8 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from zero_core.autotuning.experiment import ExperimentResult
-from zero_core.autotuning.space import Candidate
+from zero_profiler.autotuning.experiment import ExperimentResult
+from zero_profiler.autotuning.space import Candidate
 
 #: how many times longer a confirm run's profiled window is than the search's
 WINDOW_FACTOR = 3

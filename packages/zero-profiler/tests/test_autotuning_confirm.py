@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from zero_core.autotuning.autotuner import Autotuner
-from zero_core.autotuning.confirm import confirm_window_end
-from zero_core.autotuning.engine_hook import write_json_atomic
-from zero_core.autotuning.experiment import ExperimentRunner
 from zero_core.launcher.cli import build_parser
 from zero_core.testing.launch import experiment_records, write_json
+from zero_profiler.autotuning.autotuner import Autotuner
+from zero_profiler.autotuning.confirm import confirm_window_end
+from zero_profiler.autotuning.engine_hook import write_json_atomic
+from zero_profiler.autotuning.experiment import ExperimentRunner
 
 TRUE = {0: 100.0, 1: 120.0, 2: 90.0}  # samples/s by ZeRO stage: stage 1 is the best
 LUCKY = {2: 300.0}  # stage 2's first run reads 300
@@ -119,7 +119,7 @@ def test_failed_confirm_runs_fall_back_to_the_search(tmp_path: Path, monkeypatch
 
 
 def test_confirm_top_k_is_checked() -> None:
-    from zero_core.autotuning.autotuner import AutotuningError, _load_section
+    from zero_profiler.autotuning.autotuner import AutotuningError, _load_section
 
     with pytest.raises(AutotuningError, match="confirm_top_k"):
         _load_section({"confirm_top_k": -1})
@@ -132,8 +132,8 @@ def test_engine_metric_is_the_median_step(tmp_path: Path, monkeypatch: pytest.Mo
     from types import SimpleNamespace
 
     import torch
-    from zero_core.autotuning import engine_hook
     from zero_core.config.builtin_sections import AutotuningConfig
+    from zero_profiler.autotuning import engine_hook
 
     clock = iter([0.0, 1.0, 2.0, 12.0, 13.0, 14.0, 15.0])  # mark, steps 2-5 (step 4 takes 10 s), finish
     monkeypatch.setattr(engine_hook.time, "perf_counter", lambda: next(clock))
