@@ -1,10 +1,11 @@
-"""Per-parameter ZeRO state is kept by the strategies, not patched onto ``nn.Parameter``.
+"""Per-parameter ZeRO state is kept by the strategies; a parameter holds only a weak reference
+to its owner.
 
-See [Note: parameter owner registry] in ``zero_core/zero/param_owners.py``: stages 0-2 register
-each trainable parameter's owner in ``PARAM_OWNERS`` (stages 1-2 keep a ``ParamLocation`` per
-parameter) and ``engine.destroy()`` removes the entries. After a training step no parameter
-carries a ``_zero*`` attribute, the safe_get helpers still find the owner from the parameter
-alone, and a frozen parameter has no owner.
+See [Note: parameter owners] in ``zero_core/zero/param_owners.py``: stages 0-2 put a weak
+reference to each trainable parameter's owner on it (``_zero_owner``; stages 1-2 keep a
+``ParamLocation`` per parameter) and ``engine.destroy()`` takes it off. After a training step
+no parameter carries another ``_zero*`` attribute, the safe_get helpers find the owner from the
+parameter alone, and a frozen parameter has no owner.
 """
 
 from __future__ import annotations
@@ -13,14 +14,13 @@ import pytest
 import torch
 import torch.nn as nn
 from zero_core.testing import run_multirank
-from zero_core.zero.param_owners import ParamLocation, ParamOwnerRegistry
+from zero_core.zero.param_owners import ParamLocation, owner_of, register_owner, release_owner
 
 
 def _worker() -> dict:
     import zero_core
     from zero_core import comm
     from zero_core.utils import safe_get_full_fp32_param
-    from zero_core.zero.param_owners import PARAM_OWNERS
 
     out = {}
     for stage in (0, 1, 2):
@@ -39,22 +39,26 @@ def _worker() -> dict:
         engine.step()
         w = model[2].weight
         res = {
-            "zero_attrs": sorted(k for p in model.parameters() for k in vars(p) if k.startswith("_zero")),
-            "owned": [PARAM_OWNERS.owner_of(p) is not None for p in model.parameters()],
+            "zero_attrs": sorted({k for p in model.parameters() for k in vars(p) if k.startswith("_zero")}),
+            "owned": [owner_of(p) is not None for p in model.parameters()],
             "full_equals_module": bool(torch.equal(safe_get_full_fp32_param(w), w.detach().float())),
         }
         if stage > 0:
             res["location"] = tuple(engine.strategy.state_access.param_location(w))
         engine.destroy()
-        res["owned_after_destroy"] = any(PARAM_OWNERS.owner_of(p) is not None for p in model.parameters())
+        res["owned_after_destroy"] = any(owner_of(p) is not None for p in model.parameters())
+        res["zero_attrs_after_destroy"] = sorted(
+            k for p in model.parameters() for k in vars(p) if k.startswith("_zero")
+        )
         out[stage] = res
     return out
 
 
-def test_stages_0_to_2_keep_parameter_state_off_the_parameter() -> None:
+def test_stages_0_to_2_put_only_a_weak_owner_reference_on_the_parameter() -> None:
     for res in run_multirank(_worker, 2, timeout=240):
         for stage, r in res.items():
-            assert r["zero_attrs"] == [], (stage, r["zero_attrs"])
+            assert r["zero_attrs"] == ["_zero_owner"], (stage, r["zero_attrs"])
+            assert r["zero_attrs_after_destroy"] == [], (stage, r["zero_attrs_after_destroy"])
             # parameters: w0, b0 (frozen), w2, b2
             assert r["owned"] == [True, False, True, True], (stage, r["owned"])
             assert r["full_equals_module"], stage
@@ -64,19 +68,22 @@ def test_stages_0_to_2_keep_parameter_state_off_the_parameter() -> None:
                 assert group == 0 and index >= 0, (stage, r["location"])
 
 
-def test_registry_is_weak_and_keeps_the_latest_owner() -> None:
-    reg = ParamOwnerRegistry()
+class _Owner:
+    pass
+
+
+def test_owner_reference_is_weak_and_keeps_the_latest_owner() -> None:
     p = nn.Parameter(torch.zeros(3))
-    first, second = object(), object()
-    reg.register([p], first)
-    reg.register([p], second)
-    reg.release([p], first)  # an earlier owner's close leaves the later owner in place
-    assert reg.owner_of(p) is second
-    reg.release([p], second)
-    assert reg.owner_of(p) is None
-    reg.register([p], first)
-    del p
-    assert len(reg._owners) == 0
+    first, second = _Owner(), _Owner()
+    register_owner([p], first)
+    register_owner([p], second)
+    release_owner([p], first)  # an earlier owner's close leaves the later owner in place
+    assert owner_of(p) is second
+    release_owner([p], second)
+    assert owner_of(p) is None and "_zero_owner" not in vars(p)
+    register_owner([p], first)
+    del first  # the parameter never keeps its owner alive
+    assert owner_of(p) is None
     loc = ParamLocation(1, 4)
     assert tuple(loc) == (1, 4)
     with pytest.raises(AttributeError):

@@ -1,21 +1,23 @@
-"""Stage-3 per-parameter state lives in the record table, not on ``nn.Parameter``.
+"""Stage-3 records are owned by ``zero.Init`` / the strategy and reached from the parameter.
 
 See [Note: stage 3 parameter records] in ``zero_core/zero/stage3/param_records.py``: after
-``zero.Init`` and ``initialize`` at stage 3 (and a training step) no parameter carries
-``zero_state`` or a ``_zero*`` attribute, every parameter has a record that the public names
-(``zero_numel``, ``zero_shape``, ``zero_shard``) agree with, and once the engine is destroyed and
-the model dropped the table holds no entry for them.
+``zero.Init`` and ``initialize`` at stage 3 (and a training step) each parameter reaches its
+record through ``_zero_record`` (and its safe_get owner through the weak ``_zero_owner``), the
+strategy owns the records (``zero.Init`` handed its own over), the public names (``zero_numel``,
+``zero_shape``, ``zero_shard``) agree with the record, and once the engine is destroyed and the
+model dropped no record is left.
 """
 
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 import torch
 import torch.nn as nn
 from zero_core.testing import run_multirank
-from zero_core.zero.stage3.param_records import PartitionRecords, full_shape, is_partitioned, partition_state
+from zero_core.zero.stage3.param_records import full_shape, is_partitioned, partition_state, record_of
 
 
 def _attrs(model: nn.Module) -> list[str]:
@@ -27,16 +29,16 @@ def _attrs(model: nn.Module) -> list[str]:
 def _train_and_drop(use_init: bool) -> dict:
     import zero_core
     from zero_core import comm
-    from zero_core.zero.stage3.param_records import PARTITION_RECORDS
 
-    before = len(PARTITION_RECORDS)
     torch.manual_seed(0)
-    if use_init:
-        with zero_core.Init():
+    init = zero_core.Init() if use_init else None
+    if init is not None:
+        with init:
             model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2))
     else:
         model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2))
     shapes = [tuple(p.shape) for p in model.parameters()]  # empty when zero.Init partitioned them
+    init_owned = len(init.records) if init is not None else None
     cfg = {
         "train_micro_batch_size_per_gpu": 3,
         "steps_per_print": 10**6,
@@ -49,6 +51,7 @@ def _train_and_drop(use_init: bool) -> dict:
         engine.backward(engine(x).pow(2).mean())
         engine.step()
     params = list(model.parameters())
+    strategy = engine.strategy
     res = {
         "attrs": _attrs(model),
         "partitioned": [is_partitioned(p) for p in params],
@@ -60,15 +63,20 @@ def _train_and_drop(use_init: bool) -> dict:
             and p.zero_shard is partition_state(p).shard
             for p in params
         ),
-        "records_in_use": len(PARTITION_RECORDS) - before,
+        "strategy_owns": [st is partition_state(p) for st, p in zip(strategy.records, params)]
+        + [partition_state(p).owner_of() is strategy for p in params],
+        "init_owned_before": init_owned,
+        "init_owned_after": len(init.records) if init is not None else None,
     }
+    refs = [weakref.ref(partition_state(p)) for p in params]
     engine.destroy()
     res["attrs_after_destroy"] = _attrs(model)
+    res["owner_after_destroy"] = [partition_state(p).owner_of() for p in params] == [None] * 4
     # a parameter that outlives destroy() keeps its record (it is still partitioned)
     res["partitioned_after_destroy"] = all(is_partitioned(p) for p in params)
-    del engine, model, params, x
+    del engine, strategy, model, params, x
     gc.collect()
-    res["records_left"] = len(PARTITION_RECORDS) - before
+    res["records_left"] = sum(r() is not None for r in refs)
     return res
 
 
@@ -76,33 +84,43 @@ def _worker() -> dict:
     return {"init": _train_and_drop(True), "initialize": _train_and_drop(False)}
 
 
-def test_stage3_keeps_records_off_the_parameter_and_releases_them() -> None:
+def test_stage3_records_are_owned_by_the_strategy_and_released() -> None:
     for res in run_multirank(_worker, 2, timeout=300):
         for how, r in res.items():
-            assert r["attrs"] == [] and r["attrs_after_destroy"] == [], (how, r)
+            assert r["attrs"] == ["_zero_owner", "_zero_record"], (how, r["attrs"])
+            assert r["attrs_after_destroy"] == ["_zero_record"], (how, r["attrs_after_destroy"])
             assert r["partitioned"] == [True] * 4, (how, r["partitioned"])
             assert r["full_shapes"] == [(5, 6), (5,), (2, 5), (2,)], (how, r["full_shapes"])
             assert r["public_agree"], how
-            assert r["records_in_use"] == 4, (how, r["records_in_use"])
+            assert r["strategy_owns"] == [True] * 8, (how, r["strategy_owns"])
+            assert r["owner_after_destroy"], how
             assert r["partitioned_after_destroy"], how
             assert r["records_left"] == 0, (how, r["records_left"])
         assert res["init"]["shapes_before_engine"] == [(0,)] * 4, res["init"]["shapes_before_engine"]
+        # zero.Init owned the four records until initialize took them
+        assert (res["init"]["init_owned_before"], res["init"]["init_owned_after"]) == (4, 0), res["init"]
 
 
-def test_record_table_is_weak_and_by_identity() -> None:
-    table = PartitionRecords()
+def _by_identity() -> bool:
+    from zero_core.zero.stage3.partitioned_param import partition_param
+
     a, b = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(3))  # equal values, distinct params
-    rec = object()
-    table.add(a, rec)
-    assert table.get(a) is rec and a in table and table.get(b) is None and b not in table
-    assert table.params() == [a]
+    partition_param(a)
+    assert record_of(a) is partition_state(a) and record_of(b) is None and not is_partitioned(b)
+    assert partition_state(a).owner_of() is None  # partitioned by hand: no owner
+    ref = weakref.ref(partition_state(a))
     del a
     gc.collect()
-    assert len(table) == 0 and table.params() == []
+    return ref() is None
+
+
+def test_a_record_belongs_to_its_parameter_by_identity() -> None:
+    assert run_multirank(_by_identity, 1) == [True]
 
 
 def test_lookups_of_an_unpartitioned_parameter() -> None:
     p = nn.Parameter(torch.zeros(2, 3))
-    assert not is_partitioned(p) and full_shape(p) == (2, 3)
+    assert not is_partitioned(p) and full_shape(p) == (2, 3) and record_of(p) is None
+    assert not is_partitioned(None) and not is_partitioned(3)
     with pytest.raises(ValueError, match="not partitioned by ZeRO stage 3"):
         partition_state(p)

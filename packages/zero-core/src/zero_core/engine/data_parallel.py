@@ -26,7 +26,7 @@ from zero_core.engine.sparse_grads import SparseGradReducer, sparse_gradient_par
 from zero_core.utils.grad_norm import any_nonfinite, needs_scaling, sum_of_squares
 from zero_core.utils.param_groups import reduction_groups
 from zero_core.utils.storage_bytes import StorageLedger
-from zero_core.zero.param_owners import PARAM_OWNERS
+from zero_core.zero.param_owners import register_owner, release_owner
 
 
 class DataParallelStrategy:
@@ -101,18 +101,18 @@ class DataParallelStrategy:
         self.loss_scaler: Any = None  # see bind_loss_scaler
         from zero_core.engine.data_parallel_access import DataParallelStateAccess
 
-        # See [Note: parameter owner registry] (zero/param_owners.py); released by close()
+        # See [Note: parameter owners] (zero/param_owners.py); released by close()
         self._state_access = DataParallelStateAccess(self)
-        PARAM_OWNERS.register(self.params, self._state_access)
+        register_owner(self.params, self._state_access)
 
     def bind_loss_scaler(self, loss_scaler: Any) -> None:
         """The engine's loss scaler: the safe_get gradient helpers report unscaled gradients."""
         self.loss_scaler = loss_scaler
 
     def close(self) -> None:
-        """Forget the parameters' owner entries (See [Note: parameter owner registry]); the engine's
+        """Forget the parameters' owner entries (See [Note: parameter owners]); the engine's
         ``destroy()`` calls it."""
-        PARAM_OWNERS.release(self.params, self._state_access)
+        release_owner(self.params, self._state_access)
 
     def _rebind_to_masters(self) -> None:
         for group in self.optimizer.param_groups:

@@ -3,7 +3,7 @@
 [Note: safe_get owner protocol]
 With ZeRO a parameter's fp32 master value, reduced gradient and optimizer states are split
 over the ranks, so reading them needs a collective. The stage that partitions a parameter
-registers an owner for it (``PARAM_OWNERS``, see [Note: parameter owner registry] in
+registers an owner for it (a weak reference on the parameter, see [Note: parameter owners] in
 ``zero/param_owners.py``), an object with the methods
 
     full_fp32_param(p) -> Tensor            full_grad(p) -> Tensor
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from zero_core.zero.param_owners import PARAM_OWNERS
+from zero_core.zero.param_owners import owner_of
 from zero_core.zero.stage3.param_records import full_shape
 
 _ABSENT = object()
@@ -55,7 +55,7 @@ def _owner_method(where: str, param: Any, *, local: bool, value: Any = _ABSENT, 
         )
     if where.startswith("safe_get_") and not param.requires_grad:
         return _FROZEN
-    owner = PARAM_OWNERS.owner_of(param)
+    owner = owner_of(param)
     name = where.replace("safe_get_", "").replace("safe_", "")
     if local and owner is not None and not hasattr(owner, name):
         raise NotImplementedError(f"{where}: the ZeRO stage owning this parameter does not implement it")

@@ -1,29 +1,33 @@
-"""Which strategy owns a parameter's partitioned state: typed per-parameter records kept by the
-strategies, and the process-wide registry the ``safe_get_*`` helpers look owners up in.
+"""Which strategy owns a parameter's partitioned state: a weak reference on the parameter to the
+object the ``safe_get_*`` helpers dispatch to, and the per-strategy :class:`ParamLocation`.
 
-[Note: parameter owner registry]
+[Note: parameter owners]
 The debugging helpers of ``zero_core.zero.debug_access`` take only a parameter (as DeepSpeed's
 ``safe_get_full_fp32_param(param)`` does), so they need to find the object that partitions it
-(see [Note: safe_get owner protocol]). Rather than patching attributes onto ``nn.Parameter``
-(FSDP2 keeps its per-parameter state in ``FSDPParam`` records, not on the parameter), each
-strategy registers its parameters in :data:`PARAM_OWNERS` when it is built and removes them in
-``close()`` (the engine's ``destroy()``). The registry holds parameters weakly, by identity
-(``torch.utils.weak.WeakIdKeyDictionary``: a tensor's ``==`` is elementwise, so a plain
-``WeakKeyDictionary`` cannot compare keys), so a dropped model leaves no entry behind. A
-strategy built later over the same parameters replaces the earlier owner, as re-initializing
-an engine over a module does.
+(see [Note: safe_get owner protocol]). There is no process-wide table for that: each strategy
+puts a *weak reference* to its owner object on the parameters it trains when it is built
+(:func:`register_owner`, the private attribute ``_zero_owner``) and takes it off in
+``close()`` (the engine's ``destroy()``, :func:`release_owner`). The reference is weak so that
+a parameter never keeps an engine alive: an engine dropped without ``destroy()`` leaves a dead
+reference, which :func:`owner_of` reads as "no owner". A strategy built later over the same
+parameters replaces the earlier owner, as re-initializing an engine over a module does, and the
+earlier one's ``close()`` leaves the later one in place. Two engines over different models in
+one process (a policy and a reference model) thus never meet: each parameter names its own.
 
 Where a parameter sits inside its strategy (stages 1-2: its partition group and index in it)
-is a :class:`ParamLocation` the strategy keeps in its own map.
+is a :class:`ParamLocation` the strategy keeps in its own map; stage 3's per-parameter state
+is its record ([Note: stage 3 parameter records]).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
+
+_OWNER = "_zero_owner"  # the attribute holding the weak reference: See [Note: parameter owners]
 
 
 class ParamLocation(NamedTuple):
@@ -35,30 +39,27 @@ class ParamLocation(NamedTuple):
     index: int
 
 
-class ParamOwnerRegistry:
-    """Parameter -> the object implementing the safe_get owner protocol for it.
-    See [Note: parameter owner registry]."""
-
-    def __init__(self) -> None:
-        self._owners: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-    def register(self, params: Iterable[torch.Tensor], owner: Any) -> None:
-        """Make ``owner`` the owner of every parameter of ``params`` (replacing any earlier one)."""
-        for p in params:
-            self._owners[p] = owner
-
-    def release(self, params: Iterable[torch.Tensor], owner: Any) -> None:
-        """Forget the parameters of ``params`` still owned by ``owner`` (a later owner stays)."""
-        for p in params:
-            if self._owners.get(p) is owner:
-                del self._owners[p]
-
-    def owner_of(self, param: torch.Tensor) -> Any:
-        """The owner of ``param``, or None (stage 0 without an owner, frozen, or not trained)."""
-        return self._owners.get(param)
+def register_owner(params: Iterable[torch.Tensor], owner: Any) -> None:
+    """Make ``owner`` the owner of every parameter of ``params`` (replacing any earlier one),
+    held weakly (See [Note: parameter owners])."""
+    ref = weakref.ref(owner)
+    for p in params:
+        setattr(p, _OWNER, ref)
 
 
-# The one registry of this process; entries live as long as their parameter and owning strategy.
-PARAM_OWNERS = ParamOwnerRegistry()
+def release_owner(params: Iterable[torch.Tensor], owner: Any) -> None:
+    """Forget ``owner`` on the parameters of ``params`` it still owns (a later owner stays)."""
+    for p in params:
+        ref = p.__dict__.get(_OWNER)
+        if ref is not None and (ref() is owner or ref() is None):
+            delattr(p, _OWNER)
 
-__all__ = ["PARAM_OWNERS", "ParamLocation", "ParamOwnerRegistry"]
+
+def owner_of(param: torch.Tensor) -> Any:
+    """The owner of ``param``, or None (stage 0 without an owner, frozen, not trained, or its
+    engine is gone)."""
+    ref = getattr(param, _OWNER, None)
+    return None if ref is None else ref()
+
+
+__all__ = ["ParamLocation", "owner_of", "register_owner", "release_owner"]

@@ -57,7 +57,7 @@ from zero_core.utils.storage_bytes import StorageLedger
 from zero_core.utils.tensor_alias import apart_or_slot, overlaps
 from zero_core.zero.flat_partition import FlatPartition
 from zero_core.zero.grad_reduce import GroupGrads, PartitionedGradReducer
-from zero_core.zero.param_owners import PARAM_OWNERS, ParamLocation
+from zero_core.zero.param_owners import ParamLocation, register_owner, release_owner
 from zero_core.zero.stage_1_and_2_access import PartitionedStateAccess
 from zero_core.zero.stage_1_and_2_checkpoint import PartitionedCheckpointing
 
@@ -282,7 +282,7 @@ class PartitionedOptimizerStrategy:
         # See [Note: optimizer offload hook] in zero_offload; the null object when nothing is
         # offloaded (See [Note: optimizer offload seam])
         self.checkpointing = PartitionedCheckpointing(self)  # its checkpoint methods delegate there
-        self.state_access = PartitionedStateAccess(self)  # the parameters' owner in PARAM_OWNERS
+        self.state_access = PartitionedStateAccess(self)  # the owner: See [Note: parameter owners]
         self.offload: OptimizerOffload = (
             optimizer_offload if optimizer_offload is not None else NoOptimizerOffload()
         )
@@ -307,7 +307,7 @@ class PartitionedOptimizerStrategy:
         [Note: fp32 master aliasing]: a master of the training dtype is a view of them)."""
         self.masters: list[torch.nn.Parameter] = []
         self.flat_params: list[torch.Tensor] = []
-        # See [Note: parameter owner registry].
+        # See [Note: parameter owners].
         self._param_locations: dict[torch.nn.Parameter, ParamLocation] = {}
         # See [Note: fp32 master aliasing].
         # With optimizer offload the masters live in host memory: never aliased (``adopt`` copies
@@ -334,7 +334,7 @@ class PartitionedOptimizerStrategy:
                 if self.master_aliases_params:
                     a = self._ranks[g] * gg.layout.shard_numel
                     self.masters.append(torch.nn.Parameter(flat[a : a + gg.layout.shard_numel]))
-            PARAM_OWNERS.register(self._param_locations, self.state_access)
+            register_owner(self._param_locations, self.state_access)
             before = self.masters
             self.masters = [self.offload.adopt([m])[0] for m in before]
             self.master_aliases_params &= all(a is m for a, m in zip(self.masters, before))
@@ -531,5 +531,5 @@ class PartitionedOptimizerStrategy:
     def close(self) -> None:
         """Release offload resources (swap files) and the parameters' owner entries; the engine's
         ``destroy()`` calls it."""
-        PARAM_OWNERS.release(self._param_locations, self.state_access)
+        release_owner(self._param_locations, self.state_access)
         self.offload.close()

@@ -2,7 +2,7 @@
 fp32 master, gradient and optimizer states), for :class:`~zero_core.zero.stage_1_and_2.PartitionedOptimizerStrategy`.
 
 A part the strategy holds (``strategy.state_access``) and registers as its parameters' owner (see
-[Note: parameter owner registry]); it reads the strategy's groups, masters, ranks and gradient
+[Note: parameter owners]); it reads the strategy's groups, masters, ranks and gradient
 reducer through :class:`PartitionedState`. See ``zero_core/zero/debug_access.py`` for the public
 functions that dispatch here.
 """
@@ -48,7 +48,7 @@ class PartitionedStateAccess:
 
     # -- safe_get / safe_set owner protocol (see zero_core/zero/debug_access.py) ------
     def param_location(self, p: torch.nn.Parameter) -> ParamLocation:
-        """Where ``p`` lives in this strategy (See [Note: parameter owner registry])."""
+        """Where ``p`` lives in this strategy (See [Note: parameter owners])."""
         loc = self.strategy._param_locations.get(p)
         if loc is None:
             raise ValueError(

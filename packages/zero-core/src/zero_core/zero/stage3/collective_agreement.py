@@ -8,7 +8,9 @@ diverge when data-dependent control flow differs (see [Note: stage 3 parameter c
 So before each stage-3 data collective (a gathered bucket, a gradient bucket, a broadcast,
 an all-reduce fetch) every rank states a *header*: kind, first parameter id, parameter count,
 payload bytes, numbered per process group; the ranks compare headers of the same number, and
-a difference is a :class:`Stage3CollectiveError` naming what each rank was about to run.
+a difference is a :class:`Stage3CollectiveError` naming what each rank was about to run (each
+rank posts the names of its first parameters beside its header, read from their records: there
+is no process-wide table of names, See [Note: stage 3 parameter records]).
 
 The headers are host integers, so they travel as bytes through the process group's store
 (through clones of its client, one per thread: the TCP store serialises the operations of one
@@ -47,17 +49,17 @@ store), ``False``/``0`` (off). Every wait is bounded by the collective watchdog'
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
 from zero_core import comm
 from zero_core.comm import watchdog as _watchdog
-from zero_core.zero.stage3.param_records import RECORDS_BY_ID as _BY_ID
 from zero_core.zero.stage3.runtime_context import stage3_context
 
 KINDS = {0: "all-gather", 1: "reduce-scatter", 2: "broadcast", 3: "all-reduce fetch"}
@@ -66,6 +68,7 @@ _ENV = "ZERO_STAGE3_COLLECTIVE_CHECKS"
 _KEY = "zero_s3agree"
 
 Header = tuple[int, int, int, int]  # kind, first parameter id, parameter count, payload bytes
+Names = Sequence[str]  # the readable names of a header's first (up to 4) parameters, on its rank
 
 
 class Stage3CollectiveError(RuntimeError):
@@ -104,30 +107,49 @@ def collective_timeout() -> float:
     return _watchdog.collective_timeout()
 
 
-def _name(pid: int) -> str:
-    return stage3_context().param_names.get(pid, f"param#{pid}")
+def _names(params: Sequence[torch.nn.Parameter]) -> list[str]:
+    """The readable names of the first (up to 4) of ``params``, from their records."""
+    out = []
+    for p in params[:4]:
+        st = p._zero_record
+        out.append(st.name if st.name is not None else f"param#{st.id}")
+    return out
 
 
-def describe(header: Sequence[int]) -> str:
-    """``all-gather of ['a.weight', 'a.bias'] (80 bytes)``: a header in words."""
+def describe(header: Sequence[int], names: Names | None = None) -> str:
+    """``all-gather of ['a.weight', 'a.bias'] (80 bytes)``: a header in words (``names``: its
+    first parameters' names as the rank that posted it gave them; else their ids)."""
     kind, pid, count, size = (int(x) for x in header)
-    names = [_name(pid + i) for i in range(min(count, 4))]
+    if names is None:
+        names = [f"param#{pid + i}" for i in range(min(count, 4))]
     more = f" and {count - 4} more" if count > 4 else ""
-    return f"{KINDS.get(kind, kind)} of {names}{more} ({size} bytes)"
+    return f"{KINDS.get(kind, kind)} of {list(names)}{more} ({size} bytes)"
 
 
 def mismatch_error(
-    rows: Sequence[Sequence[int] | None], ranks: Sequence[int], me: int, what: str, seq: int | None = None
+    rows: Sequence[Sequence[int] | None],
+    ranks: Sequence[int],
+    me: int,
+    what: str,
+    seq: int | None = None,
+    names: Sequence[Names | None] | None = None,
 ) -> str:
     """The message naming what each rank of the group (global ``ranks``, row by row) was about to
-    run; ``me`` is this process's global rank."""
+    run; ``me`` is this process's global rank, ``names`` each row's parameter names (or None)."""
     number = f" (#{seq} on its group)" if seq is not None else ""
-    lines = [f"  rank {r}: {describe(h) if h is not None else '(no header)'}" for r, h in zip(ranks, rows)]
+    names = list(names) if names is not None else [None] * len(rows)
+    lines = [
+        f"  rank {r}: {describe(h, n) if h is not None else '(no header)'}"
+        for r, h, n in zip(ranks, rows, names)
+    ]
+    firsts = [
+        n[0] if n else f"param#{int(h[1])}" for h, n in zip(rows, names) if h is not None and int(h[2]) > 0
+    ]
     return (
         f"ZeRO stage 3: ranks disagree on the next collective{number} (this is rank {me}, running {what}).\n"
         + "\n".join(lines)
         + "\nEvery rank must run the same modules in the same order (data-dependent control flow must agree)."
-        + _leaf_hint([_name(int(h[1])) for h in rows if h is not None and int(h[2]) > 0])
+        + _leaf_hint(firsts)
     )
 
 
@@ -155,27 +177,30 @@ class StoreAgreement:
         self.store = store  # the main thread's client; the side thread clones its own
         self._timeouts: dict[int, float] = {}
         self._seq: dict[tuple[int, ...], int] = {}
-        self._pending: deque[tuple[tuple[int, ...], int, int, Header, str]] = deque()
+        self._pending: deque[tuple[tuple[int, ...], int, int, Header, str, Names]] = deque()
         self._cond = threading.Condition()
         self._posted = 0
         self._done = 0
         self._thread: threading.Thread | None = None
         self.error: str | None = None  # the first disagreement found (kept: later ones follow from it)
 
-    def check(self, ranks: tuple[int, ...], me: int, header: Header, what: str, inline: bool) -> None:
+    def check(
+        self, ranks: tuple[int, ...], me: int, header: Header, what: str, inline: bool, names: Names = ()
+    ) -> None:
         """Number ``header`` on the group of global ``ranks`` and compare it with the peers'
-        (``inline``: now); ``me`` is this process's global rank."""
+        (``inline``: now); ``me`` is this process's global rank, ``names`` the header's first
+        parameters' names (posted with it, for the peers' messages)."""
         self.raise_if_failed()
         seq = self._seq.get(ranks, 0) + 1
         self._seq[ranks] = seq
         if inline:
-            message = self._exchange(self.store, ranks, me, seq, header, what)
+            message = self._exchange(self.store, ranks, me, seq, header, what, names)
             if message is not None:
                 self.error = self.error or message
                 raise Stage3CollectiveError(message)
             return
         with self._cond:
-            self._pending.append((ranks, me, seq, header, what))
+            self._pending.append((ranks, me, seq, header, what, names))
             self._posted += 1
             self._cond.notify()
         if self._thread is None:
@@ -202,9 +227,9 @@ class StoreAgreement:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: bool(self._pending))
-                ranks, me, seq, header, what = self._pending[0]
+                ranks, me, seq, header, what, names = self._pending[0]
             try:
-                message = self._exchange(store, ranks, me, seq, header, what)
+                message = self._exchange(store, ranks, me, seq, header, what, names)
             except Exception as exc:  # the store is gone (the end of a job): stop comparing
                 message = f"ZeRO stage 3: the agreement check before {what} failed: {exc}"
             with self._cond:
@@ -222,13 +247,13 @@ class StoreAgreement:
                     return
 
     def _exchange(
-        self, store: Any, ranks: tuple[int, ...], me: int, seq: int, header: Header, what: str
+        self, store: Any, ranks: tuple[int, ...], me: int, seq: int, header: Header, what: str, names: Names
     ) -> str | None:
         group, timeout = ",".join(map(str, ranks)), collective_timeout()
         if self._timeouts.get(id(store)) != timeout:
             store.set_timeout(datetime.timedelta(seconds=timeout))
             self._timeouts[id(store)] = timeout
-        store.set(f"{_KEY}/{group}/{me}/{seq}", " ".join(map(str, header)))
+        store.set(f"{_KEY}/{group}/{me}/{seq}", " ".join(map(str, header)) + "|" + json.dumps(list(names)))
         if seq > 2:
             store.delete_key(f"{_KEY}/{group}/{me}/{seq - 2}")
         keys = [f"{_KEY}/{group}/{r}/{seq}" for r in ranks if r != me]
@@ -240,11 +265,18 @@ class StoreAgreement:
                 f"ZeRO stage 3: rank(s) {late} did not reach collective #{seq} on the group of ranks "
                 f"{list(ranks)} ({what}) within {timeout:g} s (the agreement check's wait; store said: {exc})"
             )
-        theirs = iter(tuple(int(x) for x in v.decode().split()) for v in values)
-        rows = [header if r == me else next(theirs) for r in ranks]
-        if all(row == header for row in rows):
+        theirs = iter(_parse(v) for v in values)
+        posted = [(header, names) if r == me else next(theirs) for r in ranks]
+        if all(row == header for row, _ in posted):
             return None
-        return mismatch_error(rows, ranks, me, what, seq)
+        return mismatch_error([row for row, _ in posted], ranks, me, what, seq, [n for _, n in posted])
+
+
+def _parse(value: bytes) -> tuple[Header, Names | None]:
+    """A peer's posted header and its parameters' names."""
+    head, _, tail = value.decode().partition("|")
+    kind, pid, count, size = (int(x) for x in head.split())
+    return (kind, pid, count, size), (json.loads(tail) if tail else None)
 
 
 def _present(store: Any, key: str) -> bool:
@@ -293,16 +325,32 @@ def check_agreement(
     mode = collective_check_mode()
     if mode is False or comm.get_world_size(group) == 1:
         return
-    header: Header = (kind, _BY_ID[id(params[0])].id if params else -1, len(params), int(nbytes))
+    header: Header = (kind, params[0]._zero_record.id if params else -1, len(params), int(nbytes))
     agreement = store_agreement() if mode != "collective" else None
     if agreement is None:
-        _device_check(header, group, what)
+        _device_check(header, group, what, params)
         return
     inline = mode is True and "nccl" not in comm.get_backend(group).lower()
-    agreement.check(comm.group_ranks(group), comm.get_rank(), header, what, inline)
+    agreement.check(comm.group_ranks(group), comm.get_rank(), header, what, inline, _names(params))
 
 
-def _device_check(header: Header, group: Any, what: str) -> None:
+def _names_here(params: Sequence[torch.nn.Parameter], row: Sequence[int]) -> Names | None:
+    """Another rank's header named from this rank's records of the same owner (the debug mode
+    exchanges integers only); None when its parameters are not found there."""
+    if not params:
+        return None
+    owner = params[0]._zero_record.owner_of()
+    records: Iterable[Any] = getattr(owner, "records", None) or ()
+    by_id = {st.id: st for st in (records.values() if isinstance(records, dict) else records)}
+    by_id.update((p._zero_record.id, p._zero_record) for p in params)
+    pid, count = int(row[1]), int(row[2])
+    found = [by_id.get(pid + i) for i in range(min(count, 4))]
+    if any(st is None for st in found):
+        return None
+    return [st.name if st.name is not None else f"param#{st.id}" for st in found]
+
+
+def _device_check(header: Header, group: Any, what: str, params: Sequence[torch.nn.Parameter]) -> None:
     """The debug mode: the headers all-gathered on the backend's device and compared on the host."""
     from zero_core.accelerator import get_accelerator
 
@@ -315,7 +363,11 @@ def _device_check(header: Header, group: Any, what: str) -> None:
     rows = every.view(world, 4)
     if bool((rows == mine).all()):  # the one host read per collective of this mode
         return
-    raise Stage3CollectiveError(mismatch_error(rows.tolist(), comm.group_ranks(group), comm.get_rank(), what))
+    found = rows.tolist()
+    names = [_names_here(params, row) for row in found]
+    raise Stage3CollectiveError(
+        mismatch_error(found, comm.group_ranks(group), comm.get_rank(), what, names=names)
+    )
 
 
 def wait_bounded(work: Any, what: str) -> None:

@@ -34,7 +34,6 @@ from torch.utils._pytree import tree_flatten
 from zero_core.zero.stage3.leaf_grads import LeafGradUnits
 from zero_core.zero.stage3.leaf_modules import leaf_descendants
 from zero_core.zero.stage3.param_coordinator import ParamCoordinator
-from zero_core.zero.stage3.param_records import RECORDS_BY_ID as _BY_ID
 from zero_core.zero.stage3.partitioned_param import ParamStatus
 from zero_core.zero.stage3.runtime_context import stage3_context
 
@@ -47,7 +46,8 @@ class ZeroParamDict(dict):
 
     def __getitem__(self, key: str) -> Any:
         p = dict.__getitem__(self, key)
-        if p is not None and (st := _BY_ID.get(id(p))) is not None and st.status is not ParamStatus.AVAILABLE:
+        st = getattr(p, "_zero_record", None)  # See [Note: stage 3 parameter records]
+        if st is not None and st.status is not ParamStatus.AVAILABLE:
             _on_access(p)
         return p
 
@@ -55,15 +55,16 @@ class ZeroParamDict(dict):
         outside = stage3_context().on_access_outside_forward
         if outside:
             for p in dict.values(self):
-                if p is not None and id(p) in _BY_ID:
+                if p is not None and hasattr(p, "_zero_record"):
                     outside[-1](p)
         return dict.items(self)
 
 
 def _on_access(p: torch.nn.Parameter) -> None:
     ctx = stage3_context()
-    if ctx.active_hooks and ctx.active_hooks[-1].stack:
-        ctx.active_hooks[-1].external_access(p)
+    runtime = ctx.active_hooks[-1]() if ctx.active_hooks else None
+    if runtime is not None and runtime.stack:
+        runtime.external_access(p)
     elif ctx.on_access_outside_forward:
         ctx.on_access_outside_forward[-1](p)
 
@@ -130,6 +131,8 @@ class Stage3Hooks:
         self.in_backward = False
         self._backward_task: int | None = None
         self.paused = False  # see pause_module_hooks
+        # what the process's stack of forward runtimes holds (See [Note: stage 3 runtime context])
+        self._self_ref = weakref.ref(self)
         inside_leaves = leaf_descendants(root)  # See [Note: z3 leaf modules]
         # a leaf's gradients are reduced as one unit: See [Note: z3 leaf gradient units]
         self.leaf_units = LeafGradUnits(root, on_grad_ready)
@@ -145,7 +148,7 @@ class Stage3Hooks:
         for p in root.parameters():
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
-                self.handles.append(p.register_post_accumulate_grad_hook(_weak_grad_hook(weakref.ref(self))))
+                self.handles.append(p.register_post_accumulate_grad_hook(_weak_grad_hook(self._self_ref)))
 
     def remove(self) -> None:
         for h in self.handles:
@@ -159,7 +162,7 @@ class Stage3Hooks:
         if module is self.root and not self.stack and not self.in_backward:
             self.coordinator.begin_iteration((self.root.training, torch.is_grad_enabled()))
         if not self.stack:
-            stage3_context().active_hooks.append(self)
+            stage3_context().active_hooks.append(self._self_ref)  # weak: never keeps an engine alive
         self.stack.append(module)
         self.coordinator.fetch(module, "forward")
 
@@ -171,7 +174,7 @@ class Stage3Hooks:
         if self.paused:
             return None
         leaves = _output_leaves(output)
-        returned = [t for t in leaves if isinstance(t, torch.nn.Parameter) and id(t) in _BY_ID]
+        returned = [t for t in leaves if isinstance(t, torch.nn.Parameter) and hasattr(t, "_zero_record")]
         if self.stack and self.stack[-1] is module:
             self.stack.pop()
         if returned and self.stack:
@@ -180,10 +183,10 @@ class Stage3Hooks:
 
             for p in returned:
                 register_external_parameter(self.stack[-1], p)
-                _BY_ID[id(p)].active += 1
+                p._zero_record.active += 1
         self.coordinator.release_module(module, "forward", keep=returned)
         active = stage3_context().active_hooks
-        if not self.stack and active and active[-1] is self:
+        if not self.stack and active and active[-1] is self._self_ref:
             active.pop()
         if torch.is_grad_enabled():
             tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -199,7 +202,7 @@ class Stage3Hooks:
         register_external_parameter(owner, p)
         self.coordinator.ensure_available([p], f"access from module {type(owner).__name__}")
         self.coordinator._track([p])
-        _BY_ID[id(p)].active += 1
+        p._zero_record.active += 1
 
     # -- backward -----------------------------------------------------------------------
     def _pre_backward(self, module: torch.nn.Module) -> None:
@@ -210,7 +213,7 @@ class Stage3Hooks:
         self.coordinator.fetch(module, "backward")
         # Parameters without gradients (frozen) are released at the end of backward.
         for p in module.parameters(recurse=bool(getattr(module, "_z3_leaf", False))):
-            st = _BY_ID.get(id(p))
+            st = getattr(p, "_zero_record", None)
             if st is not None:
                 st.active = 0
 
@@ -219,7 +222,7 @@ class Stage3Hooks:
         if grad is None:
             return
         param.grad = None
-        if id(param) not in _BY_ID:
+        if not hasattr(param, "_zero_record"):
             return
         coord = self.coordinator
         coord.extra_bytes = self._grad_bytes() + grad.numel() * grad.element_size()

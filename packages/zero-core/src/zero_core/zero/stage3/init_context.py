@@ -10,7 +10,9 @@ construction (``self.child.weight.data.normal_()``, ``named_parameters()`` insid
 function) gets it gathered on access; it is re-partitioned, with rank 0's value, when the
 ``__init__`` (or ``apply`` function) that touched it returns. With ``override_module_apply``
 ``Module.apply`` gathers each module's parameters around the function the same way.
-``Init(module=m)`` partitions an already-built model.
+``Init(module=m)`` partitions an already-built model. The context owns the records of the
+parameters it partitioned (``init.records``) until the engine built over them takes them at
+``initialize`` (See [Note: stage 3 parameter records]).
 
 [Note: classes made inside zero.Init]
 A class created while the context is open (its module imported lazily inside it, as
@@ -48,6 +50,8 @@ from __future__ import annotations
 import functools
 import json
 import os
+import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -58,6 +62,7 @@ from zero_core.zero.stage3.hooks import install_param_dict
 from zero_core.zero.stage3.param_records import partition_state
 from zero_core.zero.stage3.partitioned_param import (
     ParamStatus,
+    PartitionState,
     broadcast_full,
     gather_params,
     is_partitioned,
@@ -152,6 +157,10 @@ class Init:
         self._installed: dict[type, Any] = {}  # class -> the __init__ wrapper set on it
         self._active = False
         self._dirty: dict[int, torch.nn.Parameter] = {}
+        # the records it partitioned that no engine took yet, by record id: See [Note: stage 3
+        # parameter records]; records point back to their owner weakly
+        self.records: dict[int, PartitionState] = {}
+        self._ref = weakref.ref(self)
         if self.enabled and module is not None:
             self._convert(module)
 
@@ -196,6 +205,7 @@ class Init:
             if self.pin_memory and torch.cuda.is_available():
                 p.data = p.data.pin_memory()
             self._partition(p)
+            self._own(partition_state(p))
             if self.param_offload is not None:
                 self.param_offload.adopt([p])  # See [Note: parameter offload] in zero_offload
         install_param_dict(module)
@@ -205,6 +215,22 @@ class Init:
         # experts over their expert-data-parallel group: See [Note: stage 3 expert parameters]
         group, grad_divisor = partition_group(p, self.group)
         partition_param(p, group, broadcast_from=0, grad_divisor=grad_divisor)
+
+    # -- the records it owns: See [Note: stage 3 parameter records] -------------------------
+    fetch_by_all_reduce = False  # the engine's choice (See [Note: all-reduce fetch]); none yet
+
+    def _own(self, st: PartitionState) -> None:
+        st.owner = self._ref
+        self.records[st.id] = st
+
+    def hand_over(self, records: Iterable[PartitionState]) -> None:
+        """The engine built over these parameters took ``records``: forget them."""
+        for st in records:
+            self.records.pop(st.id, None)
+
+    def on_shard_changed(self, param: torch.nn.Parameter) -> None:
+        """A ``GatheredParameters`` modifier rewrote ``param``'s shard: nothing derived to refresh
+        (no master exists before an engine)."""
 
     def _touch(self, p: torch.nn.Parameter) -> None:
         """Gather a parameter read during construction; re-partitioned by :meth:`_flush`."""

@@ -50,7 +50,6 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from zero_core.zero.stage3.leaf_modules import leaf_descendants, z3_leaf_module
-from zero_core.zero.stage3.param_records import RECORDS_BY_ID as _BY_ID
 
 
 class _Unit:
@@ -79,7 +78,7 @@ class LeafGradUnits:
         for name, module in root.named_modules():
             if id(module) in inside or not z3_leaf_module(module):
                 continue
-            params = [p for p in module.parameters() if p.requires_grad and id(p) in _BY_ID]
+            params = [p for p in module.parameters() if p.requires_grad and hasattr(p, "_zero_record")]
             params = [p for p in params if id(p) not in self.owner]  # a parameter in one unit only
             unit = _Unit(name or type(module).__name__, params)
             self.owner.update((id(p), unit) for p in params)
@@ -118,7 +117,7 @@ class LeafGradUnits:
         for p in unit.params:
             grad = pending.pop(id(p), None)
             if grad is None:  # not used by this rank (or not yet: a tied weight's outside use)
-                grad = torch.zeros(_BY_ID[id(p)].shape, dtype=p.dtype, device=p.device)
+                grad = torch.zeros(p._zero_record.shape, dtype=p.dtype, device=p.device)
             self.on_grad_ready(p, grad)
             del grad
 

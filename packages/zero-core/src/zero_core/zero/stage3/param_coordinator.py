@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 
-from zero_core.zero.stage3.param_records import RECORDS_BY_ID as _BY_ID
 from zero_core.zero.stage3.partitioned_param import (
     GatherHandle,
     ParamStatus,
@@ -46,9 +45,9 @@ Event = tuple[int, str]
 def module_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The partitioned parameters a module's forward needs: its own plus its external ones."""
     if getattr(module, "_z3_leaf", False):  # the whole subtree: See [Note: z3 leaf modules]
-        own = list({id(p): p for p in module.parameters() if id(p) in _BY_ID}.values())
+        own = list({id(p): p for p in module.parameters() if hasattr(p, "_zero_record")}.values())
     else:
-        own = [p for p in module._parameters.values() if p is not None and id(p) in _BY_ID]
+        own = [p for p in module._parameters.values() if p is not None and hasattr(p, "_zero_record")]
     ext = getattr(module, "_zero_external_params", None)
     if ext:
         ids = {id(p) for p in own}
@@ -136,7 +135,7 @@ class ParamCoordinator:
             h.wait()
         self.inflight.clear()
         for p in list(self.gathered.values()):
-            _BY_ID[id(p)].active = 0
+            p._zero_record.active = 0
             self._release(p, force=force)
 
     # -- fetch / release -------------------------------------------------------------------
@@ -147,7 +146,7 @@ class ParamCoordinator:
         self._advance(event)
         self._ensure(params, f"{phase} of module {type(module).__name__}#{event[0]}", phase)
         for p in params:
-            _BY_ID[id(p)].active += 1
+            p._zero_record.active += 1
         self._prefetch()
         return params
 
@@ -157,7 +156,7 @@ class ParamCoordinator:
 
     def _ensure(self, params: list[torch.nn.Parameter], what: str, phase: str = "") -> None:
         for p in params:
-            h = self.inflight.get(_BY_ID[id(p)].id)
+            h = self.inflight.get(p._zero_record.id)
             if h is not None:
                 h.wait()
                 for st in h.states:
@@ -169,22 +168,22 @@ class ParamCoordinator:
 
     def _track(self, params: list[torch.nn.Parameter]) -> None:
         for p in params:
-            st = _BY_ID[id(p)]
+            st = p._zero_record
             if not st.persistent and st.id not in self.gathered:
                 self.gathered[st.id] = p
                 self.live_numel += st.padded_numel
         self.peak_bytes = max(self.peak_bytes, self.live_bytes() + self.extra_bytes)
 
     def live_bytes(self) -> int:
-        return sum(_BY_ID[id(p)].full.untyped_storage().nbytes() for p in self.gathered.values())
+        return sum(p._zero_record.full.untyped_storage().nbytes() for p in self.gathered.values())
 
     def release_module(
         self, module: torch.nn.Module, phase: str, keep: Iterable[torch.nn.Parameter] = ()
     ) -> None:
         """Called after a module's forward: release what is not reused soon."""
-        keep_ids = {_BY_ID[id(p)].id for p in keep}
+        keep_ids = {p._zero_record.id for p in keep}
         for p in module_params(module):
-            st = _BY_ID[id(p)]
+            st = p._zero_record
             st.active = max(st.active - 1, 0)
             if st.active > 0 or st.id in keep_ids or self._reused_soon(p):
                 continue
@@ -193,14 +192,14 @@ class ParamCoordinator:
 
     def release_after_grad(self, param: torch.nn.Parameter) -> None:
         """A parameter whose gradient is complete is not needed again in this backward."""
-        st = _BY_ID[id(param)]
+        st = param._zero_record
         st.active = 0
         if not self._reused_soon(param):
             self._release(param)
 
     def _release(self, p: torch.nn.Parameter, force: bool = False, keep_outside_views: bool = True) -> None:
         """See [Note: tensors taken from a gathered parameter] for ``keep_outside_views``."""
-        st = _BY_ID[id(p)]
+        st = p._zero_record
         if st.id in self.inflight:
             return
         if release_param(p, force=force, keep_outside_views=keep_outside_views) or (
@@ -243,7 +242,7 @@ class ParamCoordinator:
             elif phase != first_phase and (self.quantize_weights or self.quantize_nontrainable):
                 break  # forward (quantized) and backward (full precision) gathers never share a bucket
             for p in self._trace_params(idx)[0]:
-                st = _BY_ID[id(p)]
+                st = p._zero_record
                 if st.status is not ParamStatus.NOT_AVAILABLE or st.id in seen:
                     continue
                 if st.padded_numel > room or st.padded_numel > budget:
@@ -277,7 +276,11 @@ class ParamCoordinator:
         if hit is not None and hit[0] == key:
             return hit[1]
         params = module_params(module)
-        entry = (params, {_BY_ID[id(q)].id for q in params}, sum(_BY_ID[id(q)].padded_numel for q in params))
+        entry = (
+            params,
+            {q._zero_record.id for q in params},
+            sum(q._zero_record.padded_numel for q in params),
+        )
         self._trace_cache[idx] = (key, entry)
         return entry
 
@@ -287,7 +290,7 @@ class ParamCoordinator:
         if self.live_numel > self.max_live_parameters:
             return False
         distance = 0
-        pid = _BY_ID[id(p)].id
+        pid = p._zero_record.id
         for idx, _phase in self.trace[self.pos :]:
             if idx < 0:
                 continue

@@ -2,8 +2,9 @@
 
 [Note: stage 3 parameter layout]
 A partitioned parameter ``p`` keeps its ``torch.nn.Parameter`` identity (optimizers, hooks
-and user references stay valid) and has a :class:`PartitionState` record, kept off the
-parameter in the table of [Note: stage 3 parameter records] (``partition_state(p)``).
+and user references stay valid) and has a :class:`PartitionState` record, owned by the strategy
+or ``zero.Init`` that partitioned it and reached as ``partition_state(p)`` (See [Note: stage 3
+parameter records]).
 The parameter's values, flattened and zero-padded to a multiple of the group size N, are
 cut into N equal chunks; rank r keeps chunk r in the record's ``shard``. For users the
 parameter shows it as ``p.zero_shard`` (our name for DeepSpeed's ``param.ds_tensor``;
@@ -66,8 +67,7 @@ from zero_core.zero.stage3.collective_agreement import (  # noqa: F401 (re-expor
     set_collective_checks,
     wait_bounded,
 )
-from zero_core.zero.stage3.param_records import RECORDS_BY_ID as _BY_ID
-from zero_core.zero.stage3.param_records import is_partitioned
+from zero_core.zero.stage3.param_records import RecordOwner, attach_record, is_partitioned
 from zero_core.zero.stage3.runtime_context import stage3_context
 from zero_core.zero.stage3.shard_groups import (
     ShardRoute,
@@ -98,13 +98,15 @@ def collective_timeout() -> float:
 
 
 def set_param_name(param: torch.nn.Parameter, name: str) -> None:
-    """Record a readable name for error messages (the strategy uses qualified module names)."""
-    stage3_context().param_names[_BY_ID[id(param)].id] = name
+    """Record a readable name for error messages in ``param``'s record (the strategy uses
+    qualified module names)."""
+    param._zero_record.name = name
 
 
-def param_name(param_or_id: torch.nn.Parameter | int) -> str:
-    pid = param_or_id if isinstance(param_or_id, int) else _BY_ID[id(param_or_id)].id
-    return stage3_context().param_names.get(pid, f"param#{pid}")
+def param_name(param: torch.nn.Parameter) -> str:
+    """``param``'s readable name: the one its record was given, else ``param#<id>``."""
+    st = param._zero_record
+    return st.name if st.name is not None else f"param#{st.id}"
 
 
 class PartitionState:
@@ -132,6 +134,8 @@ class PartitionState:
         "route",
         "secondary",
         "owner",
+        "name",
+        "__weakref__",  # tests check that a dropped engine leaves no record behind
     )
 
     def __init__(self, param: torch.nn.Parameter, group: Any, grad_divisor: int | None = None) -> None:
@@ -158,16 +162,15 @@ class PartitionState:
         # MiCS/hpZ groups and the hpZ secondary copy: See [Note: MiCS and hpZ shard groups]
         self.route: Any = None
         self.secondary: torch.Tensor | None = None
-        # weak reference to the strategy training it, set by the strategy and cleared by its
-        # close(); weak so that a record never keeps a model alive (See [Note: stage 3 parameter records])
+        # weak reference to its owner: the zero.Init that partitioned it until an engine takes it,
+        # then the strategy training it (cleared by its close()); weak so that a record never
+        # keeps a model alive (See [Note: stage 3 parameter records])
         self.owner: weakref.ref | None = None
+        self.name: str | None = None  # readable name for error messages (set_param_name)
 
-    def owner_of(self) -> Any:
-        """The strategy that trains this parameter (None: no live engine owns it)."""
+    def owner_of(self) -> RecordOwner | None:
+        """The record's owner (a ``Stage3Strategy`` or ``zero.Init``; None: no live owner)."""
         return None if self.owner is None else self.owner()
-
-
-_RECORDS = stage3_context().records  # See [Note: stage 3 parameter records]
 
 
 def _full_view(st: PartitionState) -> torch.Tensor:
@@ -213,7 +216,7 @@ def partition_param(
     st.shard = shard
     st.full = torch.empty(st.padded_numel, dtype=data.dtype, device=data.device)
     st.full.untyped_storage().resize_(0)
-    _RECORDS.add(param, st)  # See [Note: stage 3 parameter records]
+    attach_record(param, st)  # See [Note: stage 3 parameter records]
     param.zero_shard = shard
     param.zero_numel = st.numel
     param.zero_shape = st.shape
@@ -234,12 +237,12 @@ def partition_on_route(param: torch.nn.Parameter, route: ShardRoute) -> None:
         partition_param(param, route.shard_group, broadcast_from=None, grad_divisor=route.world)
     else:
         partition_param(param, None, broadcast_from=0)
-    _BY_ID[id(param)].route = route
+    param._zero_record.route = route
 
 
 def set_shard_dtype(param: torch.nn.Parameter, dtype: torch.dtype) -> None:
     """Cast a released partitioned parameter's storage (shard, gather buffer) to ``dtype``."""
-    st = _BY_ID[id(param)]
+    st = param._zero_record
     st.secondary = None
     if st.shard.dtype == dtype:
         return
@@ -265,7 +268,7 @@ def read_shard(param: torch.nn.Parameter) -> torch.Tensor:
     Every other read or write of shard values goes through :func:`read_shard` /
     :func:`write_shard`, which use ``st.shard`` directly when the parameter is not offloaded.
     """
-    st = _BY_ID[id(param)]
+    st = param._zero_record
     return st.shard if st.offload is None else st.offload.read(param).to(st.shard.device)
 
 
@@ -281,7 +284,7 @@ def shares_shard(master: torch.Tensor, st: PartitionState) -> bool:
 @torch.no_grad()
 def write_shard(param: torch.nn.Parameter, values: torch.Tensor) -> None:
     """Set this rank's shard to ``values`` (flat, cast to the shard dtype), wherever it lives."""
-    st = _BY_ID[id(param)]
+    st = param._zero_record
     st.secondary = None  # stale: See [Note: MiCS and hpZ shard groups]
     if st.offload is None:
         st.shard.copy_(values.reshape(-1)[: st.shard.numel()])
@@ -310,7 +313,7 @@ class GatherHandle:
     ) -> None:
         self.params = params
         # the parameters' records, taken once per bucket (See [Note: stage 3 parameter records])
-        self.states = states if states is not None else [_BY_ID[id(p)] for p in params]
+        self.states = states if states is not None else [p._zero_record for p in params]
         self._source = source
         self._work = work
         self._recv = recv
@@ -382,7 +385,7 @@ def gather_params(
     # each parameter's record is looked up once per bucket: See [Note: stage 3 parameter records]
     todo, states = [], []
     for p in params:
-        st = _BY_ID[id(p)]
+        st = p._zero_record
         if st.status is ParamStatus.NOT_AVAILABLE:
             todo.append(p)
             states.append(st)
@@ -490,7 +493,7 @@ def release_param(param: torch.nn.Parameter, force: bool = False, keep_outside_v
     references to the gathered buffer are autograd's saved views, which must see the buffer
     re-gathered in place for backward. See [Note: tensors taken from a gathered parameter].
     """
-    st = _BY_ID[id(param)]
+    st = param._zero_record
     if st.status is not ParamStatus.AVAILABLE:
         return False
     if not force and (st.persistent or st.holds > 0):
@@ -528,7 +531,7 @@ def _unallocated_full(st: PartitionState) -> torch.Tensor:
 @torch.no_grad()
 def shard_from_full(param: torch.nn.Parameter) -> None:
     """Copy this rank's chunk of the gathered value back into the shard (after a modification)."""
-    st = _BY_ID[id(param)]
+    st = param._zero_record
     if st.status is not ParamStatus.AVAILABLE:
         raise RuntimeError(f"shard_from_full: {param_name(param)} is not gathered")
     write_shard(param, st.full[st.rank * st.shard_numel : (st.rank + 1) * st.shard_numel])
@@ -536,7 +539,7 @@ def shard_from_full(param: torch.nn.Parameter) -> None:
 
 def broadcast_full(param: torch.nn.Parameter, src: int) -> None:
     """Broadcast a gathered parameter's value from group rank ``src`` (modifier semantics)."""
-    st = _BY_ID[id(param)]
+    st = param._zero_record
     group, world = broadcast_group(st)  # MiCS: over every replica, See [Note: MiCS and hpZ shard groups]
     if world == 1:
         return

@@ -40,7 +40,6 @@ import torch
 
 from zero_core import comm
 from zero_core.zero.stage3.collective_agreement import wait_bounded
-from zero_core.zero.stage3.param_records import RECORDS_BY_ID as _BY_ID
 from zero_core.zero.stage3.partitioned_param import check_agreement, param_name
 from zero_core.zero.stage3.shard_groups import reduce_across_replicas
 from zero_core.zero.stage3.streams import stage3_streams
@@ -120,10 +119,10 @@ class GradBucketReducer:
     # -- filling --------------------------------------------------------------------------
     def add(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
         """Take ownership of ``param``'s complete full gradient (it must not be modified after)."""
-        st = _BY_ID[id(param)]
+        st = param._zero_record
         b = self._filling
         if b.params:
-            first = _BY_ID[id(b.params[0])]
+            first = b.params[0]._zero_record
             if (
                 self._grads[0].dtype != grad.dtype
                 or first.group is not st.group
@@ -147,7 +146,7 @@ class GradBucketReducer:
             return
         grads = self._grads
         self._filling, self._grads, self._filling_numel = _Bucket(), [], 0
-        st0 = _BY_ID[id(b.params[0])]
+        st0 = b.params[0]._zero_record
         world = st0.world
         dtype, device = self.comm_dtype or grads[0].dtype, grads[0].device
         names = [param_name(p) for p in b.params[:4]]
@@ -157,7 +156,7 @@ class GradBucketReducer:
         with stage3_streams().reduce_scatter_issue(grads):  # See [Note: stage-3 streams]
             buf = torch.empty(world, b.total, dtype=dtype, device=device)  # copies below cast into it
             for p, off, g in zip(b.params, b.offsets, grads):
-                sn = _BY_ID[id(p)].shard_numel
+                sn = p._zero_record.shard_numel
                 _copy_rows(buf[:, off : off + sn], g.reshape(-1), sn)
             grads.clear()  # the full gradients are in the buffer now: free them
             if st0.grad_divisor != 1:
@@ -185,9 +184,9 @@ class GradBucketReducer:
         out = b.out
         assert out is not None
         # MiCS: the shard group's sum, then over the replicas (See [Note: MiCS and hpZ shard groups])
-        reduce_across_replicas(out, _BY_ID[id(b.params[0])].route, b.what)
+        reduce_across_replicas(out, b.params[0]._zero_record.route, b.what)
         for p, off in zip(b.params, b.offsets):
-            st = _BY_ID[id(p)]
+            st = p._zero_record
             piece = out[off : off + st.shard_numel]
             if st.grad_shard is None:
                 st.grad_shard = piece.to(self.accum_dtype or st.shard.dtype, copy=True)

@@ -1,28 +1,26 @@
-"""The mutable process state of stage 3, kept in one object instead of module globals.
+"""The mutable process state of stage 3 that no engine owns, kept in one object.
 
 [Note: stage 3 runtime context]
-A few things stage 3 needs are not owned by any one engine: the agreement-check switch of
-[Note: stage 3 collective agreement] (set by ``set_collective_checks`` before or after an
-engine is built), the parameter ids and readable names used in error messages (issued by
-``zero.Init`` before any engine exists), the table of per-parameter partition records (filled by ``zero.Init`` and the strategy; see
-[Note: stage 3 parameter records]), the stack of hook runtimes driving a forward (read by
-``ZeroParamDict`` when model code touches a released parameter), the gather-on-access
-callbacks of open ``zero.Init`` contexts, and the side streams made for the accelerator. They
-live in one :class:`Stage3Context` whose lifetime is the process (the engine's would lose
-what ``zero.Init`` and ``set_collective_checks`` recorded before it); the public functions
-(``set_collective_checks``, ``collective_checks``, ``param_name`` ...) are thin accessors to
-:func:`stage3_context`.
+A few things stage 3 needs belong to the process, not to any one engine: the agreement-check
+switch of [Note: stage 3 collective agreement] (set by ``set_collective_checks`` before or
+after an engine is built), the counter issuing parameter ids (``zero.Init`` partitions before
+any engine exists, and ranks must number parameters alike), the stack of hook runtimes driving
+a forward (read by ``ZeroParamDict`` when model code touches a released parameter; weak
+references, empty between forwards), the gather-on-access callbacks of open ``zero.Init`` contexts (removed on
+exit), and the side streams made for the accelerator. They live in one :class:`Stage3Context`
+whose lifetime is the process; the public functions (``set_collective_checks``,
+``collective_checks`` ...) are thin accessors to :func:`stage3_context`. Per-parameter state is
+not here: records belong to their owners, names included (See [Note: stage 3 parameter records]).
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
-
-from zero_core.zero.stage3.param_records import PARTITION_RECORDS, PartitionRecords
 
 
 class Stage3Context:
@@ -31,12 +29,9 @@ class Stage3Context:
     def __init__(self) -> None:
         # None: follow ZERO_STAGE3_COLLECTIVE_CHECKS (see collective_agreement.collective_check_mode)
         self.collective_checks: bool | str | None = None
-        # parameter -> its PartitionState, weakly by identity (See [Note: stage 3 parameter records])
-        self.records: PartitionRecords = PARTITION_RECORDS
-        # PartitionState.id -> readable name (qualified module name) for error messages
-        self.param_names: dict[int, str] = {}
-        # the Stage3Hooks runtimes currently driving a forward (at most one per process)
-        self.active_hooks: list[Any] = []
+        # weak references to the Stage3Hooks runtimes currently driving a forward (at most one per
+        # process); weak, so that a forward that raised never keeps its engine alive
+        self.active_hooks: list[weakref.ref] = []
         # set by zero.Init while it constructs modules: gather-on-access without a forward
         self.on_access_outside_forward: list[Callable[[torch.nn.Parameter], None]] = []
         # the Stage3Streams made for the current accelerator (streams.stage3_streams)

@@ -27,7 +27,7 @@ from zero_core.utils.grad_norm import any_nonfinite, needs_scaling, sum_of_squar
 from zero_core.utils.master_dtype import check_master_dtype
 from zero_core.utils.param_groups import is_expert_param
 from zero_core.utils.storage_bytes import StorageLedger
-from zero_core.zero.param_owners import PARAM_OWNERS
+from zero_core.zero.param_owners import register_owner, release_owner
 from zero_core.zero.stage3.collective_agreement import confirm_agreement
 from zero_core.zero.stage3.expert_partition import partition_group
 from zero_core.zero.stage3.hooks import Stage3Hooks
@@ -149,8 +149,8 @@ class Stage3Strategy:
         # master never aliases its shard; zero.Init(remote_device="nvme") may have placed some.
         self.param_offload = param_offload
         self._partition_and_make_masters()
-        # their records, in the same order, taken once: the step's loops read these
-        # (See [Note: stage 3 parameter records])
+        # their records, in the same order: this strategy owns them (zero.Init hands its own over
+        # in _take_ownership) and the step's loops read them (See [Note: stage 3 parameter records])
         self.records = [partition_state(p) for p in self.params]
         self._adopt_shard_stores(param_offload, quantized_nontrainable_weights)
         # See [Note: optimizer offload hook] in zero_offload; the null object when nothing is
@@ -194,13 +194,24 @@ class Stage3Strategy:
         )
 
     def _take_ownership(self) -> None:
-        """Become the owner of the parameters: in PARAM_OWNERS for the safe_get helpers (See
-        [Note: parameter owner registry]) and in their records (See [Note: stage 3 parameter records])."""
+        """Become the owner of the parameters: for the safe_get helpers (See [Note: parameter
+        owners]) and of their records, which ``zero.Init`` (or an earlier engine) hands over (See
+        [Note: stage 3 parameter records])."""
         self._state_access = Stage3StateAccess(self)
-        PARAM_OWNERS.register(self.params, self._state_access)
+        register_owner(self.params, self._state_access)
         self._owner_ref = weakref.ref(self)
+        earlier: dict[int, tuple[Any, list[Any]]] = {}
         for st in self.records:
+            owner = st.owner_of()
+            if owner is not None and owner is not self:
+                earlier.setdefault(id(owner), (owner, []))[1].append(st)
             st.owner = self._owner_ref
+        for owner, records in earlier.values():
+            owner.hand_over(records)
+
+    def hand_over(self, records: list[Any]) -> None:
+        """A later engine over the same parameters took ``records``: this one keeps its list (its
+        step still reads them) but is no longer their owner (See [Note: stage 3 parameter records])."""
 
     # -- construction ------------------------------------------------------------------
     def _adopt_shard_stores(self, param_offload: Any, quantized_nontrainable_weights: bool) -> None:
@@ -530,7 +541,7 @@ class Stage3Strategy:
     def close(self) -> None:
         """Release offload resources (swap files) and the parameters' owner entries; the engine's
         ``destroy()`` calls it."""
-        PARAM_OWNERS.release(self.params, self._state_access)
+        release_owner(self.params, self._state_access)
         for st in self.records:  # a later engine over the same parameters stays their owner
             if st.owner is self._owner_ref:
                 st.owner = None
