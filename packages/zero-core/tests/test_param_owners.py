@@ -10,6 +10,8 @@ parameter alone, and a frozen parameter has no owner.
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 import torch.nn as nn
@@ -82,6 +84,10 @@ def test_owner_reference_is_weak_and_keeps_the_latest_owner() -> None:
     release_owner([p], second)
     assert owner_of(p) is None and "_zero_owner" not in vars(p)
     register_owner([p], first)
+    buf = io.BytesIO()
+    torch.save(p, buf)  # a saved parameter (torch.save(model)) comes back without an owner
+    buf.seek(0)
+    assert owner_of(torch.load(buf, weights_only=False)) is None and owner_of(p) is first
     del first  # the parameter never keeps its owner alive
     assert owner_of(p) is None
     loc = ParamLocation(1, 4)

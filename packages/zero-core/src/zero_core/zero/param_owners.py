@@ -13,6 +13,7 @@ reference, which :func:`owner_of` reads as "no owner". A strategy built later ov
 parameters replaces the earlier owner, as re-initializing an engine over a module does, and the
 earlier one's ``close()`` leaves the later one in place. Two engines over different models in
 one process (a policy and a reference model) thus never meet: each parameter names its own.
+A pickled parameter (``torch.save(model)``) drops the reference: no engine trains the copy.
 
 Where a parameter sits inside its strategy (stages 1-2: its partition group and index in it)
 is a :class:`ParamLocation` the strategy keeps in its own map; stage 3's per-parameter state
@@ -39,10 +40,26 @@ class ParamLocation(NamedTuple):
     index: int
 
 
+class _OwnerRef:
+    """A weak reference to a parameter's owner that pickles as None (See [Note: parameter owners])."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, owner: Any) -> None:
+        self.ref = weakref.ref(owner)
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return _no_owner, ()
+
+
+def _no_owner() -> None:
+    return None
+
+
 def register_owner(params: Iterable[torch.Tensor], owner: Any) -> None:
     """Make ``owner`` the owner of every parameter of ``params`` (replacing any earlier one),
     held weakly (See [Note: parameter owners])."""
-    ref = weakref.ref(owner)
+    ref = _OwnerRef(owner)
     for p in params:
         setattr(p, _OWNER, ref)
 
@@ -51,7 +68,7 @@ def release_owner(params: Iterable[torch.Tensor], owner: Any) -> None:
     """Forget ``owner`` on the parameters of ``params`` it still owns (a later owner stays)."""
     for p in params:
         ref = p.__dict__.get(_OWNER)
-        if ref is not None and (ref() is owner or ref() is None):
+        if ref is not None and (ref.ref() is owner or ref.ref() is None):
             delattr(p, _OWNER)
 
 
@@ -59,7 +76,7 @@ def owner_of(param: torch.Tensor) -> Any:
     """The owner of ``param``, or None (stage 0 without an owner, frozen, not trained, or its
     engine is gone)."""
     ref = getattr(param, _OWNER, None)
-    return None if ref is None else ref()
+    return None if ref is None else ref.ref()
 
 
 __all__ = ["ParamLocation", "owner_of", "register_owner", "release_owner"]

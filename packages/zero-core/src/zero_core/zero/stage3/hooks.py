@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_flatten
 from zero_core.zero.stage3.leaf_grads import LeafGradUnits
 from zero_core.zero.stage3.leaf_modules import leaf_descendants
 from zero_core.zero.stage3.param_coordinator import ParamCoordinator
+from zero_core.zero.stage3.param_records import is_partitioned
 from zero_core.zero.stage3.partitioned_param import ParamStatus
 from zero_core.zero.stage3.runtime_context import stage3_context
 
@@ -55,7 +56,7 @@ class ZeroParamDict(dict):
         outside = stage3_context().on_access_outside_forward
         if outside:
             for p in dict.values(self):
-                if p is not None and hasattr(p, "_zero_record"):
+                if p is not None and is_partitioned(p):
                     outside[-1](p)
         return dict.items(self)
 
@@ -174,7 +175,7 @@ class Stage3Hooks:
         if self.paused:
             return None
         leaves = _output_leaves(output)
-        returned = [t for t in leaves if isinstance(t, torch.nn.Parameter) and hasattr(t, "_zero_record")]
+        returned = [t for t in leaves if isinstance(t, torch.nn.Parameter) and is_partitioned(t)]
         if self.stack and self.stack[-1] is module:
             self.stack.pop()
         if returned and self.stack:
@@ -222,7 +223,7 @@ class Stage3Hooks:
         if grad is None:
             return
         param.grad = None
-        if not hasattr(param, "_zero_record"):
+        if not is_partitioned(param):
             return
         coord = self.coordinator
         coord.extra_bytes = self._grad_bytes() + grad.numel() * grad.element_size()

@@ -50,6 +50,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from zero_core.zero.stage3.leaf_modules import leaf_descendants, z3_leaf_module
+from zero_core.zero.stage3.param_records import is_partitioned
 
 
 class _Unit:
@@ -78,7 +79,7 @@ class LeafGradUnits:
         for name, module in root.named_modules():
             if id(module) in inside or not z3_leaf_module(module):
                 continue
-            params = [p for p in module.parameters() if p.requires_grad and hasattr(p, "_zero_record")]
+            params = [p for p in module.parameters() if p.requires_grad and is_partitioned(p)]
             params = [p for p in params if id(p) not in self.owner]  # a parameter in one unit only
             unit = _Unit(name or type(module).__name__, params)
             self.owner.update((id(p), unit) for p in params)

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from zero_core.zero.stage3.param_records import is_partitioned
 from zero_core.zero.stage3.partitioned_param import (
     GatherHandle,
     ParamStatus,
@@ -45,9 +46,9 @@ Event = tuple[int, str]
 def module_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The partitioned parameters a module's forward needs: its own plus its external ones."""
     if getattr(module, "_z3_leaf", False):  # the whole subtree: See [Note: z3 leaf modules]
-        own = list({id(p): p for p in module.parameters() if hasattr(p, "_zero_record")}.values())
+        own = list({id(p): p for p in module.parameters() if is_partitioned(p)}.values())
     else:
-        own = [p for p in module._parameters.values() if p is not None and hasattr(p, "_zero_record")]
+        own = [p for p in module._parameters.values() if p is not None and is_partitioned(p)]
     ext = getattr(module, "_zero_external_params", None)
     if ext:
         ids = {id(p) for p in own}

@@ -172,6 +172,15 @@ class PartitionState:
         """The record's owner (a ``Stage3Strategy`` or ``zero.Init``; None: no live owner)."""
         return None if self.owner is None else self.owner()
 
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        # process state (groups, buffers): a pickled parameter comes back unpartitioned, as a
+        # parameter without a record (See [Note: stage 3 parameter records])
+        return _no_record, ()
+
+
+def _no_record() -> None:
+    return None
+
 
 def _full_view(st: PartitionState) -> torch.Tensor:
     return st.full[: st.numel].view(st.shape)
