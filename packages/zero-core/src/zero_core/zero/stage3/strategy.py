@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -33,9 +34,10 @@ from zero_core.zero.stage3.expert_partition import partition_group
 from zero_core.zero.stage3.hooks import Stage3Hooks
 from zero_core.zero.stage3.module_granularity import mark_fine_grained_leaves
 from zero_core.zero.stage3.param_coordinator import ParamCoordinator
-from zero_core.zero.stage3.param_records import partition_state
+from zero_core.zero.stage3.param_records import RecordOwner, partition_state
 from zero_core.zero.stage3.partitioned_param import (
     ParamStatus,
+    PartitionState,
     gather_params,
     is_partitioned,
     partition_on_route,
@@ -200,7 +202,7 @@ class Stage3Strategy:
         self._state_access = Stage3StateAccess(self)
         register_owner(self.params, self._state_access)
         self._owner_ref = weakref.ref(self)
-        earlier: dict[int, tuple[Any, list[Any]]] = {}
+        earlier: dict[int, tuple[RecordOwner, list[PartitionState]]] = {}
         for st in self.records:
             owner = st.owner_of()
             if owner is not None and owner is not self:
@@ -209,7 +211,7 @@ class Stage3Strategy:
         for owner, records in earlier.values():
             owner.hand_over(records)
 
-    def hand_over(self, records: list[Any]) -> None:
+    def hand_over(self, records: Iterable[PartitionState]) -> None:
         """A later engine over the same parameters took ``records``: this one keeps its list (its
         step still reads them) but is no longer their owner (See [Note: stage 3 parameter records])."""
 
