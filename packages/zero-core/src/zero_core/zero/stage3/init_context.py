@@ -213,7 +213,9 @@ class Init:
         if scope is None:
             params = list(self._dirty.values())
         else:
-            ids = {id(p) for p in scope.parameters()}
+            # Not ``scope.parameters()``: listing parameters through ``_parameters.items()`` gathers
+            # each one during construction (ZeroParamDict), i.e. the whole subtree at once.
+            ids = {id(p) for m in scope.modules() for p in dict.values(m._parameters) if p is not None}
             params = [p for p in self._dirty.values() if id(p) in ids]
         for p in params:
             st = partition_state(p)
