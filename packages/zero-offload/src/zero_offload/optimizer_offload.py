@@ -296,7 +296,8 @@ class OptimizerOffload(OffloadStepMixin, OffloadStateMixin, OffloadStreamMixin):
         return {
             "host_master_weights": sum(g.master.untyped_storage().nbytes() for g in self.groups),
             # streamed gradients (See [Note: ZeRO-Infinity streaming]): only their writes in flight
-            "host_gradients": _bytes(g.grad for g in self.groups) + _bytes(getattr(self, "_grad_inflight", ())),
+            "host_gradients": _bytes(g.grad for g in self.groups)
+            + _bytes(getattr(self, "_grad_inflight", ())),
             "host_low_precision_params": _bytes(g.low for g in self.groups),
             "host_optimizer_states": _bytes(t for g in self.groups for t in g.states.values()),
             "host_swap_buffers": self.pool.nbytes() if self.pool is not None else 0,

@@ -446,7 +446,9 @@ class Stage3Strategy:
             (st.shard for st in self.records if st.offload is None),
         )
         # with the statistics of the gradients streamed to NVMe (See [Note: ZeRO-Infinity streaming])
-        ledger.add("gradients", [*self._grad_shards(), *self._streamed_sq.values(), *self._streamed_bad.values()])
+        ledger.add(
+            "gradients", [*self._grad_shards(), *self._streamed_sq.values(), *self._streamed_bad.values()]
+        )
         ledger.add("master_weights", self.master.values())
         ledger.add("optimizer_states", state)
         ledger.add(
