@@ -42,6 +42,7 @@ from zero_offload.nvme_swapper import BufferPool, StateSwapper, buffers_needed, 
 from zero_offload.offload_groups import _GRAD, _MASTER, _adam_settings, _bytes, _Group, _host_empty
 from zero_offload.offload_state import OffloadStateMixin
 from zero_offload.offload_step import OffloadStepMixin
+from zero_offload.host_heap import bound_host_heap
 from zero_offload.offload_stream import OffloadStreamMixin
 from zero_offload.swap_files import SwapDirectory
 from zero_offload.transfers import CopyFence
@@ -133,6 +134,7 @@ class OptimizerOffload(OffloadStepMixin, OffloadStateMixin, OffloadStreamMixin):
                     f"{self.pipeline_read} and pipeline_write={self.pipeline_write} need at least {need} buffers"
                 )
             self.swap_dir = SwapDirectory(nvme_path, self.rank, what="zero_optimization.offload_optimizer")
+            bound_host_heap()  # See [Note: host heap under NVMe offload]
 
     # -- construction ---------------------------------------------------------------------
     @torch.no_grad()

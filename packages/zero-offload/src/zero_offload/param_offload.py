@@ -39,6 +39,7 @@ from zero_core.accelerator import get_accelerator
 from zero_core.zero.stage3.param_records import is_partitioned, partition_state
 from zero_ops.aio import AsyncIOHandle, locked_empty
 
+from zero_offload.host_heap import bound_host_heap
 from zero_offload.swap_files import SwapDirectory
 from zero_offload.transfers import CopyFence, host_buffer
 
@@ -116,6 +117,7 @@ class ParamOffload:
             if nvme_path is None:
                 raise ValueError('zero_optimization.offload_param.nvme_path: required when device is "nvme"')
             self.swap_dir = SwapDirectory(nvme_path, self.rank, what="zero_optimization.offload_param")
+            bound_host_heap()  # See [Note: host heap under NVMe offload]
             kw = {
                 k: v
                 for k, v in dict(aio or {}).items()

@@ -209,6 +209,7 @@ class TensorFile:
         if not os.path.isfile(path):
             raise CheckpointError(f"{path} does not exist")
         self.size = os.path.getsize(path)
+        self.bytes_read = 0  # tensor bytes read so far (read / read_into)
         self._fd = os.open(path, os.O_RDONLY)
         try:
             self._entries, self.metadata, self._data_start = self._parse_header()
@@ -313,6 +314,7 @@ class TensorFile:
         if not nbytes:
             return
         buf = byte_view(out)
+        self.bytes_read += nbytes
         while len(buf):
             k = os.preadv(self._fd, [buf], offset)
             if k <= 0:

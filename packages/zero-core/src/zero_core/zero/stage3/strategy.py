@@ -472,6 +472,17 @@ class Stage3Strategy:
         """High-water marks since the engine was built (not live storages)."""
         return {"peak_gathered_and_full_grads": self.coordinator.peak_bytes}
 
+    def swap_io_bytes(self) -> dict[str, int]:
+        """Bytes read from and written to NVMe swap files so far by this strategy's offloads
+        (optimizer states, masters, gradients and parameters; zero without NVMe offload)."""
+        out = {"read": 0, "written": 0}
+        for store in [self.offload, *self._param_offloads()]:
+            counts = getattr(store, "swap_io_bytes", None)
+            if counts is not None:
+                for k, v in counts().items():
+                    out[k] += v
+        return out
+
     def _param_offloads(self) -> list[Any]:
         found = {id(st.offload): st.offload for st in self.records if st.offload}
         return list(found.values())
