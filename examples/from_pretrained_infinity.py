@@ -89,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         config["zero_optimization"].setdefault(key, {})["nvme_path"] = args.nvme_path
     hf_config = transformers.AutoConfig.from_pretrained(args.model_dir)
     zero.init_distributed()
+    # the modules and kernels every run loads, before the memory baseline (as train_gpt_infinity.py)
+    tiny = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=32)
+    forward_loss(transformers.GPT2LMHeadModel(tiny), config, 64)
     meter = PhaseMeter()
     stats: dict[str, int] = {}
     with meter.phase("from_pretrained"):

@@ -15,7 +15,8 @@ Before anything, the free space of ``--nvme_path`` and ``--ckpt_dir`` is checked
 run will write (swap files ~18 bytes per parameter in bf16, checkpoint ~14, fp32 file 4); a short
 disk fails with the folder and the bytes needed. Every phase reports its wall time and each
 rank's peak RSS (``rss_phases.py``); the progress line shows the step time, the swap traffic and
-throughput, and RSS. ``--max_rss_gib`` fails the run (exit code 3) if any phase's summed per-rank
+throughput, and RSS (growth is measured from a baseline taken after a one-step warm-up on a tiny
+model, which loads the modules and kernels every run needs). ``--max_rss_gib`` fails the run (exit code 3) if any phase's summed per-rank
 peak exceeds it. ``--results`` writes the figures as JSON. Swap files are removed when the
 engine is destroyed (and on SIGTERM or any exit: [Note: swap file lifecycle]).
 """
@@ -111,6 +112,20 @@ def load_config(args: argparse.Namespace) -> dict:
     return config
 
 
+def warm_up(config: dict, seq_len: int) -> None:
+    """Train a tiny GPT one step with the same config, then drop it: the modules and kernels a
+    run loads once (the engine, zero-offload, torch's optimizer machinery, about 100 MB of RSS)
+    are in place before the memory baseline, so each phase's growth is what the model costs."""
+    tiny = GPT(GPTConfig(seq_len=seq_len, d_model=32, n_layers=1, n_heads=2))
+    engine, *_ = zero.initialize(model=tiny, config=config)
+    try:
+        x = torch.randint(0, 256, (engine.train_micro_batch_size_per_gpu(), seq_len))
+        engine.backward(engine(x, x))
+        engine.step()
+    finally:
+        engine.destroy()
+
+
 def gathered(values: list[float]) -> torch.Tensor:
     """Every rank's ``values`` (rows), on every rank."""
     from zero_core.accelerator import get_accelerator
@@ -201,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = disk_plan(params, args)
     zero.init_distributed()
     rank = zero.comm.get_rank()
+    dataset = ByteDataset(stdlib_corpus(2_000_000), args.seq_len)
+    warm_up(config, args.seq_len)
     meter = PhaseMeter()
     if rank == 0:
         print(
@@ -213,7 +230,6 @@ def main(argv: list[str] | None = None) -> int:
         with zero.Init(config_dict_or_path=config, remote_device="nvme"):
             model = GPT(model_cfg)
     with meter.phase("initialize"):
-        dataset = ByteDataset(stdlib_corpus(2_000_000), args.seq_len)
         engine, _, loader, _ = zero.initialize(model=model, config=config, training_data=dataset)
     try:
         losses = train(engine, loader, args, meter)

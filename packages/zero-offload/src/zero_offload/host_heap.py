@@ -15,8 +15,12 @@ With NVMe offload, host memory is the very resource being saved, so zero-offload
 threshold when it sets NVMe offload up (:func:`bound_host_heap`, called by ``ParamOffload`` and
 ``OptimizerOffload`` with ``device: nvme``): ``mallopt(M_MMAP_THRESHOLD)`` sets it and turns the
 dynamic raise off. Tensors above it are mmapped and returned to the kernel when freed; smaller
-ones keep the heap's fast path. The value is ``ZERO_MMAP_THRESHOLD`` (bytes) or 1 MiB; ``0``
-leaves malloc alone. It is a process-wide setting (the same as glibc's ``MALLOC_MMAP_THRESHOLD_``
+ones keep the heap's fast path. The value is ``ZERO_MMAP_THRESHOLD`` (bytes) or 128 KiB (glibc's
+own starting value, kept from then on); ``0`` leaves malloc alone. Measured on a 50M-parameter
+GPT in bf16 (2 ranks, NVMe offload of both): peak growth above the warmed-up process of one
+training step 46 MiB per rank at 128 KiB, 75 MiB at 1 MiB (heap fragments); forward + backward
+times of the same GPT without ZeRO differed by less than the noise of a loaded machine
+between 128 KiB, 1 MiB and glibc's dynamic threshold. It is a process-wide setting (the same as glibc's ``MALLOC_MMAP_THRESHOLD_``
 environment variable, which wins when set); other C libraries are left alone. The cost is a
 page fault per 4 KiB the first time a large tensor is touched, small next to the computation
 that fills it.
@@ -29,12 +33,12 @@ import ctypes.util
 import os
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
-_DEFAULT = 1 << 20
+_DEFAULT = 128 << 10
 _applied: int | None = None
 
 
 def mmap_threshold() -> int:
-    """The threshold :func:`bound_host_heap` sets: ``ZERO_MMAP_THRESHOLD`` bytes, default 1 MiB."""
+    """The threshold :func:`bound_host_heap` sets: ``ZERO_MMAP_THRESHOLD`` bytes, default 128 KiB."""
     raw = os.environ.get("ZERO_MMAP_THRESHOLD", "").strip()
     if not raw:
         return _DEFAULT

@@ -12,6 +12,15 @@ function) gets it gathered on access; it is re-partitioned, with rank 0's value,
 ``Module.apply`` gathers each module's parameters around the function the same way.
 ``Init(module=m)`` partitions an already-built model.
 
+Parameters gathered on access stay gathered until the ``__init__`` that touched them returns,
+which for code running at the end of the root's ``__init__`` (transformers' ``post_init`` walks
+every module with its own ``smart_apply`` and initialises each weight) would be the whole model.
+So at most ``zero_optimization.stage3_max_live_parameters`` elements (the config's, default
+1e9) stay gathered: past that, the earliest-touched ones are re-partitioned at once, with rank
+0's value (all ranks touch the same parameters in the same order, so they agree); one touched
+again is simply gathered again. Building a 2B-parameter GPT-2 under ``from_pretrained`` thus
+holds one submodule's worth of gathered weights, not the model.
+
 Modules made without running their ``__init__`` (deep copies: an MoE layer's experts are
 copies of the expert module) and parameters a parent assigns to a child are caught by the
 enclosing ``__init__``: when it returns, every not-yet-partitioned parameter of its subtree is
@@ -140,7 +149,10 @@ class Init:
         self.param_offload = self._param_offload(zc, remote_device)
         self.override_module_apply = bool(getattr(zc, "override_module_apply", True))
         self._patched: list[tuple[type, str, Any]] = []
-        self._dirty: dict[int, torch.nn.Parameter] = {}
+        self._dirty: dict[int, torch.nn.Parameter] = {}  # gathered on access, in touch order
+        self._dirty_numel = 0
+        live = getattr(zc, "max_live_parameters", None)  # "auto" or absent: DeepSpeed's default
+        self.max_live = live if isinstance(live, int) and not isinstance(live, bool) else 1_000_000_000
         if self.enabled and module is not None:
             self._convert(module)
 
@@ -205,6 +217,10 @@ class Init:
             handle.wait()
         st.holds += 1
         self._dirty[st.id] = p
+        self._dirty_numel += st.numel
+        # See [Note: stage 3 construction]: a bounded number of gathered elements
+        while self._dirty_numel > self.max_live and len(self._dirty) > 1:
+            self._repartition(next(iter(self._dirty.values())))
 
     @torch.no_grad()
     def _flush(self, scope: torch.nn.Module | None) -> None:
@@ -218,12 +234,17 @@ class Init:
             ids = {id(p) for m in scope.modules() for p in dict.values(m._parameters) if p is not None}
             params = [p for p in self._dirty.values() if id(p) in ids]
         for p in params:
-            st = partition_state(p)
-            del self._dirty[st.id]
-            st.holds -= 1
-            broadcast_full(p, 0)
-            shard_from_full(p)
-            release_param(p)
+            self._repartition(p)
+
+    def _repartition(self, p: torch.nn.Parameter) -> None:
+        """Cut a parameter gathered during construction back to its shard, with rank 0's value."""
+        st = partition_state(p)
+        del self._dirty[st.id]
+        self._dirty_numel -= st.numel
+        st.holds -= 1
+        broadcast_full(p, 0)
+        shard_from_full(p)
+        release_param(p)
 
     # -- patches --------------------------------------------------------------------------
     def _wrap_init(self, cls: type) -> None:
