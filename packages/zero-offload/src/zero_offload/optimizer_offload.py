@@ -38,11 +38,11 @@ from typing import Any
 import torch
 from zero_core.protocols.optimizer_offload import MasterSource, master_values
 
+from zero_offload.host_heap import bound_host_heap
 from zero_offload.nvme_swapper import BufferPool, StateSwapper, buffers_needed, round_tile
 from zero_offload.offload_groups import _GRAD, _MASTER, _adam_settings, _bytes, _Group, _host_empty
 from zero_offload.offload_state import OffloadStateMixin
 from zero_offload.offload_step import OffloadStepMixin
-from zero_offload.host_heap import bound_host_heap
 from zero_offload.offload_stream import OffloadStreamMixin
 from zero_offload.swap_files import SwapDirectory
 from zero_offload.transfers import CopyFence
