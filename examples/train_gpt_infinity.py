@@ -8,7 +8,8 @@ The model is built inside ``zero.Init(remote_device="nvme")``: each submodule's 
 cut to this rank's shard and written to the swap folder as soon as its ``__init__`` returns, so
 no rank ever holds the model (the fp32 masters, gradients and optimizer states are streamed
 through swap files too: [Note: ZeRO-Infinity streaming] in zero-offload). It then trains
-``--steps`` steps on the Python standard library's sources, saves a checkpoint, loads it back
+``--steps`` steps on the Python standard library's sources (the loss of a held-out window is
+printed before and after), saves a checkpoint, loads it back
 and, with ``--fp32_out``, converts it with ``zero_to_fp32`` (rank 0, streaming).
 
 Before anything, the free space of ``--nvme_path`` and ``--ckpt_dir`` is checked against what the
@@ -137,6 +138,17 @@ def gathered(values: list[float]) -> torch.Tensor:
     return out.view(zero.comm.get_world_size(), len(values)).cpu()
 
 
+@torch.no_grad()
+def held_out_loss(engine: Any, dataset: ByteDataset) -> float:
+    """The loss on the corpus's last window (a batch no step trains on; the same on every rank)."""
+    x, y = dataset[len(dataset) - 1]
+    engine.eval()
+    try:
+        return float(engine(x[None], y[None]))
+    finally:
+        engine.train()
+
+
 def train(
     engine: Any, loader: torch.utils.data.DataLoader, args: argparse.Namespace, meter: PhaseMeter
 ) -> list[float]:
@@ -232,7 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     with meter.phase("initialize"):
         engine, _, loader, _ = zero.initialize(model=model, config=config, training_data=dataset)
     try:
+        with meter.phase("eval before"):
+            eval_before = held_out_loss(engine, dataset)
         losses = train(engine, loader, args, meter)
+        with meter.phase("eval after"):
+            eval_after = held_out_loss(engine, dataset)
+        if rank == 0:
+            print(f"[infinity] held-out loss {eval_before:.4f} -> {eval_after:.4f}", flush=True)
         with meter.phase("save"):
             engine.save_checkpoint(args.ckpt_dir, tag="infinity")
         with meter.phase("load"):
@@ -249,7 +267,14 @@ def main(argv: list[str] | None = None) -> int:
                 )
             zero.comm.barrier()
     meter.close()
-    extra = {"parameters": params, "losses": losses, "swap_left_behind": swap_left, **plan, "argv": sys.argv}
+    extra = {
+        "parameters": params,
+        "losses": losses,
+        "held_out_loss": [eval_before, eval_after],
+        "swap_left_behind": swap_left,
+        **plan,
+        "argv": sys.argv,
+    }
     code = report(meter, args, extra)
     if args.cleanup and rank == 0:
         for folder in (args.ckpt_dir, args.fp32_out):
