@@ -51,6 +51,7 @@ from zero_core.zero.stage3.reduce_buckets import GradBucketReducer
 from zero_core.zero.stage3.shard_groups import ShardRoute, drop_secondary
 from zero_core.zero.stage3.state_access import Stage3StateAccess
 from zero_core.zero.stage3.strategy_checkpoint import Stage3Checkpointing
+from zero_core.zero.stage3.streamed_grads import StreamedGradients
 
 
 def _unique_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -144,10 +145,7 @@ class Stage3Strategy:
         self._make_masters_and_offload(float(offload_ratio))
         self._adopt_shard_stores(param_offload, quantized_nontrainable_weights)
         self.checkpointing = Stage3Checkpointing(self)  # its checkpoint methods delegate there
-        # gradients the offload keeps on NVMe: their squared norms and non-finite flags, by
-        # record id (See [Note: ZeRO-Infinity streaming] in zero_offload)
-        self._streamed_sq: dict[int, torch.Tensor] = {}
-        self._streamed_bad: dict[int, torch.Tensor] = {}
+        self.streamed = StreamedGradients()  # gradients the offload keeps on NVMe
         for name, p in module.named_parameters():
             set_param_name(p, name)
         self.persistent = self._choose_persistent(param_persistence_threshold, model_persistence_threshold)
@@ -300,8 +298,7 @@ class Stage3Strategy:
     # -- TrainingStrategy --------------------------------------------------------------
     def before_backward(self, is_boundary: bool) -> None:
         self.offload.begin_staging(is_boundary)  # See [Note: gradient staging] in zero_offload
-        self._streamed_sq.clear()
-        self._streamed_bad.clear()
+        self.streamed.clear()
         self.reducer.on_reduced = self._stage_reduced if is_boundary else None
 
     def _stage_reduced(self, params: list[torch.nn.Parameter]) -> None:
@@ -310,15 +307,8 @@ class Stage3Strategy:
             m = self.master.get(st.id)
             if m is not None and self.offload.owns(m):
                 self.offload.stage_grad_range(m, 0, st.grad_shard)
-                if streams:
-                    self._drop_streamed(st)
-
-    def _drop_streamed(self, st: Any) -> None:
-        """Keep what clipping and the overflow check need of a gradient the offload now holds on
-        NVMe, and drop the shard (See [Note: ZeRO-Infinity streaming] in zero_offload)."""
-        self._streamed_sq[st.id] = sum_of_squares([st.grad_shard])
-        self._streamed_bad[st.id] = any_nonfinite([st.grad_shard])
-        st.grad_shard = None
+                if streams:  # See [Note: ZeRO-Infinity streaming] in zero_offload
+                    self.streamed.drop(st)
 
     def grad_shard_of(self, p: torch.nn.Parameter) -> torch.Tensor | None:
         """``p``'s reduced gradient shard, also when the offload holds it on NVMe (read back)."""
@@ -343,7 +333,7 @@ class Stage3Strategy:
             return
         self.offload.stage_grad(m, st.grad_shard)
         if self.offload.streams_gradients():
-            self._drop_streamed(st)
+            self.streamed.drop(st)
 
     def after_backward(self, is_boundary: bool) -> None:
         self.wait_reductions()
@@ -356,17 +346,11 @@ class Stage3Strategy:
 
     def local_overflow(self) -> torch.Tensor:
         """A device flag (0-dim bool): does this rank's gradient shard hold an inf or a NaN?"""
-        bad = any_nonfinite(self._grad_shards())
-        if self._streamed_bad:  # gradients streamed to NVMe: See [Note: ZeRO-Infinity streaming]
-            bad = bad | torch.stack([b.to(bad.device) for b in self._streamed_bad.values()]).any()
-        return bad
+        return self.streamed.add_overflow(any_nonfinite(self._grad_shards()))
 
     def grad_norm_sq(self) -> torch.Tensor:
         # fused, in fp32, on the device: See [Note: scalars stay on the device in the step]
-        total = sum_of_squares(self._grad_shards())
-        if self._streamed_sq:  # gradients streamed to NVMe: See [Note: ZeRO-Infinity streaming]
-            total = total + torch.stack([q.to(total.device) for q in self._streamed_sq.values()]).sum()
-        return total
+        return self.streamed.add_norm_sq(sum_of_squares(self._grad_shards()))
 
     def norm_group(self) -> Any:
         # The engine reads None as "nothing to reduce": name the default group explicitly.
@@ -419,8 +403,7 @@ class Stage3Strategy:
 
     def zero_grad(self) -> None:
         self.offload.begin_staging(True)  # a skipped step must not leave staged gradients
-        self._streamed_sq.clear()
-        self._streamed_bad.clear()
+        self.streamed.clear()
         for p, st in zip(self.params, self.records):
             st.grad_shard = None
             p.grad = None
@@ -446,9 +429,7 @@ class Stage3Strategy:
             (st.shard for st in self.records if st.offload is None),
         )
         # with the statistics of the gradients streamed to NVMe (See [Note: ZeRO-Infinity streaming])
-        ledger.add(
-            "gradients", [*self._grad_shards(), *self._streamed_sq.values(), *self._streamed_bad.values()]
-        )
+        ledger.add("gradients", [*self._grad_shards(), *self.streamed.tensors()])
         ledger.add("master_weights", self.master.values())
         ledger.add("optimizer_states", state)
         ledger.add(
