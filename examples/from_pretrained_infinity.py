@@ -5,7 +5,8 @@
         --max_rss_gib 12 --forward
 
 ``zero.integrations.from_pretrained`` builds ``GPT2LMHeadModel`` inside ``zero.Init`` with the
-config's ``offload_param: nvme`` (``examples/configs/infinity_nvme.json``), so each submodule's
+config's ``offload_param: nvme`` (``examples/configs/infinity_nvme_gpt2.json``: its
+``buffer_size`` holds a shard of GPT-2's 50257 x n_embd embedding), so each submodule's
 shards go to the swap folder as it is built, then reads exactly this rank's range of every
 tensor from the safetensors shards (one ``pread`` each) into its partition on NVMe
 ([Note: from_pretrained into partitions]). Checked and reported per rank: peak RSS of each
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", default=None)
     zero.add_config_arguments(p)
     args = p.parse_args(argv)
-    with open(args.zero_config or os.path.join(_HERE, "configs", "infinity_nvme.json")) as f:
+    with open(args.zero_config or os.path.join(_HERE, "configs", "infinity_nvme_gpt2.json")) as f:
         config = json.load(f)
     for key in ("offload_param", "offload_optimizer"):
         config["zero_optimization"].setdefault(key, {})["nvme_path"] = args.nvme_path

@@ -101,6 +101,13 @@ def _phase_rows(phases: list[dict], ceiling: float | None) -> list[str]:
     return rows
 
 
+def _progress_lines(log: str | None) -> list[str]:
+    if not log or not os.path.exists(log):
+        return []
+    with open(log) as f:
+        return [ln.rstrip() for ln in f if ln.startswith("[infinity] step ") or "held-out loss" in ln]
+
+
 def render(args: argparse.Namespace, commands: dict[str, str], dd: tuple[float, float] | None) -> str:
     import torch
     import transformers
@@ -115,7 +122,7 @@ def render(args: argparse.Namespace, commands: dict[str, str], dd: tuple[float, 
         f"- machine: nproc={os.cpu_count()}, CPU {bench_env.cpu_model()}, RAM {_ram_bytes() / GIB:.1f} GiB, "
         f"{platform.platform()}; shared with other jobs while measured (timings are indicative, memory figures are not affected)",
         f"- versions: python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}",
-        f"- git commit: {bench_env.git_commit('packages', 'examples')}",
+        f"- git commit: {args.commit or bench_env.git_commit('packages', 'examples')}",
         f"- memory ceiling: the sum of both ranks' peak RSS in every phase at most {ceiling} GiB (half of RAM)",
         "- peak RSS: `VmHWM` reset at each phase start (`/proc/self/clear_refs`) and a 20 ms RSS sampler "
         "(examples/rss_phases.py); growth is above the RSS after a one-step warm-up on a tiny model",
@@ -142,8 +149,9 @@ def render(args: argparse.Namespace, commands: dict[str, str], dd: tuple[float, 
             "",
             *_phase_rows(train["phases"], ceiling),
         ]
-        if "progress" in train:
-            lines += ["", "Progress lines:", "", "```", *train["progress"], "```"]
+        progress = _progress_lines(args.train_log)
+        if progress:
+            lines += ["", "Progress lines (rank 0):", "", "```", *progress, "```"]
     if hf is not None:
         lines += [
             "",
@@ -183,6 +191,8 @@ def main() -> int:
     p.add_argument("--train_json", default=None)
     p.add_argument("--write_json", default=None)
     p.add_argument("--hf_json", default=None)
+    p.add_argument("--train_log", default=None, help="render: the training run's output (progress lines)")
+    p.add_argument("--commit", default=None, help="render: the commit(s) the runs measured (default: HEAD)")
     p.add_argument("--commands_json", default=None, help="render: the commands the JSON files came from")
     args = p.parse_args()
     if args.max_rss_gib is None:
@@ -195,6 +205,7 @@ def main() -> int:
         args.train_json = os.path.join(logs, "train.json")
         args.hf_json = os.path.join(logs, "hf.json")
         args.write_json = os.path.join(logs, "write.json")
+        args.train_log = os.path.join(logs, "train.log")
         dd = _dd(args.nvme_path)
         ceiling = ["--max_rss_gib", str(args.max_rss_gib)]
         train = _zero_run(
