@@ -173,6 +173,58 @@ def render(args: argparse.Namespace, commands: dict[str, str], dd: tuple[float, 
     return "\n".join(lines) + "\n"
 
 
+def run_all(args: argparse.Namespace) -> tuple[dict[str, str], tuple[float, float]]:
+    """Run the three programs (training, writing the GPT-2, from_pretrained); their commands and ``dd``."""
+    logs = os.path.join(args.scratch, "logs")
+    os.makedirs(logs, exist_ok=True)
+    args.train_json = os.path.join(logs, "train.json")
+    args.hf_json = os.path.join(logs, "hf.json")
+    args.write_json = os.path.join(logs, "write.json")
+    args.train_log = os.path.join(logs, "train.log")
+    dd = _dd(args.nvme_path)
+    ceiling = ["--max_rss_gib", str(args.max_rss_gib)]
+    train = _zero_run(
+        "train_gpt_infinity.py",
+        [
+            "--d_model",
+            str(args.train_d_model),
+            "--n_layers",
+            str(args.train_layers),
+            "--n_heads",
+            str(args.train_heads),
+        ]
+        + ["--nvme_path", args.nvme_path, "--ckpt_dir", os.path.join(args.scratch, "ckpt")]
+        + [
+            "--fp32_out",
+            os.path.join(args.scratch, "fp32"),
+            "--results",
+            args.train_json,
+            "--cleanup",
+            *ceiling,
+        ],
+    )
+    _run(train, os.path.join(logs, "train.log"))
+    gpt2 = os.path.join(args.scratch, "gpt2")
+    write = [
+        sys.executable,
+        os.path.join(EXAMPLES, "write_random_gpt2.py"),
+        gpt2,
+        "--n_embd",
+        str(args.hf_n_embd),
+    ]
+    write += ["--n_layer", str(args.hf_layers), "--n_head", str(args.hf_heads)]
+    _run(write, os.path.join(logs, "write.log"))
+    with open(os.path.join(logs, "write.log")) as f:
+        json.dump(json.loads(f.read().strip().splitlines()[-1]), open(args.write_json, "w"))
+    hf = _zero_run(
+        "from_pretrained_infinity.py",
+        [gpt2, "--nvme_path", args.nvme_path, "--forward", "--results", args.hf_json, *ceiling],
+    )
+    _run(hf, os.path.join(logs, "hf.log"))
+    commands = {"train": " ".join(train), "write": " ".join(write), "from_pretrained": " ".join(hf)}
+    return commands, dd
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--train_d_model", type=int, default=2560)
@@ -200,53 +252,7 @@ def main() -> int:
     commands: dict[str, str] = json.load(open(args.commands_json)) if args.commands_json else {}
     dd = None
     if not args.render_only:
-        logs = os.path.join(args.scratch, "logs")
-        os.makedirs(logs, exist_ok=True)
-        args.train_json = os.path.join(logs, "train.json")
-        args.hf_json = os.path.join(logs, "hf.json")
-        args.write_json = os.path.join(logs, "write.json")
-        args.train_log = os.path.join(logs, "train.log")
-        dd = _dd(args.nvme_path)
-        ceiling = ["--max_rss_gib", str(args.max_rss_gib)]
-        train = _zero_run(
-            "train_gpt_infinity.py",
-            [
-                "--d_model",
-                str(args.train_d_model),
-                "--n_layers",
-                str(args.train_layers),
-                "--n_heads",
-                str(args.train_heads),
-            ]
-            + ["--nvme_path", args.nvme_path, "--ckpt_dir", os.path.join(args.scratch, "ckpt")]
-            + [
-                "--fp32_out",
-                os.path.join(args.scratch, "fp32"),
-                "--results",
-                args.train_json,
-                "--cleanup",
-                *ceiling,
-            ],
-        )
-        _run(train, os.path.join(logs, "train.log"))
-        gpt2 = os.path.join(args.scratch, "gpt2")
-        write = [
-            sys.executable,
-            os.path.join(EXAMPLES, "write_random_gpt2.py"),
-            gpt2,
-            "--n_embd",
-            str(args.hf_n_embd),
-        ]
-        write += ["--n_layer", str(args.hf_layers), "--n_head", str(args.hf_heads)]
-        _run(write, os.path.join(logs, "write.log"))
-        with open(os.path.join(logs, "write.log")) as f:
-            json.dump(json.loads(f.read().strip().splitlines()[-1]), open(args.write_json, "w"))
-        hf = _zero_run(
-            "from_pretrained_infinity.py",
-            [gpt2, "--nvme_path", args.nvme_path, "--forward", "--results", args.hf_json, *ceiling],
-        )
-        _run(hf, os.path.join(logs, "hf.log"))
-        commands = {"train": " ".join(train), "write": " ".join(write), "from_pretrained": " ".join(hf)}
+        commands, dd = run_all(args)
     text = render(args, commands, dd)
     with open(args.out, "w") as f:
         f.write(text)
