@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 
@@ -154,3 +155,54 @@ def test_from_pretrained_into_nvme_partitions_beyond_memory(tmp_path) -> None:
         assert abs(read - tensor_bytes / 2) <= 4096, (read, tensor_bytes)
     assert len(r["checked"]) == 4 and math.isfinite(r["loss"]), r
     assert _files_under(str(tmp_path / "swap")) == []
+
+
+def test_sigterm_mid_training_leaves_no_swap_files(tmp_path) -> None:
+    """The issue's note: a killed run leaves nothing on the disk. SIGTERM to ``zero run`` while
+    the streamed example trains (zero.Init's parameter swap files, the masters', gradients' and
+    optimizer states' files all exist then) ends both ranks, and their swap files are gone."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(CONFIG))
+    swap = tmp_path / "swap"
+    args = ["--zero_config", str(cfg), "--d_model", "128", "--n_layers", "2", "--n_heads", "4"]
+    args += [
+        "--seq_len",
+        "16",
+        "--steps",
+        "10000",
+        "--nvme_path",
+        str(swap),
+        "--ckpt_dir",
+        str(tmp_path / "ck"),
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "zero_core.launcher",
+        "run",
+        "--nproc",
+        "2",
+        os.path.join(EXAMPLES, "train_gpt_infinity.py"),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ZERO_JOB_NAME": "sigterm-infinity"}
+    proc = subprocess.Popen(
+        cmd + args, cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    seen, lines = [], []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # the launcher ends (and closes its output) if a rank fails
+            lines.append(line)
+            if "[infinity] step 2/" in line:
+                seen = _files_under(str(swap))
+                break
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # per rank: zero.Init's parameter file, the masters', the streamed gradients' and Adam's
+    assert len(seen) >= 4 and any("rank1" in f for f in seen), ("".join(lines[-40:]), seen)
+    assert rc != 0, "".join(lines[-40:])
+    assert _files_under(str(swap)) == [], _files_under(str(swap))
