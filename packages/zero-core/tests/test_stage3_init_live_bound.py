@@ -59,7 +59,7 @@ def _build(max_live: int | None) -> dict:
     return {"peak": model.peak_gathered, "values": values}
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_construction_keeps_at_most_max_live_gathered(world: int) -> None:
     for bounded, unbounded in run_multirank(lambda: (_build(2 * LAYER), _build(None)), world):
         assert unbounded["peak"] == LAYERS * LAYER  # before the bound: the whole model

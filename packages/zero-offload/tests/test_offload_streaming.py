@@ -1,7 +1,7 @@
 """ZeRO-Infinity streams instead of materialising (see [Note: ZeRO-Infinity streaming]).
 
 Stage 3 with parameters and optimizer on NVMe against plain stage 3 on the same model and data
-(fp32, 1 and 2 ranks): after backward every gradient shard was dropped from memory once staged
+(fp32, 1, 2 and 4 ranks): after backward every gradient shard was dropped from memory once staged
 to its swap file, yet ``safe_get_full_grad`` / ``safe_get_local_grad`` read the same values
 back; a gradient replaced with ``safe_set_full_grad`` after backward is the one the step uses;
 the updated weights match; no whole-partition host buffer exists (masters, gradients, updated
@@ -88,7 +88,7 @@ def _both(nvme: str) -> tuple[dict, dict]:
     return _run(True, nvme), _run(False, nvme)
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_streamed_gradients_and_masters_match_plain_stage3(world: int, tmp_path) -> None:
     for rank, (off, ref) in enumerate(run_multirank(_both, world, args=(str(tmp_path),), timeout=180)):
         assert off["streams"] and not ref["streams"]
