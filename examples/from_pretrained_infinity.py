@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -34,6 +35,19 @@ from write_random_gpt2 import tensor_values  # noqa: E402
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 GIB = 2**30
+
+
+def check_swap_space(nvme_path: str, hf_config: object, config: dict) -> None:
+    """Fail before loading, naming the folder and the bytes, unless the parameter swap files of
+    all ranks (the model in the config's training dtype, 2 % for alignment) fit in ``nvme_path``."""
+    from write_random_gpt2 import gpt2_layout
+    from zero.offload import check_free_space
+
+    itemsize = 2 if any(config.get(k, {}).get("enabled") for k in ("bf16", "fp16")) else 4
+    need = itemsize * sum(math.prod(s) for _, s in gpt2_layout(hf_config))
+    check_free_space(
+        nvme_path, int(need * 1.02) + (64 << 20), "from_pretrained_infinity: parameter swap files"
+    )
 
 
 def checkpoint_bytes(path: str) -> int:
@@ -89,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("offload_param", "offload_optimizer"):
         config["zero_optimization"].setdefault(key, {})["nvme_path"] = args.nvme_path
     hf_config = transformers.AutoConfig.from_pretrained(args.model_dir)
+    check_swap_space(args.nvme_path, hf_config, config)
     zero.init_distributed()
     # the modules and kernels every run loads, before the memory baseline (as train_gpt_infinity.py)
     tiny = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=32)

@@ -69,6 +69,10 @@ def write(out: str, config: object, dtype: torch.dtype, max_shard_bytes: int) ->
     os.makedirs(out, exist_ok=True)
     layout = gpt2_layout(config)
     itemsize = torch.empty((), dtype=dtype).element_size()
+    from zero.offload import check_free_space
+
+    need = sum(itemsize * math.prod(s) for _, s in layout)  # plus 1 % and 16 MiB for headers
+    check_free_space(out, int(need * 1.01) + (16 << 20), "write_random_gpt2: the safetensors shards")
     shards = _shards(layout, itemsize, max_shard_bytes)
     weight_map, total = {}, 0
     for k, shard in enumerate(shards):
