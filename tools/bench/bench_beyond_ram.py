@@ -25,7 +25,9 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -101,11 +103,34 @@ def _phase_rows(phases: list[dict], ceiling: float | None) -> list[str]:
     return rows
 
 
+_STEP = re.compile(
+    r"^\[infinity\] step \d+/\d+ \|.* ([\d.]+) s/step \| swap read ([\d.]+) GB, written ([\d.]+) GB"
+)
+
+
 def _progress_lines(log: str | None) -> list[str]:
+    """The training run's per-step progress lines and its held-out losses."""
     if not log or not os.path.exists(log):
         return []
     with open(log) as f:
-        return [ln.rstrip() for ln in f if ln.startswith("[infinity] step ") or "held-out loss" in ln]
+        return [ln.rstrip() for ln in f if _STEP.match(ln) or ln.startswith("[infinity] held-out loss")]
+
+
+def _swap_rate_lines(progress: list[str], dd: tuple[float, float] | None) -> list[str]:
+    """Median step time and swap throughput of the progress lines, against ``dd`` on the same disk."""
+    steps = [tuple(float(v) for v in m.groups()) for ln in progress if (m := _STEP.match(ln))]
+    if not steps:
+        return []
+    secs = statistics.median(s for s, _, _ in steps)
+    rate = statistics.median((r + w) / s for s, r, w in steps)
+    line = (
+        f"Swap traffic per step (both ranks): {steps[0][1]:.2f} GB read + {steps[0][2]:.2f} GB written; "
+        f"median step {secs:.1f} s (min {min(s for s, _, _ in steps):.1f}, max {max(s for s, _, _ in steps):.1f}), "
+        f"median swap throughput {rate:.2f} GB/s"
+    )
+    if dd is not None:
+        line += f" = {rate / ((dd[0] + dd[1]) / 2):.2f}x dd's mean of write and read ({(dd[0] + dd[1]) / 2:.2f} GB/s)"
+    return ["", line + "."]
 
 
 def render(args: argparse.Namespace, commands: dict[str, str], dd: tuple[float, float] | None) -> str:
@@ -120,7 +145,7 @@ def render(args: argparse.Namespace, commands: dict[str, str], dd: tuple[float, 
         "# train_beyond_ram: models larger than this machine's memory (issue 35, points 1 and 2)",
         "",
         f"- machine: nproc={os.cpu_count()}, CPU {bench_env.cpu_model()}, RAM {_ram_bytes() / GIB:.1f} GiB, "
-        f"{platform.platform()}; shared with other jobs while measured (timings are indicative, memory figures are not affected)",
+        f"{platform.platform()}; {args.load_note} (timings are indicative, memory figures are not affected)",
         f"- versions: python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}",
         f"- git commit: {args.commit or bench_env.git_commit('packages', 'examples')}",
         f"- memory ceiling: the sum of both ranks' peak RSS in every phase at most {ceiling} GiB (half of RAM)",
@@ -151,7 +176,15 @@ def render(args: argparse.Namespace, commands: dict[str, str], dd: tuple[float, 
         ]
         progress = _progress_lines(args.train_log)
         if progress:
-            lines += ["", "Progress lines (rank 0):", "", "```", *progress, "```"]
+            lines += [
+                "",
+                "Progress lines (rank 0):",
+                "",
+                "```",
+                *progress,
+                "```",
+                *_swap_rate_lines(progress, dd),
+            ]
     if hf is not None:
         lines += [
             "",
@@ -170,6 +203,8 @@ def render(args: argparse.Namespace, commands: dict[str, str], dd: tuple[float, 
             "",
             *_phase_rows(hf["phases"], ceiling),
         ]
+    if args.note:
+        lines += ["", "## Notes", "", *(f"- {n}" for n in args.note)]
     return "\n".join(lines) + "\n"
 
 
@@ -246,11 +281,16 @@ def main() -> int:
     p.add_argument("--train_log", default=None, help="render: the training run's output (progress lines)")
     p.add_argument("--commit", default=None, help="render: the commit(s) the runs measured (default: HEAD)")
     p.add_argument("--commands_json", default=None, help="render: the commands the JSON files came from")
+    p.add_argument("--dd", default=None, help="render: dd's 'write,read' GB/s measured by the runs")
+    p.add_argument(
+        "--load_note", default="shared with other jobs while measured", help="what else loaded the machine"
+    )
+    p.add_argument("--note", action="append", default=[], help="a line for the Notes section (repeatable)")
     args = p.parse_args()
     if args.max_rss_gib is None:
         args.max_rss_gib = round(_ram_bytes() / GIB / 2, 1)
     commands: dict[str, str] = json.load(open(args.commands_json)) if args.commands_json else {}
-    dd = None
+    dd = tuple(float(v) for v in args.dd.split(",")) if args.dd else None
     if not args.render_only:
         commands, dd = run_all(args)
     text = render(args, commands, dd)
