@@ -49,7 +49,7 @@ class ZeroParamDict(dict):
         p = dict.__getitem__(self, key)
         st = getattr(p, "_zero_record", None)  # See [Note: stage 3 parameter records]
         if st is not None and st.status is not ParamStatus.AVAILABLE:
-            _on_access(p)
+            _on_access(p, self)
         return p
 
     def items(self):  # noqa: ANN201 (dict view)
@@ -57,17 +57,17 @@ class ZeroParamDict(dict):
         if outside:
             for p in dict.values(self):
                 if p is not None and is_partitioned(p):
-                    outside[-1](p)
+                    outside[-1](p, self)
         return dict.items(self)
 
 
-def _on_access(p: torch.nn.Parameter) -> None:
+def _on_access(p: torch.nn.Parameter, owner: ZeroParamDict) -> None:
     ctx = stage3_context()
     runtime = ctx.active_hooks[-1]() if ctx.active_hooks else None
     if runtime is not None and runtime.stack:
         runtime.external_access(p)
     elif ctx.on_access_outside_forward:
-        ctx.on_access_outside_forward[-1](p)
+        ctx.on_access_outside_forward[-1](p, owner)  # owner: the module's parameter dict
 
 
 def install_param_dict(module: torch.nn.Module) -> None:
