@@ -40,7 +40,7 @@ class SavedTensor:
     partitioned: bool
 
 
-def _all_gather_flat(output: torch.Tensor, part: torch.Tensor, group: Any) -> None:
+def _all_gather_flat(output: torch.Tensor, part: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     """Gather equal flat partitions into ``output`` through the project's comm layer (the contract of
     docs/architecture.md); plain torch.distributed while that layer is not importable."""
     try:
