@@ -11,14 +11,10 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from zero_profiler.profiler import FlopsProfiler
-
-if TYPE_CHECKING:
-    from zero_core.engine.engine import ZeroEngine
 
 _KEYS = {
     "enabled",
@@ -104,7 +100,7 @@ class StepProfiler:
     """
 
     def __init__(
-        self, model: torch.nn.Module, config: object, engine: ZeroEngine | None = None, rank: int = 0
+        self, model: torch.nn.Module, config: object, engine: torch.nn.Module | None = None, rank: int = 0
     ):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"StepProfiler: model must be a torch.nn.Module, got {type(model).__name__}")

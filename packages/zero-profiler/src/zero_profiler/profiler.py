@@ -87,7 +87,7 @@ class FlopsProfiler:
     def __init__(
         self,
         model: torch.nn.Module,
-        ds_engine: Any = None,
+        ds_engine: torch.nn.Module | None = None,
         recompute_fwd_factor: float = 0.0,
         *,
         fast_path: bool = True,
