@@ -234,7 +234,7 @@ def _extra_meta(engine: PipelineEngine) -> dict[str, Any]:
 def save_engine_checkpoint(
     engine: PipelineEngine,
     save_dir: str,
-    tag: str | None = None,
+    tag: str | int | None = None,
     client_state: dict | None = None,
     save_latest: bool = True,
     exclude_frozen_parameters: bool = False,
@@ -360,7 +360,7 @@ def _restore(
 def load_engine_checkpoint(
     engine: PipelineEngine,
     load_dir: str,
-    tag: str | None = None,
+    tag: str | int | None = None,
     load_module_strict: bool = True,
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,

@@ -372,7 +372,7 @@ class PipelineEngine:
     def save_checkpoint(
         self,
         save_dir: str,
-        tag: str | None = None,
+        tag: str | int | None = None,
         client_state: dict | None = None,
         save_latest: bool = True,
         exclude_frozen_parameters: bool = False,
@@ -389,7 +389,7 @@ class PipelineEngine:
     def load_checkpoint(
         self,
         load_dir: str,
-        tag: str | None = None,
+        tag: str | int | None = None,
         load_module_strict: bool = True,
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,

@@ -394,7 +394,7 @@ _copy_file_range_ok = [hasattr(os, "copy_file_range")]  # cleared the first time
 class _Checkpoint:
     """One verified tag: ``(name, kind) -> [(start, end, rank, key)]``, rank files opened lazily."""
 
-    def __init__(self, checkpoint_dir: str | os.PathLike[str], tag: str | None) -> None:
+    def __init__(self, checkpoint_dir: str | os.PathLike[str], tag: str | int | None) -> None:
         if not isinstance(checkpoint_dir, (str, os.PathLike)):
             raise TypeError(f"checkpoint_dir must be a path, got {type(checkpoint_dir).__name__}")
         checkpoint_dir = os.fspath(checkpoint_dir)
@@ -516,7 +516,7 @@ def _tag_dir(checkpoint_dir: str, tag: str) -> str:
 EXTRA_READERS: list[Any] = []
 
 
-def _open(checkpoint_dir: str | os.PathLike[str], tag: str | None) -> _Checkpoint:
+def _open(checkpoint_dir: str | os.PathLike[str], tag: str | int | None) -> _Checkpoint:
     """The checkpoint to convert: the first of :data:`EXTRA_READERS` that recognises it, else an
     engine checkpoint."""
     if isinstance(checkpoint_dir, (str, os.PathLike)):
@@ -563,7 +563,9 @@ def _value(ckpt: _Checkpoint, name: str, kind: str) -> torch.Tensor:
 
 
 def get_fp32_state_dict_from_zero_checkpoint(
-    checkpoint_dir: str | os.PathLike[str], tag: str | None = None, exclude_frozen_parameters: bool = False
+    checkpoint_dir: str | os.PathLike[str],
+    tag: str | int | None = None,
+    exclude_frozen_parameters: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The consolidated fp32 weights (and buffers) of a checkpoint, as an in-memory state dict on CPU."""
     ckpt = _open(checkpoint_dir, tag)
@@ -577,7 +579,7 @@ def get_fp32_state_dict_from_zero_checkpoint(
 
 
 def load_state_dict_from_zero_checkpoint(
-    model: torch.nn.Module, checkpoint_dir: str | os.PathLike[str], tag: str | None = None
+    model: torch.nn.Module, checkpoint_dir: str | os.PathLike[str], tag: str | int | None = None
 ) -> torch.nn.Module:
     """Load the consolidated fp32 weights into ``model`` (moved to CPU) and return it.
 
@@ -755,8 +757,11 @@ _WEIGHT_SUFFIXES = (".safetensors", *_PICKLE_SUFFIXES)
 
 
 def _resolve_output(
-    output_dir: str | os.PathLike[str], max_shard_size: int | str, safe_serialization: bool, tag: str | None
-) -> tuple[str, str | None, int]:
+    output_dir: str | os.PathLike[str],
+    max_shard_size: int | str,
+    safe_serialization: bool,
+    tag: str | int | None,
+) -> tuple[str, str | int | None, int]:
     """The output file (a directory gets Hugging Face's name), the tag (DeepSpeed < 0.16's third
     positional argument) and the shard size limit in bytes; clear errors for a mismatched name."""
     if not isinstance(output_dir, (str, os.PathLike)):
@@ -792,7 +797,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     output_dir: str | os.PathLike[str],
     max_shard_size: int | str = "5GB",
     safe_serialization: bool = True,
-    tag: str | None = None,
+    tag: str | int | None = None,
     exclude_frozen_parameters: bool = False,
     progress: bool = True,
 ) -> list[str]:
