@@ -93,7 +93,7 @@ def _device() -> torch.device:
     return acc.device(acc.current_device())
 
 
-def check_agreement(fields: list[tuple[str, Any]], group: Any, where: str) -> None:
+def check_agreement(fields: list[tuple[str, Any]], group: dist.ProcessGroup | None, where: str) -> None:
     """All-gather one digest per field; raise :class:`RankMismatchError` on the first that differs."""
     if not comm.is_initialized() or comm.get_world_size(group) == 1:
         return
@@ -151,7 +151,7 @@ class SaveAgreement:
         self.calls = 0
         self.instance = next(SaveAgreement._instances)
 
-    def agree(self, tag: str, mode: str, group: Any) -> str:
+    def agree(self, tag: str, mode: str, group: dist.ProcessGroup | None) -> str:
         """Wait (bounded) until every rank of ``group`` called ``save_checkpoint``; returns the tag to use.
 
         ``mode`` is ``checkpoint.tag_validation``: See [Note: checkpoint tag agreement]."""
@@ -189,14 +189,14 @@ class SaveAgreement:
         return tags[0]
 
 
-def _store() -> Any:
+def _store() -> dist.Store | None:
     try:
         return dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
     except Exception:
         return None
 
 
-def _has(store: Any, key: str) -> bool:
+def _has(store: dist.Store | None, key: str) -> bool:
     try:
         return bool(store.check([key]))
     except Exception:

@@ -21,6 +21,7 @@ import signal
 import threading
 import weakref
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 _callbacks: dict[int, Callable[[], Any]] = {}
@@ -39,7 +40,7 @@ def on_termination(callback: Callable[[], Any]) -> int:
     if hasattr(callback, "__self__") and hasattr(callback, "__func__"):
         ref = weakref.WeakMethod(callback)
 
-        def call() -> Any:
+        def call() -> object:
             method = ref()
             return method() if method is not None else None
 
@@ -70,7 +71,7 @@ def run_callbacks() -> None:
             pass
 
 
-def _handler(signum: int, frame: Any) -> None:
+def _handler(signum: int, frame: FrameType | None) -> None:
     run_callbacks()
     previous = _installed[0] if _installed else signal.SIG_DFL
     if callable(previous):
