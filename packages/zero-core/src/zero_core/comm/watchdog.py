@@ -71,12 +71,12 @@ from typing import Any, NoReturn
 
 import torch.distributed as dist
 
-from zero_core.comm import failures
+from zero_core.comm import failures, peer_state
 from zero_core.comm.failures import FailureRecord
 
 DEFAULT_TIMEOUT_S = 300.0
 ENV_TIMEOUT = "ZERO_COLLECTIVE_TIMEOUT"
-_KEY = "zero_watchdog"
+_KEY = peer_state.RECORD_KEY
 _HOST = socket.gethostname()
 _FOLLOW_S = 10.0  # after a peer's failure, how long an op no thread can leave by itself may wait
 _STALE_POLLS = 20  # a peer record unchanged this many polls (while we wait) counts as not responding
@@ -384,14 +384,10 @@ class CollectiveWatchdog:
         if self._store is None:
             return None
         self._publish(force=True)
-        out: dict[int, dict[str, Any]] = {}
-        for r in group:
-            try:
-                if self._store.check([f"{_KEY}/{r}"]):
-                    out[r] = json.loads(self._store.get(f"{_KEY}/{r}").decode())
-            except Exception:  # a dead store host: report what we have
-                continue
-        return out
+        try:
+            return peer_state.peer_records(self._store, group)
+        except Exception:  # a dead store host: report what we have
+            return {}
 
     def _fire(self, msg: str) -> None:
         if self.fired is None:

@@ -178,6 +178,17 @@ def _discovered_world(
     return info
 
 
+def _apply_timeout(timeout: timedelta | None) -> timedelta:
+    """The process group's timeout; one given explicitly also bounds zero's collectives (the
+    user's own bound: See [Note: collective watchdog])."""
+    if timeout is None:
+        return DEFAULT_PG_TIMEOUT
+    from zero_core.comm import watchdog
+
+    watchdog.set_init_timeout(timeout.total_seconds())
+    return timeout
+
+
 def init_distributed(
     dist_backend: str | None = None,
     auto_mpi_discovery: bool = True,
@@ -220,12 +231,7 @@ def init_distributed(
         verbose,
     )
     _apply_comm_config(config)
-    if timeout is not None:  # the user's own bound on collectives: See [Note: collective watchdog]
-        from zero_core.comm import watchdog
-
-        watchdog.set_init_timeout(timeout.total_seconds())
-    else:
-        timeout = DEFAULT_PG_TIMEOUT
+    timeout = _apply_timeout(timeout)
     if dist_init_required is False:
         return
     if dist.is_initialized():

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from zero_core.comm import failures
+from zero_core.comm import failures, peer_state
 
 logger = logging.getLogger(__name__)
 
@@ -108,24 +108,15 @@ def _issued() -> dict[str, int]:
 
 def _left_mid_job(store: Any, rank: int, mine: dict[str, int], absent: list[int]) -> str | None:
     """A peer waits in a collective on a group with this rank that this rank never issued: say which."""
-    for r in absent:
-        key = f"zero_watchdog/{r}"
-        try:
-            if not store.check([key]):
-                continue
-            wait = json.loads(store.get(key).decode()).get("wait")
-        except Exception:
-            continue
-        if not wait:
-            continue
-        group, seq, op = wait
-        members = [int(x) for x in group.split(",") if x]
-        if rank in members and mine.get(group, 0) < seq:
-            return (
-                f"left the job (its script ended or called sys.exit) while rank {r} waits in collective {op} "
-                f"(#{seq} on the group of global ranks {members}); rank {rank} issued {mine.get(group, 0)}"
-            )
-    return None
+    waiting = peer_state.waiting_on(store, rank, mine, absent)
+    if not waiting:
+        return None
+    r, op, seq, members = waiting[0]
+    key = ",".join(map(str, members))
+    return (
+        f"left the job (its script ended or called sys.exit) while {peer_state.describe_waiting(waiting)}; "
+        f"rank {rank} issued {mine.get(key, 0)} collectives on that group"
+    )
 
 
 def _arrived(store: Any, keys: list[str]) -> bool:

@@ -314,6 +314,10 @@ def _wait(work: Any, what: str) -> None:
         wd.note(what)  # the parameters of this collective, for the watchdog's diagnosis
     try:
         work.wait(timeout=datetime.timedelta(seconds=collective_timeout()))
+    except (
+        _watchdog.PeerFailedError
+    ) as exc:  # a rank failed: no disagreement to report (See [Note: failed ranks])
+        raise _watchdog.PeerFailedError(f"{exc} (ZeRO stage 3: {what})", exc.failed_rank) from exc
     except Exception as exc:
         raise Stage3CollectiveError(
             f"ZeRO stage 3: {what} failed or did not complete within {collective_timeout():g} s on rank "
