@@ -54,6 +54,7 @@ FIRST_KEY = f"{PREFIX}/first"
 LINGER_S = 3.0  # a failing store host waits this long for its peers to read its record
 STORE_TIMEOUT_S = 2.0  # bound on every store access made while failing
 _MAX_ERROR = 400
+ENDED_WITHOUT_RECORD = "its process has ended without recording an error (a signal such as SIGKILL or the OOM killer, or os._exit)"
 #: engine methods named as the phase a rank failed in (outermost frame wins)
 _PHASES = (
     "initialize",
@@ -275,7 +276,7 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     if _STATE.ending or _STATE.mine is not None:
         return
     store = default_store()
-    first = bounded(lambda: read_first(store)) if store is not None else None
+    first = bounded(lambda: read_first(store) or _ended_peer(store)) if store is not None else None
     if first is not None and first.rank != _rank():
         rec = record("SIGTERM (stopped by the launcher)", where_of(frame), 128 + signum, cause=first.rank)
         print(
@@ -285,6 +286,20 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
         )
         return
     record("SIGTERM", where_of(frame), 128 + signum)
+
+
+def _ended_peer(store: Any) -> FailureRecord | None:
+    """A peer whose process has ended without a record (on this host), from the watchdog records."""
+    from zero_core.comm import peer_state
+
+    dist = sys.modules["torch.distributed"]
+    me = _rank()
+    for r, rec in sorted(peer_state.peer_records(store, range(dist.get_world_size())).items()):
+        if r != me and process_alive(rec.get("host", ""), rec.get("pid", 0)) is False:
+            return FailureRecord(
+                rank=r, error=ENDED_WITHOUT_RECORD, host=rec.get("host", ""), pid=rec.get("pid", 0)
+            )
+    return None
 
 
 def linger_if_store_host() -> None:

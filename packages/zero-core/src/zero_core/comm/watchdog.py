@@ -363,15 +363,21 @@ class CollectiveWatchdog:
         return failures.root_failure([rec for r, rec in found.items() if r in group and r != self.rank])
 
     def _ended_member(self, entry: _InFlight) -> FailureRecord | None:
-        """A member of ``entry``'s group whose process ended without a failure record (on this host)."""
-        for r, rec in sorted((self._peer_records(entry.group) or {}).items()):
-            if r != self.rank and failures.process_alive(rec.get("host", ""), rec.get("pid", 0)) is False:
-                error = (
-                    "its process has ended without recording an error (a signal such as SIGKILL or the "
-                    "OOM killer, or os._exit)"
-                )
-                return FailureRecord(rank=r, error=error, host=rec.get("host", ""), pid=rec.get("pid", 0))
-        return None
+        """A member of ``entry``'s group whose process ended without a failure record (on this
+        host). Asked right after a transport error: a dying process closes its connections
+        before the kernel marks it ended, so it is asked again for up to a second."""
+        records = self._peer_records(entry.group) or {}
+        deadline = time.monotonic() + 1.0
+        while True:
+            for r, rec in sorted(records.items()):
+                alive = failures.process_alive(rec.get("host", ""), rec.get("pid", 0))
+                if r != self.rank and alive is False:
+                    error = failures.ENDED_WITHOUT_RECORD
+                    return FailureRecord(rank=r, error=error, host=rec.get("host", ""), pid=rec.get("pid", 0))
+            local = [r for r, rec in records.items() if r != self.rank and rec.get("host") == _HOST]
+            if not local or time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
 
     def _peer_failed_message(self, entry: _InFlight, failed: FailureRecord) -> str:
         msg = f"rank {self.rank}: collective {entry.describe()} cannot complete: {failed.describe()}."
