@@ -310,7 +310,8 @@ class CollectiveWatchdog:
             )
             msg = (
                 f"rank {self.rank}: collective {entry.describe()} {how} (timeout {self.timeout_s:g} s, "
-                f"set by the config's comms_timeout or {ENV_TIMEOUT}). {self._missing(entry)}"
+                f"set by the config's comms_timeout, {ENV_TIMEOUT} or init_distributed(timeout=)). "
+                f"{self._missing(entry)}"
             )
             if self._label:
                 msg += f" Last module/parameter on rank {self.rank}: {self._label}."
