@@ -157,12 +157,15 @@ def _load() -> str:
         return "?"
 
 
-def _header(args: argparse.Namespace, seconds: float, load_at_start: str) -> str:
-    import torch
-
-    commit = subprocess.run(
+def _commit() -> str:
+    return subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
     ).stdout.strip()
+
+
+def _header(args: argparse.Namespace, seconds: float, load_at_start: str, commit: str) -> str:
+    import torch
+
     return (
         f"machine: {platform.node()} ({platform.machine()}, {__import__('os').cpu_count()} CPUs), load average "
         f"{load_at_start} at the start, {_load()} at the end (1, 5, 15 min; shared with other jobs)"
@@ -182,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--out", default="", help="also write the table as markdown to this file")
     args = p.parse_args(argv)
-    start, load_at_start = time.monotonic(), _load()
+    start, load_at_start, commit = time.monotonic(), _load(), _commit()  # the code under test: read first
     rows = collect(args.full, args.only)
     text = table(rows) + "\n\n" + "\n".join(f"- {line}" for line in totals(rows)) + "\n"
     print(text)
@@ -190,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         body = (
             "# Fault injection (issues 25, 37)\n\n"
-            + _header(args, time.monotonic() - start, load_at_start)
+            + _header(args, time.monotonic() - start, load_at_start, commit)
             + "\n"
             + text
         )
