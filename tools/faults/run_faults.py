@@ -150,7 +150,7 @@ def table(rows: list[Row]) -> str:
     return "\n".join(out)
 
 
-def _load() -> str:
+def _loadavg() -> str:
     try:
         return " ".join(open("/proc/loadavg").read().split()[:3])
     except OSError:
@@ -168,7 +168,7 @@ def _header(args: argparse.Namespace, seconds: float, load_at_start: str, commit
 
     return (
         f"machine: {platform.node()} ({platform.machine()}, {__import__('os').cpu_count()} CPUs), load average "
-        f"{load_at_start} at the start, {_load()} at the end (1, 5, 15 min; shared with other jobs)"
+        f"{load_at_start} at the start, {_loadavg()} at the end (1, 5, 15 min; shared with other jobs)"
         f"\n\ntorch {torch.__version__}, Python {platform.python_version()}, commit {commit}\n\n"
         f"command: python tools/faults/run_faults.py{' --full' if args.full else ''}"
         f"{' --only ' + args.only if args.only else ''}; wall time {seconds:.0f} s\n"
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--out", default="", help="also write the table as markdown to this file")
     args = p.parse_args(argv)
-    start, load_at_start, commit = time.monotonic(), _load(), _commit()  # the code under test: read first
+    start, load_at_start, commit = time.monotonic(), _loadavg(), _commit()  # the code under test: read first
     rows = collect(args.full, args.only)
     text = table(rows) + "\n\n" + "\n".join(f"- {line}" for line in totals(rows)) + "\n"
     print(text)
