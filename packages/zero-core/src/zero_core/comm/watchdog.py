@@ -291,7 +291,9 @@ class CollectiveWatchdog:
         if entry is not None:
             failed = self.failed_member(entry.group, fresh=True) or self._ended_member(entry)
         if entry is not None and failed is not None:
-            msg = self._peer_failed_message(entry, failed) + f" Backend said: {cause}"
+            msg = self._peer_failed_message(entry, failed)
+            if failed.error == failures.ENDED_WITHOUT_RECORD:  # the transport's word is all there is
+                msg += f" Backend said: {cause}"
             raise PeerFailedError(msg, _root_rank(failed)) from cause
         raise CollectiveTimeoutError(self.diagnose(token, cause=cause)) from cause
 
