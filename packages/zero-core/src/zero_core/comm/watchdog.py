@@ -60,7 +60,6 @@ import dataclasses
 import itertools
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -72,31 +71,14 @@ from typing import Any, NoReturn
 import torch.distributed as dist
 
 from zero_core.comm import failures, peer_state
+from zero_core.comm.collective_errors import CollectiveTimeoutError, PeerFailedError
 from zero_core.comm.failures import FailureRecord
+from zero_core.comm.peer_failures import _HOST, FollowsFailedPeers, _completed, _die, _root_rank
 
 DEFAULT_TIMEOUT_S = 300.0
 ENV_TIMEOUT = "ZERO_COLLECTIVE_TIMEOUT"
 _KEY = peer_state.RECORD_KEY
-_HOST = socket.gethostname()
-_FOLLOW_S = 10.0  # after a peer's failure, how long an op no thread can leave by itself may wait
 _STALE_POLLS = 20  # a peer record unchanged this many polls (while we wait) counts as not responding
-
-
-class CollectiveTimeoutError(RuntimeError):
-    """A collective did not complete within the watchdog's timeout; the message names the
-    collective, the group, the ranks that did not arrive and the last module/parameter."""
-
-
-class PeerFailedError(CollectiveTimeoutError):
-    """A collective cannot complete because a member rank ended with an error; the message names
-    that rank, where it was and its error. ``failed_rank`` is the rank that failed first."""
-
-    def __init__(self, message: str, failed_rank: int) -> None:
-        super().__init__(message)
-        self.failed_rank = failed_rank
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (str(self), self.failed_rank))
 
 
 def timeout_from_env() -> float | None:
@@ -137,7 +119,7 @@ class _InFlight:
         return f"{self.op} (#{self.seq} on the group of global ranks {list(self.group)})"
 
 
-class CollectiveWatchdog:
+class CollectiveWatchdog(FollowsFailedPeers):
     """Deadlines and diagnosis for the collectives of one process group. See [Note: collective watchdog]."""
 
     def __init__(self, timeout_s: float, *, store: Any = None, rank: int = 0, pg: Any = None) -> None:
@@ -355,40 +337,6 @@ class CollectiveWatchdog:
             return "Every rank of the group reports having issued it (a backend or network failure?)."
         return "Rank(s) that did not arrive: " + "; ".join(absent + silent) + "."
 
-    def failed_member(self, group: tuple[int, ...], *, fresh: bool = False) -> FailureRecord | None:
-        """The failure record of a member of ``group`` other than this rank (the one to name),
-        from the thread's last poll, or read from the store now when ``fresh``."""
-        found = dict(self.failures)
-        if fresh and self._store is not None:
-            store = self._store
-            others = [r for r in group if r != self.rank]
-            found.update(failures.bounded(lambda: failures.read_ranks(store, others)) or {})
-        return failures.root_failure([rec for r, rec in found.items() if r in group and r != self.rank])
-
-    def _ended_member(self, entry: _InFlight) -> FailureRecord | None:
-        """A member of ``entry``'s group whose process ended without a failure record (on this
-        host). Asked right after a transport error: a dying process closes its connections
-        before the kernel marks it ended, so it is asked again for up to a second."""
-        records = self._peer_records(entry.group) or {}
-        deadline = time.monotonic() + 1.0
-        while True:
-            for r, rec in sorted(records.items()):
-                alive = failures.process_alive(rec.get("host", ""), rec.get("pid", 0))
-                if r != self.rank and alive is False:
-                    error = failures.ENDED_WITHOUT_RECORD
-                    return FailureRecord(rank=r, error=error, host=rec.get("host", ""), pid=rec.get("pid", 0))
-            local = [r for r, rec in records.items() if r != self.rank and rec.get("host") == _HOST]
-            if not local or time.monotonic() > deadline:
-                return None
-            time.sleep(0.05)
-
-    def _peer_failed_message(self, entry: _InFlight, failed: FailureRecord) -> str:
-        msg = f"rank {self.rank}: collective {entry.describe()} cannot complete: {failed.describe()}."
-        root = self.failures.get(failed.cause) if failed.cause is not None else None
-        if root is not None:
-            msg += f" ({root.describe()}.)"
-        return msg
-
     def _peer_records(self, group: tuple[int, ...]) -> dict[int, dict[str, Any]] | None:
         if self._store is None:
             return None
@@ -473,47 +421,6 @@ class CollectiveWatchdog:
                     return token, e
         return None
 
-    def _poll_failures(self) -> None:
-        """Read the failures of other ranks: the first-failure key each poll, then the records of
-        the ranks this rank waits on (see [Note: failed ranks])."""
-        store = self._store
-        if store is None:
-            return
-        try:
-            if self._failure_seen is None:
-                first = failures.read_first(store)
-                if first is None or first.rank == self.rank:
-                    return
-                self._failure_seen = time.monotonic()
-                self.failures = {**self.failures, first.rank: first}
-            with self._lock:
-                members = {r for e in self._inflight.values() for r in e.group} - {self.rank}
-            wanted = sorted(members - set(self.failures))
-            if wanted:
-                self.failures = {**self.failures, **failures.read_ranks(store, wanted)}
-        except Exception:  # the store's host is gone: the transport tells the waiting thread
-            self._store = None
-
-    def _follow_failure(self) -> None:
-        """End the process when an op no thread will leave by itself (object collectives, NCCL's
-        stream-ordered ops) waits on a failed rank for ``grace_s`` after the failure was seen."""
-        now = time.monotonic()
-        if self._failure_seen is None or now - self._failure_seen < self.grace_s:
-            return
-        with self._lock:
-            entries = list(self._inflight.values())
-        for e in entries:
-            if e.waiting or (e.work is not None and _completed(e.work)):
-                continue
-            # The thread waiting on a gloo op leaves when the failed process ends (its connections
-            # close); give that longer, but not unbounded.
-            if not (e.blocking or self.stream_ordered()) and now - self._failure_seen < _FOLLOW_S:
-                continue
-            failed = self.failed_member(e.group)
-            if failed is not None:
-                msg = self._peer_failed_message(e, failed)
-                _die(f"[zero] rank {self.rank}: ending this process: {msg}", msg, _root_rank(failed))
-
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
             self._publish()
@@ -555,28 +462,8 @@ def _resumable(work: Any, entry: _InFlight | None) -> bool:
     return getattr(work, "resumable_wait", True) and (entry is None or entry.op not in _P2P_OPS)
 
 
-def _completed(work: Any) -> bool:
-    try:
-        return bool(work.is_completed())
-    except Exception:
-        return True
-
-
 def _group_key(group: tuple[int, ...]) -> str:
     return ",".join(map(str, group))
-
-
-def _die(message: str | None, error: str = "", cause: int | None = None) -> None:
-    """End the process (status 1) after the SIGTERM cleanup callbacks: see ``failures.hard_exit``.
-    ``error`` (default: the message) is recorded as this rank's failure, ``cause`` the rank it followed."""
-    with contextlib.suppress(Exception):
-        text = error or (message or "").split("ending this process: ", 1)[-1] or "collective watchdog fired"
-        failures.record(f"CollectiveTimeoutError: {text}", code=1, cause=cause)
-    failures.hard_exit(1, message)
-
-
-def _root_rank(failed: FailureRecord) -> int:
-    return failed.cause if failed.cause is not None else failed.rank
 
 
 @dataclasses.dataclass
