@@ -159,7 +159,9 @@ def main() -> int:
     import zero_core
     from zero_core.testing.models import TinyLM, token_batch
 
-    rank = int(os.environ.get("RANK", "0"))
+    from zero_core.distributed.world_info import discover_world
+
+    rank = discover_world().rank  # torchrun's RANK, or MPI's and Slurm's variables
     odd = rank == args.rank_at_fault
     if args.init_timeout:
         from datetime import timedelta

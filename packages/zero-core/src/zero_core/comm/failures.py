@@ -303,12 +303,20 @@ def _ended_peer(store: Any) -> FailureRecord | None:
 
 
 def linger_if_store_host() -> None:
-    """A failing rank that hosts the store waits ``LINGER_S`` so its peers can read its record."""
+    """A failing rank that hosts the store waits up to ``LINGER_S`` so its peers can read its
+    record; it stops as soon as every other rank has a record of its own (they know)."""
     dist = sys.modules.get("torch.distributed")
     if dist is None or not (dist.is_available() and dist.is_initialized()):
         return
-    if dist.get_world_size() > 1 and hosts_store(_rank()):
-        time.sleep(LINGER_S)
+    if dist.get_world_size() == 1 or not hosts_store(_rank()):
+        return
+    store, others = default_store(), [r for r in range(dist.get_world_size()) if r != _rank()]
+    deadline = time.monotonic() + LINGER_S
+    while time.monotonic() < deadline:
+        known = bounded(lambda: len(read_ranks(store, others)), 0.5) if store is not None else None
+        if known == len(others):
+            return
+        time.sleep(0.1)
 
 
 def hard_exit(code: int, message: str | None = None) -> NoReturn:
