@@ -157,9 +157,8 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(1)
     import zero_core
-    from zero_core.testing.models import TinyLM, token_batch
-
     from zero_core.distributed.world_info import discover_world
+    from zero_core.testing.models import TinyLM, token_batch
 
     rank = discover_world().rank  # torchrun's RANK, or MPI's and Slurm's variables
     odd = rank == args.rank_at_fault
