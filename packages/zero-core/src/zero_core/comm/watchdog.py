@@ -31,18 +31,22 @@ every collective issued through ``zero_core.comm`` and names the missing ranks:
 * **Failed peers.** The timeout is for true hangs, where no process has ended. A rank that
   ends with an error leaves a record in the store (see [Note: failed ranks] in
   ``failures.py``), which the thread checks once per poll. The waiting thread therefore waits
-  in slices of one poll (``Work.wait(slice)``: the first slice costs what one wait costs, so
-  nothing is added per collective) and, between slices, leaves an op whose group has a failed
-  member with :class:`PeerFailedError` naming that rank, its error and where it was; the
-  slices also let a SIGTERM handler run within a poll. An op the waiting thread cannot bound
-  (object collectives, NCCL's stream-ordered waits) is ended by the thread: ``grace_s`` after
-  it saw the failure, it prints the same message and ends the process (after the SIGTERM
-  cleanup callbacks: swap files, a save's staging directory). A transport error (the failed
-  process has gone and its connections with it) is explained from the same records; a rank
-  gone without a record is named as the one that did not arrive, with "its process has ended"
-  when it ran on this host. Such errors do not fire the watchdog: every peer sees the record
-  itself. Each record also tells which op a rank is waiting in (``wait``), for the exit
-  teardown and the checkpoint agreements, which name a rank waiting elsewhere.
+  on torch's collectives in slices of one poll (``Work.wait(slice)``: the first slice costs
+  what one wait costs, so nothing is added per collective) and, between slices, leaves an op
+  whose group has a failed member with :class:`PeerFailedError` naming that rank, its error
+  and where it was; the slices also let a SIGTERM handler run within a poll. Point-to-point
+  ops, and the gloo direct collectives made of them, are waited on once with the whole
+  deadline: a gloo recv whose timed wait expires breaks its connection. They end with the
+  transport's error when the failed process ends (a failing process always ends promptly:
+  see [Note: process group teardown at exit]), which is explained from the same records. An
+  op no thread can leave by itself (object collectives, NCCL's stream-ordered waits; the
+  point-to-point ones after ``_FOLLOW_S``) is ended by the thread ``grace_s`` after it saw
+  the failure: it prints the same message and ends the process, after the SIGTERM cleanup
+  callbacks (swap files, a save's staging directory). A rank gone without a record (SIGKILL,
+  the OOM killer) is named as the one whose "process has ended" when it ran on this host,
+  else as the one that did not arrive. Such errors do not fire the watchdog: every peer sees
+  the record itself. Each record also tells which op a rank is waiting in (``wait``), for the
+  exit teardown and the checkpoint agreements, which name a rank waiting elsewhere.
 
 The timeout comes from ``comms_timeout`` in the config (seconds; ``initialize`` applies it),
 else the ``ZERO_COLLECTIVE_TIMEOUT`` environment variable, else the ``timeout`` given to
