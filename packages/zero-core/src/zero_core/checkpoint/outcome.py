@@ -57,6 +57,13 @@ def attempt(fn: Any) -> BaseException | None:
     return None
 
 
+def all_done_writing(raised: BaseException, error: BaseException | None) -> bool:
+    """Whether :func:`agree` raising ``raised`` (this rank's local ``error``) means that no rank
+    writes into the save's staging directory any more: the ranks agreed on the failure, or this
+    process is the only rank. Not when a rank ended instead (``PeerFailedError``)."""
+    return isinstance(raised, CheckpointRankError) or (error is not None and raised is error)
+
+
 def _device() -> torch.device:
     from zero_core.accelerator import get_accelerator
 

@@ -247,7 +247,7 @@ def _agree_or_clean(
     save, as a kill -9 does: See [Note: collective save outcome])."""
     try:
         outcome.agree(group, error, what, kept)
-    except outcome.CheckpointRankError:
-        if stage_dir is not None and os.path.isdir(stage_dir):
+    except BaseException as exc:
+        if stage_dir is not None and outcome.all_done_writing(exc, error) and os.path.isdir(stage_dir):
             shutil.rmtree(stage_dir, ignore_errors=True)
         raise

@@ -188,8 +188,9 @@ class StagedSave:
     def _agree(self, error: BaseException | None, step: str) -> None:
         try:
             outcome.agree(self.group, error, f"{self._what}, {step}", _KEPT)
-        except outcome.CheckpointRankError:  # every rank is done writing (a rank that ended is not)
-            self.abort()
+        except BaseException as exc:
+            if outcome.all_done_writing(exc, error):
+                self.abort()
             raise
 
     def abort(self) -> None:
