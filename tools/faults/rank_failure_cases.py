@@ -141,7 +141,8 @@ def verdict(job: Job, got: Outcome) -> Row:
     if watchdog:
         observed += "; the WATCHDOG fired"
     if got.swap_left:
-        observed += f"; swap files left: {got.swap_left[:3]}{' (the killed rank)' if swap_ok else ''}"
+        folders = sorted({"/".join(p.split("/")[:2]) for p in got.swap_left if p.count("/") >= 2})
+        observed += f"; swap folders left: {folders}{' (the killed rank)' if swap_ok else ''}"
     expected = f"job ends within {TARGET_S:g} s, failed rank {job.rank} named, no watchdog"
     return (f"rank failure: {job.name()}", expected, observed, "ok" if ok else "FAIL")
 
