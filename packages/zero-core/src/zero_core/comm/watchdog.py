@@ -247,11 +247,12 @@ class CollectiveWatchdog(FollowsFailedPeers):
         if entry is not None:
             entry.work, entry.waiting = work, sliced
         if not sliced:
+            start = time.monotonic()
             try:
                 work.wait(total)
                 return
             except Exception as exc:
-                self._raise_for(token, exc)
+                self._raise_for(token, exc, time.monotonic() - start >= 0.9 * total.total_seconds())
         deadline = time.monotonic() + total.total_seconds()
         while True:
             start = time.monotonic()
@@ -263,25 +264,29 @@ class CollectiveWatchdog(FollowsFailedPeers):
                 now = time.monotonic()
                 # The backend's own error (it came before the slice ended, or the op is over), or the deadline.
                 if now >= deadline or now - start < 0.9 * step or _completed(work):
-                    self._raise_for(token, exc)
+                    self._raise_for(token, exc, now >= deadline)
                 if entry is not None and (failed := self.failed_member(entry.group)) is not None:
                     raise PeerFailedError(
                         self._peer_failed_message(entry, failed), _root_rank(failed)
                     ) from None
 
-    def _raise_for(self, token: int, cause: BaseException) -> NoReturn:
+    def _raise_for(self, token: int, cause: BaseException, timed_out: bool = False) -> NoReturn:
         """Raise the error of the failed op ``token``: PeerFailedError when a member of its group
-        recorded a failure (read now: the thread may not have polled yet), else the diagnosis."""
+        recorded a failure (read now: the thread may not have polled yet) or, when the backend
+        failed before the deadline, ended without one; else the diagnosis. At the deadline a
+        member that is gone was ended by the watchdog itself (a true hang), not a failure."""
         entry = self._inflight.get(token)
         failed = None
         if entry is not None:
-            failed = self.failed_member(entry.group, fresh=True) or self._ended_member(entry)
+            failed = self.failed_member(entry.group, fresh=True)
+            if failed is None and not timed_out and self.fired is None:
+                failed = self._ended_member(entry)
         if entry is not None and failed is not None:
             msg = self._peer_failed_message(entry, failed)
             if failed.error == failures.ENDED_WITHOUT_RECORD:  # the transport's word is all there is
                 msg += f" Backend said: {cause}"
             raise PeerFailedError(msg, _root_rank(failed)) from cause
-        raise CollectiveTimeoutError(self.diagnose(token, cause=cause)) from cause
+        raise CollectiveTimeoutError(self.fired or self.diagnose(token, cause=cause)) from cause
 
     # -- diagnosis -----------------------------------------------------------------------
     def diagnose(self, token: int, cause: BaseException | None = None) -> str:
