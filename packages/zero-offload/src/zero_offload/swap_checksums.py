@@ -7,19 +7,21 @@ disk or file system) used to be trained on silently, random bytes in an optimize
 in non-finite weights steps later. So every region written to a swap file (a tile of one
 optimizer state, a parameter shard) is checksummed from the buffer it is written from, and the
 region read back is checksummed before anything uses it; a mismatch is a ``SwapFileError``
-naming the file, the byte range and both checksums. The checksum is the checkpoints' CRC-32C
-per 64 MiB piece (``zero_core.checkpoint.integrity.Crc32cChunks``: every error of up to 3 bits
-is detected, see [Note: checkpoint checksum]), computed on the CPU from the page-locked buffers
-the transfers use; the records (4 bytes per 64 MiB) stay in memory for the life of the swap
+naming the file, the byte range and both checksums. The checksum is the checkpoints' CRC-32C,
+here per 4 MiB piece (every error of up to 3 bits in a piece is detected, see [Note: checkpoint
+checksum]), computed on the CPU from the page-locked buffers the transfers use, the pieces of a
+region on a few helper threads (the CRC releases the GIL); the records (4 bytes per 4 MiB) stay in memory for the life of the swap
 files. Regions start zero-filled (``fallocate``) are recorded as zeros without being read. The
 optimizer's tile pipeline checksums a written tile on a helper thread while its write is in
 flight and the next tile is verified and updated (the buffer is not reused before both are
 done), so only the check of what is read stands between a read and its use.
 
 Cost, measured by ``tools/bench/bench_swap_checksum.py`` (results in
-``tools/bench/results/bench_swap_checksum.md``): the check is CPU work of about one pass over
-the bytes swapped at the CRC's speed (several GB/s with the SSE4.2 instruction), against a swap
-path bound by the disk; ``ZERO_SWAP_CHECKSUMS=0`` turns it off (for that comparison).
+``tools/bench/results/bench_swap_checksum.md``): CPU work of one CRC pass over every byte read
+and one over every byte written (about 4 GB/s per thread here, SSE4.2), which hides behind a
+disk-bound swap only where cores are spare. On the development machine (2 shared cores, a
+virtual disk moving 2 GB/s) it made an optimizer swap pass 16-24% slower; done inline on one
+thread it was 40-90%. ``ZERO_SWAP_CHECKSUMS=0`` turns the checks off.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ import errno
 import os
 from typing import Any
 
+import crc32c as _crc32c
 import torch
-from zero_core.checkpoint.integrity import Crc32cChunks
 
 from zero_offload.swap_files import SwapFileError
 
@@ -48,18 +50,40 @@ def enabled() -> bool:
     raise ValueError(f"{ENV_SWITCH} must be 1 or 0 (true/false, yes/no, on/off), got {value!r}")
 
 
-def crc32c_of(data: torch.Tensor) -> list[int]:
-    """CRC-32C per 64 MiB piece of a contiguous CPU tensor's bytes."""
+PIECE = 4 * 2**20  # bytes per CRC-32C (well within its HD-4 length: see [Note: checkpoint checksum])
+_THREADS = max(1, min(4, os.cpu_count() or 1))
+_pool: list[concurrent.futures.ThreadPoolExecutor] = []
+
+
+def _bytes_of(data: torch.Tensor) -> memoryview:
     flat = data.detach().reshape(-1)
     if flat.device.type != "cpu" or not flat.is_contiguous():
         raise ValueError("swap checksums: expected a contiguous CPU tensor")
-    sums = Crc32cChunks()
     nbytes = flat.numel() * flat.element_size()
-    if nbytes:
-        # The bytes in place, read through their address: ``Tensor.numpy()`` would mark the
-        # storage as not resizable for good (the masters on NVMe resize theirs to zero).
-        sums.update(memoryview((ctypes.c_char * nbytes).from_address(flat.data_ptr())).cast("B"))
-    return sums.digest()
+    if not nbytes:
+        return memoryview(b"")
+    # The bytes in place, read through their address: ``Tensor.numpy()`` would mark the storage
+    # as not resizable for good (the masters on NVMe resize theirs to zero).
+    return memoryview((ctypes.c_char * nbytes).from_address(flat.data_ptr())).cast("B")
+
+
+def crc32c_of(data: torch.Tensor) -> list[int]:
+    """CRC-32C per ``PIECE`` bytes of a contiguous CPU tensor's bytes (``[0]`` when empty)."""
+    view = _bytes_of(data)
+    return [_crc32c.crc32c(view[i : i + PIECE]) for i in range(0, len(view), PIECE)] or [0]
+
+
+def _crc_pieces(data: torch.Tensor) -> list[concurrent.futures.Future]:
+    """:func:`crc32c_of`, its pieces on a small thread pool (the CRC releases the GIL): futures
+    in piece order. ``data`` must stay alive and unchanged until they are done."""
+    if not _pool:
+        _pool.append(concurrent.futures.ThreadPoolExecutor(_THREADS, thread_name_prefix="zero-swap-crc"))
+    view = _bytes_of(data)
+    if not len(view):
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_result(0)
+        return [done]
+    return [_pool[0].submit(_crc32c.crc32c, view[i : i + PIECE]) for i in range(0, len(view), PIECE)]
 
 
 class SwapChecksums:
@@ -70,37 +94,40 @@ class SwapChecksums:
         self.on = enabled()
         self._regions: dict[tuple[str, int], tuple[int, list[int]]] = {}
         self._zeros: dict[int, list[int]] = {}
-        self._pending: dict[tuple[str, int], concurrent.futures.Future] = {}
-        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+        # (bytes, CRC futures, the buffer they read: kept alive until drained)
+        self._pending: dict[tuple[str, int], tuple[int, list[concurrent.futures.Future], torch.Tensor]] = {}
 
     def record(self, name: str, offset: int, data: torch.Tensor) -> None:
         """``data`` is (being) written to swap file ``name`` at byte ``offset``."""
         if self.on:
             self._pending.pop((name, offset), None)
-            self._regions[(name, offset)] = (data.numel() * data.element_size(), crc32c_of(data))
+            self._regions[(name, offset)] = (data.numel() * data.element_size(), self._crc(data))
 
     def record_async(self, name: str, offset: int, data: torch.Tensor) -> None:
-        """:meth:`record` on a helper thread, overlapped with the caller's next work: ``data``
+        """:meth:`record` on helper threads, overlapped with the caller's next work: ``data``
         must stay unchanged until :meth:`drain` (the swapper drains before reusing a buffer)."""
-        if not self.on:
-            return
-        if self._worker is None:
-            self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zero-swap-crc")
-        nbytes = data.numel() * data.element_size()
-        self._pending[(name, offset)] = self._worker.submit(lambda: (nbytes, crc32c_of(data)))
+        if self.on:
+            self._pending[(name, offset)] = (data.numel() * data.element_size(), _crc_pieces(data), data)
 
     def drain(self) -> None:
         """Wait for every :meth:`record_async` (its buffer may then be reused)."""
         pending, self._pending = self._pending, {}
-        for key, future in pending.items():
-            self._regions[key] = future.result()
+        for key, (nbytes, pieces, _) in pending.items():
+            self._regions[key] = (nbytes, [f.result() for f in pieces])
+
+    @staticmethod
+    def _crc(data: torch.Tensor) -> list[int]:
+        """The CRCs of ``data``'s pieces, the pieces checksummed in parallel when there are several."""
+        if data.numel() * data.element_size() <= PIECE:
+            return crc32c_of(data)
+        return [f.result() for f in _crc_pieces(data)]
 
     def record_zeros(self, name: str, offset: int, nbytes: int) -> None:
         """The region of ``nbytes`` at ``offset`` holds zeros (a preallocated file, never written)."""
         if not self.on:
             return
         if nbytes not in self._zeros:
-            self._zeros[nbytes] = crc32c_of(torch.zeros(nbytes, dtype=torch.uint8))
+            self._zeros[nbytes] = self._crc(torch.zeros(nbytes, dtype=torch.uint8))
         self._regions[(name, offset)] = (nbytes, self._zeros[nbytes])
 
     def verify(self, name: str, offset: int, data: torch.Tensor) -> None:
@@ -116,7 +143,7 @@ class SwapChecksums:
             raise ValueError(
                 f"swap checksums: region at byte {offset} of {name} was written with {nbytes} bytes, read with {got_bytes}"
             )
-        got = crc32c_of(data)
+        got = self._crc(data)
         if got != want:
             path = self.dir.path / name
             bad = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
@@ -135,8 +162,5 @@ class SwapChecksums:
             del self._regions[key]
 
     def close(self) -> None:
-        """Finish pending work and stop the helper thread."""
+        """Finish pending work."""
         self.drain()
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
-            self._worker = None
