@@ -18,7 +18,7 @@ done), so only the check of what is read stands between a read and its use.
 
 Cost, measured by ``tools/bench/bench_swap_checksum.py`` (results in
 ``tools/bench/results/bench_swap_checksum.md``): CPU work of one CRC pass over every byte read
-and one over every byte written (about 4 GB/s per thread here, SSE4.2), which hides behind a
+and one over every byte written (4-15 GB/s per thread here, SSE4.2), which hides behind a
 disk-bound swap only where cores are spare. On the development machine (2 shared cores, a
 virtual disk moving 2 GB/s) it made an optimizer swap pass 16-24% slower; done inline on one
 thread it was 40-90%. ``ZERO_SWAP_CHECKSUMS=0`` turns the checks off.
