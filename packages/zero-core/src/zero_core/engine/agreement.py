@@ -216,18 +216,19 @@ class SaveAgreement:
         pause, next_look = 0.005, time.monotonic() + 1.0
         while not store.check(keys):
             now = time.monotonic()
+            if now < next_look and now < deadline:
+                time.sleep(pause)
+                pause = min(2 * pause, 0.1)
+                continue
+            next_look = now + 1.0
             absent = [r for r, k in zip(ranks, keys) if not store.check([k])]
-            if now >= next_look or now >= deadline:
-                next_look = now + 1.0
-                self._look_at(store, absent, me, value)
+            self._look_at(store, absent, me, value)
             if now >= deadline:
                 raise RankMismatchError(
                     f"{self.what}: rank(s) {absent} did not call {self.what} within {timeout:g} s "
                     f"({self._mine(me, value)}); {self.what} is collective: call it on every rank of the "
                     "data-parallel group"
                 ) from None
-            time.sleep(pause)
-            pause = min(2 * pause, 0.1)
 
     def _mine(self, me: int, value: str) -> str:
         return f"rank {me} called it with tag {value!r}, its call #{self.calls}"
@@ -275,13 +276,6 @@ def _store() -> Any:
         return dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
     except Exception:
         return None
-
-
-def _has(store: Any, key: str) -> bool:
-    try:
-        return bool(store.check([key]))
-    except Exception:
-        return False
 
 
 def _group_key(ranks: tuple[int, ...]) -> str:
