@@ -194,6 +194,10 @@ def test_zero_run_exits_with_the_status_of_the_rank_that_failed_first():
         )[1]
         == 3
     )
+    # rank 1 ended by a SIGTERM of its own, rank 0 by torchrun's right after (same second): the
+    # order in which torchrun saw them end decides
+    fails = {1: _failure(-signal.SIGTERM), 0: _failure(-signal.SIGTERM)}
+    assert failed_first(fails, {}) == (1, 143)
     # rank 2 SIGKILLed (no note), the others stopped by torchrun's SIGTERM: 128 + 9
     fails = {0: _failure(-signal.SIGTERM), 1: _failure(-signal.SIGTERM), 2: _failure(-signal.SIGKILL)}
     assert failed_first(fails, {}) == (2, 137)

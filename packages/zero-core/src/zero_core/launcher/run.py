@@ -314,18 +314,21 @@ def failed_first(failures: dict, notes: dict[int, dict]) -> tuple[int, int]:
     """``(rank, exit status)`` of the rank that failed first, which ``zero run`` exits with.
 
     ``failures``: torchrun's record per global rank (``exitcode``, negative for a signal, and
-    ``timestamp``); ``notes``: the ranks' own exit notes (see [Note: errors printed once]). A
-    rank that only followed a failed peer, or ended by the SIGTERM torchrun sends the others
-    once one rank failed, is chosen only when no rank failed on its own. A signal is reported
-    as ``128 + signal``, as a shell does.
+    ``timestamp``, in whole seconds; the mapping lists the ranks in the order torchrun saw them
+    end, which breaks ties); ``notes``: the ranks' own exit notes (see [Note: errors printed
+    once]). A rank that only followed a failed peer, or ended by the SIGTERM torchrun sends the
+    others once one rank failed, is chosen only when no rank failed on its own. A signal is
+    reported as ``128 + signal``, as a shell does.
     """
+
+    seen = {r: i for i, r in enumerate(failures)}  # torchrun records the ranks in the order it saw them end
 
     def order(r: int) -> tuple[int, float, int]:
         note, code = notes.get(r), failures[r].exitcode
         if note is not None:
-            return (2 if note.get("followed") else 0, float(note.get("time", 0.0)), r)
+            return (2 if note.get("followed") else 0, float(note.get("time", 0.0)), seen[r])
         stopped = code == -signal.SIGTERM  # torchrun's stop, unless nothing else failed
-        return (1 if stopped else 0, float(failures[r].timestamp or 0), r)
+        return (1 if stopped else 0, float(failures[r].timestamp or 0), seen[r])
 
     rank = min(failures, key=order)
     code = notes.get(rank, {}).get("code", failures[rank].exitcode)
