@@ -169,11 +169,13 @@ class SwapDirectory:
         return sum(n for _, n in self.files.values())
 
     def close(self) -> None:
-        """Remove this rank's swap files and directory (and the job directory when it is empty)."""
+        """Remove this rank's swap files and directory (and the job directory when it is empty).
+
+        Marked closed only once done: a SIGTERM arriving in the middle (a launcher stopping the
+        job while this runs at exit) runs it again in full from its handler before the process
+        ends (see [Note: cleanup on SIGTERM]); every step is idempotent."""
         if self._closed:
             return
-        self._closed = True
-        forget(self._termination_key)
         shutil.rmtree(self.path, ignore_errors=True)
         try:
             if not any(p.name != _HOST_MARK for p in self.job_dir.iterdir()):
@@ -181,3 +183,5 @@ class SwapDirectory:
             self.job_dir.rmdir()  # only succeeds once every rank of this job has cleaned up
         except OSError:
             pass
+        self._closed = True
+        forget(self._termination_key)
