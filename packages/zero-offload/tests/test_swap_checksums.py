@@ -119,3 +119,27 @@ def test_killed_process_job_folder_is_swept_by_the_next(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [d.job_dir.name]  # the dead process's folder is gone
     d.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def _crc_in_child(queue) -> None:  # noqa: ANN001
+    from zero_offload.swap_checksums import SwapChecksums
+
+    queue.put(SwapChecksums._crc(torch.ones(3 * 2**20)))
+
+
+def test_checksum_threads_work_in_a_forked_child():
+    """A child forked after the parent checksummed inherits the thread pool but not its threads."""
+    import multiprocessing
+
+    from zero_offload.swap_checksums import SwapChecksums
+
+    want = SwapChecksums._crc(torch.ones(3 * 2**20))  # the parent's pool is up
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_crc_in_child, args=(queue,))
+    child.start()
+    child.join(60)
+    alive = child.is_alive()
+    if alive:
+        child.kill()
+    assert not alive and queue.get(timeout=5) == want

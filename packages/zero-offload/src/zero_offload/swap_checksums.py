@@ -52,7 +52,7 @@ def enabled() -> bool:
 
 PIECE = 4 * 2**20  # bytes per CRC-32C (well within its HD-4 length: see [Note: checkpoint checksum])
 _THREADS = max(1, min(4, os.cpu_count() or 1))
-_pool: list[concurrent.futures.ThreadPoolExecutor] = []
+_pool: list[tuple[int, concurrent.futures.ThreadPoolExecutor]] = []  # [(pid that made it, pool)]
 
 
 def _bytes_of(data: torch.Tensor) -> memoryview:
@@ -76,14 +76,17 @@ def crc32c_of(data: torch.Tensor) -> list[int]:
 def _crc_pieces(data: torch.Tensor) -> list[concurrent.futures.Future]:
     """:func:`crc32c_of`, its pieces on a small thread pool (the CRC releases the GIL): futures
     in piece order. ``data`` must stay alive and unchanged until they are done."""
-    if not _pool:
-        _pool.append(concurrent.futures.ThreadPoolExecutor(_THREADS, thread_name_prefix="zero-swap-crc"))
+    if not _pool or _pool[0][0] != os.getpid():  # a forked child inherits the pool, not its threads
+        _pool[:] = [
+            (os.getpid(), concurrent.futures.ThreadPoolExecutor(_THREADS, thread_name_prefix="zero-swap-crc"))
+        ]
+    pool = _pool[0][1]
     view = _bytes_of(data)
     if not len(view):
         done: concurrent.futures.Future = concurrent.futures.Future()
         done.set_result(0)
         return [done]
-    return [_pool[0].submit(_crc32c.crc32c, view[i : i + PIECE]) for i in range(0, len(view), PIECE)]
+    return [pool.submit(_crc32c.crc32c, view[i : i + PIECE]) for i in range(0, len(view), PIECE)]
 
 
 class SwapChecksums:
