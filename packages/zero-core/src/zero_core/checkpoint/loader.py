@@ -76,6 +76,19 @@ def _format_version(meta: Any, commit: str) -> int:
     return v
 
 
+def _refuse_deepspeed(load_dir: str, tag_dir: str) -> None:
+    """A DeepSpeed checkpoint is converted once, not on every load; see [Note: importing a DeepSpeed checkpoint]."""
+    from zero_core.checkpoint.deepspeed_import.layout import is_deepspeed_checkpoint
+
+    if is_deepspeed_checkpoint(tag_dir):
+        raise CheckpointError(
+            f"{tag_dir} is a DeepSpeed checkpoint, not a zero one. Convert it once: "
+            f"`python tools/from_deepspeed.py {load_dir} OUT_DIR` (or "
+            f"zero.checkpoint.from_deepspeed({load_dir!r}, OUT_DIR)), then load OUT_DIR: the converted "
+            "checkpoint loads at any world size and ZeRO stage"
+        )
+
+
 def open_checkpoint(load_dir: str, tag: str) -> tuple[dict[str, Any], CheckpointReader]:
     """Read and verify ``checkpoint.json`` and every rank table of ``load_dir/tag``."""
     tag_dir = tag_directory(load_dir, tag)
@@ -83,6 +96,7 @@ def open_checkpoint(load_dir: str, tag: str) -> tuple[dict[str, Any], Checkpoint
     if not os.path.isdir(tag_dir):
         raise CheckpointError(f"checkpoint tag directory {tag_dir} does not exist")
     if not os.path.isfile(commit):
+        _refuse_deepspeed(load_dir, tag_dir)
         raise CheckpointError(f"{commit} is missing: {tag_dir} is not a complete zero checkpoint")
     meta = read_json(commit)
     version = _format_version(meta, commit)
@@ -158,7 +172,8 @@ def full_module_state_dict(reader: CheckpointReader, module: torch.nn.Module) ->
     return out
 
 
-def _restore_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]], where: str) -> None:
+def restore_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]], where: str) -> None:
+    """Set each param group's saved hyper-parameters (lr, betas ...); the group counts must match."""
     if len(saved) != len(optimizer.param_groups):
         raise CheckpointError(
             f"{where}: the checkpoint has {len(saved)} optimizer param groups, this optimizer has "
@@ -167,6 +182,20 @@ def _restore_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str
     for group, hp in zip(optimizer.param_groups, saved):
         for k, v in hp.items():
             group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
+
+
+def _require_optimizer_states(
+    engine: Any, meta: dict[str, Any], reader: CheckpointReader, load_opt: bool
+) -> None:
+    """Refuse, before any state is touched, to load optimizer states a checkpoint does not hold
+    (one saved by an engine without an optimizer: See [Note: engine without an optimizer])."""
+    if load_opt and engine.optimizer is not None and meta["optimizer"].get("class") is None:
+        reader.close()
+        raise CheckpointError(
+            f"load_checkpoint: {reader.tag_dir} was saved by an engine without an optimizer, so it "
+            "holds no optimizer states; pass load_optimizer_states=False (or load_module_only=True) "
+            "to load its module into this engine"
+        )
 
 
 def _check_arguments(load_dir: Any, custom_load_fn: Any) -> str:
@@ -189,9 +218,13 @@ def load_checkpoint(
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
     custom_load_fn: Callable[..., Any] | None = None,
+    *,
+    restore_engine: Callable[..., None] | None = None,
 ) -> tuple[str | None, dict[str, Any] | None]:
     """Load a checkpoint into ``engine``; returns ``(load_path, client_state)``, ``(None, None)`` if none.
 
+    ``restore_engine(engine, meta, reader, load_opt, load_sched)`` replaces ``_restore_engine``
+    (counters, loss scaler, hyper-parameters, scheduler, RNG) for engines keeping them otherwise (zero-pipe).
     [Note: shared verification]
     Before anything is read, ``open_checkpoint`` verifies ``checkpoint.json`` and every rank
     table (CRC-32C), and ``CheckpointReader.begin_single_pass`` checks that every rank tensor
@@ -226,21 +259,18 @@ def load_checkpoint(
     load_opt = load_optimizer_states and not load_module_only
     opened: list[Any] = []  # [meta, reader] once open
     prepare = functools.partial(
-        _prepare, engine, load_dir, tag, group, opened, load_opt, load_module_only, load_module_strict
+        _prepare, engine, load_dir, tag, opened, load_opt, load_module_only, load_module_strict
     )
     error = attempt(prepare)
     meta, reader = opened if opened else (None, None)
     try:
         outcome.agree(group, error, f"load_checkpoint of tag {tag!r} from {load_dir}", "Nothing was loaded")
-        _complete(
-            engine,
-            meta,
-            reader,
-            custom_load_fn,
-            load_module_only,
-            load_optimizer_states,
-            load_lr_scheduler_states,
-        )
+        restore_fn = restore_engine or _restore_engine
+
+        def restore(e: Any, m: dict[str, Any], r: CheckpointReader) -> None:
+            restore_fn(e, m, r, load_optimizer_states, load_lr_scheduler_states)
+
+        _complete(engine, meta, reader, custom_load_fn, restore, load_module_only, load_module_strict)
     except BaseException as e:
         if reader is not None and reader.touched_state and hasattr(engine, "invalidate_state"):
             engine.invalidate_state(
@@ -261,21 +291,21 @@ def _prepare(
     engine: Any,
     load_dir: str,
     tag: str,
-    group: Any,
     opened: list[Any],
     load_opt: bool,
-    load_module_only: bool,
+    module_only: bool,
     strict: bool,
 ) -> None:
     """This rank's part of a load, before any collective (see [Note: collective save outcome]):
-    open and check the tag, plan the strategy's reads; ``opened`` receives ``[meta, reader]``."""
-    meta, reader = open_checkpoint(load_dir, tag)
+    open and check the tag, plan the strategy's reads; ``opened`` receives ``[meta, reader]``.
+    The single pass it begins is finished by the caller once every rank got here."""
+    meta, reader = _open_for(engine, load_dir, tag)
     opened[:] = [meta, reader]
-    reader.aliases = global_expert_names(engine.module)  # see [Note: expert fragments]
+    _require_optimizer_states(engine, meta, reader, load_opt)
     # sizes of every rank file checked here, checksums in the single pass (see [Note: shared verification])
-    reader.begin_single_pass(group)
+    reader.begin_single_pass(getattr(engine, "dp_group", None))
     engine.strategy.load_checkpoint_fragments(
-        reader, load_optimizer_states=load_opt, load_module_only=load_module_only, strict=strict
+        reader, load_optimizer_states=load_opt, load_module_only=module_only, strict=strict
     )
     _load_buffers(reader, engine.module, strict)
 
@@ -285,20 +315,45 @@ def _complete(
     meta: dict[str, Any],
     reader: CheckpointReader,
     custom_load_fn: Callable[..., Any] | None,
-    load_module_only: bool,
-    load_optimizer_states: bool,
-    load_lr_scheduler_states: bool,
+    restore: Callable[..., None],
+    module_only: bool,
+    strict: bool,
 ) -> None:
     """After every rank prepared its reads: the single pass, then the engine state."""
     reader.finish_single_pass()
     reader.end_single_pass()
     if custom_load_fn is not None:
         custom_load_fn(src=full_module_state_dict(reader, engine.module), dst=engine.module)
-    if not load_module_only:
-        _restore_engine(engine, meta, reader, load_optimizer_states, load_lr_scheduler_states)
+    if not module_only:
+        restore(engine, meta, reader)
+        _restore_sparse_names(engine, meta, strict)
     finish = getattr(engine.strategy, "after_checkpoint_load", None)
     if finish is not None:  # see [Note: rank-local optimizer state]
         finish()
+
+
+def _open_for(engine: Any, load_dir: str, tag: str) -> tuple[dict[str, Any], CheckpointReader]:
+    """``open_checkpoint`` with the reader set up for ``engine``: expert names, master source."""
+    meta, reader = open_checkpoint(load_dir, tag)
+    reader.aliases = global_expert_names(engine.module)  # see [Note: expert fragments]
+    zc = getattr(getattr(engine, "config", None), "zero_optimization", None)
+    # zero_optimization.load_from_fp32_weights: false builds the masters from the 16-bit weights
+    reader.masters_from_weights = not bool(getattr(zc, "load_from_fp32_weights", True))
+    return meta, reader
+
+
+def _restore_sparse_names(engine: Any, meta: dict[str, Any], strict: bool) -> None:
+    """DeepSpeed's ``sparse_tensor_module_names`` from the record (See [Note: sparse gradients])."""
+    saved = meta.get("sparse_tensor_module_names")
+    if saved is None or not hasattr(engine, "sparse_tensor_module_names"):
+        return  # a record older than the field, or an engine without the bookkeeping
+    from zero_core.utils.sparse_names import restored_names
+
+    own_params = {n for n, _ in engine.module.named_parameters()}
+    saved_params = {entry[0] for entry in meta.get("parameters", [])}
+    engine.sparse_tensor_module_names = restored_names(
+        engine.sparse_tensor_module_names, saved, own_params, saved_params, strict
+    )
 
 
 def _restore_engine(
@@ -309,8 +364,11 @@ def _restore_engine(
     engine.skipped_steps = int(meta["skipped_steps"])
     engine.micro_steps = int(meta["micro_steps"])
     engine.loss_scaler.load_state_dict(meta["loss_scaler"])
-    if load_opt:
-        _restore_param_groups(engine.optimizer, meta["optimizer"]["param_groups"], reader.tag_dir)
+    pld = getattr(engine, "progressive_layer_drop", None)
+    if pld is not None:  # the schedule follows the restored counter: See [Note: progressive layer drop]
+        pld.resume_at(engine.global_steps)
+    if load_opt and engine.optimizer is not None:  # See [Note: engine without an optimizer]
+        restore_param_groups(engine.optimizer, meta["optimizer"]["param_groups"], reader.tag_dir)
     sched = getattr(engine, "lr_scheduler", None)
     if load_sched and sched is not None and meta.get("lr_scheduler") is not None:
         sched.load_state_dict(meta["lr_scheduler"])
