@@ -15,9 +15,11 @@ import time
 from typing import Any
 
 from zero_core.comm import failures
+from zero_core.comm.collective_errors import PeerFailedError
 from zero_core.comm.failures import FailureRecord
 
 _HOST = socket.gethostname()
+RELEASED = b"\x00zero: released, a member of the group failed"
 _FOLLOW_S = 10.0  # after a peer's failure, how long an op no thread can leave by itself may wait
 
 
@@ -42,12 +44,12 @@ class FollowsFailedPeers:
             found.update(failures.bounded(lambda: failures.read_ranks(store, others)) or {})
         return failures.root_failure([rec for r, rec in found.items() if r in group and r != self.rank])
 
-    def _ended_member(self, entry: Any) -> FailureRecord | None:
+    def _ended_member(self, entry: Any, patience_s: float = 1.0) -> FailureRecord | None:
         """A member of ``entry``'s group whose process ended without a failure record (on this
         host). Asked right after a transport error: a dying process closes its connections
-        before the kernel marks it ended, so it is asked again for up to a second."""
+        before the kernel marks it ended, so it is asked again for up to ``patience_s``."""
         records = self._peer_records(entry.group) or {}
-        deadline = time.monotonic() + 1.0
+        deadline = time.monotonic() + patience_s
         while True:
             for r, rec in sorted(records.items()):
                 alive = failures.process_alive(rec.get("host", ""), rec.get("pid", 0))
@@ -58,6 +60,34 @@ class FollowsFailedPeers:
             if not local or time.monotonic() > deadline:
                 return None
             time.sleep(0.05)
+
+    def _release_store_waits(self) -> None:
+        """Release the store waits (see [Note: watched store waits]) whose group has a member
+        that recorded a failure or, on this host, ended without one: the keys still missing are
+        written with ``RELEASED``, so the blocked ``multi_get`` returns at once and the waiting
+        thread raises :class:`PeerFailedError` naming the failure kept on the entry."""
+        with self._lock:
+            entries = [e for e in self._inflight.values() if e.release is not None and e.released is None]
+        for e in entries:
+            failed = self.failed_member(e.group)
+            if failed is None and time.monotonic() - e.start > self.poll_s:
+                failed = self._ended_member(e, patience_s=0.0)
+            if failed is None:
+                continue
+            e.released = failed
+            store, keys = e.release
+            with contextlib.suppress(Exception):  # the waiting thread's own client is blocked
+                client = store.clone()
+                for key in keys:
+                    if not client.check([key]):
+                        client.set(key, RELEASED)
+
+    def released_error(self, token: int) -> PeerFailedError | None:
+        """The error of a store wait the thread released (None: not released)."""
+        entry = self._inflight.get(token)
+        if entry is None or entry.released is None:
+            return None
+        return PeerFailedError(self._peer_failed_message(entry, entry.released), _root_rank(entry.released))
 
     def _peer_failed_message(self, entry: Any, failed: FailureRecord) -> str:
         msg = f"rank {self.rank}: collective {entry.describe()} cannot complete: {failed.describe()}."

@@ -110,7 +110,18 @@ def check_timeout(seconds: Any, where: str) -> float:
 
 
 class _InFlight:
-    __slots__ = ("op", "group", "seq", "start", "work", "reported", "waiting", "blocking")
+    __slots__ = (
+        "op",
+        "group",
+        "seq",
+        "start",
+        "work",
+        "reported",
+        "waiting",
+        "blocking",
+        "release",
+        "released",
+    )
 
     def __init__(self, op: str, group: tuple[int, ...], seq: int, work: Any, blocking: bool = False) -> None:
         self.op, self.group, self.seq, self.work = op, group, seq, work
@@ -118,6 +129,8 @@ class _InFlight:
         self.reported = False
         self.waiting = False  # the issuing thread waits on it in slices (it raises by itself)
         self.blocking = blocking  # issued synchronously, not waitable: only the thread can end it
+        self.release: tuple[Any, list[str]] | None = None  # a store wait: its store and keys
+        self.released: FailureRecord | None = None  # the failure the thread released it for
 
     def describe(self) -> str:
         return f"{self.op} (#{self.seq} on the group of global ranks {list(self.group)})"
@@ -195,6 +208,32 @@ class CollectiveWatchdog(FollowsFailedPeers):
             self._inflight[token] = _InFlight(op, group, seq, work, blocking)
         return token
 
+    def begin_wait(
+        self, op: str, group: tuple[int, ...], store: Any, keys: list[str], seq: int | None = None
+    ) -> int:
+        """Bracket a wait for ``keys`` in ``store`` that is part of collective ``seq`` on ``group``
+        (default: the next one), without counting a collective: the store wait of a stage-3
+        agreement before its data collective. It is published as the op this rank waits in,
+        diagnosed at the deadline by the thread, and released by the thread when a member of
+        ``group`` fails (See [Note: watched store waits])."""
+        with self._lock:
+            number = self._seq.get(_group_key(group), 0) + 1 if seq is None else seq
+            token = next(self._ids)
+            entry = _InFlight(op, group, number, None)
+            entry.waiting, entry.release = True, (store, list(keys))
+            self._inflight[token] = entry
+        return token
+
+    def started(self, token: int) -> float:
+        """When the op of ``token`` began (``time.monotonic``; now if it is not in flight)."""
+        entry = self._inflight.get(token)
+        return time.monotonic() if entry is None else entry.start
+
+    def next_seq(self, group: tuple[int, ...]) -> int:
+        """The number the next collective on ``group`` will get."""
+        with self._lock:
+            return self._seq.get(_group_key(group), 0) + 1
+
     def end(self, token: int) -> None:
         with self._lock:
             self._inflight.pop(token, None)
@@ -269,6 +308,10 @@ class CollectiveWatchdog(FollowsFailedPeers):
                     raise PeerFailedError(
                         self._peer_failed_message(entry, failed), _root_rank(failed)
                     ) from None
+
+    def raise_for(self, token: int, cause: BaseException, timed_out: bool = False) -> NoReturn:
+        """Raise the error of the op of ``token`` that failed with ``cause`` (see ``_raise_for``)."""
+        self._raise_for(token, cause, timed_out)
 
     def _raise_for(self, token: int, cause: BaseException, timed_out: bool = False) -> NoReturn:
         """Raise the error of the failed op ``token``: PeerFailedError when a member of its group
@@ -426,7 +469,8 @@ class CollectiveWatchdog(FollowsFailedPeers):
             for token, e in list(self._inflight.items()):
                 if e.work is not None and _completed(e.work):
                     self._inflight.pop(token, None)
-                elif now - e.start > self.timeout_s:
+                # a store wait raises by itself at the deadline: see [Note: watched store waits]
+                elif now - e.start > self.timeout_s + (self.poll_s if e.release is not None else 0.0):
                     return token, e
         return None
 
@@ -437,6 +481,7 @@ class CollectiveWatchdog(FollowsFailedPeers):
             if peer is not None:
                 _die(f"[zero] rank {self.rank}: ending this process: {peer}")
             self._poll_failures()
+            self._release_store_waits()
             self._follow_failure()
             overdue = self._overdue()
             if overdue is None:
