@@ -15,7 +15,8 @@ first), and, with NVMe offload, no surviving rank left swap files (a rank ended 
 
 ``case_rank_failures(full=False)``: 6 rows (raise, exit, SIGKILL in backward at stages 2 and 3,
 2 ranks); ``full``: the whole matrix (180 rows), two jobs at a time (one for 4-rank jobs), with
-a progress line per job on stderr.
+a progress line per job on stderr; ``sample`` (``run_faults.py --sample``): 40 rows in which
+every kind, phase and configuration occurs at 2 ranks and every kind at 4 ranks.
 """
 
 from __future__ import annotations
@@ -147,7 +148,20 @@ def verdict(job: Job, got: Outcome) -> Row:
     return (f"rank failure: {job.name()}", expected, observed, "ok" if ok else "FAIL")
 
 
-def jobs(full: bool) -> list[Job]:
+def jobs(full: bool, sample: bool = False) -> list[Job]:
+    """The small set (6 jobs), the whole matrix (``full``: 180) or, with ``sample``, a slice of it
+    in which every kind, phase and configuration occurs: at 2 ranks each configuration with each
+    kind (the phase rotating: 30 jobs), at 4 ranks each kind twice (phase and configuration
+    rotating: 10 jobs)."""
+    if sample:
+        names = list(CONFIGS)
+        two = [Job(c, k, PHASES[(i + j) % 3], 2) for i, c in enumerate(names) for j, k in enumerate(KINDS)]
+        four = [
+            Job(names[(2 * j + t) % 6], k, PHASES[(j + t) % 3], 4)
+            for j, k in enumerate(KINDS)
+            for t in (0, 1)
+        ]
+        return two + four
     if not full:
         return [
             Job(c, k, "backward", 2) for c in ("stage 2", "stage 3") for k in ("raise", "exit", "sigkill")
@@ -178,9 +192,9 @@ def run_all(todo: list[Job], workers: int = 2) -> list[Row]:
     return [rows[j] for j in todo]
 
 
-def case_rank_failures(full: bool = False) -> list[Row]:
-    """See the module docstring."""
-    return run_all(jobs(full))
+def case_rank_failures(full: bool = False, sample: bool = False) -> list[Row]:
+    """See the module docstring (``sample``: see :func:`jobs`)."""
+    return run_all(jobs(full, sample))
 
 
 CASES = [case_rank_failures]

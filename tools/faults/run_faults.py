@@ -4,6 +4,7 @@
     python tools/faults/run_faults.py --full     # by hand: every row (about an hour on 2 loaded cores)
     python tools/faults/run_faults.py --full --out tools/bench/results/faults.md
     python tools/faults/run_faults.py --only rank_failures,one_sided   # some case functions
+    python tools/faults/run_faults.py --full --sample   # rank failures: a 40-job slice of the matrix
 
 Cases live next to this file: ``runtime_cases.py`` (mismatched, stalled, exiting ranks, SIGTERM),
 ``rank_failure_cases.py`` (one rank fails a given way in forward/backward/step at every stage,
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import platform
 import re
 import statistics
@@ -56,12 +58,13 @@ def _functions(module: Any) -> list[Callable[..., Any]]:
     ]
 
 
-def _call(fn: Callable[..., Any], full: bool) -> list[Row]:
+def _call(fn: Callable[..., Any], full: bool, sample: bool = False) -> list[Row]:
     try:
-        try:
-            out = fn(full=full)
-        except TypeError:
-            out = fn()
+        params = inspect.signature(fn).parameters
+        kwargs: dict[str, Any] = {"full": full} if "full" in params else {}
+        if sample and "sample" in params:
+            kwargs["sample"] = True
+        out = fn(**kwargs)
     except Exception as exc:  # a case that crashes is a failed case, not a crashed run
         return [
             (getattr(fn, "__name__", "case"), "runs", f"crashed: {type(exc).__name__}: {exc}"[:230], "FAIL")
@@ -71,13 +74,13 @@ def _call(fn: Callable[..., Any], full: bool) -> list[Row]:
     return [tuple(r) for r in out]
 
 
-def collect(full: bool, only: str = "") -> list[Row]:
+def collect(full: bool, only: str = "", sample: bool = False) -> list[Row]:
     rows: list[Row] = []
     for name in MODULES:
         module = _load(name)
         if module is None:
             continue
-        if hasattr(module, "cases") and not only:
+        if hasattr(module, "cases") and not only and not sample:
             rows += [tuple(r) for r in module.cases(full)]
             continue
         for fn in _functions(module):
@@ -85,7 +88,7 @@ def collect(full: bool, only: str = "") -> list[Row]:
                 continue
             start = time.monotonic()
             print(f"{name}.{fn.__name__} ...", file=sys.stderr, flush=True)
-            got = _call(fn, full)
+            got = _call(fn, full, sample)
             print(
                 f"  {fn.__name__}: {len(got)} row(s) in {time.monotonic() - start:.0f} s",
                 file=sys.stderr,
@@ -170,7 +173,7 @@ def _header(args: argparse.Namespace, seconds: float, load_at_start: str, commit
         f"machine: {platform.node()} ({platform.machine()}, {__import__('os').cpu_count()} CPUs), load average "
         f"{load_at_start} at the start, {_loadavg()} at the end (1, 5, 15 min; shared with other jobs)"
         f"\n\ntorch {torch.__version__}, Python {platform.python_version()}, commit {commit}\n\n"
-        f"command: python tools/faults/run_faults.py{' --full' if args.full else ''}"
+        f"command: python tools/faults/run_faults.py{' --full' if args.full else ''}{' --sample' if args.sample else ''}"
         f"{' --only ' + args.only if args.only else ''}; wall time {seconds:.0f} s\n"
     )
 
@@ -183,10 +186,15 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="run only the case functions whose name contains one of these (comma-separated)",
     )
+    p.add_argument(
+        "--sample",
+        action="store_true",
+        help="cases that offer it run a slice of their matrix (rank failures: 40 of the 180 jobs)",
+    )
     p.add_argument("--out", default="", help="also write the table as markdown to this file")
     args = p.parse_args(argv)
     start, load_at_start, commit = time.monotonic(), _loadavg(), _commit()  # the code under test: read first
-    rows = collect(args.full, args.only)
+    rows = collect(args.full, args.only, args.sample)
     text = table(rows) + "\n\n" + "\n".join(f"- {line}" for line in totals(rows)) + "\n"
     print(text)
     if args.out:

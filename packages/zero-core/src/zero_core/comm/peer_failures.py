@@ -20,6 +20,7 @@ from zero_core.comm.failures import FailureRecord
 
 _HOST = socket.gethostname()
 RELEASED = b"\x00zero: released, a member of the group failed"
+_ASK_ENDED_AFTER_S = 2.0  # a store wait this old is checked for members ended without a record
 _FOLLOW_S = 10.0  # after a peer's failure, how long an op no thread can leave by itself may wait
 
 
@@ -70,7 +71,9 @@ class FollowsFailedPeers:
             entries = [e for e in self._inflight.values() if e.release is not None and e.released is None]
         for e in entries:
             failed = self.failed_member(e.group)
-            if failed is None and time.monotonic() - e.start > self.poll_s:
+            # a process gone without a record, asked only of a wait that lasts (it reads every
+            # member's record: nothing for the waits of a normal step, which take milliseconds)
+            if failed is None and time.monotonic() - e.start > _ASK_ENDED_AFTER_S:
                 failed = self._ended_member(e, patience_s=0.0)
             if failed is None:
                 continue
