@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from zero_core.comm import failures
@@ -19,7 +20,7 @@ from zero_core.comm.collective_errors import PeerFailedError
 from zero_core.comm.failures import FailureRecord
 
 _HOST = socket.gethostname()
-RELEASED = b"\x00zero: released, a member of the group failed"
+RELEASED = b"\x00zero-released:"  # + the failure record (JSON): a released store wait's key
 _ASK_ENDED_AFTER_S = 2.0  # a store wait this old is checked for members ended without a record
 _FOLLOW_S = 10.0  # after a peer's failure, how long an op no thread can leave by itself may wait
 
@@ -65,8 +66,10 @@ class FollowsFailedPeers:
     def _release_store_waits(self) -> None:
         """Release the store waits (see [Note: watched store waits]) whose group has a member
         that recorded a failure or, on this host, ended without one: the keys still missing are
-        written with ``RELEASED``, so the blocked ``multi_get`` returns at once and the waiting
-        thread raises :class:`PeerFailedError` naming the failure kept on the entry."""
+        written with ``RELEASED`` and the failure record, so the blocked ``multi_get`` returns at
+        once and the waiting thread raises :class:`PeerFailedError` naming it. Other ranks
+        waiting for the same keys read the record from the marker (their own thread may not
+        have seen the failure yet)."""
         with self._lock:
             entries = [e for e in self._inflight.values() if e.release is not None and e.released is None]
         for e in entries:
@@ -83,14 +86,23 @@ class FollowsFailedPeers:
                 client = store.clone()
                 for key in keys:
                     if not client.check([key]):
-                        client.set(key, RELEASED)
+                        client.set(key, RELEASED + failed.to_json().encode())
 
-    def released_error(self, token: int) -> PeerFailedError | None:
-        """The error of a store wait the thread released (None: not released)."""
+    def released_error(self, token: int, values: Sequence[bytes] = ()) -> PeerFailedError | None:
+        """The error of a store wait released by this rank's thread or, through a marker among
+        ``values``, by another rank's (None: not released)."""
         entry = self._inflight.get(token)
-        if entry is None or entry.released is None:
+        if entry is None:
             return None
-        return PeerFailedError(self._peer_failed_message(entry, entry.released), _root_rank(entry.released))
+        failed = entry.released
+        for value in values if failed is None else ():
+            if value.startswith(RELEASED):
+                failed = FailureRecord.from_json(value[len(RELEASED) :])
+                if failed is not None:
+                    break
+        if failed is None:
+            return None
+        return PeerFailedError(self._peer_failed_message(entry, failed), _root_rank(failed))
 
     def _peer_failed_message(self, entry: Any, failed: FailureRecord) -> str:
         msg = f"rank {self.rank}: collective {entry.describe()} cannot complete: {failed.describe()}."

@@ -15,8 +15,9 @@ of the collective it precedes:
 * it is one ``multi_get`` with the whole deadline (no polling, nothing added to the fast
   path). When a member of the group records a failure or, on this host, ends without one
   (see [Note: failed ranks]), the watchdog's thread, which checks that once per poll, writes
-  the keys still missing with a marker (``peer_failures.RELEASED``): the wait returns within
-  about a poll and raises :class:`PeerFailedError` naming that rank. (Slices of a short store
+  the keys still missing with a marker (``peer_failures.RELEASED`` and the failure record):
+  the wait returns within about a poll and raises :class:`PeerFailedError` naming that rank;
+  every other rank waiting for the same keys is released by the same marker. (Slices of a short store
   timeout would do it too, but every timed-out store wait logs a c10d socket warning.)
 * at the deadline the error is the watchdog's diagnosis (the collective, the ranks that did
   not arrive and what they are doing) and the watchdog fires: the abort record ends the peers'
@@ -60,9 +61,14 @@ def wait_for_keys(
                 raise CollectiveTimeoutError(wd.fired) from None
             # before the deadline the store itself failed (its host ended): a failed member is named
             wd.raise_for(token, exc, timed_out=time.monotonic() - wd.started(token) >= 0.9 * timeout)
-        if RELEASED in values:
-            released = wd.released_error(token)
-            raise released if released is not None else CollectiveTimeoutError(wd.diagnose(token))
+        if any(v.startswith(RELEASED) for v in values):
+            released = wd.released_error(token, values)
+            if released is not None:
+                raise released
+            raise CollectiveTimeoutError(
+                f"rank {wd.rank}: {op}: released by a peer that saw a member of the group fail "
+                "(its failure record could not be read)"
+            )
         return values
     finally:
         wd.end(token)
