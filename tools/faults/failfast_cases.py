@@ -177,7 +177,7 @@ def case_one_sided(full: bool = False) -> list[Row]:
             try:
                 out = run_multirank(_one_sided_body, 2, args=(what, root), timeout=240)
             except Exception as exc:
-                rows.append((f"{what}_checkpoint on rank 0 only", "-", f"{exc}"[:300], "FAIL"))
+                rows.append((f"one-sided {what}_checkpoint: rank 0 only", "-", f"{exc}"[:300], "FAIL"))
                 continue
         err, took = out[0]["error"], out[0]["took"]
         call = f"{what}_checkpoint"
@@ -187,7 +187,7 @@ def case_one_sided(full: bool = False) -> list[Row]:
         expected = f"rank 0's error names rank 1 and its collective within {TARGET_S:g} s; training goes on"
         rows.append(
             (
-                f"{call} on rank 0 only (stage {3 if what == 'load' else 2}), rank 1 trains",
+                f"one-sided {call}: rank 0 only (stage {3 if what == 'load' else 2}), rank 1 trains",
                 expected,
                 observed,
                 _verdict(ok),
