@@ -16,9 +16,10 @@ all-reduced here only for the steps where its ``communicates_gradients()`` says 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from zero_core import comm
 from zero_core.engine.grad_buckets import BucketedAllReduce
@@ -28,6 +29,10 @@ from zero_core.utils.param_groups import reduction_groups
 from zero_core.utils.storage_bytes import StorageLedger
 from zero_core.zero.param_owners import register_owner, release_owner
 
+if TYPE_CHECKING:
+    from zero_core.checkpoint.fragments import CheckpointReader
+    from zero_core.engine.loss_scaler import LossScaler
+
 
 class DataParallelStrategy:
     def __init__(
@@ -35,7 +40,7 @@ class DataParallelStrategy:
         module: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         *,
-        group: Any = None,
+        group: dist.ProcessGroup | None = None,
         bucket_numel: int = 500_000_000,
         overlap_comm: bool = True,
         comm_dtype: torch.dtype | None = None,
@@ -98,14 +103,14 @@ class DataParallelStrategy:
                 )
             optimizer.bind_data_parallel(group)
         self._dense_this_boundary = True
-        self.loss_scaler: Any = None  # see bind_loss_scaler
+        self.loss_scaler: LossScaler | None = None  # see bind_loss_scaler
         from zero_core.engine.data_parallel_access import DataParallelStateAccess
 
         # See [Note: parameter owners] (zero/param_owners.py); released by close()
         self._state_access = DataParallelStateAccess(self)
         register_owner(self.params, self._state_access)
 
-    def bind_loss_scaler(self, loss_scaler: Any) -> None:
+    def bind_loss_scaler(self, loss_scaler: LossScaler | None) -> None:
         """The engine's loss scaler: the safe_get gradient helpers report unscaled gradients."""
         self.loss_scaler = loss_scaler
 
@@ -172,7 +177,7 @@ class DataParallelStrategy:
         # fused, in fp32, on the device: See [Note: scalars stay on the device in the step]
         return sum_of_squares(self._grads())
 
-    def norm_group(self) -> Any:
+    def norm_group(self) -> dist.ProcessGroup | None:
         return None
 
     @torch.no_grad()
@@ -246,7 +251,7 @@ class DataParallelStrategy:
 
     def load_checkpoint_fragments(
         self,
-        reader: Any,
+        reader: CheckpointReader,
         *,
         load_optimizer_states: bool = True,
         load_module_only: bool = False,

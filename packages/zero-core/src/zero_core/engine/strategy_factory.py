@@ -13,15 +13,23 @@ reduction] in zero-pipe) and runs stage 0 or 1 only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from zero_core import comm
 from zero_core.config import ZeroConfig
 from zero_core.engine.eval_only import is_eval_only
 from zero_core.plugins import require
+
+if TYPE_CHECKING:
+    from torch.optim.optimizer import ParamsT
+
+    from zero_core.engine.strategy import TrainingStrategy
+    from zero_core.protocols.optimizer_offload import OptimizerOffload
 
 # ``communication_data_type`` names -> dtypes
 COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -179,7 +187,9 @@ class Stage3Options:
         )
 
 
-def optimizer_offload(module: torch.nn.Module, cfg: ZeroConfig, group: Any, dtype: torch.dtype) -> Any:
+def optimizer_offload(
+    module: torch.nn.Module, cfg: ZeroConfig, group: dist.ProcessGroup | None, dtype: torch.dtype
+) -> OptimizerOffload | None:
     """zero-offload's ``OptimizerOffload`` when ``offload_optimizer.device`` is cpu/nvme, else None."""
     zc = cfg.zero_optimization
     oo = zc.offload_optimizer
@@ -196,7 +206,7 @@ def optimizer_offload(module: torch.nn.Module, cfg: ZeroConfig, group: Any, dtyp
     )
 
 
-def param_offload(cfg: ZeroConfig, group: Any) -> Any:
+def param_offload(cfg: ZeroConfig, group: dist.ProcessGroup | None) -> Any:
     """zero-offload's ``ParamOffload`` when ``offload_param.device`` is cpu/nvme (stage 3), else None."""
     zc = cfg.zero_optimization
     op = zc.offload_param
@@ -210,10 +220,10 @@ def build_strategy(
     module: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     cfg: ZeroConfig,
-    group: Any,
+    group: dist.ProcessGroup | None,
     *,
     pipeline: bool = False,
-) -> Any:
+) -> TrainingStrategy:
     """The training strategy of ``cfg``'s ZeRO stage over ``group``. See [Note: strategy options].
 
     Only stage 3 casts the module itself (it partitions the parameters); for the other stages
@@ -267,7 +277,11 @@ def build_strategy(
 
 
 def build_optimizer(
-    optimizer: Any, params: Any, cfg: ZeroConfig, *, required_by: str | None = None
+    optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None,
+    params: ParamsT,
+    cfg: ZeroConfig,
+    *,
+    required_by: str | None = None,
 ) -> torch.optim.Optimizer:
     """The optimizer ``initialize`` trains with: the client's, built by the client's callable, or
     from the config's ``optimizer`` section.

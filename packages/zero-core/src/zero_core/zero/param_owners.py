@@ -23,8 +23,8 @@ is its record ([Note: stage 3 parameter records]).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import torch
 
@@ -45,10 +45,10 @@ class _OwnerRef:
 
     __slots__ = ("ref",)
 
-    def __init__(self, owner: Any) -> None:
+    def __init__(self, owner: object) -> None:
         self.ref = weakref.ref(owner)
 
-    def __reduce__(self) -> tuple[Any, tuple[()]]:
+    def __reduce__(self) -> tuple[Callable[[], None], tuple[()]]:
         return _no_owner, ()
 
 
@@ -56,7 +56,7 @@ def _no_owner() -> None:
     return None
 
 
-def register_owner(params: Iterable[torch.Tensor], owner: Any) -> None:
+def register_owner(params: Iterable[torch.Tensor], owner: object) -> None:
     """Make ``owner`` the owner of every parameter of ``params`` (replacing any earlier one),
     held weakly (See [Note: parameter owners])."""
     ref = _OwnerRef(owner)
@@ -64,7 +64,7 @@ def register_owner(params: Iterable[torch.Tensor], owner: Any) -> None:
         setattr(p, _OWNER, ref)
 
 
-def release_owner(params: Iterable[torch.Tensor], owner: Any) -> None:
+def release_owner(params: Iterable[torch.Tensor], owner: object) -> None:
     """Forget ``owner`` on the parameters of ``params`` it still owns (a later owner stays)."""
     for p in params:
         ref = p.__dict__.get(_OWNER)
@@ -72,7 +72,7 @@ def release_owner(params: Iterable[torch.Tensor], owner: Any) -> None:
             delattr(p, _OWNER)
 
 
-def owner_of(param: torch.Tensor) -> Any:
+def owner_of(param: torch.Tensor) -> object | None:
     """The owner of ``param``, or None (stage 0 without an owner, frozen, not trained, or its
     engine is gone)."""
     ref = getattr(param, _OWNER, None)

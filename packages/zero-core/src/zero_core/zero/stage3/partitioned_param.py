@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import enum
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -172,7 +172,7 @@ class PartitionState:
         """The record's owner (a ``Stage3Strategy`` or ``zero.Init``; None: no live owner)."""
         return None if self.owner is None else self.owner()
 
-    def __reduce__(self) -> tuple[Any, tuple[()]]:
+    def __reduce__(self) -> tuple[Callable[[], None], tuple[()]]:
         # process state (groups, buffers): a pickled parameter comes back unpartitioned, as a
         # parameter without a record (See [Note: stage 3 parameter records])
         return _no_record, ()
