@@ -160,3 +160,20 @@ def test_search_converges_on_a_curved_peak_with_a_linear_estimate() -> None:
         run, ceiling=ceiling, estimate_bytes=lambda n: 2 * MB * n, max_layers=2000, log=lambda _: None
     )
     assert res.limit == truth and len(tried) <= 12
+
+
+def test_confirmation_reruns_the_limit_and_backs_off_when_it_goes_over() -> None:
+    # size 20 passes on its first run and goes over on the second (peaks vary from run to run)
+    runs: dict[int, int] = {}
+
+    def run(n: int):
+        runs[n] = runs.get(n, 0) + 1
+        fits = n < 20 or (n == 20 and runs[n] == 1)
+        return search.Trial(n, "ok" if fits else "over", 100 * n)
+
+    res = search.search_limit(
+        run, ceiling=2000, estimate_bytes=lambda n: 100.0 * n, max_layers=100, confirm=1, log=lambda _: None
+    )
+    assert (res.limit, res.bound) == (19, "memory")
+    assert runs[20] == 2 and runs[19] == 2  # the limit ran twice, both ok
+    assert all(t.status == "ok" for t in res.trials if t.layers == 19)

@@ -10,8 +10,9 @@ standard library and torch at import time; each system's package is imported ins
 zero and DeepSpeed read the same DeepSpeed JSON config (:func:`ds_config`): fp32 training,
 Adam, the ZeRO stage and the offload sections of the mode. Stage 3 knobs that otherwise scale
 with DeepSpeed's defaults (50M-element prefetch buckets, 1e9 live parameters, 1e9-element
-optimizer sub-groups) are set to a few transformer blocks, so the memory a mode needs is its
-model states plus a few blocks' worth of buffers, as a user sizing a large model would set them.
+optimizer sub-groups) are set to a block or a few (the prefetch bucket to one 4w x w matrix),
+so the memory a mode needs is its model states plus a few blocks' worth of buffers, as a user
+sizing a large model would set them.
 Stage 3 models are built inside the system's ``zero.Init`` (``remote_device`` cpu / nvme for the
 offload modes), so construction is partitioned too. FSDP2 builds the model on the meta device,
 shards every block and the root with ``fully_shard`` (plus ``CPUOffloadPolicy`` in its offload
@@ -72,7 +73,9 @@ def ds_config(mode: str, width: int, nvme_dir: str | None, micro_batch: int, wor
         block = block_params(width)
         zc.update(
             sub_group_size=block,
-            prefetch_bucket_size=block,
+            # one large matrix ahead: with a block, DeepSpeed 0.19.8's NVMe parameter prefetch asserts
+            # ("param ... already assigned swap buffer id ...") on the examples/ GPT
+            prefetch_bucket_size=largest_param(width),
             max_live_parameters=3 * block,
             max_reuse_distance=block,
         )

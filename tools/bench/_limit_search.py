@@ -23,6 +23,11 @@ the search (``failed``, ``timeout``, ``disk``: too little free disk for the swap
 4. The search stops when ``hi - lo <= max(1, tolerance * lo)`` (the limit is ``lo``), when
    ``lo`` reaches ``max_layers`` (the limit is at least the cap), or at the first trial that
    neither fits nor goes over (``lo`` is then only a lower bound, and the result says why).
+5. Peaks vary by a few percent from run to run (allocator and thread timing: 1.87-2.01 GiB over
+   three runs of the same 2-rank job here), which near the ceiling is a block or more. So before
+   stopping, the limit is run ``confirm`` more times; a run that goes over makes that size the
+   bracket's new upper end and the search goes on below it. The limit is then the largest size
+   that passed every time it ran.
 """
 
 from __future__ import annotations
@@ -94,6 +99,28 @@ def next_candidate(lo: int, hi: int | None, guess: int | None, max_layers: int) 
     return min(hi - 1, max(lo + 1, guess))
 
 
+def _estimator_limit(
+    base: float, estimate_bytes: Callable[[int], float], ceiling: int, max_layers: int
+) -> int:
+    """Largest n in 0..max_layers with base + estimate(n) <= ceiling (the estimate grows with n)."""
+    if base + estimate_bytes(max_layers) <= ceiling:
+        return max_layers
+    lo, hi = 0, max_layers
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if base + estimate_bytes(mid) <= ceiling else (lo, mid)
+    return lo
+
+
+def _largest_clean_ok(trials: list[Trial], below: int) -> int:
+    """The largest size under ``below`` that ran ``ok`` and never went over (0 if none)."""
+    over = {t.layers for t in trials if t.status == "over"}
+    return max(
+        (t.layers for t in trials if t.status == "ok" and t.layers < below and t.layers not in over),
+        default=0,
+    )
+
+
 def search_limit(
     run_trial: Callable[[int], Trial],
     *,
@@ -101,53 +128,53 @@ def search_limit(
     estimate_bytes: Callable[[int], float],
     max_layers: int,
     tolerance: float = 0.0,
+    confirm: int = 0,
     log: Callable[[str], None] = print,
 ) -> SearchResult:
     """Find the largest size (1..``max_layers``) whose trial is ``ok``. See [Note: largest-model search].
 
     ``estimate_bytes(n)``: the estimator's bytes of the job at ``n`` blocks (model states and
     activations, all ranks); only its differences matter (the 1-block trial supplies the fixed cost).
+    ``confirm``: runs of the limit beyond the first that must also be ``ok`` (peaks vary a little
+    from run to run); one that goes over makes that size the new upper end of the bracket.
     """
-    if max_layers < 1 or tolerance < 0 or ceiling <= 0:
+    if max_layers < 1 or tolerance < 0 or ceiling <= 0 or confirm < 0:
         raise ValueError(
-            f"search_limit: need max_layers >= 1, tolerance >= 0, ceiling > 0; got {max_layers}, {tolerance}, {ceiling}"
+            "search_limit: need max_layers >= 1, tolerance >= 0, ceiling > 0, confirm >= 0; got "
+            f"{max_layers}, {tolerance}, {ceiling}, {confirm}"
         )
-    trials: list[Trial] = []
-    first = run_trial(1)
-    trials.append(first)
-    if first.status != "ok":
-        return SearchResult(0, "memory" if first.status == "over" else first.status, None, trials)
-    base = first.peak - estimate_bytes(1)
-    prediction = None
-    if base + estimate_bytes(max_layers) <= ceiling:
-        prediction = max_layers
-    else:  # largest n with base + estimate(n) <= ceiling (the estimate grows with n)
-        lo_n, hi_n = 0, max_layers
-        while hi_n - lo_n > 1:
-            mid = (lo_n + hi_n) // 2
-            lo_n, hi_n = (mid, hi_n) if base + estimate_bytes(mid) <= ceiling else (lo_n, mid)
-        prediction = lo_n
+    trials = [run_trial(1)]
+    if trials[0].status != "ok":
+        return SearchResult(0, "memory" if trials[0].status == "over" else trials[0].status, None, trials)
+    prediction = _estimator_limit(trials[0].peak - estimate_bytes(1), estimate_bytes, ceiling, max_layers)
     slope = (estimate_bytes(max_layers) - estimate_bytes(1)) / max(1, max_layers - 1)
     lo, hi, guess, stalls = 1, None, prediction, 0
     while True:
-        if hi is not None and hi - lo <= max(1, math.floor(tolerance * lo)):
-            return SearchResult(lo, "memory", prediction, trials)
-        if hi is None and lo >= max_layers:
-            return SearchResult(lo, "cap", prediction, trials)
-        bisect = stalls >= 2
-        n = next_candidate(lo, hi, None if bisect else guess, max_layers)
-        log(f"  bracket [{lo}, {hi if hi is not None else '?'}), next {n}{' (bisection)' if bisect else ''}")
+        closed = hi is not None and hi - lo <= max(1, math.floor(tolerance * lo))
+        if closed or (hi is None and lo >= max_layers):
+            if sum(1 for t in trials if t.layers == lo and t.status == "ok") > confirm:
+                return SearchResult(lo, "memory" if closed else "cap", prediction, trials)
+            n, bisect, confirming = lo, False, True  # run the limit once more
+            log(f"  confirming {lo}")
+        else:
+            bisect, confirming = stalls >= 2, False
+            n = next_candidate(lo, hi, None if bisect else guess, max_layers)
+            log(
+                f"  bracket [{lo}, {hi if hi is not None else '?'}), next {n}{' (bisection)' if bisect else ''}"
+            )
         gap = None if hi is None else hi - lo
-        t = run_trial(n)
-        trials.append(t)
+        trials.append(t := run_trial(n))
         if t.status == "ok":
-            lo = n
+            lo = max(lo, n)
         elif t.status == "over":
-            hi = n
+            hi = n if hi is None else min(hi, n)
+            lo = _largest_clean_ok(trials, hi)
+            if lo == 0:
+                return SearchResult(0, "memory", prediction, trials)
         else:
             return SearchResult(lo, t.status, prediction, trials)
         # two predicted sizes in a row that did not halve the bracket: the next step bisects
-        predicted = not bisect and guess is not None
+        predicted = not confirming and not bisect and guess is not None
         stalls = stalls + 1 if predicted and gap is not None and hi - lo > gap / 2 else 0
         fits = sum(1 for x in trials if x.status == "ok")
         # one fitting size and a failing one: the estimator's slope was wrong, bisect instead

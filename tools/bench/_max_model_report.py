@@ -14,6 +14,7 @@ BOUND_TEXT = {
     "failed": "stopped: the next size failed (see the trials)",
     "timeout": "stopped: the next size ran past --trial-timeout",
     "disk": "stopped: not enough free disk for the next size",
+    "low-memory": "stopped: the machine kept running low on memory (other processes)",
 }
 
 

@@ -38,6 +38,7 @@ import atexit
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -244,6 +245,12 @@ def _trial_record(res, waited: float) -> dict:
             step_s=[s["wall"] for s in r0["steps"]],
             losses=[s["loss"] for s in r0["steps"]],
         )
+    if res.status != "ok":  # where the job was when it stopped
+        done = min(len(re.findall(r"^\[rank \d+\] step \d+:", o, re.M)) for o in res.outputs)
+        rec["reason"] += (
+            f"; stopped {'before the first step ended' if done == 0 else f'after {done} step(s)'}"
+        )
+        rec["last_lines"] = [(o.strip().splitlines() or [""])[-1][-300:] for o in res.outputs]
     if res.status in ("failed", "timeout"):
         rec["output_tail"] = "\n".join(o[-1500:] for o in res.outputs)
     return rec
@@ -301,6 +308,7 @@ def run_searches(args: argparse.Namespace, ceiling: int) -> list[dict]:
             estimate_bytes=estimator(mode, args.width, args.seq_len, args.micro_batch, args.world),
             max_layers=args.max_layers,
             tolerance=args.tolerance,
+            confirm=args.confirm,
         )
         print(
             f"[bench_max_model] {system} {mode}: limit {res.limit} blocks ({res.bound}), "
@@ -356,7 +364,8 @@ def write_results(
         "tools/bench/_gpt_job.py); FSDP2: fully_shard per block and at the root, torch.optim.Adam",
         f"- search: 1 block first (fixed cost), then the estimator's prediction, then a line through the "
         f"measured peaks, safeguarded bisection; stops at a bracket of max(1, {args.tolerance} x limit) blocks "
-        f"or at --max-layers {args.max_layers} ([Note: largest-model search] in tools/bench/_limit_search.py)",
+        f"or at --max-layers {args.max_layers}; the limit ran {1 + args.confirm} times, passing every time "
+        "([Note: largest-model search] in tools/bench/_limit_search.py)",
         "- estimator: zero-profiler's model-state bytes per mode plus fp32 activations, on top of the 1-block "
         "trial's measured fixed cost (module docstring of bench_max_model.py)",
         f"- total wall time {wall / 60:.0f} min; 1-min load average at the end {os.getloadavg()[0]:.1f}",
@@ -424,6 +433,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-layers", type=int, default=256)
     ap.add_argument(
         "--tolerance", type=float, default=0.05, help="stop at a bracket of this fraction of the limit"
+    )
+    ap.add_argument(
+        "--confirm",
+        type=int,
+        default=1,
+        help="extra runs of the limit that must pass too (peaks vary by a few %%)",
     )
     ap.add_argument("--trial-timeout", type=float, default=3600.0)
     ap.add_argument(
