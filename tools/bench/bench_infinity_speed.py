@@ -255,6 +255,19 @@ def phase_lines(passes: list[dict], args: argparse.Namespace) -> list[str]:
     return lines
 
 
+def loss_agreement(passes: list[dict]) -> str:
+    """How closely every launch's losses match the first zero-nvme launch's (same init, same batches)."""
+    ref = [s["loss"] for s in passes[0]["variants"].get("zero-nvme", {}).get("all_steps", [])]
+    if not ref:
+        return "no zero-nvme launch to compare with"
+    worst = 0.0
+    for p in passes:
+        for res in p["variants"].values():
+            for a, b in zip(ref, (s["loss"] for s in res["all_steps"]), strict=False):
+                worst = max(worst, abs(a - b) / abs(a))
+    return f"every launch's per-step losses within {worst:.1e} (relative) of the first zero-nvme launch's"
+
+
 QUIET_COMMAND = (
     "python tools/bench/bench_infinity_speed.py --nvme-dir /path/on/the/nvme/disk --passes 5 --layers 16 "
     "--ds-python /path/to/deepspeed/venv/bin/python --label 'quiet machine'"
@@ -288,8 +301,9 @@ def write_results(
         "- config: the same DeepSpeed JSON for both systems ([Note: one config for every system] in "
         "tools/bench/_gpt_job.py): stage 3, offload_param nvme (buffer_count "
         f"{job.PARAM_BUFFERS}, buffer_size one 4w x w matrix, max_in_cpu 0), offload_optimizer nvme "
-        f"(buffer_count {job.OPT_BUFFERS}, pipeline_read/write off), sub_group_size / prefetch_bucket_size one "
-        "block, max_live_parameters three blocks; the RAM variants drop the two offload sections",
+        f"(buffer_count {job.OPT_BUFFERS}, pipeline_read/write off), sub_group_size one block, prefetch_bucket_size "
+        "one 4w x w matrix, max_live_parameters three blocks; the RAM variants drop the two offload sections",
+        f"- same initialisation and data for both systems: {loss_agreement(passes)}",
         f"- {args.passes} passes; per pass dd ({args.dd_mib} MiB, O_DIRECT) then one launch per variant in the "
         f"order {', '.join(args.variants)}; {args.steps} steps a launch, the first {args.warmup} left out",
         "- definitions: [Note: swap throughput and hidden compute] in tools/bench/bench_infinity_speed.py. Cells: "
