@@ -44,6 +44,7 @@ import argparse
 import os
 import platform
 import re
+import shlex
 import shutil
 import signal
 import statistics
@@ -399,8 +400,8 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(
         signal.SIGTERM, lambda *_: sys.exit(143)
     )  # run the cleanups (kill the job, remove swap files)
-    command = "python tools/bench/bench_infinity_speed.py " + " ".join(
-        argv if argv is not None else sys.argv[1:]
+    command = shlex.join(
+        ["python", "tools/bench/bench_infinity_speed.py", *(argv if argv is not None else sys.argv[1:])]
     )
     os.makedirs(args.nvme_dir, exist_ok=True)
     params = job.block_params(args.width) * args.layers

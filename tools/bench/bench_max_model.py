@@ -39,6 +39,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -497,7 +498,9 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(
         signal.SIGTERM, lambda *_: sys.exit(143)
     )  # run the cleanups (kill the job, remove swap files)
-    command = "python tools/bench/bench_max_model.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = shlex.join(
+        ["python", "tools/bench/bench_max_model.py", *(argv if argv is not None else sys.argv[1:])]
+    )
     check_shape(args.width, args.seq_len)
     if any(m == "stage3+nvme" for s in args.systems for m in modes_of(s, args.modes)):
         _prepare_nvme(args.nvme_dir)
