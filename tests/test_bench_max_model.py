@@ -177,3 +177,22 @@ def test_confirmation_reruns_the_limit_and_backs_off_when_it_goes_over() -> None
     assert (res.limit, res.bound) == (19, "memory")
     assert runs[20] == 2 and runs[19] == 2  # the limit ran twice, both ok
     assert all(t.status == "ok" for t in res.trials if t.layers == 19)
+
+
+def test_watcher_counts_a_forked_child_by_its_private_pages() -> None:
+    # the parent touches 200 MB, then forks a child that sits without exec: the child's RSS shows the
+    # parent's pages (copy-on-write), which must not count twice
+    code = (
+        "import os, time\n"
+        "buf = bytearray(200 * 2**20)\n"
+        "pid = os.fork()\n"
+        "time.sleep(1.0)\n"
+        "if pid == 0:\n"
+        "    os._exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+    )
+    res = memwatch.run_job(
+        [[sys.executable, "-c", code]], [{}], ceiling=2000 * MB, timeout=60, use_cgroup=False
+    )
+    assert res.status == "ok", res
+    assert 200 * MB < res.peak_sum < 300 * MB  # one copy of the 200 MB, not two

@@ -8,11 +8,13 @@ missed; the watcher reads it every ``poll`` seconds (0.1 by default) for every p
 job (the launched ones and their descendants) and kills the whole job with SIGKILL as soon as the
 sum passes ``C``. A process's last peak counts after it exits; a job that prints a ``RESULT
 {json}`` line with ``peak_rss`` (its own ``VmHWM`` at the end) has that folded in, which closes
-the last sampling gap. A process counts while it lives: a short-lived helper (DeepSpeed starts a Python
-subprocess to read the CPU's features at import) adds its peak only to the samples taken while it
-runs, so the job's figure is the largest, over the samples, sum of the live processes' peaks. For
-the ranks, which live from start to end, that is the sum of their peak RSS, the figure the issue
-states its target in. It is conservative: pages shared between ranks (the torch libraries,
+the last sampling gap. Other processes of the job (DeepSpeed starts a Python subprocess to read the CPU's
+features at import, and compiler probes while it builds its engine) count with their private
+pages (``smaps_rollup``), sampled, and only while they live: between its fork and its exec a
+child maps every page of its parent, so its RSS would count a rank twice (seen here: DeepSpeed
+NVMe jobs read 5.3-5.6 GiB summing RSS, where their ranks' own peaks were 3.5-3.7 GiB). The job's figure is the largest,
+over the samples, sum of what its live processes hold; for the ranks, which live from start to
+end, that is the sum of their peak RSS, the figure the issue states its target in. It is conservative: pages shared between ranks (the torch libraries,
 ~0.2-0.3 GiB a rank) count once per rank, and two ranks' peaks count together even if they came
 at different moments. The largest sampled instantaneous sums of RSS and of anonymous RSS are
 reported beside it.
@@ -190,21 +192,45 @@ class JobResult:
     results: list[dict] = field(default_factory=list)  # parsed RESULT lines, in launch order
 
 
-class _Tracker:
-    """The job's peak: the largest sum, over the processes alive at a sample, of their peak RSS."""
+def private_bytes(pid: int) -> int | None:
+    """Pages ``pid`` alone maps (``Private_Clean + Private_Dirty`` of ``smaps_rollup``); None once gone."""
+    total = 0
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                    total += int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return total
 
-    def __init__(self) -> None:
+
+class _Tracker:
+    """The job's peak: the largest sum, over a sample's live processes, of what each one holds.
+
+    A launched process counts with its peak RSS. Any other process of the job (a descendant)
+    counts with its private pages only: right after a fork, and until it execs, a child maps all
+    of its parent's pages (copy-on-write), and its RSS would count them a second time.
+    """
+
+    def __init__(self, roots: Sequence[int]) -> None:
+        self.roots = set(roots)
         self.peak = self.rss_sum = self.anon_sum = 0
 
     def sample(self, pids: Sequence[int]) -> int:
-        rss = anon = hwm = 0
+        rss = anon = held = 0
         for pid in pids:
-            st = read_status(pid)
-            if st is not None:
-                rss += st[0]
-                hwm += st[1]
-                anon += st[2]
-        self.peak = max(self.peak, hwm)
+            if pid in self.roots:
+                st = read_status(pid)
+                if st is not None:
+                    rss += st[0]
+                    held += st[1]
+                    anon += st[2]
+            else:
+                own = private_bytes(pid)
+                if own is not None:
+                    rss, held, anon = rss + own, held + own, anon + own
+        self.peak = max(self.peak, held)
         self.rss_sum = max(self.rss_sum, rss)
         self.anon_sum = max(self.anon_sum, anon)
         return self.peak
@@ -250,7 +276,6 @@ def run_job(
     tmp = tempfile.mkdtemp(prefix="memwatch_")
     logs = [open(os.path.join(tmp, f"p{i}.log"), "w+") for i in range(len(cmds))]  # noqa: SIM115
     procs: list[subprocess.Popen] = []
-    tracker = _Tracker()
     status, reason = "ok", ""
     t0 = time.monotonic()
     try:
@@ -266,6 +291,7 @@ def run_job(
                     preexec_fn=group.join if group else None,
                 )
             )
+        tracker = _Tracker([p.pid for p in procs])
         status, reason = _watch(procs, group, tracker, ceiling, timeout, min_available, poll, grace, t0)
     finally:
         members = group.procs() if group else []
