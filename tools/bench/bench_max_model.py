@@ -358,7 +358,7 @@ def write_results(
         f"- machine: {os.cpu_count()} CPUs ({cpu_model()}), RAM {mi['MemTotal'] / GIB:.1f} GiB, {platform.platform()}",
         f"- versions: python {v.get('python', '?')}, torch {v.get('torch', '?')}, zero {v.get('zero', '?')}, "
         f"DeepSpeed {v.get('deepspeed', 'not run')} (own venv, DS_ACCELERATOR=cpu)",
-        f"- git commit: {git_commit('tools/bench', 'packages', 'examples')}",
+        f"- git commit: {args.commit} (when the run started)",
         f"- command: `{command}`",
         f"- ceiling: {ceiling / GIB:.2f} GiB for the sum of both ranks' peak RSS (VmHWM), watched every 0.1 s, "
         f"job killed past it; backstop: {'a memory cgroup at 1.05x the ceiling' if _cgroup_ok() else 'none (no writable memory cgroup)'}. "
@@ -500,6 +500,7 @@ def _prepare_nvme(path: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    args.commit = git_commit("tools/bench", "packages", "examples")  # the code measured, before any edit
     ceiling = _ceiling(args)
     signal.signal(
         signal.SIGTERM, lambda *_: sys.exit(143)
