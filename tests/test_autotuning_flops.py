@@ -1,7 +1,7 @@
 """``autotuning.metric: flops``: every experiment's metric is the FLOPS the engine measured with
 zero-profiler's flops profiler (one step's FLOPs over the mean step time of the profile window).
-Cross-package (zero-core's autotuner, zero-profiler's profiler), so it runs in the meta-package's
-environment. See [Note: autotuning experiments].
+Cross-package (zero-profiler's autotuner and profiler measuring zero-core's engine), so it runs in
+the meta-package's environment. See [Note: autotuning experiments].
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-JOB = REPO / "packages" / "zero-core" / "tests" / "_autotuning_job.py"
+JOB = REPO / "packages" / "zero-profiler" / "tests" / "_autotuning_job.py"
 
 
 def test_flops_metric_is_the_profilers_flops_over_the_step_time(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ def test_gpt_search_writes_results_and_runs_the_best(tmp_path: Path) -> None:
                 **PROFILE,
                 # kept to CI's budget (every launch costs seconds): one micro-batch size, so two
                 # search launches, then the job; the model information is given and the confirm
-                # phase is off here (both run for real, with the cheaper test job, in zero-core's
+                # phase is off here (both run for real, with the cheaper test job, in zero-profiler's
                 # test_autotuning.py)
                 "min_train_micro_batch_size_per_gpu": 2,
                 "max_train_micro_batch_size_per_gpu": 2,

@@ -35,7 +35,7 @@ import sys
 import time
 
 import torch
-from zero_core.autotuning.confirm import confirm_window_end
+from zero_profiler.autotuning.confirm import confirm_window_end
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_env import ROOT, cpu_model, git_commit  # noqa: E402
@@ -197,7 +197,7 @@ def _report(args: argparse.Namespace, rounds: list[dict], began: float) -> list[
         f"- machine: {os.cpu_count()} CPUs ({cpu_model()}), {platform.system()} {platform.release()}; "
         f"1-minute load average {min(loads):.1f}-{max(loads):.1f} over the searches (per search below)",
         f"- versions: python {platform.python_version()}, torch {torch.__version__}",
-        f"- git commit: {git_commit('packages/zero-core', 'tools/bench')}",
+        f"- git commit: {git_commit('packages/zero-core', 'packages/zero-profiler', 'tools/bench')}",
         f"- command: `OMP_NUM_THREADS=1 hatch run python tools/bench/bench_autotune.py {' '.join(sys.argv[1:])}`",
         f"- space: stage 0-3 x micro-batch {args.mbs} x reduce_bucket_size {args.buckets} = {space} points "
         f"(allgather/prefetch buckets 5e8, overlap_comm on); GPT d_model {args.d_model}, 2 layers, seq 64; "

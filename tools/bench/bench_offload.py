@@ -289,12 +289,10 @@ def main() -> None:
         f"| ratio swapper / dd mix | {swap_mbs / dd_mix:.2f} |",
     ]
     text = "\n".join(lines) + "\n"
-    out = os.path.join(HERE, "results", "bench_offload.md")
-    with open(out + ".tmp", "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(out + ".tmp", out)
+    # imported here, not at the top: DeepSpeed's worker runs this file in its own environment
+    from zero_core.checkpoint.atomic import atomic_write_text
+
+    atomic_write_text(os.path.join(HERE, "results", "bench_offload.md"), text)
     print(text)
 
 

@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
         "other jobs (compare ratios within this file, not absolute times); 1-minute load average "
         f"{load_before:.1f} at start, {load_after:.1f} at end; 4 ranks time-share the cores",
         f"- versions: python {platform.python_version()}, torch {torch.__version__}",
-        f"- git commit: {git_commit('packages/zero-core/src', 'tools/bench/bench_onebit.py')}",
+        f"- git commit: {git_commit('packages/zero-core/src', 'packages/zero-ops/src', 'tools/bench/bench_onebit.py')}",
         f"- command: `OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')} hatch run python "
         f"tools/bench/bench_onebit.py --steps {args.steps} --rounds {args.rounds} --adam_lr {args.adam_lr} "
         f"--lamb_lr {args.lamb_lr}`; bench wall time {total:.0f} s",

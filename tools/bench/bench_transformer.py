@@ -206,10 +206,9 @@ def main() -> None:
     text = render(args, variants, times, saved, stated, load_before, load_after, command)
     print(text)
     if args.out:
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, args.out)
+        from zero_core.checkpoint.atomic import atomic_write_text
+
+        atomic_write_text(args.out, text)
 
 
 if __name__ == "__main__":

@@ -126,10 +126,9 @@ def main(argv: list[str] | None = None) -> dict:
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:
-        tmp = a.out + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, a.out)
+        from zero_core.checkpoint.atomic import atomic_write_text
+
+        atomic_write_text(a.out, text)
     return {"losses": res, "worst": worst}
 
 

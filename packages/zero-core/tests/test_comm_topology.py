@@ -58,3 +58,16 @@ def _groups_body() -> None:
 
 def test_node_groups_two_nodes_of_two() -> None:
     run_multirank(_groups_body, world_size=4, env={"ZERO_RANKS_PER_NODE": "2"}, timeout=120)
+
+
+def _reset_body() -> None:
+    from zero_core import comm
+
+    block_groups(1)
+    assert (dist.get_world_size(), 1) in topology._BLOCK_GROUPS
+    comm.destroy_process_group()  # the default group: the groups cut from it die with it
+    assert topology._BLOCK_GROUPS == {} and topology._NESTED_GROUPS == {}
+
+
+def test_destroying_the_default_group_forgets_the_cached_groups() -> None:
+    run_multirank(_reset_body, world_size=2, timeout=120)

@@ -1,4 +1,7 @@
-"""DeepSpeed features zero does not implement: present-but-off loads, switched-on is a clear error."""
+"""DeepSpeed sections zero does not implement: present-but-off loads, switched-on is a clear error.
+
+Single keys (and the keys without effect) are checked over every field by test_config_truth.py.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +10,11 @@ import warnings
 import pytest
 from zero_core.config.errors import ConfigError
 from zero_core.config.loader import load_config
-from zero_core.config.unimplemented import NEWER_KEYS, NO_EFFECT, UNIMPLEMENTED
+from zero_core.config.unimplemented import NEWER_KEYS, UNIMPLEMENTED
 
 BASE = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 8}
 
 ON = {
-    "progressive_layer_drop": {"enabled": True, "theta": 0.5, "gamma": 0.001},
     "curriculum_learning": {"enabled": True, "curriculum_type": "seqlen"},
     "data_efficiency": {"enabled": True},
     "compression_training": {"enabled": True},
@@ -21,6 +23,8 @@ ON = {
     "elasticity": {"enabled": True, "max_train_batch_size": 64, "micro_batch_sizes": [8]},
     "nebula": {"enabled": True},
     "compile": {"deepcompile": True},
+    "sparse_attention": {"enabled": True},
+    "amp": {"enabled": True, "opt_level": "O1"},
     "torch_autocast": {"enabled": True, "dtype": "bfloat16"},
     "comet": {"enabled": True},
     "weight_quantization": {"post_init_quant": {}},
@@ -41,7 +45,7 @@ OFF = {
 
 
 def test_every_fatal_feature_has_a_switched_on_case() -> None:
-    assert {k for k, (_, _, fatal) in UNIMPLEMENTED.items() if fatal} == set(ON)
+    assert {k for k, e in UNIMPLEMENTED.items() if e.is_on is not None} == set(ON)
 
 
 @pytest.mark.parametrize("name", sorted(ON))
@@ -49,7 +53,7 @@ def test_switched_on_is_an_error_naming_the_section(name: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_config({**BASE, name: ON[name]}, world_size=1)
     text = str(info.value)
-    assert f"{name}:" in text and "zero does not implement" in text and "switch it off" in text
+    assert f"{name}:" in text and "zero does not implement" in text and UNIMPLEMENTED[name].instead in text
 
 
 @pytest.mark.parametrize("name", sorted(OFF))
@@ -63,7 +67,7 @@ def test_present_but_off_loads_silently(name: str) -> None:
 
 
 def test_autotuning_is_implemented_and_loads_silently() -> None:
-    # zero run --autotuning reads the section (see zero_core.autotuning); loading it is not a warning
+    # zero run --autotuning reads the section (see zero_profiler.autotuning); loading it is not a warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         cfg = load_config({**BASE, "autotuning": {"enabled": True, "metric_path": "m.json"}}, world_size=1)
@@ -71,9 +75,9 @@ def test_autotuning_is_implemented_and_loads_silently() -> None:
 
 
 def test_the_unknown_keys_switch_downgrades_to_a_warning() -> None:
-    with pytest.warns(UserWarning, match="progressive_layer_drop: .* \\(ignored\\)"):
+    with pytest.warns(UserWarning, match="curriculum_learning: .* \\(ignored\\)"):
         load_config(
-            {**BASE, "zero_allow_unknown_keys": True, "progressive_layer_drop": {"enabled": True}},
+            {**BASE, "zero_allow_unknown_keys": True, "curriculum_learning": {"enabled": True}},
             world_size=1,
         )
 
@@ -120,11 +124,7 @@ def test_a_long_section_is_cut_in_the_message():
     )
 
 
-@pytest.mark.parametrize("key", sorted(NO_EFFECT))
-def test_accepted_keys_without_effect_warn_when_set(key: str) -> None:
-    section, _, name = key.partition(".")
-    with pytest.warns(UserWarning, match=f"{key} is set but has no effect"):
-        load_config({**BASE, section: {name: True}}, world_size=1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # left at its default (false): silent
-        load_config({**BASE, section: {name: False}}, world_size=1)
+def test_compile_switched_on_by_its_enabled_key_too():
+    with pytest.raises(ConfigError, match="compile: .* switches on torch.compile"):
+        load_config({**BASE, "compile": {"enabled": True}}, world_size=1)
+    load_config({**BASE, "compile": {"enabled": False, "backend": "eager"}}, world_size=1)

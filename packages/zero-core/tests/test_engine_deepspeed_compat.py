@@ -196,3 +196,34 @@ def _api_rank() -> dict:
 def test_no_sync_errors_backward_return_attribute_forwarding_and_eval_engine():
     for r in run_multirank(_api_rank, WORLD, timeout=180):
         assert r["last_loss"] == pytest.approx(sum(r["seen"]) / 2, rel=1e-6)
+
+
+def _backward_return_rank(dtype: str) -> bool:
+    import zero_core
+
+    for gas in (1, 2):
+        torch.manual_seed(0)
+        extra = {} if dtype == "fp32" else {dtype: {"enabled": True}}
+        cfg = _cfg(0, gas=gas, optimizer={"type": "SGD", "params": {"lr": 0.1}}, **extra)
+        cfg["train_batch_size"] = MICRO * gas
+        engine, *_ = zero_core.initialize(model=_Net(), config=cfg)
+        x, y = _batch(0, 0)
+        loss = engine(x[:MICRO].to(engine.compute_dtype), y[:MICRO])
+        assert loss.dtype == engine.compute_dtype
+        ret = engine.backward(loss)
+        if gas == 1:
+            assert ret is loss
+        else:
+            assert ret.dtype == torch.float32 and ret.requires_grad
+            torch.testing.assert_close(ret, loss.float() / gas, rtol=0, atol=0)
+        loss = engine(x[MICRO:].to(engine.compute_dtype), y[MICRO:])
+        assert engine.backward(loss, scale_wrt_gas=False) is loss
+    return True
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+def test_backward_returns_the_fp32_loss_over_gas(dtype):
+    # DeepSpeed divides loss.float() by gradient_accumulation_steps and returns that (an fp32
+    # tensor in fp16/bf16 runs too); with one step, or scale_wrt_gas=False, the loss itself.
+    # (initialize sets up a process group: in a forked rank, never in the test process)
+    assert run_multirank(_backward_return_rank, 1, args=(dtype,), timeout=120) == [True]

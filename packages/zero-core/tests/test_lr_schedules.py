@@ -237,6 +237,25 @@ def test_state_dict_json_round_trip(name):
         (WarmupLR if name != "WarmupLR" else LRRangeTest)(_optimizer("adam", groups=2)).load_state_dict(state)
 
 
+@pytest.mark.parametrize("name", sorted(_FACTORIES))
+def test_schedule_drives_the_optimizer_after_its_load_state_dict(name):
+    """torch's ``optimizer.load_state_dict`` replaces the param-group dicts: a schedule built before it
+    kept writing its rates into the old ones, so the optimizer's lr (and momentum) stopped moving."""
+    make = _FACTORIES[name]
+    reference_opt = _optimizer("adam", groups=2)
+    reference = make(reference_opt)
+    opt = _optimizer("adam", groups=2)
+    sched = make(opt)
+    opt.load_state_dict(_optimizer("adam", groups=2).state_dict())
+    for _ in range(300):
+        reference.step()
+        sched.step()
+        assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in reference_opt.param_groups]
+        assert [g.get("betas") for g in opt.param_groups] == [
+            g.get("betas") for g in reference_opt.param_groups
+        ]
+
+
 # ------------------------------------------------------------------------------ config and validation
 def test_build_from_config_matches_direct_construction():
     cfg = {"type": "WarmupDecayLR", "params": {"total_num_steps": 900, "warmup_max_lr": 0.01,

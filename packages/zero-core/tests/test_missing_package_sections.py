@@ -30,7 +30,6 @@ def _initialize_without(module: str, section: dict) -> str:
     "module, section, dist",
     [
         ("zero_pipe", {"pipeline": {"stages": 2}}, "zero-pipe"),
-        ("zero_moe", {"moe": {"num_experts": 2}}, "zero-moe"),
     ],
 )
 def test_section_without_its_package_names_it(module: str, section: dict, dist: str) -> None:

@@ -96,11 +96,12 @@ def test_csv_default_output_path_is_launch_dir(tmp_path, monkeypatch):
 
 def test_wandb_defaults_to_offline_and_writes_a_local_run(wandb_env):
     assert resolve_mode() == "offline"
-    monitor = WandbMonitor({"enabled": True, "project": "zero-test", "group": "g1"})
+    monitor = WandbMonitor({"enabled": True, "project": "zero-test", "group": "g1", "team": "t1"})
     try:
         for events in EVENTS:
             monitor.write_events(events)
         assert monitor.run.offline and monitor.run.project == "zero-test" and monitor.run.group == "g1"
+        assert monitor.run.entity == "t1"  # wandb.team
         # W&B commits a step when a later step (or finish) arrives: several writes may share a step.
         assert monitor.run.summary["Train/Samples/train_loss"] == 1.25
     finally:

@@ -101,6 +101,25 @@ def test_reshard_between_ep_sizes(tmp_path):
     for sub in ("ep1", "ep2"):
         files = sorted(p.name for p in (tmp_path / sub).iterdir())
         assert len(files) == 2 + 2 * E and not any(".tmp" in f for f in files)
+    _converts_and_inspects(tmp_path)
+
+
+def _converts_and_inspects(tmp_path):
+    """zero_to_fp32 turns the directory saved on 2 ranks (ep_size 2) into the full state dict of the
+    model built with ep_size 1, every global expert under its global name; inspect verifies every file."""
+    from zero_core.checkpoint.inspect import describe
+    from zero_core.checkpoint.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    full = TwoLayer(1, seed=7)
+    load_moe_checkpoint(full, tmp_path / "ep2")
+    want = full.state_dict()
+    for sub in ("ep2", "ep1"):
+        got = get_fp32_state_dict_from_zero_checkpoint(tmp_path / sub)
+        assert sorted(got) == sorted(want)
+        assert all(torch.equal(got[k], v) for k, v in want.items())
+    report = describe(str(tmp_path / "ep2"))
+    assert "zero-moe experts (save_moe_checkpoint) | moe1: 4 experts, moe2: 4 experts" in report
+    assert report.count(" OK") == 1 + 2 * E
 
 
 def test_checkpoint_is_verified_sealed_and_crash_safe(tmp_path):

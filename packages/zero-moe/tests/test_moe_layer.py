@@ -185,6 +185,9 @@ def test_forward_validation():
 
 
 def test_enable_expert_tensor_parallelism_warns_it_has_no_effect():
+    from zero_core.config.no_effect import reset_no_effect_warnings
+
+    reset_no_effect_warnings()  # each key warns once per process
     expert = nn.Linear(8, 8)
     with pytest.warns(UserWarning, match=r"moe.enable_expert_tensor_parallelism is set but has no effect"):
         MoE(8, expert, num_experts=2, enable_expert_tensor_parallelism=True)

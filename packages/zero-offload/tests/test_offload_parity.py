@@ -28,7 +28,7 @@ def _data(step: int, world: int, gas: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _optimizer(model: nn.Module, bias_correction: bool = True) -> torch.optim.Optimizer:
     if not bias_correction:  # DeepSpeed's FusedAdam math (the config's "bias_correction": false)
-        from zero_core.optim import FusedAdam
+        from zero_ops.adam import FusedAdam
 
         return FusedAdam(model.parameters(), lr=1e-2, weight_decay=0.1, bias_correction=False)
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)

@@ -175,10 +175,10 @@ def test_argument_validation(tmp_path):
     ) == (4096, 4, True, False, 3)
     with pytest.raises(ValueError, match="contiguous"):
         h.async_pwrite(torch.randn(4, 4).t(), tmp_path / "x")
-    with pytest.raises(ValueError, match="offset must be an int >= 0"):
+    with pytest.raises(ValueError, match="file_offset must be an int >= 0"):
         h.async_pwrite(torch.randn(4), tmp_path / "x", -1)
-    with pytest.raises(TypeError, match="path must be a str"):
-        h.async_pwrite(torch.randn(4), 3)
+    with pytest.raises(TypeError, match="filename must be a str"):
+        h.async_pwrite(torch.randn(4), 3.5)  # an int is DeepSpeed's file-descriptor overload
     with pytest.raises(ValueError, match="alignment must be a power of two"):
         aligned_empty(4, torch.float32, alignment=3000)
 

@@ -4,6 +4,8 @@ CPUAdagrad with sparse (embedding) gradients."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -51,6 +53,52 @@ def test_aio_locked_tensor_and_transfers_as_deepspeed(tmp_path):
     assert h.read(again, path, True) == 1 and h.write(buf, str(tmp_path / "w.bin"), False) == 1
     for t in [buf, back, *outs]:
         h.free_cpu_locked_tensor(t)
+
+
+def test_aio_calls_by_deepspeeds_keyword_names(tmp_path):
+    # DeepSpeed's pybind signatures name every argument (buffer, filename, validate, async,
+    # file_offset; fd for async_pwrite's descriptor overload) and its users call them by keyword,
+    # e.g. writing a file piece by piece at offsets.
+    h = aio_handle(
+        block_size=BLOCK, queue_depth=QD, single_submit=True, overlap_events=True, intra_op_parallelism=PAR
+    )
+    data = torch.randint(0, 255, (3 * BLOCK,), dtype=torch.uint8)
+    buf = h.new_cpu_locked_tensor(num_elem=data.numel(), example_tenosr=torch.empty(0, dtype=torch.uint8))
+    buf.copy_(data)
+    assert h.is_pinned(buffer=buf) and not h.is_pinned(torch.empty(4)) and h.get_alignment() == 4096
+    path = str(tmp_path / "pieces.bin")
+    for k in range(3):  # one block per call, at its offset
+        piece = buf[k * BLOCK : (k + 1) * BLOCK]
+        assert h.sync_pwrite(buffer=piece, filename=path, file_offset=k * BLOCK) == 1
+    back = torch.zeros_like(data)
+    assert h.sync_pread(buffer=back, filename=path, file_offset=0) == 1 and torch.equal(back, data)
+    tail = torch.zeros(BLOCK, dtype=torch.uint8)
+    assert h.async_pread(buffer=tail, filename=path, file_offset=2 * BLOCK) == 0 and h.wait() == 1
+    assert torch.equal(tail, data[2 * BLOCK :])
+    # async_pwrite to an open descriptor (fd=, or an int in the filename's place), at an offset
+    fd_path = tmp_path / "by_fd.bin"
+    fd = os.open(fd_path, os.O_CREAT | os.O_WRONLY)
+    try:
+        assert h.async_pwrite(buffer=buf[BLOCK:], fd=fd, file_offset=BLOCK) == 0 and h.wait() == 1
+        assert h.async_pwrite(buf[:BLOCK], fd, 0) == 0 and h.wait() == 1
+    finally:
+        os.close(fd)
+    assert fd_path.read_bytes() == data.numpy().tobytes()
+    # pread/pwrite's ``async`` is a Python keyword: by position, async_op=, or **{"async": ...}
+    other = str(tmp_path / "other.bin")
+    assert h.pwrite(buffer=buf, filename=other, validate=True, **{"async": False}, file_offset=0) == 1
+    again = torch.zeros_like(data)
+    assert h.pread(buffer=again, filename=other, validate=False, **{"async": True}) == 0 and h.wait() == 1
+    assert torch.equal(again, data)
+    assert h.read(buffer=again, filename=other, validate=True) == 1
+    assert h.write(buffer=buf, filename=str(tmp_path / "w.bin"), validate=False, file_offset=0) == 1
+    h.free_cpu_locked_tensor(tensor=buf)
+    # zero's earlier keyword names still work; giving both spellings is an error
+    assert h.sync_pread(tensor=again, path=other, offset=0) == 1
+    with pytest.raises(TypeError, match="both 'offset' and 'file_offset'"):
+        h.sync_pread(again, other, offset=0, file_offset=0)
+    with pytest.raises(TypeError, match="filename or fd, not both"):
+        h.async_pwrite(buf, other, fd=3)
 
 
 def test_aio_validate_catches_a_differing_file(tmp_path):

@@ -112,6 +112,46 @@ def test_subclass_initialize_train_batch_over_training_data_and_progress_line():
             assert lines == []
 
 
+def _empty_cache_rank(save_dir):
+    from zero_core import initialize
+
+    cfg = {
+        "train_micro_batch_size_per_gpu": MB,
+        "gradient_accumulation_steps": GAS,
+        "optimizer": {"type": "SGD", "params": {"lr": LR}},
+        "gradient_clipping": 0.0,
+    }
+    engine, _, _, _ = initialize(model=MyPipe(), config=cfg, training_data=Pairs())
+    # DeepSpeed's checkpoint tests call it on every engine they build, pipelines included:
+    # right after initialize, after training and before saving.
+    assert engine.empty_partition_cache() is None
+    # DeepSpeed's engine attributes those tests use: the device to build data on, the skipped-step
+    # counter, and set_dataloader (training continues from a fresh iterator over the loader)
+    assert engine.device == torch.device("cpu") and engine.skipped_steps == 0
+    losses = []
+    for _ in range(3):
+        losses.append(engine.train_batch().item())
+        engine.empty_partition_cache()
+    engine.save_checkpoint(save_dir, tag="t")
+    # set_dataloader: train_batch() then draws its micro-batches from that loader
+    fixed = [(Pairs().x[:MB], Pairs().y[:MB])] * GAS
+    want = engine.eval_batch(iter(fixed)).item()
+    engine.set_dataloader(fixed)
+    assert engine.train_batch().item() == pytest.approx(want, rel=1e-6)
+    with pytest.raises(TypeError, match="set_dataloader: expected an iterable"):
+        engine.set_dataloader(3)
+    return losses
+
+
+def test_empty_partition_cache_on_the_pipeline_engine(tmp_path):
+    # A no-op for a pipeline stage (ZeRO stage 0/1 keeps no gathered copies): the trajectory is
+    # the one of a run without the calls, and saving afterwards works.
+    expected = _reference_losses(3)
+    for losses in run_multirank(_empty_cache_rank, 2, args=(str(tmp_path),), timeout=240):
+        assert losses == pytest.approx(expected, rel=1e-5)
+    assert (tmp_path / "t").is_dir()
+
+
 class Scale(nn.Module):
     """An in-place op on its input: the received activation when it starts a stage."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from zero_core.testing import run_multirank
@@ -61,6 +62,13 @@ def _init_rank():
         err = None
     except PipelineConfigError as e:
         err = str(e)
+    # progressive layer drop needs keyword arguments in the model's forward, which a pipeline's
+    # stages never get (DeepSpeed's pipeline then fails with a TypeError): refused up front
+    pld = {**cfg, "progressive_layer_drop": {"enabled": True, "theta": 0.5}}
+    with pytest.raises(PipelineConfigError, match="progressive_layer_drop: the pipeline engine cannot pass"):
+        initialize(
+            model=PipelineModule(specs(), num_stages=2, loss_fn=nn.functional.cross_entropy), config=pld
+        )
     return (
         type(engine) is PipelineEngine,
         opt is engine.optimizer,

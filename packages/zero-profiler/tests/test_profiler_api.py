@@ -61,6 +61,22 @@ def test_print_model_profile_layout(capsys, tmp_path):
     prof.end_profile()
 
 
+def test_printing_keeps_the_totals_as_deepspeeds_attributes(capsys):
+    # DeepSpeed's print_model_profile leaves flops / macs / params on the profiler (what
+    # engine.flops_profiler.flops reads after the profiled step); they survive end_profile.
+    model = mlp()
+    prof = FlopsProfiler(model)
+    assert (prof.flops, prof.macs, prof.params) == (None, None, None)
+    prof.start_profile()
+    model(torch.randn(2, 8))
+    prof.stop_profile()
+    prof.print_model_profile(detailed=False)
+    totals = (prof.get_total_flops(), prof.get_total_macs(), prof.get_total_params())
+    prof.end_profile()
+    assert (prof.flops, prof.macs, prof.params) == totals == (800, 384, 8 * 16 + 16 + 16 * 4 + 4)
+    capsys.readouterr()
+
+
 def test_get_model_profile_input_shape_and_strings(capsys):
     flops, macs, params = get_model_profile(mlp(), input_shape=(64, 8), print_profile=True, top_modules=1)
     assert flops == "25.6 K" and macs == "12.29 KMACs" and params == "212"

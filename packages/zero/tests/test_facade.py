@@ -91,3 +91,17 @@ def test_zero_to_fp32_runs_as_a_module(tmp_path):
         [*run, str(tmp_path), str(tmp_path / "out.safetensors")], capture_output=True, text=True
     )
     assert missing.returncode != 0 and "zero_to_fp32: error" in missing.stderr, missing
+
+
+def test_optimizer_names_come_from_zero_ops():
+    # the optimizers moved from zero-core to zero-ops (issue 38); DeepSpeed's paths stay
+    import zero_ops.adam
+    import zero_ops.lamb
+    import zero_ops.onebit
+
+    assert zero.ops.adam.OnebitAdam is zero_ops.onebit.OnebitAdam
+    assert zero.ops.adam.ZeroOneAdam is zero_ops.onebit.ZeroOneAdam
+    assert zero.ops.adam.FusedAdam is zero_ops.adam.FusedAdam
+    assert zero.ops.adam.CPUAdam is zero_ops.adam.CPUAdam
+    assert zero.ops.lamb.OnebitLamb is zero_ops.onebit.OnebitLamb
+    assert zero.ops.lamb.FusedLamb is zero_ops.lamb.Lamb

@@ -23,3 +23,21 @@ def test_facade_exports():
     assert zero.zero.OnDevice is zero.OnDevice and zero.zero.MiCS_Init is zero.MiCS_Init
     assert callable(zero.checkpointing.non_reentrant_checkpoint)
     assert copy.copy(zero.utils.set_random_seed) is zero.utils.set_random_seed
+
+
+def test_facade_exports_the_deepspeed_checkpoint_importer():
+    import zero
+    import zero_core.checkpoint
+
+    assert zero.checkpoint.from_deepspeed is zero_core.checkpoint.from_deepspeed
+
+
+def test_progressive_layer_drop_module():
+    # deepspeed.runtime.progressive_layer_drop.ProgressiveLayerDrop -> zero.progressive_layer_drop
+    import zero.progressive_layer_drop as pld
+    from zero_core.engine.progressive_layer_drop import ProgressiveLayerDrop
+
+    assert pld.ProgressiveLayerDrop is ProgressiveLayerDrop
+    schedule = pld.ProgressiveLayerDrop(theta=0.5, gamma=0.1)
+    schedule.update_state(0)
+    assert schedule.get_state() == {"progressive_layer_drop": True, "pld_theta": 1.0}

@@ -29,8 +29,9 @@ FAMILY: dict[str, str] = {
 FAMILY_DEPENDENCIES: dict[str, tuple[str, ...]] = {"zero-offload": ("zero-ops",)}
 
 
-def install_hint(dist: str) -> str:
-    """The command that installs ``dist`` (and its missing family members) from a clone.
+def install_hint(dist: str, extra: str | None = None) -> str:
+    """The command that installs ``dist`` (with its optional ``extra``, and its missing family
+    members) from a clone.
 
     [Note: install hints]
     The packages of the family are installed from a clone of the repository (``pip install
@@ -38,10 +39,12 @@ def install_hint(dist: str) -> str:
     where no such package of ours is published (and a package someone else registered under
     that name would be installed instead). pip resolves a local folder's dependencies from the
     index, so the folders of missing family members it depends on (zero-offload needs
-    zero-ops) go on the same command line.
+    zero-ops) go on the same command line. A feature behind an extra of the package (zero-profiler's
+    ``autotuning``) names it: ``pip install 'packages/zero-profiler[autotuning]'``.
     """
     missing = [d for d in FAMILY_DEPENDENCIES.get(dist, ()) if not is_available(d.replace("-", "_"))]
-    folders = " ".join(f"packages/{d}" for d in (*missing, dist))
+    target = f"'packages/{dist}[{extra}]'" if extra else f"packages/{dist}"
+    folders = " ".join([*(f"packages/{d}" for d in missing), target])
     return f"pip install {folders} (from a clone of the zero repository)"
 
 
@@ -54,18 +57,19 @@ def is_available(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def require(module: str, feature: str) -> ModuleType:
+def require(module: str, feature: str, *, extra: str | None = None) -> ModuleType:
     """Import ``module`` (a family member, or one of its submodules) for ``feature``.
 
-    Raises :class:`MissingPackageError` naming the distribution to install when the
-    package is absent. Errors raised while importing an installed package propagate
-    unchanged, so a broken install is not reported as a missing one.
+    Raises :class:`MissingPackageError` naming the distribution to install (with ``extra``, the
+    optional extra of it that ``feature`` belongs to) when the package is absent. Errors raised
+    while importing an installed package propagate unchanged, so a broken install is not
+    reported as a missing one.
     """
     top = module.split(".", 1)[0]
     if importlib.util.find_spec(top) is None:
         dist = FAMILY.get(top, top.replace("_", "-"))
         raise MissingPackageError(
-            f"{feature} needs the '{dist}' package, which is not installed: {install_hint(dist)}"
+            f"{feature} needs the '{dist}' package, which is not installed: {install_hint(dist, extra)}"
         )
     return importlib.import_module(module)
 

@@ -32,8 +32,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
+from zero_core.checkpoint.atomic import atomic_write_json, atomic_write_safetensors
 
 from zero_inference.param_source import SafetensorsSource
 from zero_inference.tp_reshard import TPReshardSource, plan_layouts
@@ -234,23 +235,6 @@ def _non_persistent(model: nn.Module) -> set[str]:
     return out
 
 
-def _atomic_save(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> None:
-    tmp = path + ".tmp"
-    save_file(tensors, tmp, metadata=metadata)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _atomic_json(obj: Any, path: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def save_mp_checkpoint(
     model: nn.Module,
     path: str,
@@ -276,10 +260,14 @@ def save_mp_checkpoint(
         if t.is_floating_point() and dtype is None:
             dtype = str(t.dtype).removeprefix("torch.")
     files = [f"tp_rank_{r:02d}.safetensors" for r in range(tp_size)]
-    _atomic_save(tensors, os.path.join(path, files[rank]), {"format": FORMAT, "tp_rank": str(rank)})
+    # See [Note: one atomic writer] in zero_core/checkpoint/atomic.py
+    atomic_write_safetensors(
+        os.path.join(path, files[rank]), tensors, {"format": FORMAT, "tp_rank": str(rank)}
+    )
     if rank == 0:
         layouts, full_shapes = plan_layouts(plan, shapes or {})
-        _atomic_json(
+        atomic_write_json(
+            os.path.join(path, INDEX_NAME),
             {
                 "format": FORMAT,
                 "version": 2,
@@ -290,5 +278,4 @@ def save_mp_checkpoint(
                 "files": files,
                 "aliases": aliases,
             },
-            os.path.join(path, INDEX_NAME),
         )

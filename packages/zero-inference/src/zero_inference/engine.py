@@ -35,7 +35,7 @@ from zero_inference.config import (
 )
 from zero_inference.generation import decode, hf_step, resolve_settings
 from zero_inference.moe_inference import moe_layers, shard_experts
-from zero_inference.quantize import quantize_model_
+from zero_inference.quantize_model import quantize_model_
 
 
 def _model_device(model: nn.Module) -> torch.device:

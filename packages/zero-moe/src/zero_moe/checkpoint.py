@@ -8,7 +8,9 @@ A checkpoint directory holds:
   the expert-data-parallel rank 0 holding it, so each file is written exactly once;
 * ``non_expert.safetensors``: every other entry of ``model.state_dict()`` (global rank 0);
 * ``moe_index.json``: format version, the layers' module names and expert counts, the
-  ``ep_size`` used when saving (informational).
+  ``ep_size`` used when saving (informational), the state-dict name of each layer's expert list
+  (``expert_names``: global expert ``G``'s tensors are ``<expert_names>.<G>.<key>`` in the model
+  built with ``ep_size=1``; ``zero_to_fp32`` and ``inspect_checkpoint`` read the directory by it).
 
 Nothing in the layout depends on ``ep_size``: a rank loads its local experts by global index,
 so a checkpoint saved with one expert-parallel size loads with any other. The directory is
@@ -48,12 +50,16 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
 
 
+def _expert_list_name(name: str) -> str:
+    """State-dict name of the expert list of the MoE layer named ``name`` (its experts are ``<this>.<i>.``)."""
+    return f"{name}.zero_moe.experts.zero_experts" if name else "zero_moe.experts.zero_experts"
+
+
 def _expert_prefixes(model: nn.Module) -> list[tuple[int, MoE, list[str]]]:
     """For each MoE layer: its id, the layer, and the state-dict prefix of each local expert."""
     out = []
     for layer_id, (name, layer) in enumerate(moe_layers(model)):
-        base = f"{name}." if name else ""
-        prefixes = [f"{base}zero_moe.experts.zero_experts.{i}." for i in range(layer.num_local_experts)]
+        prefixes = [f"{_expert_list_name(name)}.{i}." for i in range(layer.num_local_experts)]
         out.append((layer_id, layer, prefixes))
     return out
 
@@ -95,7 +101,12 @@ def save_moe_checkpoint(model: nn.Module, directory: str | os.PathLike[str]) -> 
         "format": "zero-moe-checkpoint",
         "format_version": FORMAT_VERSION,
         "layers": [
-            {"module": name, "num_experts": layer.num_experts, "saved_ep_size": layer.ep_size}
+            {
+                "module": name,
+                "num_experts": layer.num_experts,
+                "saved_ep_size": layer.ep_size,
+                "expert_names": _expert_list_name(name),  # global expert G is <expert_names>.<G>.<key>
+            }
             for name, layer in moe_layers(model)
         ],
     }

@@ -129,19 +129,9 @@ def topk_gating(
     device = logits.device
     logits = logits.float()
     gates = F.softmax(logits, dim=1)
-
-    # Selection (noise changes the choice only; see the Note).
-    with torch.no_grad():
-        first_scores = logits + gumbel_noise(logits.shape, device) if rsample else logits
-        first = first_scores.argmax(dim=1)
-        if k > 1:
-            rest_scores = logits + gumbel_noise(logits.shape, device) if sample_rest else logits.clone()
-            rest_scores.scatter_(1, first[:, None], float("-inf"))
-            rest = rest_scores.topk(k - 1, dim=1).indices
-            expert_idx = torch.cat([first[:, None], rest], dim=1)
-        else:
-            expert_idx = first[:, None]
-
+    first, expert_idx = _select_experts(
+        logits, k, rsample, sample_rest
+    )  # noise: See [Note: gating semantics]
     if used_token is None:
         valid = torch.ones(num_tokens, dtype=torch.bool, device=device)
     else:
@@ -153,54 +143,86 @@ def topk_gating(
     first_mask.scatter_(1, first[:, None], valid[:, None].float())
     l_aux = (gates.mean(dim=0) * first_mask.mean(dim=0)).sum() * num_experts
 
-    # Slot of every assignment: one sort keyed by (expert, choice rank, token priority).
-    flat_expert = expert_idx.t().reshape(-1)  # choice-major: j * S + s
-    flat_valid = valid.repeat(k)
-    sort_expert = torch.where(flat_valid, flat_expert, torch.full_like(flat_expert, num_experts))
-    if use_rts:
-        token_priority = torch.randperm(num_tokens, device=device)
-    else:
-        token_priority = torch.arange(num_tokens, device=device)
-    choice = torch.arange(k, device=device)[:, None]
-    key = (choice * num_tokens + token_priority[None, :]).reshape(-1)
-    order_all = torch.argsort(sort_expert * (k * num_tokens) + key)
-    loads = torch.bincount(sort_expert, minlength=num_experts + 1)
-    starts = torch.cumsum(loads, 0) - loads
-    position_flat = torch.empty_like(flat_expert)
-    position_flat[order_all] = torch.arange(k * num_tokens, device=device) - starts[sort_expert[order_all]]
-
-    exp_counts = loads[:num_experts].detach().to("cpu")
+    slots = _Slots(expert_idx, valid, num_experts, use_rts)
+    exp_counts = slots.loads[:num_experts].detach().to("cpu")
     if drop_tokens:
         capacity: int | None = compute_capacity(num_tokens, num_experts, capacity_factor, min_capacity, k)
-        keep_flat = flat_valid & (position_flat < capacity)
+        keep_flat = slots.flat_valid & (slots.position_flat < capacity)
     else:
-        keep_flat = flat_valid
-        if ragged:
-            capacity = None
-        else:
-            most = loads[:num_experts].max().reshape(1).clone()
-            if ep_group is not None and comm.get_world_size(ep_group) > 1:
-                comm.all_reduce(most, op=comm.ReduceOp.MAX, group=ep_group)
-            capacity = max(int(most.item()), 1)
+        keep_flat = slots.flat_valid
+        capacity = None if ragged else _dropless_capacity(slots.loads[:num_experts], ep_group)
 
     keep = keep_flat.reshape(k, num_tokens).t()
     weights = gates.gather(1, expert_idx) * keep.float()
     if k > 1:
         denom = weights.sum(dim=1, keepdim=True).clamp_min(torch.finfo(weights.dtype).eps)
         weights = weights / denom
-    order = order_all[keep_flat[order_all]]
-    counts = torch.bincount(flat_expert[keep_flat], minlength=num_experts)
+    order = slots.order_all[keep_flat[slots.order_all]]
+    counts = torch.bincount(slots.flat_expert[keep_flat], minlength=num_experts)
     return GateOutput(
         l_aux=l_aux,
         exp_counts=exp_counts,
         expert_idx=expert_idx,
         weights=weights,
         keep=keep,
-        position=position_flat.reshape(k, num_tokens).t(),
+        position=slots.position_flat.reshape(k, num_tokens).t(),
         order=order,
         counts=counts,
         capacity=capacity,
     )
+
+
+@torch.no_grad()
+def _select_experts(
+    logits: torch.Tensor, k: int, rsample: bool, sample_rest: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first choice ``[S]`` and all ``k`` choices ``[S, k]`` of every token (noise changes
+    the choice only)."""
+    first_scores = logits + gumbel_noise(logits.shape, logits.device) if rsample else logits
+    first = first_scores.argmax(dim=1)
+    if k == 1:
+        return first, first[:, None]
+    rest_scores = logits + gumbel_noise(logits.shape, logits.device) if sample_rest else logits.clone()
+    rest_scores.scatter_(1, first[:, None], float("-inf"))
+    rest = rest_scores.topk(k - 1, dim=1).indices
+    return first, torch.cat([first[:, None], rest], dim=1)
+
+
+class _Slots:
+    """The slot of every assignment in its expert's buffer: one sort keyed by (expert, choice
+    rank, token priority); unused tokens sort after every expert (index ``E``)."""
+
+    def __init__(
+        self, expert_idx: torch.Tensor, valid: torch.Tensor, num_experts: int, use_rts: bool
+    ) -> None:
+        num_tokens, k = expert_idx.shape
+        device = expert_idx.device
+        self.flat_expert = expert_idx.t().reshape(-1)  # choice-major: j * S + s
+        self.flat_valid = valid.repeat(k)
+        sort_expert = torch.where(
+            self.flat_valid, self.flat_expert, torch.full_like(self.flat_expert, num_experts)
+        )
+        if use_rts:
+            token_priority = torch.randperm(num_tokens, device=device)
+        else:
+            token_priority = torch.arange(num_tokens, device=device)
+        choice = torch.arange(k, device=device)[:, None]
+        key = (choice * num_tokens + token_priority[None, :]).reshape(-1)
+        self.order_all = torch.argsort(sort_expert * (k * num_tokens) + key)
+        self.loads = torch.bincount(sort_expert, minlength=num_experts + 1)
+        starts = torch.cumsum(self.loads, 0) - self.loads
+        self.position_flat = torch.empty_like(self.flat_expert)
+        self.position_flat[self.order_all] = (
+            torch.arange(k * num_tokens, device=device) - starts[sort_expert[self.order_all]]
+        )
+
+
+def _dropless_capacity(loads: torch.Tensor, ep_group: Any) -> int:
+    """The padded dropless capacity: the largest load of any expert over the expert-parallel group."""
+    most = loads.max().reshape(1).clone()
+    if ep_group is not None and comm.get_world_size(ep_group) > 1:
+        comm.all_reduce(most, op=comm.ReduceOp.MAX, group=ep_group)
+    return max(int(most.item()), 1)
 
 
 class TopKGate(nn.Module):

@@ -9,7 +9,7 @@ import warnings
 import torch
 from torch import nn
 from zero_core import comm
-from zero_core.config.unimplemented import warn_no_effect
+from zero_core.config.no_effect import warn_no_effect
 
 from zero_moe import groups
 from zero_moe.deepspeed_names import accept_deepspeed_moe_names
@@ -30,6 +30,48 @@ def _check_factor(name: str, value: object) -> None:
         raise ValueError(f"MoE: {name} must be a number > 0, got {value!r}")
 
 
+def _check_sizes(
+    hidden_size: object, expert: object, num_experts: object, ep_size: object, k: object
+) -> None:
+    _check_int("hidden_size", hidden_size, 1)
+    if not isinstance(expert, nn.Module):
+        raise TypeError(f"MoE: expert must be a torch.nn.Module, got {type(expert).__name__}")
+    _check_int("num_experts", num_experts, 1)
+    _check_int("ep_size", ep_size, 1)
+    if num_experts % ep_size != 0:
+        raise ValueError(
+            f"MoE: num_experts ({num_experts}) must be divisible by ep_size ({ep_size}) so every "
+            "expert-parallel rank holds the same number of experts"
+        )
+    _check_int("k", k, 1)
+    if k > num_experts:
+        raise ValueError(f"MoE: k ({k}) cannot exceed num_experts ({num_experts})")
+
+
+def _checked_policy(noisy_gate_policy: object) -> str | None:
+    """``noisy_gate_policy`` with DeepSpeed's string ``'None'`` read as None."""
+    if noisy_gate_policy == "None":
+        noisy_gate_policy = None
+    if noisy_gate_policy not in NOISY_GATE_POLICIES:
+        raise ValueError(
+            f"MoE: noisy_gate_policy must be 'Jitter', 'RSample', 'None' or None, got {noisy_gate_policy!r}"
+        )
+    return noisy_gate_policy
+
+
+def _warn_tutel(stacklevel: int) -> None:
+    reason = (
+        "tutel is not installed"
+        if importlib.util.find_spec("tutel") is None
+        else "zero-moe does not integrate tutel"
+    )
+    warnings.warn(
+        f"MoE(use_tutel=True): {reason}; using the built-in dispatch instead",
+        UserWarning,
+        stacklevel=stacklevel,
+    )
+
+
 class MoE(nn.Module):
     """A Mixture-of-Experts layer: ``num_experts`` copies of ``expert`` behind a top-k gate.
 
@@ -45,7 +87,7 @@ class MoE(nn.Module):
 
     ``enable_expert_tensor_parallelism`` only matters with tensor model parallelism, which zero
     does not provide: it is recorded (for engines), has no effect on the computation, and
-    ``True`` warns so (zero-core's ``config/unimplemented.py`` ``NO_EFFECT``).
+    ``True`` warns so, once per process (zero-core's ``config/no_effect.py`` ``NO_EFFECT``).
     ``use_tutel`` is accepted for compatibility; the built-in dispatch is always used.
     """
 
@@ -70,41 +112,15 @@ class MoE(nn.Module):
         dropless_impl: str = "ragged",
     ) -> None:
         super().__init__()
-        _check_int("hidden_size", hidden_size, 1)
-        if not isinstance(expert, nn.Module):
-            raise TypeError(f"MoE: expert must be a torch.nn.Module, got {type(expert).__name__}")
-        _check_int("num_experts", num_experts, 1)
-        _check_int("ep_size", ep_size, 1)
-        if num_experts % ep_size != 0:
-            raise ValueError(
-                f"MoE: num_experts ({num_experts}) must be divisible by ep_size ({ep_size}) so every "
-                "expert-parallel rank holds the same number of experts"
-            )
-        _check_int("k", k, 1)
-        if k > num_experts:
-            raise ValueError(f"MoE: k ({k}) cannot exceed num_experts ({num_experts})")
+        _check_sizes(hidden_size, expert, num_experts, ep_size, k)
         _check_factor("capacity_factor", capacity_factor)
         _check_factor("eval_capacity_factor", eval_capacity_factor)
         _check_int("min_capacity", min_capacity, 0)
-        if noisy_gate_policy == "None":
-            noisy_gate_policy = None
-        if noisy_gate_policy not in NOISY_GATE_POLICIES:
-            raise ValueError(
-                f"MoE: noisy_gate_policy must be 'Jitter', 'RSample', 'None' or None, got {noisy_gate_policy!r}"
-            )
+        noisy_gate_policy = _checked_policy(noisy_gate_policy)
         if dropless_impl not in DROPLESS_IMPLS:
             raise ValueError(f"MoE: dropless_impl must be one of {DROPLESS_IMPLS}, got {dropless_impl!r}")
         if use_tutel:
-            reason = (
-                "tutel is not installed"
-                if importlib.util.find_spec("tutel") is None
-                else "zero-moe does not integrate tutel"
-            )
-            warnings.warn(
-                f"MoE(use_tutel=True): {reason}; using the built-in dispatch instead",
-                UserWarning,
-                stacklevel=2,
-            )
+            _warn_tutel(stacklevel=3)
 
         self.hidden_size = hidden_size
         self.num_experts = num_experts

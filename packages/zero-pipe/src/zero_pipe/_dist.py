@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from zero_core.comm import (
     ReduceOp,
+    all_gather_object,
     all_reduce,
     barrier,
     broadcast,
@@ -25,6 +26,7 @@ from zero_core.comm import (
 
 __all__ = [
     "ReduceOp",
+    "all_gather_object",
     "all_reduce",
     "barrier",
     "broadcast",

@@ -20,12 +20,20 @@ from typing import Any
 import torch
 from zero_core.config import ZeroConfig, load_config
 from zero_core.engine.loss_scaler import LossScaler, build_loss_scaler
+from zero_core.engine.state_report import breakdown_text
 from zero_core.engine.strategy_factory import compute_dtype
 
 from zero_pipe import _dist
+from zero_pipe.config_checks import check_pipeline_config
 from zero_pipe.executor import ComputeSpan, StageExecutor
 from zero_pipe.module import PipelineModule
-from zero_pipe.optimizer_step import PipelineConfigError, StageOptimizer, build_strategy, check_zero_stage
+from zero_pipe.optimizer_step import (
+    PipelineConfigError,
+    StageOptimizer,
+    build_strategy,
+    check_no_experts_across_stages,
+    check_zero_stage,
+)
 from zero_pipe.schedule import (
     InferenceSchedule,
     InterleavedInferenceSchedule,
@@ -80,6 +88,15 @@ class PipelineEngine:
         self.has_bool_tensors = has_bool_tensors
         self.config = self._load_config(config)
         check_zero_stage(self.config.zero_optimization.stage)
+        check_no_experts_across_stages(module, self.grid)
+        check_pipeline_config(self.config, module)
+        if getattr(getattr(self.config, "progressive_layer_drop", None), "enabled", False):
+            # See [Note: progressive layer drop] in zero_core.engine.progressive_layer_drop
+            raise PipelineConfigError(
+                "progressive_layer_drop: the pipeline engine cannot pass progressive_layer_drop/pld_theta "
+                "to the stages of a PipelineModule (DeepSpeed's pipeline forward fails with a TypeError "
+                "there); switch the section off or train the model without pipeline parallelism"
+            )
         self.micro_batch_size = int(self.config.train_micro_batch_size_per_gpu)
         self.micro_batches = int(self.config.gradient_accumulation_steps)
         self._train_batch_size = self.micro_batch_size * self.micro_batches * self.dp_size
@@ -180,6 +197,36 @@ class PipelineEngine:
         """Bytes held on this rank by category, measured from live tensors."""
         return self.strategy.memory_breakdown()
 
+    @property
+    def device(self) -> torch.device:
+        """The device this stage computes on (DeepSpeed's attribute; scripts build their data there)."""
+        from zero_pipe.optimizer_step import _backend_device
+
+        return _backend_device()
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for an fp16 overflow (DeepSpeed's counter)."""
+        return self.stage_optimizer.skipped_steps
+
+    def set_dataloader(self, loader: Any) -> None:
+        """DeepSpeed's: train on ``loader`` (an iterator over it on the first and last stages)."""
+        if not hasattr(loader, "__iter__"):
+            raise TypeError(f"set_dataloader: expected an iterable data loader, got {type(loader)}")
+        if self.is_first_stage() or self.is_last_stage():
+            self.training_dataloader = loader
+            self.data_iterator = iter(loader)
+
+    def empty_partition_cache(self) -> None:
+        """Release parameters kept gathered between steps, as the ZeRO engine's method does.
+
+        A pipeline stage runs ZeRO stage 0 or 1, which keeps no gathered copies, so there is
+        nothing to release unless the stage's strategy holds such a cache. DeepSpeed's pipeline
+        engine inherits the method; its checkpoint tests call it on every engine."""
+        release = getattr(self.strategy, "empty_partition_cache", None)
+        if release is not None:
+            release()
+
     def set_dataiterator(self, iterator: Iterator[Any]) -> None:
         if not hasattr(iterator, "__next__"):
             raise TypeError(f"set_dataiterator: expected an iterator, got {type(iterator)}")
@@ -252,11 +299,13 @@ class PipelineEngine:
         now = time.perf_counter()
         iter_time, self._print_clock = (now - self._print_clock) / every, now
         if _dist.get_rank() == 0:  # the loss was broadcast to every stage, so rank 0 has it
-            print(
-                f"steps: {self.global_steps} loss: {loss.item():0.4f} iter time (s): {iter_time:0.3f} "
-                f"samples/sec: {self._train_batch_size / iter_time:0.3f}",
-                flush=True,
-            )
+            line = f"steps: {self.global_steps} loss: {loss.item():0.4f} iter time (s): {iter_time:0.3f}"
+            throughput = getattr(getattr(self.config, "timers", None), "throughput", None)
+            if getattr(throughput, "enabled", True):  # timers.throughput.enabled
+                line += f" samples/sec: {self._train_batch_size / iter_time:0.3f}"
+            if self.config.memory_breakdown:
+                line += " | " + breakdown_text(self.memory_breakdown())
+            print(line, flush=True)
 
     def eval_batch(
         self,
@@ -320,13 +369,21 @@ class PipelineEngine:
         return average(outputs)
 
     def save_checkpoint(
-        self, save_dir: str, tag: Any = None, client_state: dict | None = None, save_latest: bool = True
+        self,
+        save_dir: str,
+        tag: Any = None,
+        client_state: dict | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
     ) -> str:
-        """Save layers, optimizer, scheduler, loss scaler and counters (call on every rank).
-        See [Note: per-layer pipeline checkpoints]."""
+        """Save weights, optimizer states, scheduler, loss scaler and counters (call on every rank);
+        returns the tag directory. The checkpoint loads at any number of stages, data-parallel
+        size and ZeRO stage: see [Note: universal pipeline checkpoints] in ``checkpoint.py``."""
         from zero_pipe.checkpoint import save_engine_checkpoint
 
-        return save_engine_checkpoint(self, save_dir, tag, client_state, save_latest)
+        return save_engine_checkpoint(
+            self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters
+        )
 
     def load_checkpoint(
         self,
@@ -336,8 +393,9 @@ class PipelineEngine:
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
-    ) -> tuple[str | None, dict]:
-        """Load a checkpoint of :meth:`save_checkpoint`; returns ``(path, client_state)``."""
+    ) -> tuple[str | None, dict | None]:
+        """Load a checkpoint of :meth:`save_checkpoint`, saved in any layout (call on every rank);
+        returns ``(path, client_state)``, ``(None, None)`` when there is none."""
         from zero_pipe.checkpoint import load_engine_checkpoint
 
         return load_engine_checkpoint(

@@ -82,6 +82,10 @@ def initialize_pipeline(
     engine = PipelineEngine(model, opt, config)
     scheduler = _scheduler(lr_scheduler, engine.optimizer, config)
     engine.stage_optimizer.lr_scheduler = scheduler
+    if config.dump_state:
+        from zero_core.engine.state_report import dump_engine_state
+
+        dump_engine_state(engine)
     loader = None
     if training_data is not None:
         grid = model.grid()

@@ -24,54 +24,9 @@ from torch import nn
 from zero_core.activation_checkpointing import checkpoint as _zero_checkpoint
 
 from zero_pipe import _dist
+from zero_pipe.layer_spec import LayerSpec, TiedLayerSpec
 from zero_pipe.partition import partition_balanced, partition_uniform, type_weights
 from zero_pipe.topology import PipeDataParallelTopology, PipelineParallelGrid, ProcessTopology
-
-
-class LayerSpec:
-    """A recipe ``typename(*module_args, **module_kwargs)`` built only where it is needed."""
-
-    def __init__(self, typename: type, *module_args: Any, **module_kwargs: Any) -> None:
-        if not (isinstance(typename, type) and issubclass(typename, nn.Module)):
-            raise TypeError(f"LayerSpec: typename must be an nn.Module subclass, got {typename!r}")
-        self.typename = typename
-        self.module_args = module_args
-        self.module_kwargs = module_kwargs
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.typename.__name__}, args={self.module_args}, kwargs={self.module_kwargs})"
-
-    def build(self, log: bool = False) -> nn.Module:
-        """Instantiate the layer."""
-        if log:
-            print(f"building {self!r}")
-        return self.typename(*self.module_args, **self.module_kwargs)
-
-
-class TiedLayerSpec(LayerSpec):
-    """A layer sharing its module (and so ``tied_weight_attr`` weights) with every other
-    ``TiedLayerSpec`` of the same ``key``. ``forward_fn(module, x)``, when given, replaces
-    ``module(x)`` at this position (e.g. an embedding reused as output projection)."""
-
-    def __init__(
-        self,
-        key: str,
-        typename: type,
-        *module_args: Any,
-        forward_fn: Callable[[nn.Module, Any], Any] | None = None,
-        tied_weight_attr: str | list[str] = "weight",
-        **module_kwargs: Any,
-    ) -> None:
-        super().__init__(typename, *module_args, **module_kwargs)
-        if not isinstance(key, str) or not key:
-            raise ValueError(f"TiedLayerSpec: key must be a non-empty string, got {key!r}")
-        if forward_fn is not None and not callable(forward_fn):
-            raise TypeError(f"TiedLayerSpec: forward_fn must be callable, got {forward_fn!r}")
-        self.key = key
-        self.forward_fn = forward_fn
-        self.tied_weight_attr = (
-            [tied_weight_attr] if isinstance(tied_weight_attr, str) else list(tied_weight_attr)
-        )
 
 
 def _layer_type_name(layer: Any) -> str:
@@ -91,6 +46,68 @@ def _param_count(layer: Any) -> int:
     if isinstance(layer, nn.Module):
         return sum(p.numel() for p in layer.parameters())
     return 0
+
+
+def _checked_layers(layers: Any) -> list[Any]:
+    """``layers`` as a list, each a LayerSpec, module or callable (an ``nn.Sequential``: its children)."""
+    if isinstance(layers, nn.Sequential):
+        layers = list(layers.children())
+    elif not isinstance(layers, Iterable):
+        raise TypeError(
+            f"PipelineModule: layers must be a list (or nn.Sequential) of LayerSpecs, modules or "
+            f"callables, got {type(layers).__name__}"
+        )
+    layers = list(layers)
+    if not layers:
+        raise ValueError("PipelineModule: layers must contain at least one layer")
+    for i, layer in enumerate(layers):
+        if not (isinstance(layer, (LayerSpec, nn.Module)) or callable(layer)):
+            raise TypeError(
+                f"PipelineModule: layer {i} ({layer!r}) is not a LayerSpec, nn.Module or callable"
+            )
+    return layers
+
+
+def _check_arguments(
+    num_stages: Any,
+    topology: Any,
+    loss_fn: Any,
+    activation_checkpoint_interval: Any,
+    activation_checkpoint_func: Any,
+    dynamic_shape: Any,
+    num_chunks: Any,
+) -> None:
+    """The constructor's other arguments, each named in its error."""
+    if num_stages is None and topology is None:
+        raise ValueError("PipelineModule: give num_stages or topology")
+    if num_stages is not None and (
+        not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1
+    ):
+        raise ValueError(f"PipelineModule: num_stages must be an int >= 1, got {num_stages!r}")
+    if topology is not None and not isinstance(topology, ProcessTopology):
+        raise TypeError(f"PipelineModule: topology must be a ProcessTopology, got {type(topology)}")
+    if topology is not None and "pipe" not in topology.get_axis_names():
+        raise ValueError(
+            f"PipelineModule: the topology needs a 'pipe' axis, it has {topology.get_axis_names()}"
+        )
+    if topology is not None and num_stages is not None and topology.get_dim("pipe") != num_stages:
+        raise ValueError(
+            f"PipelineModule: num_stages={num_stages} disagrees with the topology's pipe dim {topology.get_dim('pipe')}"
+        )
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"PipelineModule: loss_fn must be callable, got {loss_fn!r}")
+    if not isinstance(activation_checkpoint_interval, int) or activation_checkpoint_interval < 0:
+        raise ValueError(
+            f"PipelineModule: activation_checkpoint_interval must be an int >= 0, got {activation_checkpoint_interval!r}"
+        )
+    if not isinstance(num_chunks, int) or isinstance(num_chunks, bool) or num_chunks < 1:
+        raise ValueError(f"PipelineModule: num_chunks must be an int >= 1, got {num_chunks!r}")
+    if activation_checkpoint_func is not None and not callable(activation_checkpoint_func):
+        raise TypeError(
+            f"PipelineModule: activation_checkpoint_func must be callable, got {activation_checkpoint_func!r}"
+        )
+    if not isinstance(dynamic_shape, bool):
+        raise TypeError(f"PipelineModule: dynamic_shape must be a bool, got {dynamic_shape!r}")
 
 
 class PipelineModule(nn.Module):
@@ -121,51 +138,16 @@ class PipelineModule(nn.Module):
         num_chunks: int = 1,
     ) -> None:
         super().__init__()
-        if isinstance(layers, nn.Sequential):
-            layers = list(layers.children())
-        elif not isinstance(layers, Iterable):
-            raise TypeError(
-                f"PipelineModule: layers must be a list (or nn.Sequential) of LayerSpecs, modules or "
-                f"callables, got {type(layers).__name__}"
-            )
-        layers = list(layers)
-        if not layers:
-            raise ValueError("PipelineModule: layers must contain at least one layer")
-        for i, layer in enumerate(layers):
-            if not (isinstance(layer, (LayerSpec, nn.Module)) or callable(layer)):
-                raise TypeError(
-                    f"PipelineModule: layer {i} ({layer!r}) is not a LayerSpec, nn.Module or callable"
-                )
-        if num_stages is None and topology is None:
-            raise ValueError("PipelineModule: give num_stages or topology")
-        if num_stages is not None and (
-            not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1
-        ):
-            raise ValueError(f"PipelineModule: num_stages must be an int >= 1, got {num_stages!r}")
-        if topology is not None and not isinstance(topology, ProcessTopology):
-            raise TypeError(f"PipelineModule: topology must be a ProcessTopology, got {type(topology)}")
-        if topology is not None and "pipe" not in topology.get_axis_names():
-            raise ValueError(
-                f"PipelineModule: the topology needs a 'pipe' axis, it has {topology.get_axis_names()}"
-            )
-        if topology is not None and num_stages is not None and topology.get_dim("pipe") != num_stages:
-            raise ValueError(
-                f"PipelineModule: num_stages={num_stages} disagrees with the topology's pipe dim {topology.get_dim('pipe')}"
-            )
-        if loss_fn is not None and not callable(loss_fn):
-            raise TypeError(f"PipelineModule: loss_fn must be callable, got {loss_fn!r}")
-        if not isinstance(activation_checkpoint_interval, int) or activation_checkpoint_interval < 0:
-            raise ValueError(
-                f"PipelineModule: activation_checkpoint_interval must be an int >= 0, got {activation_checkpoint_interval!r}"
-            )
-        if not isinstance(num_chunks, int) or isinstance(num_chunks, bool) or num_chunks < 1:
-            raise ValueError(f"PipelineModule: num_chunks must be an int >= 1, got {num_chunks!r}")
-        if activation_checkpoint_func is not None and not callable(activation_checkpoint_func):
-            raise TypeError(
-                f"PipelineModule: activation_checkpoint_func must be callable, got {activation_checkpoint_func!r}"
-            )
-        if not isinstance(dynamic_shape, bool):
-            raise TypeError(f"PipelineModule: dynamic_shape must be a bool, got {dynamic_shape!r}")
+        layers = _checked_layers(layers)
+        _check_arguments(
+            num_stages,
+            topology,
+            loss_fn,
+            activation_checkpoint_interval,
+            activation_checkpoint_func,
+            dynamic_shape,
+            num_chunks,
+        )
         self.dynamic_shape = dynamic_shape
         self.num_chunks = num_chunks
         self.layer_specs = layers
@@ -176,27 +158,7 @@ class PipelineModule(nn.Module):
         self.checkpointable_layers = checkpointable_layers
 
         distributed = _dist.is_initialized() and stage_id is None
-        if topology is None:
-            world = _dist.get_world_size() if distributed else num_stages
-            if world % num_stages:
-                raise ValueError(
-                    f"PipelineModule: world size {world} is not divisible by num_stages={num_stages}"
-                )
-            topology = PipeDataParallelTopology(num_pp=num_stages, num_dp=world // num_stages)
-        self._topo = topology
-        self.num_stages = topology.get_dim("pipe")
-        if num_chunks > 1 and self.num_stages < 2:
-            raise ValueError("PipelineModule: num_chunks > 1 (interleaving) needs num_stages >= 2")
-        self._grid = PipelineParallelGrid(topology) if distributed else None
-        if self._grid is not None:
-            self.stage_id = self._grid.stage_id
-        else:
-            self.stage_id = 0 if stage_id is None else stage_id
-            if not 0 <= self.stage_id < self.num_stages:
-                raise ValueError(
-                    f"PipelineModule: stage_id must be in [0, {self.num_stages}), got {stage_id}"
-                )
-
+        self._place(topology, num_stages, stage_id, distributed)
         self.parts = self._partition(partition_method)  # virtual-stage boundaries: [Note: model chunks]
         self._chunk_ranges = [
             range(self.parts[v], self.parts[v + 1])
@@ -207,6 +169,35 @@ class PipelineModule(nn.Module):
         self._build()
         self._tie_groups = self._build_tie_groups() if distributed else {}
         self._synchronize_tied_weights()
+
+    def _place(
+        self,
+        topology: ProcessTopology | None,
+        num_stages: int | None,
+        stage_id: int | None,
+        distributed: bool,
+    ) -> None:
+        """The topology (a pipe x data one of the world when not given), and this rank's stage."""
+        if topology is None:
+            world = _dist.get_world_size() if distributed else num_stages
+            if world % num_stages:
+                raise ValueError(
+                    f"PipelineModule: world size {world} is not divisible by num_stages={num_stages}"
+                )
+            topology = PipeDataParallelTopology(num_pp=num_stages, num_dp=world // num_stages)
+        self._topo = topology
+        self.num_stages = topology.get_dim("pipe")
+        if self.num_chunks > 1 and self.num_stages < 2:
+            raise ValueError("PipelineModule: num_chunks > 1 (interleaving) needs num_stages >= 2")
+        self._grid = PipelineParallelGrid(topology) if distributed else None
+        if self._grid is not None:
+            self.stage_id = self._grid.stage_id
+        else:
+            self.stage_id = 0 if stage_id is None else stage_id
+            if not 0 <= self.stage_id < self.num_stages:
+                raise ValueError(
+                    f"PipelineModule: stage_id must be in [0, {self.num_stages}), got {stage_id}"
+                )
 
     # -- partitioning and building -------------------------------------------------------
     def _partition(self, method: str) -> list[int]:
@@ -392,7 +383,7 @@ class PipelineModule(nn.Module):
         """Model-specific extra losses for reporting; none by default."""
         return None
 
-    # -- checkpoint naming (files: see zero_pipe.checkpoint) --------------------------------
+    # -- checkpoint naming (files: see zero_pipe.layer_files) -------------------------------
     def ckpt_prefix(self, checkpoints_path: str, tag: str) -> str:
         """Directory prefix of every checkpoint file of this module."""
         import os
@@ -436,24 +427,21 @@ class PipelineModule(nn.Module):
 
     def save_state_dict(self, save_dir: str) -> None:
         """Write this stage's layers, one safetensors file per layer (collective when distributed).
-        See [Note: per-layer pipeline checkpoints] in ``checkpoint.py``."""
-        from zero_pipe.checkpoint import save_module_layers
+        See [Note: per-layer pipeline checkpoints] in ``layer_files.py``."""
+        from zero_pipe.layer_files import save_module_layers
 
         save_module_layers(self, save_dir)
 
     def load_state_dir(self, load_dir: str, strict: bool = True) -> None:
-        """Load this stage's layers from per-layer files saved with any number of stages."""
-        from zero_pipe.checkpoint import load_module_layers
+        """Load this stage's layers (saved with any number of stages) from a ``save_state_dict``
+        directory or an engine checkpoint's tag directory."""
+        from zero_pipe.checkpoint import load_module_state
 
-        load_module_layers(self, load_dir, strict=strict)
+        load_module_state(self, load_dir, strict=strict)
 
     def layer_modules(self) -> dict[int, nn.Module]:
         """Global layer index -> the module holding that layer's state (tied: first position)."""
         out: dict[int, nn.Module] = {}
-        first_tied: dict[str, int] = {}
-        for idx, spec in enumerate(self.layer_specs):
-            if isinstance(spec, TiedLayerSpec):
-                first_tied.setdefault(spec.key, idx)
         for idx in self._local_indices:
             spec = self.layer_specs[idx]
             if isinstance(spec, TiedLayerSpec):

@@ -28,6 +28,7 @@ from zero_core.engine.boundary_step import OptimizerBoundaryStep
 from zero_core.engine.loss_scaler import LossScaler
 from zero_core.engine.strategy_factory import build_strategy as build_zero_strategy
 from zero_core.engine.strategy_factory import compute_dtype
+from zero_core.utils.param_groups import is_expert_param
 from zero_core.zero.stage_1_and_2 import PartitionedOptimizerStrategy
 
 from zero_pipe import _dist
@@ -53,6 +54,30 @@ def check_zero_stage(stage: Any) -> int:
             "which pipelined micro-batches and tied-weight reduction do not allow)"
         )
     return int(stage)
+
+
+def check_no_experts_across_stages(module: torch.nn.Module, grid: Any) -> None:
+    """Mixture-of-Experts layers train in a pipeline of one stage only (collective over the world).
+
+    zero-moe creates its expert-parallel and expert-data-parallel groups over the whole world
+    (every rank must create every group, and a stage without the layer never does), and reduces
+    expert gradients over them; with several stages those groups would mix ranks of different
+    stages. With one stage the ranks are all data-parallel and expert parallelism works as with
+    ``ZeroEngine`` (checkpoints included). Every rank learns whether any stage holds experts, so
+    all of them raise together rather than some hanging in the first reduction.
+    """
+    if grid.pipe_parallel_size == 1:
+        return
+    flag = torch.tensor(
+        [float(any(is_expert_param(p) for p in module.parameters()))], device=_backend_device()
+    )
+    _dist.all_reduce(flag, op=_dist.ReduceOp.MAX)
+    if flag.item() > 0:
+        raise PipelineConfigError(
+            f"PipelineEngine: Mixture-of-Experts layers in a pipeline of {grid.pipe_parallel_size} stages are not "
+            "supported (zero-moe's expert groups span the whole world, not one stage's data-parallel ranks); "
+            "use num_stages=1 (data and expert parallelism over all ranks) or train the model with ZeroEngine"
+        )
 
 
 def build_strategy(

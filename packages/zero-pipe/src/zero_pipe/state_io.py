@@ -1,14 +1,16 @@
-"""Nested state (optimizer/scheduler state dicts) as one safetensors file plus one JSON file.
+"""Reading nested state (optimizer/scheduler state dicts) from one safetensors file plus one JSON file.
+
+Only format-2 pipeline checkpoints hold such files (see [Note: format-2 pipeline checkpoints]
+in ``legacy_checkpoint.py``); the engine now saves through zero-core's fragments.
 
 [Note: state files without pickle]
-A state dict is a tree of dicts, lists, tuples, numbers, strings, None and tensors. The tensors
+A state dict was a tree of dicts, lists, tuples, numbers, strings, None and tensors. The tensors
 go into ``<stem>.safetensors`` under generated keys; the tree goes into ``<stem>.json`` with each
 tensor replaced by ``{"__tensor__": key}``, each tuple by ``{"__tuple__": [...]}`` and each dict
 by ``{"__dict__": [[key, value], ...]}`` (so integer keys, as in optimizer states, survive).
-Anything else (a function in a LambdaLR, an arbitrary object) is an error naming its path.
-Both files are written by zero-core's checkpoint writer into the tag being staged (atomic,
-checksummed; see [Note: one checkpoint writer] in ``zero_core/checkpoint/staged.py``) and
-verified against the tag's record before they are read.
+Both files were written by zero-core's checkpoint writer (atomic, checksummed; see [Note: one
+checkpoint writer] in ``zero_core/checkpoint/staged.py``) and are verified against the tag's
+record before they are read.
 """
 
 from __future__ import annotations
@@ -16,33 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from zero_core.checkpoint.staged import StagedSave, checked_path, read_json_file
+from zero_core.checkpoint.staged import checked_path, read_json_file
 from zero_core.checkpoint.tensor_file import TensorFile
-
-_SCALARS = (bool, int, float, str, type(None))
-
-
-def _encode(obj: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
-    if isinstance(obj, torch.Tensor):
-        key = f"t{len(tensors)}"
-        tensors[key] = obj
-        return {"__tensor__": key}
-    if isinstance(obj, _SCALARS):
-        return obj
-    if isinstance(obj, dict):
-        return {
-            "__dict__": [
-                [_encode(k, tensors, where), _encode(v, tensors, f"{where}.{k}")] for k, v in obj.items()
-            ]
-        }
-    if isinstance(obj, tuple):
-        return {"__tuple__": [_encode(v, tensors, f"{where}[{i}]") for i, v in enumerate(obj)]}
-    if isinstance(obj, list):
-        return [_encode(v, tensors, f"{where}[{i}]") for i, v in enumerate(obj)]
-    raise TypeError(
-        f"state at {where} is a {type(obj).__name__}, which cannot be saved without pickle; "
-        "checkpoints hold tensors, numbers, strings, None, and dicts/lists/tuples of them"
-    )
 
 
 class _OpenTensors:
@@ -74,17 +51,6 @@ def _decode(obj: Any, tensors: _OpenTensors, where: str) -> Any:
             return {_decode(k, tensors, where): _decode(v, tensors, where) for k, v in obj["__dict__"]}
         raise ValueError(f"load_state: {where} has an unexpected JSON object with keys {sorted(obj)}")
     return obj
-
-
-def save_state(state: Any, staged: StagedSave, stem: str) -> None:
-    """Write ``state`` as ``<stem>.safetensors`` + ``<stem>.json`` into the tag ``staged`` is writing.
-
-    See [Note: state files without pickle].
-    """
-    tensors: dict[str, torch.Tensor] = {}
-    tree = _encode(state, tensors, "state")
-    staged.write_tensors(stem + ".safetensors", tensors)
-    staged.write_json(stem + ".json", {"format_version": 1, "tree": tree})
 
 
 def load_state(tag_dir: str, meta: dict[str, Any], stem: str, skip: tuple[str, ...] = ()) -> Any:

@@ -1,7 +1,8 @@
 """zero-profiler: an exact flops profiler and ZeRO memory estimators for plain PyTorch.
 
 Depends on torch only. The training engine of zero-core drives :class:`StepProfiler` when the
-``flops_profiler`` config section is enabled.
+``flops_profiler`` config section is enabled. ``zero_profiler.autotuning`` (the autotuner of
+``zero run --autotuning``) is the ``autotuning`` extra: it needs zero-core, and is not imported here.
 """
 
 from zero_profiler.engine_hook import FlopsProfilerConfig, StepProfiler

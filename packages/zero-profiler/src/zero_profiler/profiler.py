@@ -24,7 +24,10 @@ _MODES = ("forward", "train", "generate")
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` atomically: temporary file in the same folder, fsync, rename."""
+    """Write ``text`` to ``path`` atomically: temporary file in the same folder, fsync, rename.
+
+    zero-profiler's own writer, as it depends on torch alone: see [Note: one atomic writer] in
+    zero-core's ``checkpoint/atomic.py``, the writer of the rest of the family."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
@@ -109,6 +112,11 @@ class FlopsProfiler:
         self.step_latency: float | None = None  # set by callers that time the optimizer step
         self._tracker: ModuleTracker | None = None
         self.started = False
+        # DeepSpeed's attributes: forward FLOPs, MACs and parameters of the last printed profile
+        # (the engine's profile step reads them as ``engine.flops_profiler.flops``)
+        self.flops: int | None = None
+        self.macs: int | None = None
+        self.params: int | None = None
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -262,6 +270,9 @@ class FlopsProfiler:
         _check_depth(module_depth)
         _check_int("top_modules", top_modules, 1)
         tracker = self._require("print_model_profile")
+        self.flops = int(self.get_total_flops())
+        self.macs = int(self.get_total_macs())
+        self.params = int(self.get_total_params())
         parts = [
             report.summary_text(self._summary(profile_step)),
             report.aggregated_text(self.model, tracker.stats, module_depth, top_modules),
@@ -316,6 +327,72 @@ def _backward(output: Any) -> None:
     torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
 
 
+def _check_profile_arguments(
+    model: Any, mode: Any, args: Any, kwargs: Any, warm_up: Any, module_depth: Any, top_modules: Any
+) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"get_model_profile: model must be a torch.nn.Module, got {type(model).__name__}")
+    if mode not in _MODES:
+        raise ValueError(f"get_model_profile: mode must be one of {_MODES}, got {mode!r}")
+    if not isinstance(args, (list, tuple)):
+        raise TypeError(f"get_model_profile: args must be a list or tuple, got {type(args).__name__}")
+    if not isinstance(kwargs, dict):
+        raise TypeError(f"get_model_profile: kwargs must be a dict, got {type(kwargs).__name__}")
+    _check_int("warm_up", warm_up, 0)
+    _check_depth(module_depth)
+    _check_int("top_modules", top_modules, 1)
+
+
+def _model_inputs(
+    model: torch.nn.Module, input_shape: Any, args: Sequence[Any], kwargs: dict[str, Any]
+) -> Sequence[Any]:
+    """The positional inputs: ``args``, or with ``input_shape`` one tensor of ones of that shape
+    (dtype and device of the model's first parameter)."""
+    if input_shape is None:
+        if not args and not kwargs:
+            raise ValueError("get_model_profile: give input_shape, or the model's inputs as args/kwargs")
+        return args
+    if (
+        not isinstance(input_shape, (tuple, list))
+        or not input_shape
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in input_shape)
+    ):
+        raise ValueError(
+            f"get_model_profile: input_shape must be a non-empty tuple of positive ints, got {input_shape!r}"
+        )
+    if args:
+        raise ValueError("get_model_profile: give either input_shape or args, not both")
+    first = next(model.parameters(), None)
+    dtype = first.dtype if first is not None and first.is_floating_point() else torch.get_default_dtype()
+    device = first.device if first is not None else torch.device("cpu")
+    return [torch.ones(tuple(input_shape), dtype=dtype, device=device)]
+
+
+def _profile_run(
+    model: torch.nn.Module,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    mode: str,
+    warm_up: int,
+    ignore_modules: Sequence[type] | None,
+) -> FlopsProfiler:
+    """``warm_up`` unprofiled runs, then one profiled run (with its backward in ``'train'`` mode)."""
+    grad = torch.enable_grad() if mode == "train" else torch.no_grad()
+    with grad:
+        for _ in range(warm_up):
+            _run(model, args, kwargs, mode)
+        prof = FlopsProfiler(model)
+        prof.track_backward = mode == "train"
+        prof.start_profile(ignore_list=ignore_modules)
+        try:
+            output = _run(model, args, kwargs, mode)
+            if mode == "train":
+                _backward(output)
+        finally:
+            prof.stop_profile()
+    return prof
+
+
 def get_model_profile(
     model: torch.nn.Module,
     input_shape: tuple[int, ...] | None = None,
@@ -340,51 +417,11 @@ def get_model_profile(
     ``input_shape``: when given, the model is called with one tensor of ones of that shape
     (dtype and device of the model's first parameter) as its only positional argument.
     """
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"get_model_profile: model must be a torch.nn.Module, got {type(model).__name__}")
-    if mode not in _MODES:
-        raise ValueError(f"get_model_profile: mode must be one of {_MODES}, got {mode!r}")
-    if not isinstance(args, (list, tuple)):
-        raise TypeError(f"get_model_profile: args must be a list or tuple, got {type(args).__name__}")
-    if not isinstance(kwargs, dict):
-        raise TypeError(f"get_model_profile: kwargs must be a dict, got {type(kwargs).__name__}")
-    _check_int("warm_up", warm_up, 0)
-    _check_depth(module_depth)
-    _check_int("top_modules", top_modules, 1)
-    if input_shape is not None:
-        if (
-            not isinstance(input_shape, (tuple, list))
-            or not input_shape
-            or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in input_shape)
-        ):
-            raise ValueError(
-                f"get_model_profile: input_shape must be a non-empty tuple of positive ints, got {input_shape!r}"
-            )
-        if args:
-            raise ValueError("get_model_profile: give either input_shape or args, not both")
-        first = next(model.parameters(), None)
-        dtype = first.dtype if first is not None and first.is_floating_point() else torch.get_default_dtype()
-        device = first.device if first is not None else torch.device("cpu")
-        args = [torch.ones(tuple(input_shape), dtype=dtype, device=device)]
-    elif not args and not kwargs:
-        raise ValueError("get_model_profile: give input_shape, or the model's inputs as args/kwargs")
-
+    _check_profile_arguments(model, mode, args, kwargs, warm_up, module_depth, top_modules)
+    args = _model_inputs(model, input_shape, args, kwargs)
     # A training-mode profile must not leave its gradients in the user's parameters.
     saved_grads = {p: p.grad for p in model.parameters()} if mode == "train" else {}
-    grad = torch.enable_grad() if mode == "train" else torch.no_grad()
-    with grad:
-        for _ in range(warm_up):
-            _run(model, args, kwargs, mode)
-        prof = FlopsProfiler(model)
-        prof.track_backward = mode == "train"
-        prof.start_profile(ignore_list=ignore_modules)
-        try:
-            output = _run(model, args, kwargs, mode)
-            if mode == "train":
-                _backward(output)
-        finally:
-            prof.stop_profile()
-
+    prof = _profile_run(model, args, kwargs, mode, warm_up, ignore_modules)
     totals = prof._require("get_model_profile").totals
     if mode == "train":
         flops = totals.fwd_flops + totals.bwd_flops + totals.recompute_flops

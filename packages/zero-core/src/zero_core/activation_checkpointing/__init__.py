@@ -17,6 +17,7 @@ from zero_core.activation_checkpointing.checkpointing import (
     get_config,
     get_mpu,
     is_configured,
+    model_parallel_cuda_manual_seed,
     profile_stats,
     reset,
 )
@@ -29,7 +30,6 @@ from zero_core.activation_checkpointing.rng import (
     CudaRNGStatesTracker,
     RNGStatesTracker,
     get_cuda_rng_tracker,
-    model_parallel_cuda_manual_seed,
 )
 
 __all__ = [

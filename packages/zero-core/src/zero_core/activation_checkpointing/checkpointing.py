@@ -29,7 +29,7 @@ from zero_core.activation_checkpointing.config import (
     ActivationCheckpointingConfig,
     read_activation_checkpointing_config,
 )
-from zero_core.activation_checkpointing.rng import RNGSnapshot
+from zero_core.activation_checkpointing.rng import RNGSnapshot, seed_model_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +136,21 @@ def get_config() -> ActivationCheckpointingConfig:
 def get_mpu() -> Any:
     """The model-parallel unit given to ``configure`` (or None)."""
     return _STATE.mpu
+
+
+def model_parallel_cuda_manual_seed(seed: int, mpu: object | None = None) -> None:
+    """Seed the default generator with ``seed`` (the same on every model-parallel rank: data-parallel
+    regions) and add a tracked ``model-parallel-rng`` state seeded ``seed + 2718 + model_parallel_rank``
+    (different on every model-parallel rank: dropout inside model-parallel regions).
+
+    ``mpu`` defaults to the one given to ``configure``; without one the model-parallel rank is 0.
+    Call it after model parallelism is initialised, and call no other manual_seed after it.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"model_parallel_cuda_manual_seed: seed must be an int, got {seed!r}")
+    if mpu is None:
+        mpu = get_mpu()
+    seed_model_parallel(seed, mpu.get_model_parallel_rank() if mpu is not None else 0)
 
 
 def reset() -> None:

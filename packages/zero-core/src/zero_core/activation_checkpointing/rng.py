@@ -116,24 +116,13 @@ def get_cuda_rng_tracker() -> CudaRNGStatesTracker:
     return _TRACKER
 
 
-def model_parallel_cuda_manual_seed(seed: int, mpu: object | None = None) -> None:
-    """Seed the default generator with ``seed`` (the same on every model-parallel rank: data-parallel
-    regions) and add a tracked ``model-parallel-rng`` state seeded ``seed + 2718 + model_parallel_rank``
-    (different on every model-parallel rank: dropout inside model-parallel regions).
-
-    ``mpu`` defaults to the one given to ``configure``; without one the model-parallel rank is 0.
-    Call it after model parallelism is initialised, and call no other manual_seed after it.
-    """
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"model_parallel_cuda_manual_seed: seed must be an int, got {seed!r}")
-    if mpu is None:
-        from zero_core.activation_checkpointing.checkpointing import get_mpu
-
-        mpu = get_mpu()
-    mp_rank = mpu.get_model_parallel_rank() if mpu is not None else 0
+def seed_model_parallel(seed: int, model_parallel_rank: int) -> None:
+    """Seed the default generator with ``seed`` and restart the tracked ``model-parallel-rng``
+    state at ``seed + 2718 + model_parallel_rank``; the public entry, which finds the rank from
+    the model-parallel unit, is ``checkpointing.model_parallel_cuda_manual_seed``."""
     _TRACKER.reset()
     _device_manual_seed(seed)
-    _TRACKER.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, seed + _MODEL_PARALLEL_SEED_OFFSET + mp_rank)
+    _TRACKER.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, seed + _MODEL_PARALLEL_SEED_OFFSET + model_parallel_rank)
 
 
 @dataclasses.dataclass

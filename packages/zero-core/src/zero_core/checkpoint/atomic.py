@@ -5,6 +5,30 @@ A reader never sees a half-written file under its final name: the bytes go to
 POSIX); the directory is then fsynced so the rename itself survives a power loss. See
 [Note: checkpoint format] for how tags and ``latest`` build on this.
 
+[Note: one atomic writer]
+Every file the family writes for a reader to find later (checkpoints, 16-bit model files,
+tensor-parallel inference checkpoints, the autotuner's results) is written through this
+module, so that the temporary name, the fsyncs, the rename and the clean-up after a failure
+are decided once: :class:`AtomicWriter` for streamed bytes (checksummed for checkpoints),
+:func:`atomic_write_bytes`, :func:`atomic_write_text` and :func:`atomic_write_json` for whole
+contents, and :func:`atomic_path` for a writer that only takes a file name (safetensors'
+``save_file`` in :func:`atomic_write_safetensors`, matplotlib's ``savefig``). Three places keep
+a writer of their own, each because it must run where ``zero_core`` cannot be imported:
+
+* ``zero_to_fp32.py``: its copy inside every checkpoint runs with the standard library alone
+  (see [Note: standalone conversion script]); it has one writer, ``_atomic_fd``;
+* zero-profiler: it depends on torch alone (installable and usable without the rest of the
+  family), and a module it shared with zero-core would have to live in a new distribution that
+  every install command then has to name (pip looks local dependencies up in the index), or be
+  zero-core, which it must not need; so ``zero_profiler.profiler.write_text_atomic`` is a
+  second, 15-line text writer with the same steps;
+* ``tools/env_prefetch.py``: it runs under hatch before any package of the family is installed.
+
+``checkpoint/staged.py`` renames directories (publishing a complete tag), which is not a file
+write. The cross-package test ``tests/test_structure.py`` fails on a rename (``os.replace``,
+``os.rename``, ``shutil.move``, pathlib's ``replace``/``rename``) anywhere else in
+``packages/*/src`` and ``tools/``.
+
 ``ZERO_CHECKPOINT_KILL_AFTER_BYTES`` (a test hook, read on every write) makes the writing
 process SIGKILL itself once that many bytes went to temporary files, to prove the claim.
 
@@ -24,14 +48,20 @@ up (checksums are order dependent), then is checksummed inline.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import json
 import os
 import queue
 import signal
 import threading
 import zlib
+from collections.abc import Iterator, Mapping
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 _KILL_ENV = "ZERO_CHECKPOINT_KILL_AFTER_BYTES"
 _written_total = 0
@@ -143,8 +173,8 @@ class AtomicWriter:
     Tracks the byte count and the per-piece CRC-32C (with ``crc32c=True``, what checkpoints
     record), the CRC32 (unless ``crc32=False``) and ``sum64`` (with ``sum64=True``) of what was
     written (see ``integrity.py``), final once the writer is committed; a checksum not asked
-    for is None. An ``OSError`` while writing (a full disk) is re-raised naming the file, after
-    the temporary file is removed. With
+    for is None. An ``OSError`` while writing (a full disk) is re-raised naming the file (as a
+    ``what``, "checkpoint file" by default), after the temporary file is removed. With
     ``defer_checksum`` buffers written with ``stable=True`` are checksummed by a helper thread,
     overlapped with the writes and the ``fsync`` (see [Note: checksum overlapped with writing]).
     """
@@ -157,14 +187,16 @@ class AtomicWriter:
         crc32: bool = True,
         sum64: bool = False,
         crc32c: bool = False,
+        what: str = "checkpoint file",
     ) -> None:
         self.path = path
         self.tmp = f"{path}.tmp.{os.getpid()}"
+        self.what = what
         self._sums = _Checksums(crc32, sum64, crc32c)
         try:
             self._f = open(self.tmp, "wb", buffering=0)  # noqa: SIM115 (closed in commit/abort)
         except OSError as e:
-            raise _named(e, path, 0) from e
+            raise _named(e, path, 0, what) from e
         self.nbytes = 0
         self.crc32: int | None = None
         self.sum64: str | None = None
@@ -185,7 +217,7 @@ class AtomicWriter:
         try:
             _write_all(self._f, view)
         except OSError as e:
-            raise _named(e, self.path, self.nbytes) from e
+            raise _named(e, self.path, self.nbytes, self.what) from e
         self.nbytes += n
         _account(n)
 
@@ -194,7 +226,7 @@ class AtomicWriter:
             self._f.flush()
             os.fsync(self._f.fileno())
         except OSError as e:
-            raise _named(e, self.path, self.nbytes) from e
+            raise _named(e, self.path, self.nbytes, self.what) from e
         finally:
             if self._bg is not None:
                 bg, self._bg = self._bg, None
@@ -244,12 +276,10 @@ def _write_all(f: Any, view: memoryview) -> None:
         view = view[k:]
 
 
-def _named(e: OSError, path: str, written: int) -> OSError:
-    """``e`` re-raised as the same kind of ``OSError``, naming the checkpoint file and what to do."""
+def _named(e: OSError, path: str, written: int, what: str = "checkpoint file") -> OSError:
+    """``e`` re-raised as the same kind of ``OSError``, naming the file and what to do."""
     hint = " (free space or save elsewhere)" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
-    return type(e)(
-        e.errno, f"{e.strerror or e} while writing checkpoint file after {written} bytes{hint}", path
-    )
+    return type(e)(e.errno, f"{e.strerror or e} while writing {what} after {written} bytes{hint}", path)
 
 
 def atomic_write_bytes(path: str, data: bytes, *, sync_dir: bool = True) -> dict[str, Any]:
@@ -259,3 +289,54 @@ def atomic_write_bytes(path: str, data: bytes, *, sync_dir: bool = True) -> dict
     if sync_dir:
         fsync_dir(os.path.dirname(os.path.abspath(path)))
     return w.record()
+
+
+def atomic_write_text(path: str | os.PathLike, text: str, *, sync_dir: bool = True) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically. See [Note: one atomic writer]."""
+    path = os.fspath(path)
+    with AtomicWriter(path, crc32=False, what="file") as w:
+        w.write(text.encode("utf-8"))
+    if sync_dir:
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def atomic_write_json(path: str | os.PathLike, data: Any, *, sync_dir: bool = True) -> None:
+    """Write ``data`` as JSON (indented, keys sorted) to ``path`` atomically."""
+    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True), sync_dir=sync_dir)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, *, sync_dir: bool = True) -> Iterator[str]:
+    """A temporary name next to ``path`` for a writer that only takes a file name.
+
+    The body writes the file under the name yielded; when it returns, the file is fsynced and
+    renamed over ``path`` (then the directory fsynced); when it raises, the temporary file is
+    removed. See [Note: one atomic writer].
+    """
+    path = os.fspath(path)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    if sync_dir:
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def atomic_write_safetensors(
+    path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> None:
+    """Write ``tensors`` as a safetensors file at ``path`` atomically (streamed by safetensors
+    itself, no copy of the whole file in memory)."""
+    from safetensors.torch import save_file
+
+    with atomic_path(path) as tmp:
+        save_file(dict(tensors), tmp, metadata=metadata)

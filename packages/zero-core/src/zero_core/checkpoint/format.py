@@ -23,6 +23,9 @@ named parameter for one *kind* (``param`` = the module's, possibly 16-bit, weigh
 the fp32 master; ``optim.<key>`` = an optimizer state such as ``optim.exp_avg``; ``buffer`` =
 a module buffer). This is the universal representation: any strategy at any world size picks
 the ranges it owns, whatever strategy and world size wrote them. See ``fragments.py``.
+zero-pipe's engine checkpoints are this format too, one rank file per stage and replica, with
+the pipeline layout in ``checkpoint.json`` (see [Note: universal pipeline checkpoints] in
+zero-pipe's ``checkpoint.py``).
 
 Nothing is ever unpickled: tensors are read from safetensors files by ``tensor_file.py`` (a
 header of JSON and raw bytes), everything else is JSON. Every file is written to a temporary

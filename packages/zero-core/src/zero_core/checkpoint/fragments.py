@@ -170,6 +170,9 @@ class CheckpointReader:
         self.tag_dir = tag_dir
         self._tables = rank_tables
         self.exclude_frozen = False  # the saver dropped frozen parameters: their absence is not an error
+        # DeepSpeed's ``load_from_fp32_weights: false``: fp32 masters are read from the saved module
+        # weight (16-bit with fp16/bf16, upcast) rather than the saved fp32 master
+        self.masters_from_weights = False
         # {name a strategy asks for: name in the checkpoint}: an expert-parallel rank's local expert
         # names -> global ones (see [Note: expert fragments] in experts.py); applying it is idempotent
         self.aliases: dict[str, str] = {}
@@ -394,9 +397,15 @@ class CheckpointReader:
             with torch.no_grad():
                 out.copy_(self.read_module_value(name, out.dtype, start, start + out.numel()).view_as(out))
 
+    def _master_kind(self, name: str) -> str:
+        """Where masters come from: the saved fp32 master, or the module weight (see ``masters_from_weights``)."""
+        if self.has(name, FP32) and not (self.masters_from_weights and self.has(name, PARAM)):
+            return FP32
+        return PARAM
+
     def read_fp32_into(self, out: torch.Tensor, name: str, start: int = 0) -> None:
         """``read_fp32`` into the float32 tensor ``out``, in place where the stored value is fp32."""
-        kind = FP32 if self.has(name, FP32) else PARAM
+        kind = self._master_kind(name)
         if self.dtype(name, kind) == torch.float32:
             self.read_into(out, name, kind, start)
         else:
@@ -419,9 +428,9 @@ class CheckpointReader:
         return self.read(name, kind).view(self.shape(name, kind))
 
     def read_fp32(self, name: str, start: int = 0, end: int | None = None) -> torch.Tensor:
-        """The fp32 master range, or the module weight upcast where no separate master was saved."""
-        kind = FP32 if self.has(name, FP32) else PARAM
-        return self.read(name, kind, start, end).float()
+        """The fp32 master range, or the module weight upcast where no separate master was saved
+        (or where ``masters_from_weights`` asks for it)."""
+        return self.read(name, self._master_kind(name), start, end).float()
 
     def read_module_value(
         self, name: str, dtype: torch.dtype, start: int = 0, end: int | None = None

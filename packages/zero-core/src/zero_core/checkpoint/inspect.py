@@ -1,4 +1,9 @@
-"""``tools/inspect_checkpoint.py``: what a checkpoint holds, with every checksum verified."""
+"""``tools/inspect_checkpoint.py``: what a checkpoint holds, with every checksum verified.
+
+Engine checkpoints of every kind (zero-pipe's too, with their pipeline layout), and the module-only
+directories of zero-pipe and zero-moe (see [Note: module-only checkpoint directories] in
+``module_dirs.py``).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import sys
 from zero_core.checkpoint.format import COMMIT_FILE, LATEST_FILE, CheckpointError
 from zero_core.checkpoint.fragments import FP32, PARAM
 from zero_core.checkpoint.loader import open_checkpoint
+from zero_core.checkpoint.module_dirs import PIPE_INDEX, ModuleFiles, open_module_dir
 
 
 def describe(checkpoint_dir: str) -> str:
@@ -19,6 +25,9 @@ def describe(checkpoint_dir: str) -> str:
     """
     if not os.path.isdir(checkpoint_dir):
         raise CheckpointError(f"{checkpoint_dir} is not a directory")
+    module_dir = open_module_dir(checkpoint_dir)
+    if module_dir is not None:  # see [Note: module-only checkpoint directories] in module_dirs.py
+        return _describe_module_dir(module_dir)
     if os.path.isfile(os.path.join(checkpoint_dir, COMMIT_FILE)):  # one tag directory
         checkpoint_dir, only = os.path.split(os.path.abspath(checkpoint_dir))
         tags = [only]
@@ -51,6 +60,7 @@ def describe(checkpoint_dir: str) -> str:
                 f"compute dtype {meta['compute_dtype']} | step {meta['global_steps']} | "
                 f"parameters {count:,} in {len(names)} tensors | dtypes {dtypes}"
             ]
+            lines += _pipeline_lines(meta)
             for r in range(reader.world_size):
                 reader.tensor_file(r)  # verifies the checksum (crc32c; sum64 or crc32 in old checkpoints)
                 rec = reader.rank_table(r)["file_record"]
@@ -59,6 +69,65 @@ def describe(checkpoint_dir: str) -> str:
         finally:
             reader.close()
     return "\n".join(lines)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _pipeline_lines(meta: dict) -> list[str]:
+    """The layout of a zero-pipe engine checkpoint (see [Note: universal pipeline checkpoints] in zero-pipe)."""
+    p = meta.get("pipeline")
+    if not isinstance(p, dict):
+        return []
+    lines = [
+        f"    pipeline: {_plural(p.get('num_stages', 0), 'stage')} x {_plural(p.get('num_chunks', 0), 'chunk')}, "
+        f"{_plural(p.get('data_parallel_size', 0), 'data-parallel replica')}, ZeRO stage {meta['zero_stage']}, "
+        f"{_plural(p.get('num_layers', 0), 'layer')} (stage boundaries {p.get('parts')}; loads in any layout)"
+    ]
+    tied = p.get("tied_owner_stages") or {}
+    if tied:
+        lines.append(
+            "    tied: "
+            + ", ".join(f"{k} (stages {', '.join(map(str, v))})" for k, v in sorted(tied.items()))
+        )
+    return lines
+
+
+def _describe_module_dir(ckpt: ModuleFiles) -> str:
+    """A zero-pipe layer directory or zero-moe expert directory: what it holds, every file verified."""
+    try:
+        meta = ckpt.meta
+        names = sorted({n for n, _ in ckpt.index})
+        count = sum(_numel(tuple(e["rec"]["shape"])) for e in ckpt.index.values())
+        dtypes = sorted({e["rec"]["dtype"] for e in ckpt.index.values()})
+        if ckpt.layout == PIPE_INDEX:
+            what = (
+                f"zero-pipe module layers (save_state_dict) | {_plural(meta['num_layers'], 'layer')} | saved at "
+                f"{_plural(meta.get('saved_num_stages', 0), 'stage')}"
+                + (
+                    " | a format-2 engine checkpoint (optimizer states in its own layout)"
+                    if "engine" in meta
+                    else ""
+                )
+            )
+        else:
+            layers = meta.get("layers", [])
+            what = "zero-moe experts (save_moe_checkpoint) | " + ", ".join(
+                f"{entry.get('module') or '<model>'}: {entry.get('num_experts')} experts" for entry in layers
+            )
+        lines = [
+            f"checkpoint dir: {ckpt.tag_dir}",
+            what,
+            f"tensors {count:,} elements in {len(names)} tensors | dtypes {dtypes}",
+        ]
+        for r, table in enumerate(ckpt.tables):
+            ckpt._file(r)  # verified when opened
+            rec = table["file_record"]
+            lines.append(f"    {table['file']}: {rec['bytes']:,} bytes, {_digest(rec)} OK")
+        return "\n".join(lines)
+    finally:
+        ckpt.close()
 
 
 def _digest(rec: dict) -> str:

@@ -74,6 +74,19 @@ def _format_version(meta: Any, commit: str) -> int:
     return v
 
 
+def _refuse_deepspeed(load_dir: str, tag_dir: str) -> None:
+    """A DeepSpeed checkpoint is converted once, not on every load; see [Note: importing a DeepSpeed checkpoint]."""
+    from zero_core.checkpoint.deepspeed_import.layout import is_deepspeed_checkpoint
+
+    if is_deepspeed_checkpoint(tag_dir):
+        raise CheckpointError(
+            f"{tag_dir} is a DeepSpeed checkpoint, not a zero one. Convert it once: "
+            f"`python tools/from_deepspeed.py {load_dir} OUT_DIR` (or "
+            f"zero.checkpoint.from_deepspeed({load_dir!r}, OUT_DIR)), then load OUT_DIR: the converted "
+            "checkpoint loads at any world size and ZeRO stage"
+        )
+
+
 def open_checkpoint(load_dir: str, tag: str) -> tuple[dict[str, Any], CheckpointReader]:
     """Read and verify ``checkpoint.json`` and every rank table of ``load_dir/tag``."""
     tag_dir = tag_directory(load_dir, tag)
@@ -81,6 +94,7 @@ def open_checkpoint(load_dir: str, tag: str) -> tuple[dict[str, Any], Checkpoint
     if not os.path.isdir(tag_dir):
         raise CheckpointError(f"checkpoint tag directory {tag_dir} does not exist")
     if not os.path.isfile(commit):
+        _refuse_deepspeed(load_dir, tag_dir)
         raise CheckpointError(f"{commit} is missing: {tag_dir} is not a complete zero checkpoint")
     meta = read_json(commit)
     version = _format_version(meta, commit)
@@ -156,7 +170,8 @@ def full_module_state_dict(reader: CheckpointReader, module: torch.nn.Module) ->
     return out
 
 
-def _restore_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]], where: str) -> None:
+def restore_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]], where: str) -> None:
+    """Set each param group's saved hyper-parameters (lr, betas ...); the group counts must match."""
     if len(saved) != len(optimizer.param_groups):
         raise CheckpointError(
             f"{where}: the checkpoint has {len(saved)} optimizer param groups, this optimizer has "
@@ -165,6 +180,20 @@ def _restore_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str
     for group, hp in zip(optimizer.param_groups, saved):
         for k, v in hp.items():
             group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
+
+
+def _require_optimizer_states(
+    engine: Any, meta: dict[str, Any], reader: CheckpointReader, load_opt: bool
+) -> None:
+    """Refuse, before any state is touched, to load optimizer states a checkpoint does not hold
+    (one saved by an engine without an optimizer: See [Note: engine without an optimizer])."""
+    if load_opt and engine.optimizer is not None and meta["optimizer"].get("class") is None:
+        reader.close()
+        raise CheckpointError(
+            f"load_checkpoint: {reader.tag_dir} was saved by an engine without an optimizer, so it "
+            "holds no optimizer states; pass load_optimizer_states=False (or load_module_only=True) "
+            "to load its module into this engine"
+        )
 
 
 def _check_arguments(load_dir: Any, custom_load_fn: Any) -> str:
@@ -187,9 +216,13 @@ def load_checkpoint(
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
     custom_load_fn: Callable[..., Any] | None = None,
+    *,
+    restore_engine: Callable[..., None] | None = None,
 ) -> tuple[str | None, dict[str, Any] | None]:
     """Load a checkpoint into ``engine``; returns ``(load_path, client_state)``, ``(None, None)`` if none.
 
+    ``restore_engine(engine, meta, reader, load_opt, load_sched)`` replaces ``_restore_engine``
+    (counters, loss scaler, hyper-parameters, scheduler, RNG) for engines keeping them otherwise (zero-pipe).
     [Note: shared verification]
     Before anything is read, ``open_checkpoint`` verifies ``checkpoint.json`` and every rank
     table (CRC-32C), and ``CheckpointReader.begin_single_pass`` checks that every rank tensor
@@ -218,25 +251,17 @@ def load_checkpoint(
         raise CheckpointError(
             f"load_checkpoint: the {type(strategy).__name__} strategy cannot load checkpoints"
         )
-    meta, reader = open_checkpoint(load_dir, tag)
-    reader.aliases = global_expert_names(engine.module)  # see [Note: expert fragments]
+    meta, reader = _open_for(engine, load_dir, tag)
     load_opt = load_optimizer_states and not load_module_only
+    _require_optimizer_states(engine, meta, reader, load_opt)
     try:
-        # sizes of every rank file checked here, checksums in the single pass (see [Note: shared verification])
-        reader.begin_single_pass(getattr(engine, "dp_group", None))
-        strategy.load_checkpoint_fragments(
-            reader,
-            load_optimizer_states=load_opt,
-            load_module_only=load_module_only,
-            strict=load_module_strict,
-        )
-        _load_buffers(reader, engine.module, load_module_strict)
-        reader.finish_single_pass()
-        reader.end_single_pass()
+        _read_state(engine, reader, load_opt, load_module_only, load_module_strict)
         if custom_load_fn is not None:
             custom_load_fn(src=full_module_state_dict(reader, engine.module), dst=engine.module)
         if not load_module_only:
-            _restore_engine(engine, meta, reader, load_optimizer_states, load_lr_scheduler_states)
+            restore = restore_engine or _restore_engine
+            restore(engine, meta, reader, load_optimizer_states, load_lr_scheduler_states)
+            _restore_sparse_names(engine, meta, load_module_strict)
         finish = getattr(strategy, "after_checkpoint_load", None)
         if finish is not None:  # see [Note: rank-local optimizer state]
             finish()
@@ -255,6 +280,44 @@ def load_checkpoint(
     return reader.tag_dir, meta.get("client_state", {})
 
 
+def _read_state(
+    engine: Any, reader: CheckpointReader, load_opt: bool, module_only: bool, strict: bool
+) -> None:
+    """The strategy's fragments and the module's buffers, in the one verifying pass."""
+    # sizes of every rank file checked here, checksums in the single pass (see [Note: shared verification])
+    reader.begin_single_pass(getattr(engine, "dp_group", None))
+    engine.strategy.load_checkpoint_fragments(
+        reader, load_optimizer_states=load_opt, load_module_only=module_only, strict=strict
+    )
+    _load_buffers(reader, engine.module, strict)
+    reader.finish_single_pass()
+    reader.end_single_pass()
+
+
+def _open_for(engine: Any, load_dir: str, tag: str) -> tuple[dict[str, Any], CheckpointReader]:
+    """``open_checkpoint`` with the reader set up for ``engine``: expert names, master source."""
+    meta, reader = open_checkpoint(load_dir, tag)
+    reader.aliases = global_expert_names(engine.module)  # see [Note: expert fragments]
+    zc = getattr(getattr(engine, "config", None), "zero_optimization", None)
+    # zero_optimization.load_from_fp32_weights: false builds the masters from the 16-bit weights
+    reader.masters_from_weights = not bool(getattr(zc, "load_from_fp32_weights", True))
+    return meta, reader
+
+
+def _restore_sparse_names(engine: Any, meta: dict[str, Any], strict: bool) -> None:
+    """DeepSpeed's ``sparse_tensor_module_names`` from the record (See [Note: sparse gradients])."""
+    saved = meta.get("sparse_tensor_module_names")
+    if saved is None or not hasattr(engine, "sparse_tensor_module_names"):
+        return  # a record older than the field, or an engine without the bookkeeping
+    from zero_core.utils.sparse_names import restored_names
+
+    own_params = {n for n, _ in engine.module.named_parameters()}
+    saved_params = {entry[0] for entry in meta.get("parameters", [])}
+    engine.sparse_tensor_module_names = restored_names(
+        engine.sparse_tensor_module_names, saved, own_params, saved_params, strict
+    )
+
+
 def _restore_engine(
     engine: Any, meta: dict[str, Any], reader: CheckpointReader, load_opt: bool, load_sched: bool
 ) -> None:
@@ -263,8 +326,11 @@ def _restore_engine(
     engine.skipped_steps = int(meta["skipped_steps"])
     engine.micro_steps = int(meta["micro_steps"])
     engine.loss_scaler.load_state_dict(meta["loss_scaler"])
-    if load_opt:
-        _restore_param_groups(engine.optimizer, meta["optimizer"]["param_groups"], reader.tag_dir)
+    pld = getattr(engine, "progressive_layer_drop", None)
+    if pld is not None:  # the schedule follows the restored counter: See [Note: progressive layer drop]
+        pld.resume_at(engine.global_steps)
+    if load_opt and engine.optimizer is not None:  # See [Note: engine without an optimizer]
+        restore_param_groups(engine.optimizer, meta["optimizer"]["param_groups"], reader.tag_dir)
     sched = getattr(engine, "lr_scheduler", None)
     if load_sched and sched is not None and meta.get("lr_scheduler") is not None:
         sched.load_state_dict(meta["lr_scheduler"])

@@ -76,7 +76,8 @@ def check_number(value: Any, key: str, where: str, *, positive: bool = False) ->
         raise _fail(where, key, value, "a finite number " + ("> 0" if positive else ">= 0"))
 
 
-def _check_hyperparameters(groups: Any, where: str) -> None:
+def check_hyperparameters(groups: Any, where: str) -> None:
+    """Saved optimizer param groups: a list of objects with finite, non-negative lr, eps > 0, betas in [0, 1)."""
     if not isinstance(groups, list):
         raise _fail(where, "optimizer.param_groups", groups, "a list")
     for i, g in enumerate(groups):
@@ -120,7 +121,7 @@ def check_engine_meta(meta: dict[str, Any], where: str) -> None:
     optimizer = meta.get("optimizer")
     if not isinstance(optimizer, dict):
         raise _fail(where, "optimizer", optimizer, "an object")
-    _check_hyperparameters(optimizer.get("param_groups"), where)
+    check_hyperparameters(optimizer.get("param_groups"), where)
     sched = meta.get("lr_scheduler")
     if isinstance(sched, dict):
         for k in ("base_lrs", "_last_lr"):

@@ -3,11 +3,11 @@
 [Note: rank-local optimizer state]
 Most optimizer state is a function of the parameter and is identical on every data-parallel
 rank, so rank 0 writes it once. An optimizer with ``rank_local_state()`` (see [Note:
-communication-compressed optimizers]) also holds tensors only one rank has; each rank writes
-them into its own file as ``rank_local`` fragments named ``rank<r>.<key>`` (whole tensors, not
-element-wise: they are no parameter's shape). On a load at the saved world size each rank
-reads back its own; at another world size the optimizer is told to reset them
-(``load_rank_local_state(None, reason)``), which it announces with a warning.
+communication-compressed optimizers] in zero-ops' ``zero_ops/onebit/base.py``) also holds
+tensors only one rank has; each rank writes them into its own file as ``rank_local`` fragments
+named ``rank<r>.<key>`` (whole tensors, not element-wise: they are no parameter's shape). On a
+load at the saved world size each rank reads back its own; at another world size the optimizer
+is told to reset them (``load_rank_local_state(None, reason)``), which it announces with a warning.
 """
 
 from __future__ import annotations

@@ -84,7 +84,8 @@ def shared_parameters(module: torch.nn.Module, names: dict[str, str]) -> list[li
     return out
 
 
-def _param_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+def param_group_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param group's JSON-compatible hyper-parameters (``params`` and tensor values left out)."""
     out = []
     for i, g in enumerate(optimizer.param_groups):
         hp = {}
@@ -98,6 +99,17 @@ def _param_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
             hp[k] = list(v) if isinstance(v, tuple) else v
         out.append(hp)
     return out
+
+
+def _optimizer_meta(optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """The optimizer's class and hyper-parameters; ``class`` None for an engine without one.
+
+    See [Note: engine without an optimizer]: its checkpoint holds the module only, and the
+    placeholder's groups (lr 0) are not saved, so a training engine never loads them.
+    """
+    if optimizer is None:
+        return {"class": None, "param_groups": []}
+    return {"class": type(optimizer).__name__, "param_groups": param_group_hyperparameters(optimizer)}
 
 
 def _zero_stage(engine: Any) -> int:
@@ -129,14 +141,13 @@ def _engine_meta(
         "micro_steps": int(engine.micro_steps),
         "loss_scaler": engine.loss_scaler.state_dict(),
         "lr_scheduler": sched_state,
-        "optimizer": {
-            "class": type(engine.optimizer).__name__,
-            "param_groups": _param_groups(engine.optimizer),
-        },
+        "optimizer": _optimizer_meta(engine.optimizer),
         "parameters": [
             [names[n], bool(p.requires_grad), list(p.shape)] for n, p in engine.module.named_parameters()
         ],
         "shared_parameters": shared_parameters(engine.module, names),
+        # See [Note: sparse gradients]
+        "sparse_tensor_module_names": sorted(getattr(engine, "sparse_tensor_module_names", ())),
         "config": cfg.to_dict() if hasattr(cfg, "to_dict") else None,
         "client_state": client_state,
     }
@@ -165,9 +176,13 @@ def _write_rank(stage_dir: str, rank: int, world: int, fragments: list[Fragment]
     atomic_write_bytes(os.path.join(stage_dir, rank_json_name(rank)), dumps(table), sync_dir=False)
 
 
-def _commit(
+def commit_tag(
     save_dir: str, stage_dir: str, tag: str, world: int, meta: dict[str, Any], save_latest: bool
 ) -> None:
+    """Seal ``meta`` with every rank table's record as ``checkpoint.json`` and publish ``stage_dir`` as ``tag``.
+
+    Rank 0 only, after every ``rank_<r>.json`` is in ``stage_dir`` (also the DeepSpeed importer's commit).
+    """
     meta["files"] = {}
     for r in range(world):
         n, crcs = file_crc32c(os.path.join(stage_dir, rank_json_name(r)))
@@ -189,8 +204,16 @@ def save_checkpoint(
     client_state: dict[str, Any] | None = None,
     save_latest: bool = True,
     exclude_frozen_parameters: bool = False,
+    *,
+    extra_meta: dict[str, Any] | None = None,
 ) -> bool:
-    """Save ``engine``'s training state under ``save_dir/tag``; collective, call on every rank."""
+    """Save ``engine``'s training state under ``save_dir/tag``; collective, call on every rank.
+
+    ``extra_meta`` (JSON-compatible, used on rank 0) is merged into ``checkpoint.json`` over the
+    engine's own entries: an engine whose ranks hold different parts of the model (zero-pipe's
+    stages) gives the whole ``parameters`` list and its layout there. The process group is
+    ``engine.dp_group`` (the world when the engine has none).
+    """
     if not isinstance(save_dir, (str, os.PathLike)):
         raise TypeError(f"save_checkpoint: save_dir must be a path, got {type(save_dir).__name__}")
     save_dir = os.fspath(save_dir)
@@ -211,6 +234,10 @@ def save_checkpoint(
     world = comm.get_world_size(group) if on else 1
     # The ranks already agreed on ``tag`` (the engine's save agreement: See [Note: checkpoint tag agreement]).
     meta = _engine_meta(engine, tag, world, client_state, exclude_frozen_parameters) if rank == 0 else None
+    if extra_meta is not None:
+        check_json_compatible(extra_meta, "extra_meta")
+        if meta is not None:
+            meta.update(extra_meta)
 
     stage_dir = os.path.join(save_dir, staging_dir_name(tag))
     if rank == 0:
@@ -234,6 +261,6 @@ def save_checkpoint(
         raise
     _barrier(group)
     if rank == 0:
-        _commit(save_dir, stage_dir, tag, world, meta, save_latest)
+        commit_tag(save_dir, stage_dir, tag, world, meta, save_latest)
     _barrier(group)
     return True

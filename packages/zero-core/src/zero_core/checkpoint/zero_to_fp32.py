@@ -508,6 +508,24 @@ def _tag_dir(checkpoint_dir: str, tag: str) -> str:
     raise CheckpointError(f"{os.path.join(d, COMMIT_FILE)} is missing: {d} is not a complete zero checkpoint")
 
 
+#: Readers ``(checkpoint_dir, tag) -> checkpoint or None`` tried before the engine checkpoint's own.
+#: ``zero_core.checkpoint`` adds the one of the module-only directories of zero-pipe and zero-moe
+#: (see [Note: module-only checkpoint directories] in ``module_dirs.py``), which builds on this
+#: file's reader; the standalone copy has none.
+EXTRA_READERS: list[Any] = []
+
+
+def _open(checkpoint_dir: Any, tag: Any) -> _Checkpoint:
+    """The checkpoint to convert: the first of :data:`EXTRA_READERS` that recognises it, else an
+    engine checkpoint."""
+    if isinstance(checkpoint_dir, (str, os.PathLike)):
+        for reader in EXTRA_READERS:
+            found = reader(checkpoint_dir, tag)
+            if found is not None:
+                return found
+    return _Checkpoint(checkpoint_dir, tag)
+
+
 def _plan(ckpt: _Checkpoint, exclude_frozen: bool) -> list[tuple[str, str]]:
     """(name, kind) of every output tensor, in the model's parameter order, then buffers."""
     params = ckpt.meta.get("parameters", [])
@@ -547,7 +565,7 @@ def get_fp32_state_dict_from_zero_checkpoint(
     checkpoint_dir: str | os.PathLike[str], tag: Any = None, exclude_frozen_parameters: bool = False
 ) -> dict[str, torch.Tensor]:
     """The consolidated fp32 weights (and buffers) of a checkpoint, as an in-memory state dict on CPU."""
-    ckpt = _Checkpoint(checkpoint_dir, tag)
+    ckpt = _open(checkpoint_dir, tag)
     try:
         out = {n: _value(ckpt, n, k) for n, k in _plan(ckpt, exclude_frozen_parameters)}
         for alias, owner in _aliases(ckpt, out):  # tied weights: the same tensor under both names
@@ -643,12 +661,16 @@ def _shards(entries: list[_Out], max_bytes: int) -> Iterator[list[_Out]]:
 
 
 def _atomic_fd(path: str, fill: Any) -> None:
-    """Create ``path`` atomically: ``fill(fd)`` writes a temporary file that is fsynced and renamed."""
+    """Create ``path`` atomically: ``fill(fd, tmp)`` writes the temporary file ``tmp`` (through the
+    open ``fd`` or by its name), which is then fsynced and renamed.
+
+    The converter's one writer (it cannot use zero_core's: See [Note: one atomic writer] in
+    ``zero_core/checkpoint/atomic.py``)."""
     tmp = f"{path}.tmp.{os.getpid()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        fill(fd)
-        os.fsync(fd)
+        fill(fd, tmp)
+        os.fsync(fd)  # the file's data, however written
     except BaseException:
         os.close(fd)
         os.unlink(tmp)
@@ -704,7 +726,7 @@ def _write_safetensors(path: str, shard: list[_Out], progress: _Progress) -> Non
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
 
-    def fill(fd: int) -> None:
+    def fill(fd: int, tmp: str) -> None:
         _write_all(fd, struct.pack("<Q", len(raw)) + raw)
         for e in shard:
             e.write(fd)
@@ -718,13 +740,10 @@ def _write_safetensors(path: str, shard: list[_Out], progress: _Progress) -> Non
 
 def _write_bin(path: str, shard: list[_Out], progress: _Progress, aliases: list[tuple[str, str]]) -> None:
     torch = _torch()
-    tmp = f"{path}.tmp.{os.getpid()}"
     state = {e.name: e.value() for e in shard}
     state.update({a: state[o] for a, o in aliases if o in state})  # tied: torch.save stores it once
-    torch.save(state, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+
+    _atomic_fd(path, lambda fd, tmp: torch.save(state, tmp))  # by name: the bytes torch.save(path) writes
     progress.update(sum(e.nbytes for e in shard))
 
 
@@ -793,7 +812,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     strictly into the model: see [Note: tied weights in converted files].
     """
     output_file, tag, limit = _resolve_output(output_dir, max_shard_size, safe_serialization, tag)
-    ckpt = _Checkpoint(checkpoint_dir, tag)
+    ckpt = _open(checkpoint_dir, tag)
     try:
         entries = [_Out(ckpt, name, kind) for name, kind in _plan(ckpt, exclude_frozen_parameters)]
         if safe_serialization:
@@ -825,7 +844,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(
             index = {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": weight_map}
             index_path = os.path.join(out_dir, f"{stem}{ext}.index.json")
             data = json.dumps(index, indent=2, sort_keys=True).encode()
-            _atomic_fd(index_path, lambda fd: _write_all(fd, data))
+            _atomic_fd(index_path, lambda fd, tmp: _write_all(fd, data))
             written.append(index_path)
         return written
     finally:
@@ -873,4 +892,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if __package__ == "zero_core.checkpoint":  # ``python -m``: the package's module, readers added
+        from zero_core.checkpoint import zero_to_fp32 as _library
+
+        sys.exit(_library.main())
     sys.exit(main())

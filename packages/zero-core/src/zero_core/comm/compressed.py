@@ -18,7 +18,7 @@ compression lost into the next call (error feedback):
 
 Segments (consecutive column ranges of a chunk, sizes given as Python ints so no device value is
 ever read back) let a caller keep one scale per parameter tensor within a chunk (the optimizers of
-``zero_core.optim.onebit`` lay each tensor's ``1/world_size`` share into every chunk, see
+zero-ops' ``zero_ops.onebit`` lay each tensor's ``1/world_size`` share into every chunk, see
 [Note: chunk-major layout]): a flat buffer mixing embeddings and layer norms under one scale
 would turn small entries into large ones. Without ``segment_sizes`` each chunk has one scale.
 

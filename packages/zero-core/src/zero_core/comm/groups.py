@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -116,16 +117,28 @@ def new_group(
     return dist.new_group(ranks=ranks, timeout=to_timedelta(timeout, "new_group"), backend=backend, **kwargs)
 
 
+#: called, in order of registration, when the default group is destroyed: the modules that cache
+#: groups cut from it (``topology.py``'s node and block groups) register their reset here
+_ON_DEFAULT_GROUP_DESTROYED: list[Callable[[], None]] = []
+
+
+def on_default_group_destroyed(reset: Callable[[], None]) -> None:
+    """Have :func:`destroy_process_group` call ``reset`` when it destroys the default group (once
+    per function, however often registered)."""
+    if reset not in _ON_DEFAULT_GROUP_DESTROYED:
+        _ON_DEFAULT_GROUP_DESTROYED.append(reset)
+
+
 def destroy_process_group(group: ProcessGroup | None = None) -> None:
     """Destroy ``group``, or every group including the default one when None."""
     require_initialized("destroy_process_group")
     check_group(group, "destroy_process_group")
     if group is None:
-        from zero_core.comm.topology import reset_groups
         from zero_core.comm.watchdog import close_watchdog
 
         close_watchdog()  # its thread must not poll a store that is going away
-        reset_groups()  # cached node/block groups die with the default group
+        for reset in _ON_DEFAULT_GROUP_DESTROYED:
+            reset()  # cached groups die with the default group
     dist.destroy_process_group(group)
 
 

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from zero_core.comm.groups import new_group, on_default_group_destroyed
+
 #: Environment variables read for the ranks per node, in order of precedence.
 RANKS_PER_NODE_ENV: tuple[str, ...] = (
     "ZERO_RANKS_PER_NODE",
@@ -133,8 +135,6 @@ def block_groups(block_size: int) -> tuple[Any, Any]:
         )
     key = (world, block_size)
     if key not in _BLOCK_GROUPS:
-        from zero_core.comm.groups import new_group
-
         mine_block: Any = None
         mine_stride: Any = None
         for start in range(0, world, block_size):
@@ -180,8 +180,6 @@ def nested_block_groups(outer: int, inner: int) -> tuple[Any, Any]:
         )
     key = (world, outer, inner)
     if key not in _NESTED_GROUPS:
-        from zero_core.comm.groups import new_group
-
         mine: list[Any] = [None, None]
         for start in range(0, world, outer):
             layouts = [list(range(b, b + inner)) for b in range(start, start + outer, inner)]
@@ -203,3 +201,6 @@ def reset_groups() -> None:
     """Forget cached groups (called when the default process group is destroyed)."""
     _BLOCK_GROUPS.clear()
     _NESTED_GROUPS.clear()
+
+
+on_default_group_destroyed(reset_groups)

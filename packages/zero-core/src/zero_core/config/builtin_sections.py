@@ -13,12 +13,14 @@ from typing import Annotated, Any, ClassVar
 from pydantic import BaseModel, BeforeValidator, Field
 
 from zero_core.config.base import (
+    ConfigModel,
     Int,
     NonNegFloat,
     NonNegInt,
     PermissiveSection,
     PosFloat,
     PosInt,
+    _reject_bool,
     one_of,
     show,
 )
@@ -87,7 +89,7 @@ class AioConfig(PermissiveSection):
 
 class AutotuningConfig(PermissiveSection):
     """``autotuning``: the autotuner's search (read by ``zero run --autotuning tune|run``; see
-    [Note: autotuning search] in ``zero_core.autotuning.autotuner``)."""
+    [Note: autotuning search] in zero-profiler's ``zero_profiler.autotuning.autotuner``)."""
 
     config_path: ClassVar[str] = "autotuning"
 
@@ -118,7 +120,7 @@ class AutotuningConfig(PermissiveSection):
     #: zero's extension: seconds before a hung experiment is killed (recorded as "timeout")
     experiment_timeout: PosFloat = 600.0
     #: zero's extension: the search's best candidates measured again before the pick (0 or 1: no
-    #: confirm phase); see [Note: autotuning confirm phase] in ``zero_core.autotuning.confirm``
+    #: confirm phase); see [Note: autotuning confirm phase] in ``zero_profiler.autotuning.confirm``
     confirm_top_k: NonNegInt = 3
 
 
@@ -146,13 +148,17 @@ class EnabledSection(PermissiveSection):
     enabled: bool = False
 
 
-class ProgressiveLayerDropConfig(PermissiveSection):
-    """``progressive_layer_drop``: PLD keep-probability schedule ``theta``/``gamma``."""
+class ProgressiveLayerDropConfig(ConfigModel):
+    """``progressive_layer_drop``: the keep-probability schedule ``theta``/``gamma`` the engine
+    passes to the model's forward (zero-core's own: See [Note: progressive layer drop]).
+
+    The defaults are DeepSpeed's config defaults (theta 1.0: no layer is ever dropped; gamma 0.001).
+    """
 
     config_path: ClassVar[str] = "progressive_layer_drop"
 
     enabled: bool = False
-    theta: NonNegFloat = 0.5
+    theta: Annotated[float, BeforeValidator(_reject_bool), Field(ge=0, le=1)] = 1.0
     gamma: NonNegFloat = 0.001
 
 

@@ -20,8 +20,9 @@ from pydantic import ValidationError
 
 from zero_core.config import sections
 from zero_core.config.errors import ConfigError, format_validation_error
+from zero_core.config.no_effect import check_no_effect
 from zero_core.config.root import ZeroConfig
-from zero_core.config.unimplemented import check_unimplemented
+from zero_core.config.unimplemented import check_unimplemented, check_unimplemented_keys
 from zero_core.config.unknown_keys import ENV_VAR, strip_unknown_keys, unknown_key_policy
 
 #: closing line of a ConfigError that reports unknown keys.
@@ -164,6 +165,16 @@ def _pick_source(config: Any, args: Any, config_params: Any) -> Any:
     )
 
 
+def _check_key_values(cfg: ZeroConfig, policy: str, where: str | None) -> None:
+    """Unimplemented keys set (errors) and keys without effect set (warnings), judged on the
+    validated config. See [Note: config key truth] in ``key_paths.py``."""
+    problems: list[str] = []
+    check_unimplemented_keys(cfg, policy, problems)
+    if problems:
+        raise ConfigError(problems, source=where)
+    check_no_effect(cfg)
+
+
 def load_config(
     config: ConfigSource | None = None,
     *,
@@ -187,6 +198,9 @@ def load_config(
     source = _pick_source(config, args, config_params)
     if isinstance(source, ZeroConfig):
         cfg, where = source, None
+        _check_key_values(
+            cfg, unknown_key_policy({"zero_allow_unknown_keys": cfg.zero_allow_unknown_keys}), None
+        )
     else:
         raw, where = read_config(source)
         try:
@@ -208,6 +222,7 @@ def load_config(
             raise ConfigError(problems + format_validation_error(exc), source=where, hint=hint) from None
         if problems:
             raise ConfigError(problems, source=where, hint=hint)
+        _check_key_values(cfg, policy, where)
     if resolve_batch:
         try:
             cfg = cfg.with_batch_sizes(world_size, world_size_source)

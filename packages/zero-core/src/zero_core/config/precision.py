@@ -10,7 +10,7 @@ from __future__ import annotations
 import warnings
 from typing import Annotated, Any, ClassVar
 
-from pydantic import BeforeValidator, ConfigDict, model_validator
+from pydantic import BeforeValidator, ConfigDict
 
 from zero_core.config.base import AUTO, ConfigModel, NonNegFloat, NonNegInt, PosFloat, PosInt, one_of
 
@@ -99,19 +99,10 @@ class BF16Config(ConfigModel):
     immediate_grad_update: bool = False
     # DeepSpeed (0.19's default): a step whose gradient norm is inf/nan is skipped, not applied.
     check_grad_overflow: bool = True
-    # DeepSpeed's bf16 masters/states; zero keeps fp32 masters, gradients and Adam states with bf16.
+    # DeepSpeed 0.18's memory mode: bf16 masters, gradients and optimizer states (See [Note: bf16
+    # master weights]); checked against the other sections by bf16_master_problems
     bf16_master_weights_and_grads: bool = False
     bf16_optimizer_states: bool = False
-
-    @model_validator(mode="after")
-    def _check_low_precision_masters(self) -> BF16Config:
-        on = [k for k in ("bf16_master_weights_and_grads", "bf16_optimizer_states") if getattr(self, k)]
-        if on:
-            raise ValueError(
-                f"bf16.{on[0]}: true is not implemented; zero keeps fp32 master weights, gradients and "
-                "optimizer states with bf16 (remove the key or set it to false)"
-            )
-        return self
 
     @classmethod
     def _translate_deprecated(cls, data: dict[str, Any]) -> dict[str, Any]:
@@ -149,3 +140,36 @@ class DataTypesConfig(ConfigModel):
     config_path: ClassVar[str] = "data_types"
 
     grad_accum_dtype: DataType | None = None
+
+
+def bf16_master_problems(bf16: BF16Config, stage: int, offload_optimizer: bool) -> list[str]:
+    """What is wrong with ``bf16.bf16_master_weights_and_grads`` / ``bf16.bf16_optimizer_states``
+    given the ZeRO stage and whether the optimizer is offloaded (See [Note: bf16 master weights])."""
+    masters, states = bf16.bf16_master_weights_and_grads, bf16.bf16_optimizer_states
+    if not (masters or states):
+        return []
+    if states and not masters:
+        return [
+            "bf16.bf16_optimizer_states: true needs bf16.bf16_master_weights_and_grads: true as well "
+            "(as in DeepSpeed: bf16 states step bf16 masters)"
+        ]
+    key = "bf16.bf16_master_weights_and_grads"
+    if not states:
+        return [
+            f"{key}: true without bf16.bf16_optimizer_states keeps fp32 optimizer states beside bf16 "
+            "masters, which DeepSpeed runs only with offload_optimizer and its CPU Adam and zero does not "
+            "implement; set bf16.bf16_optimizer_states: true too (masters, gradients and states in bf16)"
+        ]
+    problems = []
+    if not bf16.enabled:
+        problems.append(f"{key}: true needs bf16.enabled: true (bf16 masters of bf16 parameters)")
+    if stage not in (1, 2, 3):
+        problems.append(
+            f"{key}: true needs zero_optimization.stage 1, 2 or 3 (as in DeepSpeed), got stage {stage}"
+        )
+    if offload_optimizer:
+        problems.append(
+            f"{key}: true cannot be combined with zero_optimization.offload_optimizer here (zero-offload "
+            "steps fp32 masters); remove one of them"
+        )
+    return problems

@@ -31,7 +31,14 @@ from zero_core.config.checkpoint import CheckpointConfig
 from zero_core.config.errors import format_validation_error
 from zero_core.config.monitoring import CommsLoggerConfig, CSVConfig, TensorBoardConfig, WandbConfig
 from zero_core.config.optimizer import OptimizerConfig, SchedulerConfig
-from zero_core.config.precision import AmpConfig, BF16Config, DataType, DataTypesConfig, FP16Config
+from zero_core.config.precision import (
+    AmpConfig,
+    BF16Config,
+    DataType,
+    DataTypesConfig,
+    FP16Config,
+    bf16_master_problems,
+)
 from zero_core.config.zero_optimization import ZeroOptimizationConfig
 
 Section = SerializeAsAny[BaseModel]
@@ -195,9 +202,36 @@ class ZeroConfig(ConfigModel):
                 f"amp.enabled: Apex AMP cannot be combined with ZeRO (zero_optimization.stage is "
                 f"{self.zero_optimization.stage}); use fp16 or bf16 with ZeRO"
             )
+        problems += self._stage_dependent_problems()
+        zc = self.zero_optimization  # See [Note: bf16 master weights]
+        offloaded = zc.offload_optimizer is not None and zc.offload_optimizer.enabled
+        problems += bf16_master_problems(self.bf16, int(zc.stage), offloaded)
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+    def _stage_dependent_problems(self) -> list[str]:
+        """Keys whose meaning depends on the precision or the ZeRO stage (checked with all sections)."""
+        problems = []
+        stage, precision = self.zero_optimization.stage, self.precision
+        accum = self.data_types.grad_accum_dtype
+        if accum is not None and accum != precision and not (accum == "fp32" and precision != "fp32"):
+            problems.append(
+                f"data_types.grad_accum_dtype: {show(accum)} with {precision} training: gradients accumulate "
+                f'in the training dtype ({show(precision)}) or, with fp16/bf16 training, in "fp32"'
+            )
+        if stage > 0 and self.gradient_predivide_factor != 1.0:
+            problems.append(
+                f"gradient_predivide_factor: {self.gradient_predivide_factor:g} applies at ZeRO stage 0; stages 1-3 "
+                f"divide by the world size before the reduction (DeepSpeed's ZeRO-2/3 refuse the factor too); "
+                f"zero_optimization.stage is {stage}: remove the key"
+            )
+        if stage > 0 and self.sparse_gradients:
+            problems.append(
+                f"sparse_gradients: true reduces embedding gradients sparsely at ZeRO stage 0 only (as DeepSpeed); "
+                f"zero_optimization.stage is {stage}: remove the key or use stage 0"
+            )
+        return problems
 
     # --- accessors ---
 

@@ -45,14 +45,14 @@ def unknown_key_policy(raw: dict[str, Any]) -> str:
     return "warn" if env == "warn" or switch else "error"
 
 
-def _nested_model(annotation: Any) -> type[BaseModel] | None:
+def nested_model(annotation: Any) -> type[BaseModel] | None:
     """The config model inside ``annotation`` (``Optional[M]``, ``Annotated[M, ...]``), if any."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel) and annotation is not BaseModel:
         return annotation
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType, typing.Annotated):
         for arg in typing.get_args(annotation):
-            found = _nested_model(arg)
+            found = nested_model(arg)
             if found is not None:
                 return found
     return None
@@ -103,7 +103,7 @@ def strip_unknown_keys(
         if sections and key in sections:
             sub = sections[key]
         elif accepted[key] in model.model_fields:
-            sub = _nested_model(model.model_fields[accepted[key]].annotation)
+            sub = nested_model(model.model_fields[accepted[key]].annotation)
         if sub is not None and isinstance(value, dict):
             value = strip_unknown_keys(value, sub, where, policy, problems)
         out[key] = value

@@ -217,12 +217,14 @@ class ZeroOptimizationConfig(ConfigModel):
                 problems.append(
                     f"zero_optimization.{key}: ZeRO++ quantization needs stage 3, got stage {self.stage}"
                 )
-        if self.zeropp_loco_param is not None:
-            # LoCo (error feedback for qgZ's int4 gradients) is not implemented: say so, never ignore it
-            problems.append(
-                "zero_optimization.zeropp_loco_param: LoCo error feedback for quantized gradients is not "
-                "implemented; remove the key (zero_quantized_gradients works without it)"
-            )
+        for key in ("module_granularity_threshold", "use_all_reduce_for_fetch_params"):
+            if getattr(self, key) and self.stage != 3:  # how stage 3 fetches its partitioned parameters
+                warnings.warn(
+                    f"zero_optimization.{key}: applies to stage 3's parameter fetches only; ignored at "
+                    f"stage {self.stage}, as DeepSpeed does",
+                    UserWarning,
+                    stacklevel=2,
+                )
         if problems:
             raise ValueError("\n".join(problems))
         if self.overlap_comm is None:

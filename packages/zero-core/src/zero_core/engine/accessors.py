@@ -114,6 +114,25 @@ class DeepSpeedAccessors:
     def wall_clock_breakdown(self) -> bool:
         return self._wall_clock
 
+    # -- progressive layer drop (See [Note: progressive layer drop]) -------------------------
+    def get_pld_theta(self) -> float | None:
+        """The keep probability the next training forward receives; None with the section off."""
+        pld = getattr(self, "progressive_layer_drop", None)
+        return None if pld is None else pld.get_theta()
+
+    def pld_enabled(self) -> bool:
+        return bool(self.config.progressive_layer_drop.enabled)
+
+    def pld_params(self) -> dict[str, float]:
+        section = self.config.progressive_layer_drop
+        return {"theta": float(section.theta), "gamma": float(section.gamma)}
+
+    def pld_theta(self) -> float:
+        return self.pld_params()["theta"]
+
+    def pld_gamma(self) -> float:
+        return self.pld_params()["gamma"]
+
     def get_mom(self) -> list[Any]:
         """Each parameter group's ``betas`` (Adam family) or ``momentum`` (SGD), as DeepSpeed reports."""
         groups = self.optimizer.param_groups  # type: ignore[attr-defined]

@@ -5,9 +5,13 @@ overlapped all-reduce of ``grad_buckets.py``. With fp16/bf16 the module's parame
 low precision and the optimizer steps fp32 master copies (the client optimizer's
 ``param_groups`` are rebound to them), then the result is copied back. See
 [Note: engine strategies] in ``strategy.py``. An optimizer that does its own data-parallel
-communication (1-bit Adam and its kin, see [Note: communication-compressed optimizers]) is
-bound to the group, and the gradients are all-reduced here only for the steps where its
-``communicates_gradients()`` says False.
+communication (1-bit Adam and its kin in zero-ops, see [Note: communication-compressed
+optimizers] in ``zero_ops/onebit/base.py``) is bound to the group, and the gradients are
+all-reduced here only for the steps where its ``communicates_gradients()`` says False. Embedding gradients that are sparse (or, with
+``sparse_gradients``, dense embedding gradients) are reduced as rows instead (see
+[Note: sparse gradient reduction] in ``sparse_grads.py``); with a wider
+``data_types.grad_accum_dtype`` the micro-step gradients are summed in it (see
+[Note: gradient accumulation dtype] in ``grad_buckets.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 
 from zero_core import comm
 from zero_core.engine.grad_buckets import BucketedAllReduce
+from zero_core.engine.sparse_grads import SparseGradReducer, sparse_gradient_params
 from zero_core.utils.grad_norm import any_nonfinite, needs_scaling, sum_of_squares
 from zero_core.utils.param_groups import reduction_groups
 from zero_core.utils.storage_bytes import StorageLedger
@@ -36,29 +41,55 @@ class DataParallelStrategy:
         comm_dtype: torch.dtype | None = None,
         predivide_factor: float = 1.0,
         master_weights: bool = False,
+        prescale: bool = False,
+        accum_dtype: torch.dtype | None = None,
+        sparse_gradients: bool = False,
     ) -> None:
         self.module = module
         self.optimizer = optimizer
         self.group = group
         self.params = [p for p in module.parameters() if p.requires_grad]
         dp_world = comm.get_world_size(group)
+        self.accum_dtype = accum_dtype
+        native = sparse_gradient_params(module, sparse_gradients)  # See [Note: sparse gradient reduction]
         self.reducers = [
             BucketedAllReduce(
-                params,
+                [p for p in params if id(p) not in native],
                 bucket_numel,
                 group=reduce_group,
                 overlap=overlap_comm,
                 comm_dtype=comm_dtype,
                 predivide_factor=predivide_factor,
                 divisor=dp_world,
+                prescale=prescale,
+                accum_dtype=accum_dtype,
             )
             for reduce_group, params in reduction_groups(self.params, group)
         ]
+        self.sparse = [
+            SparseGradReducer(
+                sparse,
+                native,
+                group=reduce_group,
+                divisor=dp_world,
+                comm_dtype=comm_dtype,
+                accum_dtype=accum_dtype,
+            )
+            for reduce_group, params in reduction_groups(self.params, group)
+            if (sparse := [p for p in params if id(p) in native])
+        ]
+        self._reducer_of = {id(p): r for r in self.reducers for b in r.buckets for p in b.params}
+        self._sparse_of = {id(p): r for r in self.sparse for p in r.params}
         # model param -> fp32 master param (only with mixed precision)
         self.master: dict[torch.nn.Parameter, torch.nn.Parameter] = {}
         if master_weights:
             self._rebind_to_masters()
         self._communicates = getattr(optimizer, "communicates_gradients", None)
+        if self._communicates is not None and (accum_dtype is not None or self.sparse):
+            raise ValueError(
+                f"{type(optimizer).__name__} exchanges gradients itself: data_types.grad_accum_dtype wider than "
+                "the training dtype and sparse embedding gradients are not supported with it"
+            )
         if self._communicates is not None:
             if len(self.reducers) > 1:
                 raise ValueError(
@@ -103,12 +134,35 @@ class DataParallelStrategy:
                     r.arm()
 
     def after_backward(self, is_boundary: bool) -> None:
+        for s in self.sparse:
+            s.accumulate()
         if is_boundary and self._dense_this_boundary:
             for r in self.reducers:
                 r.finish()
+            for s in self.sparse:
+                s.reduce()
+
+    def grad_of(self, p: torch.nn.Parameter) -> torch.Tensor | None:
+        """``p``'s gradient as the step reads it: ``p.grad``, or the wide sum of
+        [Note: gradient accumulation dtype] (reduced on a boundary)."""
+        if id(p) in self._sparse_of:
+            return self._sparse_of[id(p)].grad_of(p)
+        if self.accum_dtype is not None and id(p) in self._reducer_of:
+            return self._reducer_of[id(p)].accumulated_grad(p)
+        return p.grad
+
+    def set_grad(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
+        """Overwrite ``p``'s gradient as the step reads it (``safe_set_full_grad``)."""
+        g = self.grad_of(p)
+        if g is not None and not g.is_sparse and (self.accum_dtype is not None or id(p) in self._sparse_of):
+            g.copy_(value.reshape(g.shape))
+        else:
+            p.grad = value.reshape(p.shape).to(p.dtype)
 
     def _grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self.params if p.grad is not None]
+        """Every gradient, dense: a sparse one (coalesced after its reduction) as its row values."""
+        grads = [self.grad_of(p) for p in self.params]
+        return [g.coalesce().values() if g.is_sparse else g for g in grads if g is not None]
 
     def local_overflow(self) -> torch.Tensor:
         """A device flag (0-dim bool): does any gradient hold an inf or a NaN?"""
@@ -125,7 +179,8 @@ class DataParallelStrategy:
     def step(self, grad_scale: float | torch.Tensor) -> None:
         if self.master:
             for p, m in self.master.items():
-                m.grad = None if p.grad is None else p.grad.float().mul_(grad_scale)
+                g = self.grad_of(p)
+                m.grad = None if g is None else g.float().mul_(grad_scale)
             self.optimizer.step()
             for p, m in self.master.items():
                 p.copy_(m)
@@ -140,6 +195,10 @@ class DataParallelStrategy:
             p.grad = None
         for m in self.master.values():
             m.grad = None
+        for r in self.reducers:
+            r.zero_grad()
+        for s in self.sparse:
+            s.zero_grad()
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes of distinct live storages by category. Reduced gradients are views into the
@@ -148,7 +207,10 @@ class DataParallelStrategy:
         state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
         ledger = StorageLedger()
         ledger.add("parameters", self.module.parameters())
-        ledger.add("gradients", (p.grad for p in self.params))
+        grads = [g for g in map(self.grad_of, self.params) if g is not None]
+        ledger.add(
+            "gradients", (t for g in grads for t in ((g._indices(), g._values()) if g.is_sparse else (g,)))
+        )
         ledger.add("gradients", (m.grad for m in self.master.values()))  # fp32, during the step
         ledger.add("master_weights", self.master.values())
         ledger.add("optimizer_states", state)

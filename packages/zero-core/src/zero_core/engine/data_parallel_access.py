@@ -41,9 +41,10 @@ class DataParallelStateAccess:
         return self._master(p).detach().float().clone()
 
     def full_grad(self, p: torch.nn.Parameter) -> torch.Tensor | None:
-        if p.grad is None:
+        grad = self.strategy.grad_of(p)
+        if grad is None:
             return None
-        g = p.grad.detach().float().clone()
+        g = (grad.to_dense() if grad.is_sparse else grad).detach().float().clone()
         scale = self._scale()
         return g.div_(scale) if scale != 1.0 else g
 
@@ -65,7 +66,7 @@ class DataParallelStateAccess:
     @torch.no_grad()
     def set_full_grad(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
         g = value.detach().reshape(p.shape).float() * self._scale()
-        p.grad = g.to(p.dtype)
+        self.strategy.set_grad(p, g)
 
     # -- local form: the whole parameter, flat ----------------------------------------------
     def local_fp32_param(self, p: torch.nn.Parameter) -> torch.Tensor:

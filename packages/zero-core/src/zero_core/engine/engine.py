@@ -28,9 +28,12 @@ from zero_core.engine.loss_scaler import LossScaler
 from zero_core.engine.model_states import ModelStates
 from zero_core.engine.module_attrs import forward_to_module
 from zero_core.engine.no_sync import NoSyncGuard
+from zero_core.engine.progressive_layer_drop import build_progressive_layer_drop
+from zero_core.engine.state_report import breakdown_text
 from zero_core.engine.strategy import TrainingStrategy
 from zero_core.engine.timers import Timers
 from zero_core.utils import termination
+from zero_core.utils.sparse_names import sparse_module_names
 
 
 class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
@@ -88,6 +91,10 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
         self._step_hooks = list(step_hooks or [])
         # zero-profiler's StepProfiler (the ``flops_profiler`` section), or None
         self.profiler = profiler
+        # DeepSpeed's attribute; None without the section. See [Note: progressive layer drop]
+        self.progressive_layer_drop = build_progressive_layer_drop(config)
+        # DeepSpeed's bookkeeping of sparse_gradients: See [Note: sparse gradients]
+        self.sparse_tensor_module_names = sparse_module_names(module, bool(config.sparse_gradients))
         self.timers = Timers()
         self._wall_clock = config.wall_clock_breakdown
         # fp16.auto_cast: forward casts floating-point inputs to fp16
@@ -101,6 +108,9 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
         )
         self._last_boundary_time = time.perf_counter()
         self._samples_per_sec = 0.0
+        # timers.throughput.enabled: samples/s on the progress line and in the monitors
+        throughput = getattr(getattr(config, "timers", None), "throughput", None)
+        self._throughput = bool(getattr(throughput, "enabled", True))
         # why training must not go on: a load failed after overwriting part of the state
         # (see [Note: single-pass load] in checkpoint/single_pass.py), and whether it touched the optimizer
         self._invalid_state: str | None = None
@@ -135,6 +145,14 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
     def reload_states(self, non_blocking: bool = False) -> None:
         """Bring back every state :meth:`offload_states` moved, to the device it came from."""
         self._model_states.reload(self.strategy, non_blocking)
+
+    @property
+    def flops_profiler(self) -> Any:
+        """DeepSpeed's name for the engine's profiler: zero-profiler's ``FlopsProfiler`` of the
+        ``flops_profiler`` section (``get_total_flops()`` ..., and after the profiled step the
+        ``flops``/``macs``/``params`` of its profile), None without the section. ``engine.profiler``
+        is the per-step driver around it."""
+        return getattr(self.profiler, "profiler", None)
 
     # -- the strategy's parts -----------------------------------------------------------
     @property
@@ -237,6 +255,9 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
             self.timers.start("forward")
         if self._auto_cast_fp16:
             args, kwargs = cast_floating(args, torch.float16), cast_floating(kwargs, torch.float16)
+        if self.progressive_layer_drop is not None and self.module.training:
+            # See [Note: progressive layer drop]
+            kwargs = {**kwargs, **self.progressive_layer_drop.get_state()}
         out = self.module(*args, **kwargs)
         if self._wall_clock:
             self.timers.stop("forward")
@@ -247,9 +268,10 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
     ) -> torch.Tensor:
         """Backward of ``loss`` scaled by 1/gradient_accumulation_steps and the loss scale.
 
-        Returns, as DeepSpeed does, the loss divided by ``gradient_accumulation_steps`` (when
-        ``scale_wrt_gas``), without the fp16 loss scale. Inside :meth:`no_sync` the gradients
-        stay on this rank (See [Note: no_sync]).
+        Returns, as DeepSpeed does, the loss divided by ``gradient_accumulation_steps`` in fp32
+        (``loss.float() / gas``, whatever the training dtype) when ``scale_wrt_gas`` and the
+        steps are more than one, else ``loss`` itself; never the fp16 loss scale. Inside
+        :meth:`no_sync` the gradients stay on this rank (See [Note: no_sync]).
         """
         self._require_valid_state("backward")
         require_optimizer(self.strategy.optimizer, "backward")
@@ -262,7 +284,7 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
         self._losses.append(loss.detach().float().reshape(()))  # on the device: no host sync
         gas_scaled = loss
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
-            gas_scaled = loss / self.gradient_accumulation_steps()
+            gas_scaled = loss.float() / self.gradient_accumulation_steps()
         scaled = self.loss_scaler.scale_loss(gas_scaled.float())
         if self._wall_clock:
             self.timers.start("backward")
@@ -291,6 +313,8 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
         if self._wall_clock:
             self.timers.start("step")
         self._note(f"engine.step (optimizer step {self.global_steps})")
+        if self.progressive_layer_drop is not None:  # before the counter moves, as DeepSpeed
+            self.progressive_layer_drop.update_state(self.global_steps)
         self._boundary_step(lr_kwargs)
         if self._wall_clock:
             self.timers.stop("step")
@@ -407,8 +431,9 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
                 ("Train/Samples/train_loss", loss, self.global_samples),
                 ("Train/Samples/lr", self.get_lr()[0], self.global_samples),
                 ("Train/Samples/loss_scale", self.loss_scaler.loss_scale, self.global_samples),
-                ("Train/Samples/samples_per_sec", self._samples_per_sec, self.global_samples),
             ]
+            if self._throughput:
+                events.append(("Train/Samples/samples_per_sec", self._samples_per_sec, self.global_samples))
             if self.get_global_grad_norm() is not None:
                 events.append(("Train/Samples/grad_norm", self.get_global_grad_norm(), self.global_samples))
         every = self.config.steps_per_print or 10  # None: the default interval
@@ -424,10 +449,12 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
             self.monitor.write_events(events)
         if mem_per_rank is not None and self.global_rank == 0:
             loss = self.last_loss
-            line = (
-                f"[zero] step {step} | loss {loss:.4f} | lr {self.get_lr()[0]:.3e} | "
-                f"samples/s {self._samples_per_sec:.1f} | model states {max(mem_per_rank):.1f} MB/rank (max)"
-            )
+            line = f"[zero] step {step} | loss {loss:.4f} | lr {self.get_lr()[0]:.3e} | "
+            if self._throughput:  # timers.throughput.enabled
+                line += f"samples/s {self._samples_per_sec:.1f} | "
+            line += f"model states {max(mem_per_rank):.1f} MB/rank (max)"
+            if self.config.memory_breakdown:  # See engine/state_report.py
+                line += " | " + breakdown_text(self.memory_breakdown())
             if self.loss_scaler.checks_overflow:
                 line += f" | loss scale {self.loss_scaler.loss_scale:g} | skipped {self.skipped_steps}"
             if self._wall_clock:

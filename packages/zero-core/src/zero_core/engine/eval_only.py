@@ -18,6 +18,13 @@ the parameter groups (the strategies need them) and owns no state.
   there is nothing to train. (Gradients of the inputs, e.g. for saliency, are still available
   with plain ``torch.autograd.grad`` through the engine's forward at stages 0-2.)
 * An LR scheduler without an optimizer is refused at ``initialize``.
+* ``save_checkpoint`` / ``load_checkpoint`` work at every stage (DeepSpeed's evaluation engines
+  save and load too): the checkpoint holds the module (16-bit weights where there are no fp32
+  masters), buffers and counters, and records its optimizer as ``{"class": null,
+  "param_groups": []}`` (the placeholder's lr 0 is never saved, so no training engine loads it).
+  This engine loads any checkpoint's module and skips its optimizer states; a training engine
+  loads this one with ``load_optimizer_states=False``, and asking for the optimizer states it
+  lacks is a ``CheckpointError`` raised before anything is touched.
 """
 
 from __future__ import annotations

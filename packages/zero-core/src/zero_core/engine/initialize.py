@@ -95,10 +95,11 @@ def _apply_comms_timeout(cfg: ZeroConfig) -> None:
     comm.watchdog.get_watchdog()  # started now, so its records exist before the first step
 
 
-#: config sections that only another package of the family acts on: section -> (import name, what)
+#: config sections that only another package of the family acts on: section -> (import name, what).
+#: (``moe`` is not one: MoE layers take their settings in code and the section configures nothing,
+#: its keys are errors when set, see config/unimplemented.py.)
 OWNED_SECTIONS = {
     "pipeline": ("zero_pipe", "pipeline parallelism"),
-    "moe": ("zero_moe", "Mixture-of-Experts"),
 }
 
 
@@ -146,12 +147,13 @@ def _build_profiler(model: torch.nn.Module, cfg: ZeroConfig, engine: ZeroEngine)
 
 
 def _check_compressed_optimizer(cfg: ZeroConfig, optimizer: Any, is_pipeline: bool) -> None:
-    """1-bit Adam, 0/1 Adam and 1-bit LAMB run on plain data parallelism only (as in DeepSpeed)."""
-    from zero_core.optim.onebit import CompressedOptimizer
+    """1-bit Adam, 0/1 Adam and 1-bit LAMB run on plain data parallelism only (as in DeepSpeed).
 
+    Told apart by what the stage-0 strategy asks them, ``communicates_gradients`` (zero-ops'
+    [Note: communication-compressed optimizers]): zero-core imports no optimizer of zero-ops."""
     section = cfg.optimizer
     named = (section.type if section is not None else "").replace("_", "").lower()
-    if isinstance(optimizer, CompressedOptimizer):
+    if callable(getattr(optimizer, "communicates_gradients", None)):
         name = type(optimizer).__name__
     elif optimizer is None and named in ("onebitadam", "zerooneadam", "onebitlamb"):
         name = f"optimizer.type {section.type!r}"
@@ -191,10 +193,10 @@ def initialize(
     from zero_core.distributed import init_distributed
 
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    # measured before anything is built: see [Note: autotuning experiments]
-    from zero_core.autotuning.engine_hook import build_autotuning_hook, model_info, process_baseline_bytes
+    # measured before anything is built: see engine/autotuning_experiment.py
+    from zero_core.engine.autotuning_experiment import attach_experiment_hook, experiment_baseline
 
-    baseline_bytes, model_counts = process_baseline_bytes(model), model_info(model)
+    baseline = experiment_baseline(model)
     group = mpu.get_data_parallel_group() if mpu is not None else None
     cfg, model_engine, dp_world = _agreed_config(model, optimizer, config, config_params, args, mpu, group)
     if model_engine is not None:
@@ -218,9 +220,7 @@ def initialize(
             drop_last=cfg.dataloader_drop_last,
         )
     engine, scheduler = _build_engine(model, optimizer, model_parameters, lr_scheduler, loader, cfg, group)
-    hook = build_autotuning_hook(cfg, engine, model_counts, baseline_bytes)
-    if hook is not None:
-        engine._step_hooks.append(hook)
+    attach_experiment_hook(cfg, engine, baseline)
     return engine, engine.optimizer, loader, scheduler
 
 
@@ -293,6 +293,10 @@ def _build_engine(
         compute_dtype=dtype,
     )
     engine.profiler = _build_profiler(model, cfg, engine)
+    if cfg.dump_state:
+        from zero_core.engine.state_report import dump_engine_state
+
+        dump_engine_state(engine)
     return engine, scheduler
 
 

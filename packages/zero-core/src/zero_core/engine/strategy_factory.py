@@ -36,8 +36,21 @@ def compute_dtype(cfg: ZeroConfig) -> torch.dtype:
     return torch.float32
 
 
+def accum_dtype(cfg: ZeroConfig) -> torch.dtype | None:
+    """``data_types.grad_accum_dtype`` when it is wider than the training dtype, else None (autograd
+    accumulates in the training dtype). See [Note: gradient accumulation dtype] in grad_buckets.py."""
+    wanted = COMM_DTYPES.get(str(cfg.data_types.grad_accum_dtype or "").lower())
+    return wanted if wanted is not None and wanted != compute_dtype(cfg) else None
+
+
+def master_dtype(cfg: ZeroConfig) -> torch.dtype:
+    """The optimizer's master weights' dtype: bf16 with ``bf16.bf16_master_weights_and_grads``
+    (See [Note: bf16 master weights]), else fp32."""
+    return torch.bfloat16 if cfg.bf16.bf16_master_weights_and_grads else torch.float32
+
+
 def comm_dtype(cfg: ZeroConfig) -> torch.dtype | None:
-    """``communication_data_type`` as a dtype (None: the gradients' own dtype)."""
+    """``communication_data_type`` as a dtype (None: the dtype of what is reduced)."""
     return COMM_DTYPES.get(str(cfg.communication_data_type or "").lower())
 
 
@@ -50,6 +63,9 @@ class DataParallelOptions:
     comm_dtype: torch.dtype | None
     predivide_factor: float
     master_weights: bool
+    prescale: bool
+    accum_dtype: torch.dtype | None
+    sparse_gradients: bool
 
     @classmethod
     def from_config(
@@ -67,6 +83,9 @@ class DataParallelOptions:
             comm_dtype=comm_dtype(cfg),
             predivide_factor=float(cfg.gradient_predivide_factor),
             master_weights=compute_dtype(cfg) != torch.float32 and not eval_only,
+            prescale=bool(cfg.prescale_gradients),
+            accum_dtype=accum_dtype(cfg),
+            sparse_gradients=bool(cfg.sparse_gradients),
         )
 
 
@@ -86,6 +105,8 @@ class PartitionedOptions:
     round_robin_gradients: bool
     ignore_unused_parameters: bool
     comm_dtype: torch.dtype | None
+    accum_dtype: torch.dtype | None
+    master_dtype: torch.dtype  # See [Note: bf16 master weights]
 
     @classmethod
     def from_config(cls, cfg: ZeroConfig, *, pipeline: bool = False) -> PartitionedOptions:
@@ -103,6 +124,8 @@ class PartitionedOptions:
             round_robin_gradients=bool(zc.round_robin_gradients),
             ignore_unused_parameters=bool(zc.ignore_unused_parameters),
             comm_dtype=comm_dtype(cfg),
+            accum_dtype=accum_dtype(cfg),
+            master_dtype=master_dtype(cfg),
         )
 
 
@@ -125,6 +148,10 @@ class Stage3Options:
     quantized_weights: bool  # ZeRO++ qwZ
     quantized_nontrainable_weights: bool
     quantized_gradients: bool  # ZeRO++ qgZ
+    accum_dtype: torch.dtype | None
+    module_granularity_threshold: int  # See [Note: module granularity threshold]
+    use_all_reduce_for_fetch_params: bool  # See [Note: all-reduce fetch]
+    master_dtype: torch.dtype  # See [Note: bf16 master weights]
 
     @classmethod
     def from_config(cls, cfg: ZeroConfig, *, eval_only: bool = False) -> Stage3Options:
@@ -145,6 +172,10 @@ class Stage3Options:
             quantized_weights=bool(zc.zero_quantized_weights),
             quantized_nontrainable_weights=bool(zc.zero_quantized_nontrainable_weights),
             quantized_gradients=bool(zc.zero_quantized_gradients),
+            accum_dtype=accum_dtype(cfg),
+            module_granularity_threshold=int(zc.module_granularity_threshold),
+            use_all_reduce_for_fetch_params=bool(zc.use_all_reduce_for_fetch_params),
+            master_dtype=master_dtype(cfg),
         )
 
 
@@ -192,6 +223,10 @@ def build_strategy(
     eval_only = is_eval_only(optimizer)  # See [Note: engine without an optimizer]
     if pipeline and stage not in (0, 1):
         raise ValueError(f"a pipeline trains with ZeRO stage 0 or 1, got {stage}")
+    if not eval_only:
+        from zero_core.engine.sparse_grads import check_no_sparse_gradients
+
+        check_no_sparse_gradients(module, stage)  # See [Note: sparse gradient reduction]
     if stage == 0 or (eval_only and stage in (1, 2)):
         from zero_core.engine.data_parallel import DataParallelStrategy
 

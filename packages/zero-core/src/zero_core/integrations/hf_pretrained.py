@@ -166,9 +166,10 @@ def from_pretrained(
     is given) and loaded with each rank reading only its partitions. Collective: call on every
     rank. ``config_overrides`` update the model config (``attn_implementation="eager"`` ...).
     See [Note: from_pretrained into partitions]."""
-    from transformers import AutoConfig
-
+    from zero_core.integrations.hf_extra import require_hf
     from zero_core.zero.stage3.init_context import Init
+
+    AutoConfig = require_hf("zero_core.integrations.from_pretrained").AutoConfig
 
     path = os.fspath(path)
     if not os.path.isfile(os.path.join(path, "config.json")):

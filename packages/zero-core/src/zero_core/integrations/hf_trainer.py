@@ -19,19 +19,22 @@ and optimizer (``_prepare_for_training``):
   boundaries, as the engine does in a user's own loop. The Trainer's own optimizer and scheduler
   calls are then no-ops on views of the engine's (``learning_rate`` and ``grad_norm`` in the
   logs come from the engine);
-* ``save_model`` writes ``save_16bit_model``'s files and the model config (what
-  ``from_pretrained`` loads); Trainer checkpoints (``save_strategy``) use the engine's
-  ``save_checkpoint`` under ``checkpoint-<step>``.
+* ``save_model`` writes ``save_16bit_model``'s files, the model config and the processing
+  class (what ``from_pretrained`` loads); Trainer checkpoints (``save_strategy``) hold, under
+  ``checkpoint-<step>``, the engine's ``save_checkpoint``, every rank's random generators and
+  ``trainer_state.json``, all safetensors + JSON, and ``train(resume_from_checkpoint=...)``
+  continues from them at any world size and stage. See [Note: Trainer checkpoints] in
+  ``hf_trainer_checkpoint.py``.
 
 So the logged training loss of a ``ZeroTrainer`` run equals that of the same model, data and
-config in a plain zero loop (``tests/test_hf_trainer.py``).
+config in a plain zero loop (``tests/test_hf_integration.py``), and a run resumed from one of
+its checkpoints continues it exactly (``tests/test_hf_trainer_checkpoints.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import os
 from typing import Any
 
 import torch
@@ -39,6 +42,7 @@ import transformers
 
 import zero_core
 from zero_core.config.loader import read_config
+from zero_core.integrations.hf_trainer_checkpoint import TrainerCheckpoints
 
 
 class _EngineOptimizer:
@@ -79,7 +83,7 @@ class _EngineScheduler:
         return sched.state_dict() if sched is not None else {}
 
 
-class ZeroTrainer(transformers.Trainer):
+class ZeroTrainer(TrainerCheckpoints, transformers.Trainer):
     """``transformers.Trainer`` training its model with a zero engine (any ZeRO stage).
 
     ``zero_config``: a DeepSpeed-format config (dict or file path). Build the model inside
@@ -89,6 +93,12 @@ class ZeroTrainer(transformers.Trainer):
 
     def __init__(self, *args: Any, zero_config: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if self.args.save_only_model and self.args.load_best_model_at_end:
+            # as the Trainer refuses it for DeepSpeed: loading the best model loads its engine state
+            raise ValueError(
+                "ZeroTrainer: save_only_model=True writes no engine checkpoint, which "
+                "load_best_model_at_end=True loads; set one of them to False"
+            )
         raw, _ = read_config(zero_config)  # the user's keys only: fills below need what is absent
         self.zero_config = raw
         self.engine: Any = None
@@ -175,6 +185,8 @@ class ZeroTrainer(transformers.Trainer):
     ) -> tuple:
         if self.engine is None:
             self.engine = self._build_engine(max_steps)
+        if resume_from_checkpoint is not None:  # where the Trainer loads DeepSpeed's checkpoint
+            self._load_engine_checkpoint(resume_from_checkpoint)
         self.model_wrapped = self.engine
         self.optimizer = _EngineOptimizer(self.engine)
         self.lr_scheduler = _EngineScheduler(self.engine)
@@ -204,18 +216,31 @@ class ZeroTrainer(transformers.Trainer):
         return None if norm is None else float(norm)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """The 16-bit weights (``save_16bit_model``: collective) and the model config, as
-        ``from_pretrained`` loads them."""
+        """The 16-bit weights (``save_16bit_model``: collective), the model config and the
+        processing class, as ``from_pretrained`` loads them.
+
+        In a checkpoint (``_internal_call``) at stage 3 without
+        ``gather_16bit_weights_on_model_save`` the weights are left to the engine's checkpoint
+        (``zero_to_fp32`` recovers them), as the Trainer's DeepSpeed path does."""
         output_dir = output_dir or self.args.output_dir
         if self.engine is None:
             super().save_model(output_dir, _internal_call)
             return
-        self.engine.save_16bit_model(output_dir)
-        if self.args.should_save and hasattr(self.model, "config"):
-            self.model.config.save_pretrained(output_dir)
-
-    def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        path = os.path.join(self._get_output_dir(trial), f"checkpoint-{self.state.global_step}")
-        self.engine.save_checkpoint(path)
+        partitioned = (
+            self.engine.zero_optimization_stage() == 3
+            and not self.engine.zero_gather_16bit_weights_on_model_save()
+        )
+        if _internal_call and partitioned:
+            if self.args.save_only_model:
+                raise ValueError(
+                    "ZeroTrainer: save_only_model=True at ZeRO stage 3 needs "
+                    "zero_optimization.gather_16bit_weights_on_model_save=true, or the checkpoint "
+                    "would hold no weights"
+                )
+        else:
+            self.engine.save_16bit_model(output_dir)
         if self.args.should_save:
-            self.state.save_to_json(os.path.join(path, "trainer_state.json"))
+            if hasattr(self.model, "config"):
+                self.model.config.save_pretrained(output_dir)
+            if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
+                self.processing_class.save_pretrained(output_dir)

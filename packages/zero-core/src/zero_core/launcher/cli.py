@@ -7,8 +7,9 @@ import json
 import sys
 from collections.abc import Sequence
 
+from zero_core import plugins
 from zero_core.launcher.env_report import collect_report, format_report
-from zero_core.launcher.run import LaunchError, add_run_arguments, run_job
+from zero_core.launcher.run import LaunchError, add_run_arguments, check_job, run_job
 from zero_core.version import __version__
 
 
@@ -46,6 +47,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def run_command(args: argparse.Namespace) -> int:
+    """``zero run``: the job, or with ``--autotuning`` the autotuner, which launches its
+    experiments (and, with ``run``, then the job) through :func:`run_job`; returns the exit code."""
+    if not args.autotuning:
+        return run_job(args)
+    check_job(args)
+    try:  # the autotuner is zero-profiler's (its autotuning extra)
+        autotuner = plugins.require(
+            "zero_profiler.autotuning.autotuner", "zero run --autotuning", extra="autotuning"
+        )
+    except plugins.MissingPackageError as exc:
+        raise LaunchError(str(exc)) from None
+    try:
+        return autotuner.autotune(args)
+    except autotuner.AutotuningError as exc:
+        raise LaunchError(str(exc)) from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``zero`` command line; returns the exit code."""
     parser = build_parser()
@@ -58,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(report, indent=2, default=str) if args.json else format_report(report))
         return 0
     try:
-        return run_job(args)
+        return run_command(args)
     except LaunchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -101,7 +101,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="search for the fastest config that fits (the config's 'autotuning' section): tune writes "
         "the results (autotuning_results/ds_config_optimal.json, summary.md); run also launches the job "
-        "with the best config. The script must take its config as --zero_config/--deepspeed_config PATH",
+        "with the best config. The script must take its config as --zero_config/--deepspeed_config PATH. "
+        "The autotuner is zero-profiler's (its autotuning extra)",
     )
     parser.add_argument("-m", "--module", action="store_true", help="run the script as a module (python -m)")
     parser.add_argument("script", help="training script (or module with -m)")
@@ -134,7 +135,7 @@ def config_paths(script_args: list[str]) -> list[tuple[str, str]]:
     return list(found.items())
 
 
-def _check_common(args: argparse.Namespace) -> None:
+def check_job(args: argparse.Namespace) -> None:
     """Checks that need no rank: they fail here, once, before torchrun or mpiexec starts any."""
     if args.nproc is not None and args.nproc < 1:
         raise LaunchError(f"zero run: --nproc must be >= 1, got {args.nproc}")
@@ -153,7 +154,7 @@ def _check_common(args: argparse.Namespace) -> None:
 
 def torchrun_argv(args: argparse.Namespace) -> list[str]:
     """The argument list for ``torch.distributed.run.main``."""
-    _check_common(args)
+    check_job(args)
     argv = ["--nproc-per-node", str(args.nproc or 1)]
     for dest, flag in TORCHRUN_FLAGS:
         value = getattr(args, dest)
@@ -219,7 +220,7 @@ def _mpi_flavour(mpiexec: str) -> str:
 
 def mpiexec_command(args: argparse.Namespace, env: dict[str, str]) -> list[str]:
     """The ``mpiexec`` command line; sets OMP_NUM_THREADS in ``env`` (default 1, as torchrun)."""
-    _check_common(args)
+    check_job(args)
     given = [flag for dest, flag in TORCHRUN_FLAGS if getattr(args, dest) is not None]
     if args.standalone:
         given.append("--standalone")
@@ -245,15 +246,10 @@ def mpiexec_command(args: argparse.Namespace, env: dict[str, str]) -> list[str]:
 
 
 def run_job(args: argparse.Namespace) -> int:
-    """Start the job described by the ``zero run`` arguments; returns its exit code."""
-    if getattr(args, "autotuning", None):
-        _check_common(args)
-        from zero_core.autotuning.autotuner import AutotuningError, autotune
+    """Start the job described by the ``zero run`` arguments; returns its exit code.
 
-        try:
-            return autotune(args)
-        except AutotuningError as exc:
-            raise LaunchError(str(exc)) from None
+    The launch only: ``zero run --autotuning`` goes to the autotuner (``cli.run_command``),
+    which launches its experiments, and then the job, through here."""
     import tempfile
 
     from zero_core.launcher.rank_errors import ERROR_DIR_ENV

@@ -17,9 +17,16 @@ class _Schedule:
     def __init__(self, optimizer: Any, last_batch_iteration: int) -> None:
         self._owner = type(self).__name__
         self.optimizer = optimizer
-        self._groups = _param_groups(optimizer, self._owner)
+        _param_groups(optimizer, self._owner)  # a clear error now for something without param groups
         self.last_batch_iteration = _check_int("last_batch_iteration", last_batch_iteration, self._owner, -1)
         self._last_lr: list[float] = []
+
+    @property
+    def _groups(self) -> list[dict]:
+        """The optimizer's param groups, looked up at each use (not kept): ``optimizer.load_state_dict``
+        replaces the group dicts, and a scheduler writing into the old ones would no longer change the
+        learning rate the optimizer uses."""
+        return _param_groups(self.optimizer, self._owner)
 
     def get_lr(self) -> list[float]:
         """Learning rate of every param group at ``last_batch_iteration``."""

@@ -1,17 +1,10 @@
-"""Optimizers zero-core provides itself (torch has no LAMB, and its Adam always bias-corrects)
-and the builder for the config's ``optimizer`` section."""
+"""The builder for the config's ``optimizer`` section (config type name -> a torch optimizer).
 
-from zero_core.optim.adam import FusedAdam
+The optimizers zero adds to torch's (FusedAdam without bias correction, LAMB, CPU Adam, Lion, the
+1-bit family) are implementations, so they live in zero-ops; the builder finds them through
+``zero_core.plugins.require``, which names zero-ops when it is missing.
+"""
+
 from zero_core.optim.builder import OPTIMIZER_TYPES, build_optimizer
-from zero_core.optim.lamb import Lamb
-from zero_core.optim.onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
 
-__all__ = [
-    "FusedAdam",
-    "Lamb",
-    "OnebitAdam",
-    "OnebitLamb",
-    "ZeroOneAdam",
-    "build_optimizer",
-    "OPTIMIZER_TYPES",
-]
+__all__ = ["OPTIMIZER_TYPES", "build_optimizer"]

@@ -5,12 +5,13 @@ decoupled weight decay unless ``adam_w_mode`` is false (its default is true), so
 here builds ``torch.optim.AdamW`` by default and ``torch.optim.Adam`` with
 ``"adam_w_mode": false``; ``torch_adam`` is accepted and has no effect on the math.
 ``FusedAdam`` is the same math as ``Adam``; ``"bias_correction": false`` (which torch's Adam cannot
-express) builds :class:`zero_core.optim.adam.FusedAdam`. ``CPUAdam`` and ``Lion`` come from zero-ops. Any
-other name of a ``torch.optim`` optimizer class (e.g. ``RMSprop``) builds that class, as the
-config section documents. DeepSpeed's communication-compressed optimizers (``OneBitAdam``,
-``ZeroOneAdam``, ``OneBitLamb``; also spelled ``OnebitAdam``/``OnebitLamb``/``ZeroOne_Adam``, case and
-underscores ignored) build :mod:`zero_core.optim.onebit`. The muP variants are not provided:
-naming them is an error.
+express) builds zero-ops' :class:`zero_ops.adam.FusedAdam`. ``Lamb``, ``CPUAdam`` and ``Lion`` come
+from zero-ops too. Any other name of a ``torch.optim`` optimizer class (e.g. ``RMSprop``) builds
+that class, as the config section documents. DeepSpeed's communication-compressed optimizers
+(``OneBitAdam``, ``ZeroOneAdam``, ``OneBitLamb``; also spelled ``OnebitAdam``/``OnebitLamb``/
+``ZeroOne_Adam``, case and underscores ignored) build :mod:`zero_ops.onebit`. Every optimizer of
+zero-ops is found through ``plugins.require``: without zero-ops, naming one is an error that says
+how to install it. The muP variants are not provided: naming them is an error.
 """
 
 from __future__ import annotations
@@ -29,9 +30,8 @@ def _adam(params: Iterable[Any], **kw: Any) -> torch.optim.Optimizer:
     kw.pop("torch_adam", None)
     kw.pop("fused", None)
     if not kw.pop("bias_correction", True):  # torch's Adam always corrects: DeepSpeed's FusedAdam math
-        from zero_core.optim.adam import FusedAdam
-
-        return FusedAdam(params, bias_correction=False, adam_w_mode=adam_w_mode, **kw)
+        adam = plugins.require("zero_ops.adam", 'optimizer "bias_correction": false (FusedAdam)')
+        return adam.FusedAdam(params, bias_correction=False, adam_w_mode=adam_w_mode, **kw)
     return (torch.optim.AdamW if adam_w_mode else torch.optim.Adam)(params, **kw)
 
 
@@ -45,9 +45,8 @@ def _adamw(params: Iterable[Any], **kw: Any) -> torch.optim.Optimizer:
 
 
 def _lamb(params: Iterable[Any], **kw: Any) -> torch.optim.Optimizer:
-    from zero_core.optim.lamb import Lamb
-
-    return Lamb(params, **kw)
+    lamb = plugins.require("zero_ops.lamb", "optimizer type Lamb")
+    return lamb.Lamb(params, **kw)
 
 
 def _cpu_adam(params: Iterable[Any], **kw: Any) -> torch.optim.Optimizer:
@@ -62,10 +61,9 @@ def _lion(params: Iterable[Any], **kw: Any) -> torch.optim.Optimizer:
     return lion.CPULion(params, **kw)
 
 
-def _onebit(name: str) -> Callable[..., torch.optim.Optimizer]:
+def _onebit(name: str, config_name: str) -> Callable[..., torch.optim.Optimizer]:
     def build(params: Iterable[Any], **kw: Any) -> torch.optim.Optimizer:
-        from zero_core.optim import onebit
-
+        onebit = plugins.require("zero_ops.onebit", f"optimizer type {config_name}")
         return getattr(onebit, name)(params, **kw)
 
     return build
@@ -92,9 +90,9 @@ OPTIMIZER_TYPES: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "lamb": _lamb,
     "cpuadam": _cpu_adam,
     "deepspeedcpuadam": _cpu_adam,
-    "onebitadam": _onebit("OnebitAdam"),
-    "zerooneadam": _onebit("ZeroOneAdam"),
-    "onebitlamb": _onebit("OnebitLamb"),
+    "onebitadam": _onebit("OnebitAdam", "OneBitAdam"),
+    "zerooneadam": _onebit("ZeroOneAdam", "ZeroOneAdam"),
+    "onebitlamb": _onebit("OnebitLamb", "OneBitLamb"),
 }
 
 

@@ -1,6 +1,6 @@
 """Launch ``zero run`` from a test, and read what an autotuning search wrote.
 
-Shared by zero-core's autotuning tests and the cross-package ones (which cannot import each
+Shared by zero-profiler's autotuning tests and the cross-package ones (which cannot import each
 other's test modules).
 """
 

@@ -22,6 +22,11 @@ Where gradients live:
   autograd produces it and ``.grad`` is freed at once; without it ``.grad`` is kept until its
   chunk is launched.
 
+With a wider ``data_types.grad_accum_dtype`` (fp32 with bf16/fp16 training) the flat buffer
+(stage 1) or the shard (stage 2) has that dtype: stage 1's hook adds each micro-step's gradient
+into it and frees ``.grad``, stage 2 adds each reduced piece into it; the buckets stay in the
+communication dtype (see [Note: gradient accumulation dtype] in ``engine/grad_buckets.py``).
+
 Each group carries the process group it is reduced and partitioned over (its layout is cut
 for that group's size): the data-parallel group for dense parameters, the expert-data-parallel
 group for Mixture-of-Experts expert parameters (see [Note: expert parameters] in
@@ -95,6 +100,7 @@ class PartitionedGradReducer:
         ignore_unused_parameters: bool = True,
         comm_dtype: torch.dtype | None = None,
         backward_order: dict[int, int] | None = None,
+        accum_dtype: torch.dtype | None = None,
     ) -> None:
         self.groups = list(groups)
         self.group = group
@@ -130,17 +136,20 @@ class PartitionedGradReducer:
         # time (tools/bench/results/bench_zero12.md). It is listed under "buffers".
         self._spare: list[torch.Tensor] = []
 
-        # Gradient storage (see the Note): stage 1 full flat buffers, stage 2 shards.
+        # Gradient storage (see the Note): stage 1 full flat buffers, stage 2 shards, in the
+        # gradients' dtype or the wider accumulation dtype (then .grad is not a view of them).
+        self.accum_dtype = accum_dtype
+        self._grad_dtypes = [gg.params[0].dtype if gg.params else torch.float32 for gg in self.groups]
         self.flat_grads: list[torch.Tensor] = []
         self.grad_shards: list[torch.Tensor] = []
-        for gg in self.groups:
-            dtype = gg.params[0].dtype if gg.params else torch.float32
+        for gg, grad_dtype in zip(self.groups, self._grad_dtypes):
+            dtype = accum_dtype or grad_dtype
             device = gg.params[0].device if gg.params else torch.device("cpu")
             if partition_grads:
                 self.grad_shards.append(torch.zeros(gg.layout.shard_numel, dtype=dtype, device=device))
             else:
                 self.flat_grads.append(torch.zeros(gg.layout.padded_numel, dtype=dtype, device=device))
-        if not partition_grads:
+        if not partition_grads and accum_dtype is None:
             self._attach_flat_grads()
         self._shard_has_grad = False
         self.armed = False
@@ -214,7 +223,7 @@ class PartitionedGradReducer:
         """Prepare for a backward pass: stage 2 reduces every micro-step, stage 1 on boundaries."""
         self._reset_round()
         self.armed = self.partition_grads or is_boundary
-        if not self.partition_grads:
+        if not self.partition_grads and self.accum_dtype is None:
             # A user's zero_grad(set_to_none=True) detaches .grad from the flat buffer: re-attach.
             for g, gg in enumerate(self.groups):
                 for i, p in enumerate(gg.params):
@@ -227,11 +236,17 @@ class PartitionedGradReducer:
                         p.grad = view
 
     def _dtype(self, g: int) -> torch.dtype:
-        return self.comm_dtype or (self.flat_grads[g].dtype if self.flat_grads else self.grad_shards[g].dtype)
+        """The dtype chunks are reduced in: ``communication_data_type``, else that of what is reduced
+        (stage 1's flat buffer, stage 2's micro-step gradients)."""
+        return self.comm_dtype or (self._grad_dtypes[g] if self.partition_grads else self.flat_grads[g].dtype)
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         g, i, slots = self._where[id(param)]
-        if not self.partition_grads:
+        if not self.partition_grads and self.accum_dtype is not None:
+            # See [Note: gradient accumulation dtype]: the sum of the micro-steps in the wide buffer
+            self._grad_view(g, i).add_(param.grad)
+            param.grad = None
+        elif not self.partition_grads:
             view = self._grad_view(g, i)
             if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
                 # autograd made a fresh tensor (grad was None): it replaces the buffer's content
@@ -280,7 +295,7 @@ class PartitionedGradReducer:
         chunk = gg.layout.chunks[c]
         if not self.partition_grads:
             inp = self.flat_grads[g][chunk.start : chunk.start + chunk.padded]
-            return inp.to(self.comm_dtype) if self.comm_dtype is not None else inp
+            return inp.to(self._dtype(g))  # the buffer itself when the dtypes agree
         buf = self._bucket(slot)
         if self.contiguous:
             if self._ready[slot] < self._needed[slot]:  # some parameters produced no gradient: zeros
@@ -419,7 +434,8 @@ class PartitionedGradReducer:
         else:
             for t in self.flat_grads:
                 t.zero_()
-            self._attach_flat_grads()
+            if self.accum_dtype is None:
+                self._attach_flat_grads()
 
     def shard_grad(self, g: int) -> torch.Tensor:
         """This rank's shard of group ``g``'s reduced gradient (a new tensor for stage 1)."""

@@ -51,6 +51,7 @@ import torch.distributed as dist
 from zero_core import comm
 from zero_core.protocols.optimizer_offload import NoOptimizerOffload, OptimizerOffload, add_host_breakdown
 from zero_core.utils.grad_norm import any_nonfinite, needs_scaling, sum_of_squares
+from zero_core.utils.master_dtype import check_master_dtype
 from zero_core.utils.param_groups import reduction_groups
 from zero_core.utils.storage_bytes import StorageLedger
 from zero_core.utils.tensor_alias import apart_or_slot, overlaps
@@ -78,13 +79,17 @@ def _positive_int(value: Any, name: str) -> int:
 
 
 def build_flat_masters(
-    layout: FlatPartition, params: list[torch.nn.Parameter], rank: int
+    layout: FlatPartition,
+    params: list[torch.nn.Parameter],
+    rank: int,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.nn.Parameter:
-    """The fp32 shard of ``params`` owned by ``rank`` under ``layout``, as a flat Parameter.
+    """The master shard (fp32, or bf16 with bf16 masters) of ``params`` owned by ``rank`` under
+    ``layout``, as a flat Parameter.
 
     Reads the parameters' current values (call it before they are cast to 16 bits).
     """
-    shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=params[0].device if params else "cpu")
+    shard = torch.zeros(layout.shard_numel, dtype=dtype, device=params[0].device if params else "cpu")
     for chunk in layout.chunks:
         a, b = chunk.piece_range(rank)
         base = layout.shard_offsets[chunk.index] - a
@@ -250,11 +255,17 @@ class PartitionedOptimizerStrategy:
         ignore_unused_parameters: bool = True,
         comm_dtype: torch.dtype | None = None,
         optimizer_offload: OptimizerOffload | None = None,
+        accum_dtype: torch.dtype | None = None,
+        master_dtype: torch.dtype = torch.float32,
     ) -> None:
         _check_arguments(
             stage, optimizer, dtype, reduce_bucket_size, allgather_bucket_size, round_robin_gradients
         )
+        check_master_dtype(
+            master_dtype, dtype, f"ZeRO stage {stage}", offloaded=optimizer_offload is not None
+        )
         self.stage = stage
+        self.master_dtype = master_dtype  # See [Note: bf16 master weights]
         self.module = module
         self.optimizer = optimizer
         self.group = group
@@ -287,11 +298,13 @@ class PartitionedOptimizerStrategy:
             ignore_unused_parameters=ignore_unused_parameters,
             comm_dtype=comm_dtype,
             backward_order=backward_order,
+            accum_dtype=accum_dtype,
         )
 
     def _build_flat_buffers(self) -> None:
-        """fp32 masters from the still-fp32 parameters, then the flat low-precision parameter buffers
-        the parameters become views of (See [Note: fp32 master aliasing])."""
+        """Masters (fp32, or bf16: See [Note: bf16 master weights]) from the still-fp32 parameters,
+        then the flat low-precision parameter buffers the parameters become views of (See
+        [Note: fp32 master aliasing]: a master of the training dtype is a view of them)."""
         self.masters: list[torch.nn.Parameter] = []
         self.flat_params: list[torch.Tensor] = []
         # See [Note: parameter owner registry].
@@ -300,13 +313,15 @@ class PartitionedOptimizerStrategy:
         # With optimizer offload the masters live in host memory: never aliased (``adopt`` copies
         # them there; the flag is recomputed after it).
         groups, dtype = self.groups, self.dtype
-        self.master_aliases_params = dtype == torch.float32 and all(
+        self.master_aliases_params = dtype == self.master_dtype and all(
             len(gg.layout.chunks) <= 1 for gg in groups
         )
         with torch.no_grad():
             for g, gg in enumerate(groups):
                 if not self.master_aliases_params:
-                    self.masters.append(build_flat_masters(gg.layout, gg.params, self._ranks[g]))
+                    self.masters.append(
+                        build_flat_masters(gg.layout, gg.params, self._ranks[g], self.master_dtype)
+                    )
                 device = gg.params[0].device if gg.params else torch.device("cpu")
                 flat = torch.zeros(gg.layout.padded_numel, dtype=dtype, device=device)
                 for i, p in enumerate(gg.params):
@@ -381,8 +396,9 @@ class PartitionedOptimizerStrategy:
                 if not self.offload.is_staged(m):  # not already copied during backward
                     self.offload.stage_grad(m, self.reducer.shard_grad(g))
                 continue
-            # fp32 gradients are scaled in place: they are zeroed right after the step anyway
-            grad = self.reducer.shard_grad(g).float()
+            # gradients of the master's dtype (fp32, or bf16 with bf16 masters) are scaled in place:
+            # they are zeroed right after the step anyway
+            grad = self.reducer.shard_grad(g).to(m.dtype)
             if needs_scaling(grad_scale):
                 grad.mul_(grad_scale)
             m.grad = grad

@@ -94,6 +94,35 @@ def cpu_adam_step(
     )
     if numel == 0:
         return
+    _adam_kernel(
+        (params_fp32, grads, exp_avg, exp_avg_sq, amsgrad_max, low_precision_out),
+        lp_code,
+        numel,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        scalars=s,
+        threads=n_threads,
+    )
+
+
+def _adam_kernel(
+    buffers: tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None
+    ],
+    lp_code: int,
+    numel: int,
+    *,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    scalars: dict[str, float],
+    threads: int,
+) -> None:
+    """The checked update on ``(params, grads, exp_avg, exp_avg_sq, amsgrad_max, low_precision_out)``:
+    the compiled kernel, or its pure-torch path (see [Note: native or fallback])."""
+    params_fp32, grads, exp_avg, exp_avg_sq, amsgrad_max, low_precision_out = buffers
+    s = scalars
     _native.run(
         _WHERE,
         lambda C: C.adam_step(
@@ -113,7 +142,7 @@ def cpu_adam_step(
             s["bias_correction2_sqrt"],
             s["decoupled_decay"],
             s["l2_decay"],
-            n_threads,
+            threads,
         ),
         lambda: adam_step_torch(
             params_fp32,

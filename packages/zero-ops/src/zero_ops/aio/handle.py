@@ -12,6 +12,7 @@ they can be detected early and from wait() otherwise.
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from typing import Any
@@ -20,7 +21,7 @@ import torch
 
 from zero_ops import _native
 from zero_ops.aio._threadpool import ThreadPoolEngine
-from zero_ops.aio.buffers import locked_empty
+from zero_ops.aio.buffers import ALIGNMENT, is_locked, locked_empty
 
 # [Note: aio engines across fork]
 # A fork() copies a native engine but not its worker threads, and may copy its mutex and
@@ -53,6 +54,55 @@ def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"AsyncIOHandle: {name} must be an int >= 1, got {value!r}")
     return value
+
+
+# [Note: aio keyword names]
+# DeepSpeed's aio handle is a pybind11 class whose arguments carry names: ``buffer``,
+# ``filename``, ``validate``, ``async``, ``file_offset`` (``fd`` for the descriptor overload of
+# ``async_pwrite``), and users and DeepSpeed's own tests call it by keyword
+# (``h.sync_pwrite(buffer=t, filename=f, file_offset=o)``). Our methods take those names. Two
+# kinds of keywords are translated before the call: ``async`` (a Python keyword, so it cannot
+# be a parameter name: it arrives through ``**{"async": ...}`` and becomes ``async_op``), and
+# the names zero's handle used before (``tensor``, ``path``, ``offset``), kept working.
+_RENAMED = {"async": "async_op", "tensor": "buffer", "path": "filename", "offset": "file_offset"}
+
+
+def _keywords(where: str) -> Any:
+    """Decorator translating the keywords of [Note: aio keyword names] for method ``where``."""
+
+    def wrap(method: Any) -> Any:
+        @functools.wraps(method)
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            for old, new in _RENAMED.items():
+                if old in kwargs:
+                    if new in kwargs:
+                        raise TypeError(f"{where}: got both {old!r} and {new!r} (the same argument)")
+                    kwargs[new] = kwargs.pop(old)
+            return method(self, *args, **kwargs)
+
+        return call
+
+    return wrap
+
+
+def _write_target(filename: Any, fd: Any) -> str | os.PathLike:
+    """The path ``async_pwrite`` writes to: ``filename``, or the file behind descriptor ``fd``."""
+    if fd is None and isinstance(filename, int) and not isinstance(filename, bool):
+        fd = filename  # DeepSpeed's overload async_pwrite(buffer, fd, file_offset), by position
+    elif fd is not None and filename is not None:
+        raise TypeError("async_pwrite: give filename or fd, not both")
+    if fd is None:
+        if filename is None:
+            raise TypeError("async_pwrite: missing the target: filename (a path) or fd (an open descriptor)")
+        return filename
+    if isinstance(fd, bool) or not isinstance(fd, int) or fd < 0:
+        raise ValueError(f"async_pwrite: fd must be an open file descriptor (int >= 0), got {fd!r}")
+    proc = f"/proc/self/fd/{fd}"
+    if not os.path.exists(proc):
+        raise OSError(
+            f"async_pwrite: fd {fd} is not an open file descriptor of this process (or /proc is missing)"
+        )
+    return proc  # the same open file, reopened by the engine's workers (Linux)
 
 
 class AsyncIOHandle:
@@ -153,13 +203,28 @@ class AsyncIOHandle:
         return self._engine.backend()
 
     # -- transfers -----------------------------------------------------------------------
-    def async_pread(self, tensor: torch.Tensor, path: str | os.PathLike, offset: int = 0) -> int:
-        """Starts reading ``tensor.nbytes`` bytes at ``offset`` of ``path`` into ``tensor``. Returns 0."""
-        return self._submit(False, tensor, path, offset, "async_pread")
+    # Parameter names are DeepSpeed's (``buffer``, ``filename``, ``file_offset``, ``validate``,
+    # ``async``, ``fd``), so its keyword calls work: See [Note: aio keyword names].
+    @_keywords("async_pread")
+    def async_pread(self, buffer: torch.Tensor, filename: str | os.PathLike, file_offset: int = 0) -> int:
+        """Starts reading ``buffer.nbytes`` bytes at ``file_offset`` of ``filename`` into ``buffer``. Returns 0."""
+        return self._submit(False, buffer, filename, file_offset, "async_pread")
 
-    def async_pwrite(self, tensor: torch.Tensor, path: str | os.PathLike, offset: int = 0) -> int:
-        """Starts writing ``tensor`` to ``path`` at ``offset`` (the file is created if missing). Returns 0."""
-        return self._submit(True, tensor, path, offset, "async_pwrite")
+    @_keywords("async_pwrite")
+    def async_pwrite(
+        self,
+        buffer: torch.Tensor,
+        filename: str | os.PathLike | int | None = None,
+        file_offset: int = 0,
+        *,
+        fd: int | None = None,
+    ) -> int:
+        """Starts writing ``buffer`` to ``filename`` at ``file_offset`` (the file is created if
+        missing). Returns 0. As DeepSpeed's second overload, the target may instead be an open file
+        descriptor (``fd=``, or an int in place of the name; Linux): it must stay open until
+        :meth:`wait` returns."""
+        target = _write_target(filename, fd)
+        return self._submit(True, buffer, target, file_offset, "async_pwrite")
 
     def wait(self) -> int:
         """Waits for every submitted request; returns how many completed. Raises OSError on failure."""
@@ -168,59 +233,66 @@ class AsyncIOHandle:
         finally:
             self._inflight.clear()
 
-    def sync_pread(self, tensor: torch.Tensor, path: str | os.PathLike, offset: int = 0) -> int:
+    @_keywords("sync_pread")
+    def sync_pread(self, buffer: torch.Tensor, filename: str | os.PathLike, file_offset: int = 0) -> int:
         """Reads like async_pread and waits (also for requests submitted earlier). Returns the number
         of requests completed (1 when none was pending), as DeepSpeed's handle."""
-        self._submit(False, tensor, path, offset, "sync_pread")
+        self._submit(False, buffer, filename, file_offset, "sync_pread")
         return self.wait()
 
-    def sync_pwrite(self, tensor: torch.Tensor, path: str | os.PathLike, offset: int = 0) -> int:
+    @_keywords("sync_pwrite")
+    def sync_pwrite(self, buffer: torch.Tensor, filename: str | os.PathLike, file_offset: int = 0) -> int:
         """Writes like async_pwrite and waits (also for requests submitted earlier). Returns the
         number of requests completed, as DeepSpeed's handle."""
-        self._submit(True, tensor, path, offset, "sync_pwrite")
+        self._submit(True, buffer, filename, file_offset, "sync_pwrite")
         return self.wait()
 
+    @_keywords("pread")
     def pread(
-        self, tensor: torch.Tensor, path: str | os.PathLike, validate: bool = False, async_op: bool = False,
-        offset: int = 0,
+        self, buffer: torch.Tensor, filename: str | os.PathLike, validate: bool = False, async_op: bool = False,
+        file_offset: int = 0,
     ) -> int:  # fmt: skip
-        """DeepSpeed's ``pread(buffer, filename, validate, async)``: async returns 0 (then
-        :meth:`wait`), sync returns the completed count; ``validate`` re-reads the file with plain
-        Python afterwards and raises OSError if the bytes differ (sync only)."""
+        """DeepSpeed's ``pread(buffer, filename, validate, async, file_offset)`` (``async`` is a
+        Python keyword: pass it by position, as ``async_op=``, or as ``**{"async": ...}``): async
+        returns 0 (then :meth:`wait`), sync returns the completed count; ``validate`` re-reads the
+        file with plain Python afterwards and raises OSError if the bytes differ (sync only)."""
         if async_op:
             if validate:
                 raise ValueError("pread: validate needs a synchronous read (async_op=False)")
-            return self.async_pread(tensor, path, offset)
-        done = self.sync_pread(tensor, path, offset)
+            return self.async_pread(buffer, filename, file_offset)
+        done = self.sync_pread(buffer, filename, file_offset)
         if validate:
-            _validate(tensor, path, offset, "pread")
+            _validate(buffer, filename, file_offset, "pread")
         return done
 
+    @_keywords("pwrite")
     def pwrite(
-        self, tensor: torch.Tensor, path: str | os.PathLike, validate: bool = False, async_op: bool = False,
-        offset: int = 0,
+        self, buffer: torch.Tensor, filename: str | os.PathLike, validate: bool = False, async_op: bool = False,
+        file_offset: int = 0,
     ) -> int:  # fmt: skip
-        """DeepSpeed's ``pwrite(buffer, filename, validate, async)``; see :meth:`pread`."""
+        """DeepSpeed's ``pwrite(buffer, filename, validate, async, file_offset)``; see :meth:`pread`."""
         if async_op:
             if validate:
                 raise ValueError("pwrite: validate needs a synchronous write (async_op=False)")
-            return self.async_pwrite(tensor, path, offset)
-        done = self.sync_pwrite(tensor, path, offset)
+            return self.async_pwrite(buffer, filename, file_offset)
+        done = self.sync_pwrite(buffer, filename, file_offset)
         if validate:
-            _validate(tensor, path, offset, "pwrite")
+            _validate(buffer, filename, file_offset, "pwrite")
         return done
 
+    @_keywords("read")
     def read(
-        self, tensor: torch.Tensor, path: str | os.PathLike, validate: bool = False, offset: int = 0
+        self, buffer: torch.Tensor, filename: str | os.PathLike, validate: bool = False, file_offset: int = 0
     ) -> int:
-        """DeepSpeed's ``read(buffer, filename, validate)``: a synchronous read."""
-        return self.pread(tensor, path, validate, False, offset)
+        """DeepSpeed's ``read(buffer, filename, validate, file_offset)``: a synchronous read."""
+        return self.pread(buffer, filename, validate, False, file_offset)
 
+    @_keywords("write")
     def write(
-        self, tensor: torch.Tensor, path: str | os.PathLike, validate: bool = False, offset: int = 0
+        self, buffer: torch.Tensor, filename: str | os.PathLike, validate: bool = False, file_offset: int = 0
     ) -> int:
-        """DeepSpeed's ``write(buffer, filename, validate)``: a synchronous write."""
-        return self.pwrite(tensor, path, validate, False, offset)
+        """DeepSpeed's ``write(buffer, filename, validate, file_offset)``: a synchronous write."""
+        return self.pwrite(buffer, filename, validate, False, file_offset)
 
     def pending(self) -> int:
         """Requests submitted and not yet collected by :meth:`wait`."""
@@ -232,46 +304,69 @@ class AsyncIOHandle:
 
     # -- buffers -------------------------------------------------------------------------
     def new_cpu_locked_tensor(
-        self, numel: int, dtype: torch.dtype | torch.Tensor = torch.float32
+        self,
+        num_elem: int,
+        example_tensor: torch.dtype | torch.Tensor = torch.float32,
+        **deepspeed_names: Any,
     ) -> torch.Tensor:
         """A page-aligned CPU tensor (so transfers can use O_DIRECT), page-locked where allowed.
 
-        DeepSpeed's signature ``new_cpu_locked_tensor(num_elem, example_tensor)`` works: a tensor
-        as second argument gives the dtype.
+        DeepSpeed's signature ``new_cpu_locked_tensor(num_elem, example_tensor)`` works (a tensor
+        gives the dtype; DeepSpeed spells the keyword ``example_tenosr``, accepted too), and so
+        does a dtype in its place.
 
         Locked with torch's pinned allocator when CUDA is present, with mlock(2) otherwise; when
         RLIMIT_MEMLOCK (or the sandbox) refuses, the buffer stays unlocked and one warning says
         why. See [Note: locked buffers] in zero_ops.aio.buffers; ``is_locked(t)`` tells.
         """
-        if isinstance(numel, torch.Tensor):  # an example tensor in place of the count
-            numel = numel.numel()
-        if isinstance(dtype, torch.Tensor):  # DeepSpeed's example_tensor
-            dtype = dtype.dtype
+        for name in ("example_tenosr", "dtype"):
+            if name in deepspeed_names:
+                example_tensor = deepspeed_names.pop(name)
+        if deepspeed_names:
+            raise TypeError(
+                f"new_cpu_locked_tensor: unexpected keyword arguments {sorted(deepspeed_names)} "
+                "(allowed: num_elem, example_tensor / example_tenosr / dtype)"
+            )
+        if isinstance(num_elem, torch.Tensor):  # an example tensor in place of the count
+            num_elem = num_elem.numel()
+        dtype = example_tensor.dtype if isinstance(example_tensor, torch.Tensor) else example_tensor
         if not isinstance(dtype, torch.dtype):
             raise TypeError(
-                f"new_cpu_locked_tensor: the second argument must be a dtype or an example tensor, got {dtype!r}"
+                "new_cpu_locked_tensor: the second argument must be a dtype or an example tensor, "
+                f"got {example_tensor!r}"
             )
-        return locked_empty(numel, dtype)
+        return locked_empty(num_elem, dtype)
 
     def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> None:
         """Releases a buffer from :meth:`new_cpu_locked_tensor` (memory is freed with its last reference)."""
         if not isinstance(tensor, torch.Tensor):
             raise TypeError("free_cpu_locked_tensor: expected a tensor")
 
+    def is_pinned(self, buffer: torch.Tensor) -> bool:
+        """DeepSpeed's check: whether ``buffer`` is page-locked (torch-pinned or locked by
+        :meth:`new_cpu_locked_tensor`). Transfers accept any contiguous CPU tensor either way."""
+        if not isinstance(buffer, torch.Tensor):
+            raise TypeError(f"is_pinned: buffer must be a torch.Tensor, got {type(buffer).__name__}")
+        return bool(buffer.is_pinned() or is_locked(buffer))
+
+    def get_alignment(self) -> int:
+        """Byte alignment of buffer address, file offset and length for O_DIRECT transfers."""
+        return ALIGNMENT
+
     def _submit(
         self, is_write: bool, tensor: torch.Tensor, path: str | os.PathLike, offset: int, where: str
     ) -> int:
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{where}: tensor must be a torch.Tensor, got {type(tensor).__name__}")
+            raise TypeError(f"{where}: buffer must be a torch.Tensor, got {type(tensor).__name__}")
         if tensor.device.type != "cpu":
-            raise ValueError(f"{where}: tensor must be on the CPU, got {tensor.device}")
+            raise ValueError(f"{where}: buffer must be on the CPU, got {tensor.device}")
         if not tensor.is_contiguous():
-            raise ValueError(f"{where}: tensor must be contiguous")
+            raise ValueError(f"{where}: buffer must be contiguous")
         if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(f"{where}: path must be a str or os.PathLike, got {type(path).__name__}")
+            raise TypeError(f"{where}: filename must be a str or os.PathLike, got {type(path).__name__}")
         path = os.fspath(path)
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-            raise ValueError(f"{where}: offset must be an int >= 0, got {offset!r}")
+            raise ValueError(f"{where}: file_offset must be an int >= 0, got {offset!r}")
         nbytes = tensor.numel() * tensor.element_size()
         self._engine.submit(is_write, path, tensor.data_ptr(), nbytes, offset)
         self._inflight.append(tensor)

@@ -1,5 +1,6 @@
-"""Adam variants (deepspeed.ops.adam): CPU Adam from zero-ops; 1-bit Adam and 0/1 Adam from zero-core
-(DeepSpeed's deepspeed.runtime.fp16.onebit.adam.OnebitAdam and .zoadam.ZeroOneAdam)."""
+"""Adam variants (deepspeed.ops.adam), from zero-ops: CPU Adam, FusedAdam, and 1-bit Adam and 0/1 Adam
+(DeepSpeed's deepspeed.runtime.fp16.onebit.adam.OnebitAdam and .zoadam.ZeroOneAdam; zero-ops' onebit
+extra, which needs zero-core)."""
 
 from zero._lazy import lazy_module
 
@@ -7,7 +8,7 @@ __getattr__, __dir__ = lazy_module(
     "zero.ops.adam",
     "zero_ops.adam",
     names={
-        "OnebitAdam": "zero_core.optim.onebit:OnebitAdam",
-        "ZeroOneAdam": "zero_core.optim.onebit:ZeroOneAdam",
+        "OnebitAdam": "zero_ops.onebit:OnebitAdam",
+        "ZeroOneAdam": "zero_ops.onebit:ZeroOneAdam",
     },
 )

@@ -11,7 +11,8 @@
   checkpointing, whose re-run forward goes through the same hooks).
 * post-accumulate-grad hook of each trainable parameter: the gradient is complete, so it is
   handed to the gradient reducer (``.grad`` is dropped; see [Note: stage 3 gradient buckets])
-  and the gathered parameter released (no later backward node needs it).
+  and the gathered parameter released (no later backward node needs it). A leaf module's
+  parameters are held and go to the reducer as one unit (See [Note: z3 leaf gradient units]).
 * end of backward (autograd engine callback): launches the last gradient bucket, releases the
   rest; the engine's ``after_backward`` waits for the reductions.
 * ``module._parameters`` becomes a :class:`ZeroParamDict`: reading a released parameter as a
@@ -30,6 +31,7 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
+from zero_core.zero.stage3.leaf_grads import LeafGradUnits
 from zero_core.zero.stage3.leaf_modules import leaf_descendants
 from zero_core.zero.stage3.param_coordinator import ParamCoordinator
 from zero_core.zero.stage3.param_records import RECORDS_BY_ID as _BY_ID
@@ -129,11 +131,15 @@ class Stage3Hooks:
         self._backward_task: int | None = None
         self.paused = False  # see pause_module_hooks
         inside_leaves = leaf_descendants(root)  # See [Note: z3 leaf modules]
+        # a leaf's gradients are reduced as one unit: See [Note: z3 leaf gradient units]
+        self.leaf_units = LeafGradUnits(root, on_grad_ready)
         for m in root.modules():
             install_param_dict(m)
             if id(m) in inside_leaves:
                 continue
             self.handles.append(m.register_forward_pre_hook(self._pre_forward))
+            if id(m) in self.leaf_units.leaves:
+                self.handles.append(m.register_forward_pre_hook(self._leaf_entry, with_kwargs=True))
             self.handles.append(m.register_forward_hook(self._post_forward))
         seen: set[int] = set()
         for p in root.parameters():
@@ -156,6 +162,10 @@ class Stage3Hooks:
             stage3_context().active_hooks.append(self)
         self.stack.append(module)
         self.coordinator.fetch(module, "forward")
+
+    def _leaf_entry(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        if not self.paused:
+            self.leaf_units.on_leaf_entry(module, args, kwargs)
 
     def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         if self.paused:
@@ -212,12 +222,20 @@ class Stage3Hooks:
         if id(param) not in _BY_ID:
             return
         coord = self.coordinator
-        coord.extra_bytes = self.grad_bytes_live() + grad.numel() * grad.element_size()
+        coord.extra_bytes = self._grad_bytes() + grad.numel() * grad.element_size()
         coord.peak_bytes = max(coord.peak_bytes, coord.live_bytes() + coord.extra_bytes)
-        self.on_grad_ready(param, grad)
+        if self.leaf_units.owns(param):  # held until its unit goes: See [Note: z3 leaf gradient units]
+            self.leaf_units.hold(param, grad)
+        else:
+            self.on_grad_ready(param, grad)
         del grad
-        coord.extra_bytes = self.grad_bytes_live()
+        coord.extra_bytes = self._grad_bytes()
         coord.release_after_grad(param)
+
+    def _grad_bytes(self) -> int:
+        """Full-size gradient bytes alive: in the reduce buckets and held for leaf units."""
+        held = self.leaf_units.pending_bytes() if self.leaf_units else 0
+        return self.grad_bytes_live() + held
 
     def _end_backward(self) -> None:
         if self._backward_task is not None and torch._C._current_graph_task_id() not in (
@@ -227,5 +245,6 @@ class Stage3Hooks:
             return
         self.in_backward = False
         self._backward_task = None
+        self.leaf_units.end_of_backward()  # before the last bucket: See [Note: z3 leaf gradient units]
         self.on_backward_end()
         self.coordinator.end_iteration()

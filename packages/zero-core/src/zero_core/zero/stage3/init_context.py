@@ -12,6 +12,15 @@ function) gets it gathered on access; it is re-partitioned, with rank 0's value,
 ``Module.apply`` gathers each module's parameters around the function the same way.
 ``Init(module=m)`` partitions an already-built model.
 
+[Note: classes made inside zero.Init]
+A class created while the context is open (its module imported lazily inside it, as
+transformers' models are) gets its ``__init__`` wrapped by ``__init_subclass__``; a class
+decorator may then replace that ``__init__`` with its own wrapper around ours (transformers'
+``use_experts_implementation`` does, for the MoE experts of Mixtral and Qwen2-MoE). On exit the
+original is put back only where our wrapper is still the class's ``__init__``; elsewhere our
+wrapper stays, inert (it calls the original once its context is closed), since putting the
+original back would drop the decorator's part (models built later would miss ``config``).
+
 Modules made without running their ``__init__`` (deep copies: an MoE layer's experts are
 copies of the expert module) and parameters a parent assigns to a child are caught by the
 enclosing ``__init__``: when it returns, every not-yet-partitioned parameter of its subtree is
@@ -140,6 +149,8 @@ class Init:
         self.param_offload = self._param_offload(zc, remote_device)
         self.override_module_apply = bool(getattr(zc, "override_module_apply", True))
         self._patched: list[tuple[type, str, Any]] = []
+        self._installed: dict[type, Any] = {}  # class -> the __init__ wrapper set on it
+        self._active = False
         self._dirty: dict[int, torch.nn.Parameter] = {}
         if self.enabled and module is not None:
             self._convert(module)
@@ -230,6 +241,9 @@ class Init:
 
         @functools.wraps(orig)
         def __init__(module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+            if not ctx._active:  # left in place by __exit__: See [Note: classes made inside zero.Init]
+                orig(module, *args, **kwargs)
+                return
             depth = module.__dict__.get("_zero_init_depth", 0)
             module.__dict__["_zero_init_depth"] = depth + 1
             try:
@@ -242,6 +256,7 @@ class Init:
                 ctx._flush(module)
 
         self._patched.append((cls, "__init__", orig))
+        self._installed[cls] = __init__
         cls.__init__ = __init__
 
     def _patch_apply(self) -> None:
@@ -264,6 +279,7 @@ class Init:
     def __enter__(self) -> Init:
         if not self.enabled:
             return self
+        self._active = True
         for cls in [torch.nn.Module, *_all_subclasses(torch.nn.Module)]:
             if "__init__" in cls.__dict__ and cls is not torch.nn.Module:
                 self._wrap_init(cls)
@@ -286,11 +302,16 @@ class Init:
         if not self.enabled:
             return
         stage3_context().on_access_outside_forward.remove(self._touch)
+        self._active = False
         for cls, name, orig in reversed(self._patched):
+            if name == "__init__" and cls.__dict__.get("__init__") is not self._installed.get(cls):
+                # replaced after we wrapped it: See [Note: classes made inside zero.Init]
+                continue
             if orig is None:
                 delattr(cls, name)
             else:
                 setattr(cls, name, orig)
         self._patched.clear()
+        self._installed.clear()
         if exc[0] is None:
             self._flush(None)

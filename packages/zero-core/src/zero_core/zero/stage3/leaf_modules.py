@@ -8,8 +8,10 @@ received tokens) breaks it, and many tiny submodules cost one collective each. M
 block a *leaf* (DeepSpeed's ``set_z3_leaf_modules``) makes its forward pre-hook gather every
 parameter of its whole subtree at once and its post-hook release them; its descendants get no
 hooks of their own, so whatever order they run in costs no collective. Backward gathers the
-subtree again at the leaf's entry. Mark leaves *before* ``initialize`` (hooks are installed
-there), as with DeepSpeed.
+subtree again at the leaf's entry, and its gradients are reduced as one unit whatever each rank
+touched (See [Note: z3 leaf gradient units] in ``leaf_grads.py``). Mark leaves *before*
+``initialize`` (hooks are installed there), as with DeepSpeed. Without the mark, ranks that
+run different submodules stop at the agreement check with an error that says to mark the block.
 
 The flag is the module attribute ``_z3_leaf`` (DeepSpeed's), so a model marked for DeepSpeed
 is marked for us.

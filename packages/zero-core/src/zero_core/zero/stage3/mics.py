@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from zero_core.zero.stage3.init_context import Init
+from zero_core.zero.stage3.partitioned_param import partition_on_route
 
 
 class MiCS_Init(Init):  # noqa: N801 (DeepSpeed's public name)
@@ -56,4 +57,4 @@ class MiCS_Init(Init):  # noqa: N801 (DeepSpeed's public name)
         if self.route is None:  # a world of one rank: plain partitioning
             super()._partition(param)
         else:
-            self.route.partition(param)
+            partition_on_route(param, self.route)

@@ -17,10 +17,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 import warnings
 
 import torch
+
+from zero_core.checkpoint.atomic import atomic_write_safetensors, atomic_write_text
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -30,31 +31,10 @@ def write_state_dict(state: dict[str, torch.Tensor], path: str) -> None:
     """Write ``state`` to ``path`` as safetensors: temp file, fsync, rename (never a torn file)."""
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"write_state_dict: path must be a str or os.PathLike, got {type(path).__name__}")
-    from safetensors.torch import save_file
-
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     # safetensors refuses tensors that share memory: give each key its own contiguous copy.
     tensors = {k: v.detach().contiguous().clone() for k, v in state.items()}
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=directory)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata={"format": "pt"})
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(directory)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _fsync_dir(directory: str) -> None:
-    dfd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    atomic_write_safetensors(path, tensors, metadata={"format": "pt"})  # See [Note: one atomic writer]
 
 
 def safetensors_name(save_filename: str) -> str:
@@ -124,11 +104,5 @@ def write_hf_weights(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True
     )
     index_path = os.path.join(save_dir, f"{name}.index.json")
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=save_dir)
-    with os.fdopen(fd, "w") as f:
-        f.write(index)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, index_path)  # last: a reader sees the index only once every shard is there
-    _fsync_dir(save_dir)
+    atomic_write_text(index_path, index)  # last: a reader sees the index only once every shard is there
     return [*written, index_path]

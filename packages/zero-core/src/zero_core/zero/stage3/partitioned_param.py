@@ -43,48 +43,39 @@ autograd frees a node's saved views as soon as the node has run, so the storage 
 unshared by then; with ``retain_graph=True`` the retained graph keeps its own copy alive until
 it is freed.
 
-[Note: stage 3 collective agreement]
-Gloo aborts the process on collectives whose sizes differ across ranks and hangs on one a
-rank skipped. With *collective checks* on, every stage-3 collective (one per gathered bucket
-or gradient bucket, not per parameter) is preceded by a 32-byte all-gather of a header (kind,
-first parameter id, parameter count, payload bytes) that all ranks compare, turning both
-failures into a clear error naming the parameters on each side. Every wait is bounded by
-:func:`collective_timeout`, the collective watchdog's (:func:`set_collective_timeout`, the
-config's ``comms_timeout``, ``ZERO_COLLECTIVE_TIMEOUT`` or ``ZERO_STAGE3_COLLECTIVE_TIMEOUT``,
-default 300 s; see [Note: collective watchdog]) whether or not checks
-are on, so a rank that never joins gives a :class:`Stage3CollectiveError` naming the
-collective's parameters on the waiting rank instead of a hang.
-
-Checks are on by default. Their cost is one small collective per data collective, and one host
-read to compare the headers (a device sync on a GPU; the host-sync counts of [Note: scalars stay
-on the device in the step] are measured with checks off): the data
-collectives are coalesced (a module's parameters or a prefetch bucket per all-gather,
-``reduce_bucket_size`` per reduce-scatter), so a step of the 21M-parameter benchmark GPT makes
-a few dozen of them; ``tools/bench/results/bench_zero3.md`` measures the step with checks on
-and off. Piggy-backing the header on the data buffer was rejected: it only works when the
-sizes already agree, and a size mismatch (the common symptom of divergent control flow)
-aborts gloo before the header can be read. Turn them off with
-:func:`set_collective_checks(False) <set_collective_checks>` or
-``ZERO_STAGE3_COLLECTIVE_CHECKS=0`` once a model is known to be well behaved.
+The agreement check before each collective: See [Note: stage 3 collective agreement] in
+``collective_agreement.py``.
 """
 
 from __future__ import annotations
 
-import datetime
 import enum
-import os
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from zero_core import comm
 from zero_core.comm import watchdog as _watchdog
+from zero_core.zero.stage3.allreduce_fetch import all_reduce_fetch, fetch_by_all_reduce
+from zero_core.zero.stage3.collective_agreement import (  # noqa: F401 (re-exported: the public names)
+    Stage3CollectiveError,
+    check_agreement,
+    collective_checks,
+    set_collective_checks,
+    wait_bounded,
+)
 from zero_core.zero.stage3.param_records import RECORDS_BY_ID as _BY_ID
 from zero_core.zero.stage3.param_records import is_partitioned
 from zero_core.zero.stage3.runtime_context import stage3_context
-from zero_core.zero.stage3.shard_groups import broadcast_group, gather_source, keep_secondary, source_key
+from zero_core.zero.stage3.shard_groups import (
+    ShardRoute,
+    broadcast_group,
+    gather_source,
+    keep_secondary,
+    source_key,
+)
 from zero_core.zero.stage3.streams import stage3_streams
 
 _ALIGN = 16  # bytes; every shard starts at an address aligned for any dtype view
@@ -96,33 +87,10 @@ class ParamStatus(enum.Enum):
     AVAILABLE = 2
 
 
-class Stage3CollectiveError(RuntimeError):
-    """Ranks disagreed on (or did not join) a stage-3 collective."""
-
-
 def set_collective_timeout(seconds: float) -> None:
     """Bound every collective wait to ``seconds``: the collective watchdog's timeout (see
     [Note: collective watchdog] in ``zero_core.comm.watchdog``), which stage 3 shares."""
     _watchdog.set_collective_timeout(seconds)
-
-
-def set_collective_checks(enabled: bool) -> None:
-    """Turn the agreement check of [Note: stage 3 collective agreement] on or off (process-wide)."""
-    if not isinstance(enabled, bool):
-        raise TypeError(f"set_collective_checks: enabled must be a bool, got {enabled!r}")
-    stage3_context().collective_checks = enabled
-
-
-def collective_checks() -> bool:
-    """Whether the agreement check is on: :func:`set_collective_checks`' value, else the
-    environment's ``ZERO_STAGE3_COLLECTIVE_CHECKS`` (default on)."""
-    enabled = stage3_context().collective_checks
-    if enabled is not None:
-        return enabled
-    env = os.environ.get("ZERO_STAGE3_COLLECTIVE_CHECKS", "1").strip().lower()
-    if env not in ("0", "1", "true", "false", "yes", "no", "on", "off", ""):
-        raise ValueError(f"ZERO_STAGE3_COLLECTIVE_CHECKS must be 0 or 1, got {env!r}")
-    return env not in ("0", "false", "no", "off")
 
 
 def collective_timeout() -> float:
@@ -252,6 +220,23 @@ def partition_param(
     param.data = st.empty
 
 
+@torch.no_grad()
+def partition_on_route(param: torch.nn.Parameter, route: ShardRoute) -> None:
+    """Partition ``param`` for ``route``'s MiCS or hpZ layout, rank 0's values everywhere (see
+    [Note: MiCS and hpZ shard groups]); a parameter already partitioned is left as it is."""
+    if is_partitioned(param):
+        return
+    if route.mics:
+        if route.world > 1:  # replicas must agree: rank 0 of the world, not of each shard group
+            data = param.data.contiguous()
+            comm.broadcast(data, src=0)
+            param.data = data
+        partition_param(param, route.shard_group, broadcast_from=None, grad_divisor=route.world)
+    else:
+        partition_param(param, None, broadcast_from=0)
+    _BY_ID[id(param)].route = route
+
+
 def set_shard_dtype(param: torch.nn.Parameter, dtype: torch.dtype) -> None:
     """Cast a released partitioned parameter's storage (shard, gather buffer) to ``dtype``."""
     st = _BY_ID[id(param)]
@@ -308,54 +293,6 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def _wait(work: Any, what: str) -> None:
-    wd = _watchdog.get_watchdog()
-    if wd is not None:
-        wd.note(what)  # the parameters of this collective, for the watchdog's diagnosis
-    try:
-        work.wait(timeout=datetime.timedelta(seconds=collective_timeout()))
-    except Exception as exc:
-        raise Stage3CollectiveError(
-            f"ZeRO stage 3: {what} failed or did not complete within {collective_timeout():g} s on rank "
-            f"{comm.get_rank()}: another rank did not join or failed (ranks took different paths through the model?). Backend said: {exc}"
-        ) from exc
-
-
-def check_agreement(
-    kind: int, params: Sequence[torch.nn.Parameter], nbytes: int, group: Any, what: str
-) -> None:
-    """All ranks must be about to run the same collective (see [Note: stage 3 collective agreement])."""
-    world = comm.get_world_size(group)
-    if world == 1 or not collective_checks():
-        return
-    first = _BY_ID[id(params[0])].id if params else -1
-    from zero_core.accelerator import get_accelerator
-
-    device = get_accelerator().current_device_name()  # the backend's device (NCCL: the GPU)
-    mine = torch.tensor([kind, first, len(params), nbytes], dtype=torch.int64, device=device)
-    every = torch.empty(4 * world, dtype=torch.int64, device=device)
-    work = comm.all_gather_into_tensor(every, mine, group=group, async_op=True)
-    _wait(work, f"the agreement check before {what}")
-    rows = every.view(world, 4)
-    if bool((rows == mine).all()):
-        return
-    kinds = {0: "all-gather", 1: "reduce-scatter", 2: "broadcast"}
-
-    def describe(row: torch.Tensor) -> str:
-        k, pid, count, size = (int(x) for x in row)
-        names = [param_name(pid + i) for i in range(min(count, 4))]
-        more = f" and {count - 4} more" if count > 4 else ""
-        return f"{kinds.get(k, k)} of {names}{more} ({size} bytes)"
-
-    me = comm.get_rank(group)
-    lines = [f"  rank {r}: {describe(rows[r])}" for r in range(world)]
-    raise Stage3CollectiveError(
-        f"ZeRO stage 3: ranks disagree on the next collective (this is rank {me}, running {what}).\n"
-        + "\n".join(lines)
-        + "\nEvery rank must run the same modules in the same order (data-dependent control flow must agree)."
-    )
-
-
 class GatherHandle:
     """An in-flight all-gather of a bucket of parameters; :meth:`wait` makes them available."""
 
@@ -390,7 +327,7 @@ class GatherHandle:
         self.done = True
         if self._work is not None:  # See [Note: stage-3 streams]
             results = [self._recv] if self._recv is not None else list(getattr(self._unpack, "buffers", ()))
-            stage3_streams().all_gather_wait(lambda: _wait(self._work, self._what), results)
+            stage3_streams().all_gather_wait(lambda: wait_bounded(self._work, self._what), results)
         for i, (p, st, off) in enumerate(zip(self.params, self.states, self._offsets)):
             st.full.untyped_storage().resize_(st.padded_numel * st.full.element_size())
             if self._unpack is not None:
@@ -452,20 +389,53 @@ def gather_params(
     if not todo:
         return None
     by_group: dict[tuple[Any, ...], tuple[list[torch.nn.Parameter], list[PartitionState]]] = {}
-    # by group, primary/secondary and quantization: See [Note: MiCS and hpZ shard groups]
+    all_reduce = fetch_by_all_reduce(states[0])  # the owner decides: See [Note: all-reduce fetch]
+    # by group, primary/secondary, quantization and (all-reduce fetch) dtype: See [Note: MiCS and
+    # hpZ shard groups]
     for p, st in zip(todo, states):
         q = (quantize(p) or False) if quantize is not None else False
-        ps, sts = by_group.setdefault((*source_key(st), q), ([], []))
+        ar = st.shard.dtype if all_reduce and not q and _all_reducible(st) else None
+        ps, sts = by_group.setdefault((*source_key(st), q, ar), ([], []))
         ps.append(p)
         sts.append(st)
     if len(by_group) == 1:
-        ((*_, q),) = by_group
-        return _gather_group(todo, states, what, q)
-    return GroupedGatherHandle([_gather_group(ps, sts, what, key[-1]) for key, (ps, sts) in by_group.items()])
+        ((*_, q, ar),) = by_group
+        return _gather_group(todo, states, what, q, ar is not None)
+    return GroupedGatherHandle(
+        [_gather_group(ps, sts, what, key[-2], key[-1] is not None) for key, (ps, sts) in by_group.items()]
+    )
+
+
+def _all_reducible(st: PartitionState) -> bool:
+    """A fetch of the primary shards over one flat group (See [Note: all-reduce fetch])."""
+    source = gather_source(st)
+    return not source.secondary and (source.route is None or source.route.hops is None)
+
+
+def _all_reduce_group(
+    todo: list[torch.nn.Parameter], states: list[PartitionState], source: Any, label: str
+) -> GatherHandle:
+    """The bucket fetched by one all-reduce of a zero-padded buffer (See [Note: all-reduce fetch])."""
+    label = label.replace("all-gather of", "all-reduce fetch of", 1)
+    nbytes = sum(st.padded_numel for st in states) * states[0].shard.element_size()
+    check_agreement(3, todo, nbytes, source.group, label)
+    crossing = [st.shard for st in states if st.offload is not None]  # See [Note: stage-3 streams]
+
+    def release(p: torch.nn.Parameter, st: PartitionState) -> None:
+        if st.offload is not None:
+            st.offload.release(p)  # See [Note: offloaded shards]
+
+    with stage3_streams().all_gather_issue(crossing):
+        work, unpack, _ = all_reduce_fetch(todo, states, source.group, release)
+    return GatherHandle(todo, work, None, [0] * len(todo), 0, label, source, unpack=unpack, states=states)
 
 
 def _gather_group(
-    todo: list[torch.nn.Parameter], states: list[PartitionState], what: str, quantized: Any = False
+    todo: list[torch.nn.Parameter],
+    states: list[PartitionState],
+    what: str,
+    quantized: Any = False,
+    all_reduce: bool = False,
 ) -> GatherHandle:
     label = f"all-gather of {[param_name(p) for p in todo[:4]]}" + (f" ({what})" if what else "")
     source = gather_source(states[0])  # See [Note: MiCS and hpZ shard groups]
@@ -481,6 +451,8 @@ def _gather_group(
             st.offload.fetch(p)  # See [Note: offloaded shards]
     if world == 1:
         return GatherHandle(todo, None, None, offsets, chunk, label, source, states=states)
+    if all_reduce:
+        return _all_reduce_group(todo, states, source, label)
     check_agreement(0, todo, chunk, source.group, label)
     device = states[0].shard.device
     # read on the all-gather stream, possibly freed soon after: See [Note: stage-3 streams]
@@ -571,4 +543,4 @@ def broadcast_full(param: torch.nn.Parameter, src: int) -> None:
     what = f"broadcast of {param_name(param)} from rank {src}"
     check_agreement(2, [param], st.padded_numel * st.full.element_size(), group, what)
     src_global = comm.get_global_rank(group, src) if group is not None else src
-    _wait(comm.broadcast(st.full, src=src_global, group=group, async_op=True), what)
+    wait_bounded(comm.broadcast(st.full, src=src_global, group=group, async_op=True), what)

@@ -19,6 +19,8 @@ fp16 in range; exact for power-of-two N), as stages 1 and 2 do (see
 [Note: partitioned gradient reduction]); expert parameters are divided by the
 whole data-parallel world size instead (their ``grad_divisor``; see
 [Note: stage 3 expert parameters]), and a bucket never mixes parameters of different groups.
+Each reduced piece is added into the parameter's ``grad_shard``, kept in the shard's dtype or
+in a wider ``accum_dtype`` (See [Note: gradient accumulation dtype] in engine/grad_buckets.py).
 
 Ordering: every rank runs the same backward graph, so the hooks fire in the same order and
 buckets are cut at the same parameters; buckets are launched strictly in that order, and
@@ -37,8 +39,9 @@ from typing import Any
 import torch
 
 from zero_core import comm
+from zero_core.zero.stage3.collective_agreement import wait_bounded
 from zero_core.zero.stage3.param_records import RECORDS_BY_ID as _BY_ID
-from zero_core.zero.stage3.partitioned_param import _wait, check_agreement, param_name
+from zero_core.zero.stage3.partitioned_param import check_agreement, param_name
 from zero_core.zero.stage3.shard_groups import reduce_across_replicas
 from zero_core.zero.stage3.streams import stage3_streams
 
@@ -81,6 +84,7 @@ class GradBucketReducer:
         overlap: bool = True,
         max_in_flight: int = 2,
         comm_dtype: torch.dtype | None = None,
+        accum_dtype: torch.dtype | None = None,
     ) -> None:
         if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel < 1:
             raise ValueError(
@@ -96,6 +100,8 @@ class GradBucketReducer:
         self.overlap = bool(overlap)
         # ``communication_data_type``: buckets are reduced in this dtype (None: the gradients')
         self.comm_dtype = comm_dtype
+        # the dtype gradient shards sum the micro-steps in (None: the shard's own)
+        self.accum_dtype = accum_dtype
         self.max_in_flight = max_in_flight
         self._grads: list[torch.Tensor] = []  # gradients of the bucket being filled
         self._filling = _Bucket()
@@ -175,7 +181,7 @@ class GradBucketReducer:
     # -- completion -----------------------------------------------------------------------
     def _complete(self, b: _Bucket) -> None:
         work = b.work  # the compute stream waits for it: See [Note: stage-3 streams]
-        stage3_streams().reduce_scatter_wait(lambda: work is None or _wait(work, b.what), [b.out])
+        stage3_streams().reduce_scatter_wait(lambda: work is None or wait_bounded(work, b.what), [b.out])
         out = b.out
         assert out is not None
         # MiCS: the shard group's sum, then over the replicas (See [Note: MiCS and hpZ shard groups])
@@ -184,7 +190,7 @@ class GradBucketReducer:
             st = _BY_ID[id(p)]
             piece = out[off : off + st.shard_numel]
             if st.grad_shard is None:
-                st.grad_shard = piece.to(st.shard.dtype, copy=True)
+                st.grad_shard = piece.to(self.accum_dtype or st.shard.dtype, copy=True)
             else:
                 st.grad_shard.add_(piece)
         if self.on_reduced is not None:

@@ -29,8 +29,8 @@ class Stage3Context:
     """Stage 3's process-wide runtime state. See [Note: stage 3 runtime context]."""
 
     def __init__(self) -> None:
-        # None: follow ZERO_STAGE3_COLLECTIVE_CHECKS (see partitioned_param.collective_checks)
-        self.collective_checks: bool | None = None
+        # None: follow ZERO_STAGE3_COLLECTIVE_CHECKS (see collective_agreement.collective_check_mode)
+        self.collective_checks: bool | str | None = None
         # parameter -> its PartitionState, weakly by identity (See [Note: stage 3 parameter records])
         self.records: PartitionRecords = PARTITION_RECORDS
         # PartitionState.id -> readable name (qualified module name) for error messages

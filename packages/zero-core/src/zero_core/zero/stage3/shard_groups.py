@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from zero_core import comm
+from zero_core.zero.stage3.collective_agreement import wait_bounded
 from zero_core.zero.stage3.param_records import partition_state
 
 
@@ -63,23 +64,6 @@ class ShardRoute:
     @property
     def mics(self) -> bool:
         return self.shard_size > 0
-
-    @torch.no_grad()
-    def partition(self, param: torch.nn.Parameter) -> None:
-        """Partition ``param`` for this layout (rank 0's values everywhere)."""
-        from zero_core.zero.stage3.partitioned_param import is_partitioned, partition_param
-
-        if is_partitioned(param):
-            return
-        if self.mics:
-            if self.world > 1:  # replicas must agree: rank 0 of the world, not of each shard group
-                data = param.data.contiguous()
-                comm.broadcast(data, src=0)
-                param.data = data
-            partition_param(param, self.shard_group, broadcast_from=None, grad_divisor=self.world)
-        else:
-            partition_param(param, None, broadcast_from=0)
-        partition_state(param).route = self
 
 
 def _int_key(name: str, value: Any) -> int:
@@ -195,10 +179,8 @@ def reduce_across_replicas(out: torch.Tensor, route: ShardRoute | None, what: st
     """MiCS: sum a reduce-scattered gradient shard over the replica group (in place, blocking)."""
     if route is None or route.replica_group is None or route.world // max(route.shard_size, 1) == 1:
         return
-    from zero_core.zero.stage3.partitioned_param import _wait
-
     work = comm.all_reduce(out, group=route.replica_group, async_op=True)
-    _wait(work, f"all-reduce over the MiCS replicas of the {what}")
+    wait_bounded(work, f"all-reduce over the MiCS replicas of the {what}")
 
 
 def broadcast_group(st: Any) -> tuple[Any, int]:
@@ -223,12 +205,12 @@ class _TwoHopGather:
     """
 
     def __init__(self, recv: torch.Tensor, send: torch.Tensor, route: ShardRoute) -> None:
-        from zero_core.zero.stage3.partitioned_param import _wait
-
         (inter, intra), (self.m, self.l) = route.hops, route.hop_sizes
         self.recv, self.chunk = recv, send.numel()
         mid = torch.empty(self.m * self.chunk, dtype=send.dtype, device=send.device)
-        _wait(comm.all_gather_into_tensor(mid, send, group=inter, async_op=True), "MiCS inter-node gather")
+        wait_bounded(
+            comm.all_gather_into_tensor(mid, send, group=inter, async_op=True), "MiCS inter-node gather"
+        )
         self.tmp = torch.empty(self.l * self.m * self.chunk, dtype=send.dtype, device=send.device)
         self.work = comm.all_gather_into_tensor(self.tmp, mid, group=intra, async_op=True)
 

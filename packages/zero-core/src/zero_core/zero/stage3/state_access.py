@@ -177,7 +177,8 @@ class Stage3StateAccess:
         self.strategy.wait_reductions()
         st = partition_state(p)
         if st.grad_shard is None:
-            st.grad_shard = torch.zeros(st.shard_numel, dtype=st.shard.dtype, device=st.shard.device)
+            dtype = self.strategy.reducer.accum_dtype or st.shard.dtype
+            st.grad_shard = torch.zeros(st.shard_numel, dtype=dtype, device=st.shard.device)
         st.grad_shard.copy_(local.reshape(-1))
 
     def set_full_grad(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:

@@ -8,6 +8,8 @@ state: the client optimizer's ``param_groups`` are rebound to fp32 *master shard
 parameter. In fp32 the master shard is the parameter's shard itself (no copy); in fp16/bf16 it
 is an fp32 copy and the 16-bit shard is refreshed from it after every step. Model-state bytes
 per rank are therefore (2 + 2 + 12)Ψ/N with 16-bit training and Adam, plus what is gathered.
+With bf16 masters (See [Note: bf16 master weights]) the master is the bf16 shard itself and
+the bytes are (2 + 2 + 4)Ψ/N.
 See [Note: engine strategies] for the contract with the engine.
 """
 
@@ -22,17 +24,21 @@ import torch
 from zero_core import comm
 from zero_core.protocols.optimizer_offload import NoOptimizerOffload, OptimizerOffload, add_host_breakdown
 from zero_core.utils.grad_norm import any_nonfinite, needs_scaling, sum_of_squares
+from zero_core.utils.master_dtype import check_master_dtype
 from zero_core.utils.param_groups import is_expert_param
 from zero_core.utils.storage_bytes import StorageLedger
 from zero_core.zero.param_owners import PARAM_OWNERS
+from zero_core.zero.stage3.collective_agreement import confirm_agreement
 from zero_core.zero.stage3.expert_partition import partition_group
 from zero_core.zero.stage3.hooks import Stage3Hooks
+from zero_core.zero.stage3.module_granularity import mark_fine_grained_leaves
 from zero_core.zero.stage3.param_coordinator import ParamCoordinator
 from zero_core.zero.stage3.param_records import partition_state
 from zero_core.zero.stage3.partitioned_param import (
     ParamStatus,
     gather_params,
     is_partitioned,
+    partition_on_route,
     partition_param,
     read_shard,
     release_param,
@@ -80,6 +86,14 @@ def _check_arguments(
             raise ValueError(f"Stage3Strategy: {name} must be a non-negative int, got {v!r}")
 
 
+def _reducer(
+    bucket_size: int, overlap: bool, comm_dtype: torch.dtype | None, accum_dtype: torch.dtype | None
+) -> GradBucketReducer:
+    reducer = GradBucketReducer(int(bucket_size), overlap=bool(overlap), comm_dtype=comm_dtype)
+    reducer.accum_dtype = accum_dtype  # See [Note: gradient accumulation dtype] (grad_buckets.py)
+    return reducer
+
+
 class Stage3Strategy:
     """Partitioned parameters, gradients and optimizer states.
 
@@ -112,8 +126,14 @@ class Stage3Strategy:
         quantized_nontrainable_weights: bool = False,
         quantized_gradients: bool = False,
         route: ShardRoute | None = None,
+        accum_dtype: torch.dtype | None = None,
+        module_granularity_threshold: int = 0,
+        use_all_reduce_for_fetch_params: bool = False,
+        master_dtype: torch.dtype = torch.float32,
     ) -> None:
         _check_arguments(module, optimizer, dtype, param_persistence_threshold, model_persistence_threshold)
+        check_master_dtype(master_dtype, dtype, "Stage3Strategy", offloaded=optimizer_offload is not None)
+        self.master_dtype = master_dtype  # See [Note: bf16 master weights]
         self.module = module
         self.optimizer = optimizer
         self.group = group
@@ -150,22 +170,28 @@ class Stage3Strategy:
             max_live_parameters=int(max_live_parameters),
             max_reuse_distance=int(max_reuse_distance),
         )
-        self.reducer = GradBucketReducer(
-            int(reduce_bucket_size), overlap=bool(overlap_comm), comm_dtype=comm_dtype
-        )
+        self.reducer = _reducer(reduce_bucket_size, overlap_comm, comm_dtype, accum_dtype)
         self._switch_zeropp(quantized_weights, quantized_nontrainable_weights, quantized_gradients)
         for po in self._param_offloads():
             po.follow(self.coordinator)  # read ahead in the recorded module order
+        # every fetch of these parameters as an all-reduce: See [Note: all-reduce fetch]
+        self.fetch_by_all_reduce = bool(use_all_reduce_for_fetch_params)
+        self._install_hooks(module_granularity_threshold)
+        self._rebind_optimizer()
+        self.offload.finalize(self.optimizer)
+        self._take_ownership()
+
+    def _install_hooks(self, module_granularity_threshold: int) -> None:
+        """The hooks of [Note: stage 3 hooks]; first the fine-grained modules become leaves, which
+        get one hook for their subtree (See [Note: module granularity threshold])."""
+        self.granularity_leaves = mark_fine_grained_leaves(self.module, module_granularity_threshold)
         self.hooks = Stage3Hooks(
-            module,
+            self.module,
             self.coordinator,
             self.reducer.add,
             on_backward_end=self.reducer.flush,
             grad_bytes_live=self.reducer.live_bytes,
         )
-        self._rebind_optimizer()
-        self.offload.finalize(self.optimizer)
-        self._take_ownership()
 
     def _take_ownership(self) -> None:
         """Become the owner of the parameters: in PARAM_OWNERS for the safe_get helpers (See
@@ -214,15 +240,13 @@ class Stage3Strategy:
             if not p.requires_grad or not self._make_masters:
                 set_shard_dtype(p, self.dtype)
                 continue
-            if (
-                st.shard.dtype == torch.float32
-                and self.dtype == torch.float32
-                and self.param_offload is None
-                and st.offload is None
-            ):
-                master = torch.nn.Parameter(st.shard)  # shares storage: no extra copy in fp32
+            if self.master_dtype == self.dtype and self.param_offload is None and st.offload is None:
+                # the shard itself: no extra copy in fp32, nor with bf16 masters (See [Note: bf16
+                # master weights])
+                set_shard_dtype(p, self.dtype)
+                master = torch.nn.Parameter(st.shard)
             else:
-                master = torch.nn.Parameter(read_shard(p).detach().float().clone())
+                master = torch.nn.Parameter(read_shard(p).detach().to(self.master_dtype, copy=True))
                 set_shard_dtype(p, self.dtype)
             self.master[st.id] = master
 
@@ -241,7 +265,7 @@ class Stage3Strategy:
             )
         route = self.route  # See [Note: MiCS and hpZ shard groups]
         if not is_partitioned(p):
-            route.partition(p)
+            partition_on_route(p, route)
         elif partition_state(p).route is None and route.mics:
             raise ValueError(
                 "Stage3Strategy: a parameter was partitioned by zero.Init, but the config sets "
@@ -302,6 +326,8 @@ class Stage3Strategy:
 
     def after_backward(self, is_boundary: bool) -> None:
         self.wait_reductions()
+        if is_boundary:  # headers compared before the step: See [Note: stage 3 collective agreement]
+            confirm_agreement()
 
     def wait_reductions(self) -> None:
         self.reducer.finish()
@@ -340,10 +366,10 @@ class Stage3Strategy:
                 m.grad = None
             elif g is None:
                 m.grad = None
-            elif g.dtype == torch.float32 and shares_shard(m, st):
+            elif g.dtype == m.dtype and shares_shard(m, st):  # fp32, or bf16 masters: as it is
                 m.grad = g.mul_(grad_scale) if needs_scaling(grad_scale) else g
             else:
-                m.grad = g.float().mul_(grad_scale)
+                m.grad = g.to(m.dtype).mul_(grad_scale)
         self.optimizer.step()  # device-side masters (all of them without offload; 1 - ratio with it)
         self.offload.step(self.optimizer, grad_scale)
         for p, st in zip(self.params, self.records):
