@@ -30,6 +30,7 @@ separate CPU allocations, and ``memory_breakdown`` reports them apart.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from typing import Any
 
@@ -38,10 +39,14 @@ from zero_core.accelerator import get_accelerator
 from zero_core.zero.stage3.param_records import is_partitioned, partition_state
 from zero_ops.aio import AsyncIOHandle, locked_empty
 
+from zero_offload.host_heap import bound_host_heap
 from zero_offload.swap_files import SwapDirectory
 from zero_offload.transfers import CopyFence, host_buffer
 
 _ALIGN = 4096
+# Several ParamOffload objects of a process share the rank's swap directory (zero.Init's and
+# the engine's): each names its files with its own number, so none truncates another's.
+_INSTANCES = itertools.count()
 
 
 def _round(nbytes: int) -> int:
@@ -97,6 +102,7 @@ class ParamOffload:
         self.offset: dict[int, tuple[str, int]] = {}  # id -> (swap file, byte offset) of NVMe homes
         self.in_cpu_numel = 0
         self.coordinator: Any = None
+        self.instance = next(_INSTANCES)
         self.fetches = 0
         self.read_ahead_hits = 0
         self.swap_dir: SwapDirectory | None = None
@@ -111,6 +117,7 @@ class ParamOffload:
             if nvme_path is None:
                 raise ValueError('zero_optimization.offload_param.nvme_path: required when device is "nvme"')
             self.swap_dir = SwapDirectory(nvme_path, self.rank, what="zero_optimization.offload_param")
+            bound_host_heap()  # See [Note: host heap under NVMe offload]
             kw = {
                 k: v
                 for k, v in dict(aio or {}).items()
@@ -164,7 +171,7 @@ class ParamOffload:
                 f"shard ({tuple(biggest.shape)}: {biggest.shard_numel} elements per rank) "
                 "does not fit in one buffer; raise buffer_size to at least the largest shard"
             )
-        name = f"params{len(self._files)}.swp"
+        name = f"params{self.instance}.{len(self._files)}.swp"
         cursor = 0
         for st in states:
             self.offset[st.id] = (name, cursor)
@@ -268,7 +275,10 @@ class ParamOffload:
 
     @torch.no_grad()
     def set_dtype(self, p: torch.nn.Parameter, dtype: torch.dtype) -> None:
-        """Change the shard's dtype (the strategy's training dtype after zero.Init placed it)."""
+        """Change the shard's dtype (the strategy's training dtype after zero.Init placed it).
+
+        The shard gets a new home here at once (its old NVMe region is left unused), so changing
+        the dtype of every parameter holds one shard in memory at a time, not the partition."""
         st = partition_state(p)
         values = self.read(p).to(dtype)
         del self.params[st.id]
@@ -278,6 +288,8 @@ class ParamOffload:
         st.shard = torch.empty(st.shard_numel, dtype=dtype, device=st.shard.device)
         st.shard.copy_(values)
         p.zero_shard = st.shard
+        del values
+        self.adopt([p])
 
     # -- NVMe plumbing ------------------------------------------------------------------------
     def _take(self) -> torch.Tensor:
@@ -363,6 +375,12 @@ class ParamOffload:
 
     def owns(self, p: torch.nn.Parameter) -> bool:
         return getattr(partition_state(p), "offload", None) is self
+
+    def swap_io_bytes(self) -> dict[str, int]:
+        """Bytes read from and written to the parameter swap files so far."""
+        if self.swap_dir is None:
+            return {"read": 0, "written": 0}
+        return {"read": self.rh.bytes_read, "written": self.wh.bytes_written}
 
     def close(self) -> None:
         """Wait for I/O and remove the swap file (see [Note: swap file lifecycle])."""

@@ -245,7 +245,7 @@ def set_shard_dtype(param: torch.nn.Parameter, dtype: torch.dtype) -> None:
         return
     if st.status is not ParamStatus.NOT_AVAILABLE:
         release_param(param, force=True)
-    if st.offload is not None:  # brings the shard back to the device (re-offloaded by the strategy)
+    if st.offload is not None:  # the store casts it (zero-offload re-homes it at once; others hand it back)
         st.offload.set_dtype(param, dtype)
     st.shard = st.shard.to(dtype)
     param.zero_shard = st.shard
