@@ -32,6 +32,7 @@ import os
 import socket
 import sys
 import time
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
@@ -239,6 +240,14 @@ def _batches(args: argparse.Namespace, rank: int, world: int):
         yield torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
 
 
+def _fetch_wait_counter(engine: Any) -> Any:
+    """Seconds so far that zero's parameter fetches waited for NVMe reads (zero-offload's
+    ``ParamOffload.fetch_wait_s``: the parameter swapping the compute did not hide); 0 elsewhere."""
+    strategy = getattr(engine, "strategy", None)
+    offloads = strategy._param_offloads() if hasattr(strategy, "_param_offloads") else []
+    return lambda: float(sum(getattr(po, "fetch_wait_s", 0.0) for po in offloads))
+
+
 def _train(args: argparse.Namespace, rank: int, world: int) -> dict:
     import torch
 
@@ -260,9 +269,11 @@ def _train(args: argparse.Namespace, rank: int, world: int) -> dict:
         cfg = ds_config(args.mode, args.width, args.nvme, args.micro_batch, world)
         engine, build_s, init_s = _build_ds_family(args.system, args, cfg)
         fwd, bwd, stp = engine, engine.backward, engine.step
+    waited = _fetch_wait_counter(engine if args.system == "zero" else None)
     steps = []
     for x, y in _batches(args, rank, world):
         r0, w0 = _io_bytes()
+        f0 = waited()
         t0 = time.perf_counter()
         loss = fwd(x, y)
         t1 = time.perf_counter()
@@ -280,6 +291,7 @@ def _train(args: argparse.Namespace, rank: int, world: int) -> dict:
                 "loss": float(loss.detach()),
                 "read_bytes": r1 - r0,
                 "write_bytes": w1 - w0,
+                "fetch_wait": waited() - f0,
             }
         )
         print(f"[rank {rank}] step {len(steps)}: {t3 - t0:.2f} s, loss {steps[-1]['loss']:.4f}", flush=True)

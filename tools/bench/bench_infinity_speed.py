@@ -132,6 +132,7 @@ def launch(variant: str, args: argparse.Namespace) -> dict:
                 "read": sum(s["read_bytes"] for s in per_rank),
                 "write": sum(s["write_bytes"] for s in per_rank),
                 **{p: max(s[p] for s in per_rank) for p in ("forward", "backward", "step")},
+                "fetch_wait": max(s.get("fetch_wait", 0.0) for s in per_rank),
                 "loss": per_rank[0]["loss"],
             }
         )
@@ -252,8 +253,9 @@ def summary_lines(figs: list[dict], passes: list[dict], args: argparse.Namespace
 
 def phase_lines(passes: list[dict], args: argparse.Namespace) -> list[str]:
     lines = [
-        "| variant | forward (s) | backward (s) | optimizer step (s) | peak RSS, sum of ranks (GiB) | losses (first launch) |",
-        "|---|---|---|---|---|---|",
+        "| variant | forward (s) | backward (s) | optimizer step (s) | parameter fetches waiting for the disk (s) "
+        "| peak RSS, sum of ranks (GiB) | losses (first launch) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name in args.variants:
         ran = [p["variants"][name] for p in passes if name in p["variants"]]
@@ -267,9 +269,16 @@ def phase_lines(passes: list[dict], args: argparse.Namespace) -> list[str]:
             + " | ".join(
                 f"{statistics.median(s[ph] for s in steps):.2f}" for ph in ("forward", "backward", "step")
             )
-            + f" | {max(peaks) / GIB:.2f} | {losses} |"
+            + f" | {_fetch_wait_cell(name, steps)} | {max(peaks) / GIB:.2f} | {losses} |"
         )
     return lines
+
+
+def _fetch_wait_cell(variant: str, steps: list[dict]) -> str:
+    """zero NVMe: median per step of the slowest rank's fetch waits (forward and backward); else -."""
+    if variant != "zero-nvme":
+        return "-"
+    return f"{statistics.median(s['fetch_wait'] for s in steps):.2f}"
 
 
 def failure_lines(passes: list[dict]) -> list[str]:
