@@ -99,6 +99,9 @@ def next_candidate(lo: int, hi: int | None, guess: int | None, max_layers: int) 
     return min(hi - 1, max(lo + 1, guess))
 
 
+PREDICTION_BOUND = 1 << 20  # blocks: the largest prediction reported
+
+
 def _estimator_limit(
     base: float, estimate_bytes: Callable[[int], float], ceiling: int, max_layers: int
 ) -> int:
@@ -146,7 +149,11 @@ def search_limit(
     trials = [run_trial(1)]
     if trials[0].status != "ok":
         return SearchResult(0, "memory" if trials[0].status == "over" else trials[0].status, None, trials)
-    prediction = _estimator_limit(trials[0].peak - estimate_bytes(1), estimate_bytes, ceiling, max_layers)
+    # the estimator's own limit, not capped by max_layers (the results show it beside the measured
+    # one); the search itself never asks for more than max_layers (next_candidate caps its guesses)
+    prediction = _estimator_limit(
+        trials[0].peak - estimate_bytes(1), estimate_bytes, ceiling, PREDICTION_BOUND
+    )
     slope = (estimate_bytes(max_layers) - estimate_bytes(1)) / max(1, max_layers - 1)
     lo, hi, guess, stalls = 1, None, prediction, 0
     while True:
