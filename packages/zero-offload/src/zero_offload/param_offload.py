@@ -20,6 +20,13 @@ device and a *device copy* that exists only while it is needed:
   order (see [Note: stage 3 parameter coordinator]) are read ahead into the free buffers, so
   the all-gather of module k+1 finds its shards already in memory. Resident CPU bytes for
   parameters are thus at most ``buffer_count x buffer_size`` (+ ``max_in_cpu``) elements.
+* each read in flight has an aio handle of its own (a pool of at most ``buffer_count`` + 1
+  handles; an aio handle's ``wait`` collects everything submitted on it), so a fetch waits
+  for its own shard only. With one handle for all reads, each fetch waited for every
+  read-ahead in flight, then issued one more that the next fetch waited for: the shards of a
+  module, fetched back to back, were read one after the other with no compute under them.
+  ``fetch_wait_s`` counts the seconds fetches spent waiting for the disk (the part of the
+  parameter swapping the compute did not hide).
 * after the optimizer step, the updated low-precision shard is written back to its home
   (``write_shard``; NVMe writes go through a pool buffer and are left in flight until a
   buffer or a read needs them).
@@ -31,6 +38,7 @@ separate CPU allocations, and ``memory_breakdown`` reports them apart.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -106,26 +114,30 @@ class ParamOffload:
         self.instance = next(_INSTANCES)
         self.fetches = 0
         self.read_ahead_hits = 0
+        self.fetch_wait_s = 0.0  # seconds fetches waited for reads (See [Note: parameter offload])
         self.swap_dir: SwapDirectory | None = None
         self._files: list[str] = []
         self._file_bytes = 0
         self._buffers: list[torch.Tensor] = []
         self._free: list[torch.Tensor] = []
-        self._landed: OrderedDict[int, torch.Tensor] = OrderedDict()  # read ahead, complete or in flight
-        self._reading = False
+        # read ahead, complete or in flight: id -> (buffer, the handle its read was submitted on)
+        self._landed: OrderedDict[int, tuple[torch.Tensor, Any]] = OrderedDict()
         self._writing: list[torch.Tensor] = []
+        self._readers: list[Any] = []  # every read handle made (the byte counters add them up)
+        self._idle_readers: list[Any] = []  # read handles with nothing in flight
+        self._aio_kw: dict[str, Any] = {}
         if device == "nvme":
             if nvme_path is None:
                 raise ValueError('zero_optimization.offload_param.nvme_path: required when device is "nvme"')
             self.swap_dir = SwapDirectory(nvme_path, self.rank, what="zero_optimization.offload_param")
-            bound_host_heap()  # See [Note: host heap under NVMe offload]
             self.sums = SwapChecksums(self.swap_dir)  # See [Note: swap checksums]
+            bound_host_heap()  # See [Note: host heap under NVMe offload]
             kw = {
                 k: v
                 for k, v in dict(aio or {}).items()
                 if k in ("block_size", "queue_depth", "single_submit", "overlap_events", "thread_count")
             }
-            self.rh = AsyncIOHandle(**kw)
+            self._aio_kw = kw
             self.wh = AsyncIOHandle(**kw)
 
     # -- adoption ------------------------------------------------------------------------------
@@ -184,10 +196,9 @@ class ParamOffload:
         # Buffers: only as large as the largest shard needs (never more than buffer_size elements).
         need = _round(_nbytes(biggest))
         if not self._buffers or self._buffers[0].numel() < need:
-            self.rh.wait()
+            for pid in list(self._landed):
+                self._drop_landed(pid)
             self.wh.wait()
-            self._landed.clear()
-            self._reading = False
             self._writing = []
             self._buffers = [locked_empty(need, torch.uint8) for _ in range(self.buffer_count)]
             self._free = list(self._buffers)
@@ -215,17 +226,16 @@ class ParamOffload:
             st.shard.copy_(self.host[st.id], non_blocking=True)
             self.fetched.mark()  # write() waits before changing a home: See [Note: offload copies]
         else:
-            buf = self._landed.pop(st.id, None)
-            if buf is not None:
+            landed = self._landed.pop(st.id, None)
+            if landed is not None:
                 self.read_ahead_hits += 1
-                if self._reading:
-                    self.rh.wait()
-                    self._reading = False
+                buf, reader = landed
             else:
                 buf = self._take()
-                self._read_nvme(st.id, buf)
-                self.rh.wait()
-                self._reading = False
+                reader = self._read_nvme(st.id, buf)
+            t0 = time.perf_counter()
+            self._settle(reader)  # this shard's read only: the read-aheads stay in flight
+            self.fetch_wait_s += time.perf_counter() - t0
             self._verify(st.id, buf)
             st.shard.copy_(buf[: _nbytes(st)].view(st.shard.dtype))
             self._free.append(buf)
@@ -251,9 +261,7 @@ class ParamOffload:
         self._free.extend(self._writing)
         self._writing.clear()
         buf = self._take()
-        self._read_nvme(st.id, buf)
-        self.rh.wait()
-        self._reading = False
+        self._settle(self._read_nvme(st.id, buf))
         self._verify(st.id, buf)
         out = buf[: _nbytes(st)].view(st.shard.dtype).clone()
         self._free.append(buf)
@@ -302,14 +310,11 @@ class ParamOffload:
             self._free.extend(self._writing)
             self._writing.clear()
         if not self._free and self._landed:  # evict the read-ahead furthest from use
-            if self._reading:
-                self.rh.wait()
-                self._reading = False
-            _, buf = self._landed.popitem(last=True)
-            self._free.append(buf)
+            self._drop_landed(next(reversed(self._landed)))
         return self._free.pop()
 
-    def _read_nvme(self, pid: int, buf: torch.Tensor) -> None:
+    def _read_nvme(self, pid: int, buf: torch.Tensor) -> Any:
+        """Start reading ``pid``'s shard into ``buf`` on an idle handle; returns that handle."""
         assert self.swap_dir is not None
         if self._writing:  # a read must see every earlier write of the same file
             self.wh.wait()
@@ -317,8 +322,20 @@ class ParamOffload:
             self._writing.clear()
         name, offset = self.offset[pid]
         n = _round(_nbytes(partition_state(self.params[pid])))
-        self.rh.async_pread(buf[:n], self.swap_dir.check(name), offset)
-        self._reading = True
+        if self._idle_readers:
+            reader = self._idle_readers.pop()
+        else:  # at most one read per buffer is in flight, plus the one of read()
+            reader = AsyncIOHandle(**self._aio_kw)
+            self._readers.append(reader)
+        reader.async_pread(buf[:n], self.swap_dir.check(name), offset)
+        return reader
+
+    def _settle(self, reader: Any) -> None:
+        """Wait for the read submitted on ``reader`` and make the handle idle again."""
+        try:
+            reader.wait()
+        finally:
+            self._idle_readers.append(reader)
 
     def _write_nvme(self, pid: int, values: torch.Tensor) -> None:
         assert self.swap_dir is not None
@@ -336,11 +353,10 @@ class ParamOffload:
         self.sums.verify(name, offset, buf[: _nbytes(partition_state(self.params[pid]))])
 
     def _drop_landed(self, pid: int) -> None:
-        buf = self._landed.pop(pid, None)
-        if buf is not None:
-            if self._reading:
-                self.rh.wait()
-                self._reading = False
+        landed = self._landed.pop(pid, None)
+        if landed is not None:
+            buf, reader = landed
+            self._settle(reader)
             self._free.append(buf)
 
     def _read_ahead(self) -> None:
@@ -366,8 +382,7 @@ class ParamOffload:
                 if not self._free:
                     return
                 buf = self._free.pop()
-                self._read_nvme(st.id, buf)
-                self._landed[st.id] = buf
+                self._landed[st.id] = (buf, self._read_nvme(st.id, buf))
             if len(self._landed) >= self.buffer_count:
                 return
 
@@ -390,12 +405,13 @@ class ParamOffload:
         """Bytes read from and written to the parameter swap files so far."""
         if self.swap_dir is None:
             return {"read": 0, "written": 0}
-        return {"read": self.rh.bytes_read, "written": self.wh.bytes_written}
+        return {"read": sum(r.bytes_read for r in self._readers), "written": self.wh.bytes_written}
 
     def close(self) -> None:
         """Wait for I/O and remove the swap file (see [Note: swap file lifecycle])."""
         if self.swap_dir is not None:
-            self.rh.wait()
+            for reader in self._readers:
+                reader.wait()
             self.wh.wait()
             self.swap_dir.close()
 

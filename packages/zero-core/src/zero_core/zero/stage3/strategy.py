@@ -246,10 +246,10 @@ class Stage3Strategy:
 
     @torch.no_grad()
     def _new_master(self, p: torch.nn.Parameter, st: Any) -> torch.Tensor:
-        """``p``'s master values (``master_dtype``), read before its shard is cast to the training dtype."""
+        """``p``'s master values (``master_dtype``), read before its shard is cast to the training
+        dtype. With masters in the training dtype and the shard on the device, the master is the
+        shard itself: no extra copy in fp32, nor with bf16 masters (See [Note: bf16 master weights])."""
         if self.master_dtype == self.dtype and self.param_offload is None and st.offload is None:
-            # the shard itself: no extra copy in fp32, nor with bf16 masters (See [Note: bf16
-            # master weights])
             set_shard_dtype(p, self.dtype)
             return st.shard
         master = read_shard(p).detach().to(self.master_dtype, copy=True)
