@@ -11,9 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from zero_core.protocols.optimizer_offload import NoOptimizerOffload
 
 from zero_offload.offload_groups import _MASTER, _Group
 from zero_offload.transfers import CopyFence
+
+# answers the calls about masters this offload does not own (See [Note: optimizer offload seam])
+_NOT_OWNED = NoOptimizerOffload()
 
 
 class OffloadStateMixin:
@@ -28,6 +32,8 @@ class OffloadStateMixin:
     # -- state access (checkpoints, safe_get) --------------------------------------------------
     def state_of(self, optimizer: torch.optim.Optimizer, master: torch.Tensor) -> dict[str, Any]:
         """``master``'s optimizer state in torch's format (NVMe: read from the swap files)."""
+        if id(master) not in self._where:  # not offloaded (ratio < 1): See [Note: optimizer offload seam]
+            return _NOT_OWNED.state_of(optimizer, master)
         g, i = self._where[id(master)]
         grp = self.groups[g]
         state = dict(optimizer.state.get(master, {}))
@@ -50,6 +56,8 @@ class OffloadStateMixin:
     @torch.no_grad()
     def master_value(self, master: torch.Tensor) -> torch.Tensor:
         """A new fp32 tensor with ``master``'s values (shape of ``master``), wherever they live."""
+        if id(master) not in self._where:  # not offloaded: See [Note: optimizer offload seam]
+            return _NOT_OWNED.master_value(master)
         g, i = self._where[id(master)]
         grp = self.groups[g]
         lo, hi = grp.offsets[i], grp.offsets[i + 1]
@@ -64,6 +72,9 @@ class OffloadStateMixin:
     @torch.no_grad()
     def set_master(self, master: torch.Tensor, values: torch.Tensor) -> None:
         """Set ``master``'s fp32 values (and its updated low-precision copy), wherever they live."""
+        if id(master) not in self._where:  # not offloaded: See [Note: optimizer offload seam]
+            _NOT_OWNED.set_master(master, values)
+            return
         g, i = self._where[id(master)]
         grp = self.groups[g]
         lo, hi = grp.offsets[i], grp.offsets[i + 1]
@@ -135,6 +146,9 @@ class OffloadStateMixin:
         self, optimizer: torch.optim.Optimizer, master: torch.Tensor, state: dict[str, Any]
     ) -> None:
         """Replace ``master``'s optimizer state with ``state`` (torch's format), wherever it lives."""
+        if id(master) not in self._where:  # not offloaded: See [Note: optimizer offload seam]
+            _NOT_OWNED.load_state(optimizer, master, state)
+            return
         g, i = self._where[id(master)]
         grp = self.groups[g]
         lo, hi = grp.offsets[i], grp.offsets[i + 1]

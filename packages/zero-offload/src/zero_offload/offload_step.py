@@ -119,7 +119,10 @@ class OffloadStepMixin:
         self.copied_back.mark()  # the next host write of these buffers waits for it
 
     def updated(self, master: torch.Tensor) -> torch.Tensor:
-        """The updated weights of ``master`` in the training dtype, on the compute device (flat)."""
+        """The updated weights of ``master`` in the training dtype, on the compute device (flat);
+        a master not offloaded (ratio < 1) is its own (See [Note: optimizer offload seam])."""
+        if id(master) not in self._where:
+            return master.detach()
         g, i = self._where[id(master)]
         grp = self.groups[g]
         src = (

@@ -36,8 +36,9 @@ class MiCS_Init(Init):  # noqa: N801 (DeepSpeed's public name)
         from zero_core.zero.stage3.init_context import _load_cfg
         from zero_core.zero.stage3.shard_groups import build_route
 
-        zc = getattr(_load_cfg(config_dict_or_path, config), "zero_optimization", None)
-        shard = int(getattr(zc, "mics_shard_size", -1)) if zc is not None else -1
+        cfg = _load_cfg(config_dict_or_path, config)
+        zc = cfg.zero_optimization if cfg is not None else None
+        shard = int(zc.mics_shard_size) if zc is not None else -1
         if shard < 1:  # checked before Init would start torch.distributed
             raise ValueError(
                 "zero.MiCS_Init: the config must set zero_optimization.mics_shard_size >= 1 "
@@ -47,9 +48,8 @@ class MiCS_Init(Init):  # noqa: N801 (DeepSpeed's public name)
         super().__init__(
             None, data_parallel_group, *args, config_dict_or_path=config_dict_or_path, config=config, **kwargs
         )
-        self.route = build_route(
-            self.group, shard, bool(getattr(zc, "mics_hierarchical_params_gather", False))
-        )
+        assert zc is not None  # checked above
+        self.route = build_route(self.group, shard, bool(zc.mics_hierarchical_params_gather))
         if self.enabled and module is not None:
             self._convert(module)
 

@@ -58,6 +58,7 @@ import torch
 
 from zero_core import comm
 from zero_core.comm import watchdog as _watchdog
+from zero_core.protocols.shard_store import PLAIN_SHARDS, ShardStore
 from zero_core.zero.stage3.allreduce_fetch import all_reduce_fetch, fetch_by_all_reduce
 from zero_core.zero.stage3.collective_agreement import (  # noqa: F401 (re-exported: the public names)
     Stage3CollectiveError,
@@ -127,7 +128,7 @@ class PartitionState:
         "holds",
         "active",
         "empty",
-        "offload",
+        "store",
         "grad_divisor",
         "route",
         "secondary",
@@ -151,7 +152,8 @@ class PartitionState:
         self.holds = 0  # GatheredParameters / construction-time holders
         self.active = 0  # modules currently running that use it
         self.empty = torch.empty(0, dtype=param.dtype, device=param.device)
-        self.offload: Any = None  # zero-offload's ParamOffload; see [Note: offloaded shards]
+        # where the shard lives between gathers: See [Note: shard store seam]
+        self.store: ShardStore = PLAIN_SHARDS
         # The summed gradient is divided by this: the group size, or for an expert parameter the
         # whole data-parallel world size (see [Note: stage 3 expert parameters]).
         self.grad_divisor = self.world if grad_divisor is None else grad_divisor
@@ -245,8 +247,7 @@ def set_shard_dtype(param: torch.nn.Parameter, dtype: torch.dtype) -> None:
         return
     if st.status is not ParamStatus.NOT_AVAILABLE:
         release_param(param, force=True)
-    if st.offload is not None:  # brings the shard back to the device (re-offloaded by the strategy)
-        st.offload.set_dtype(param, dtype)
+    st.store.set_dtype(param, dtype)  # hands the shard back as a plain tensor (See [Note: shard store seam])
     st.shard = st.shard.to(dtype)
     param.zero_shard = st.shard
     st.full = torch.empty(st.padded_numel, dtype=dtype, device=st.shard.device)
@@ -259,14 +260,16 @@ def read_shard(param: torch.nn.Parameter) -> torch.Tensor:
     """This rank's shard values, wherever they live (see [Note: offloaded shards]).
 
     [Note: offloaded shards]
-    With ``zero_optimization.offload_param`` (zero-offload's ``ParamOffload``) ``st.shard``'s
+    With a transient shard store (zero-offload's ``ParamOffload`` for
+    ``zero_optimization.offload_param``, the quantized store of frozen weights) ``st.shard``'s
     storage is empty except while it is packed for an all-gather: ``gather_params`` asks
-    ``st.offload.fetch`` for it just before and ``st.offload.release`` drops it right after.
+    ``st.store.fetch`` for it just before and ``st.store.release`` drops it right after.
     Every other read or write of shard values goes through :func:`read_shard` /
-    :func:`write_shard`, which use ``st.shard`` directly when the parameter is not offloaded.
+    :func:`write_shard`, which ask the record's store (the plain store: ``st.shard`` itself).
+    See [Note: shard store seam].
     """
     st = _BY_ID[id(param)]
-    return st.shard if st.offload is None else st.offload.read(param).to(st.shard.device)
+    return st.store.read(st).to(st.shard.device)
 
 
 def shares_shard(master: torch.Tensor, st: PartitionState) -> bool:
@@ -283,10 +286,7 @@ def write_shard(param: torch.nn.Parameter, values: torch.Tensor) -> None:
     """Set this rank's shard to ``values`` (flat, cast to the shard dtype), wherever it lives."""
     st = _BY_ID[id(param)]
     st.secondary = None  # stale: See [Note: MiCS and hpZ shard groups]
-    if st.offload is None:
-        st.shard.copy_(values.reshape(-1)[: st.shard.numel()])
-    else:
-        st.offload.write(param, values)
+    st.store.write(st, values)  # See [Note: shard store seam]
 
 
 def _aligned(nbytes: int) -> int:
@@ -334,8 +334,7 @@ class GatherHandle:
                 self._unpack(i, st.full)
             elif self._recv is None:
                 st.full.copy_(st.shard)
-                if st.offload is not None:
-                    st.offload.release(p)
+                st.store.release(st)
             else:
                 # One strided copy: column block ``off`` of every rank's chunk -> row r of full.
                 world = self._source.world
@@ -419,11 +418,10 @@ def _all_reduce_group(
     label = label.replace("all-gather of", "all-reduce fetch of", 1)
     nbytes = sum(st.padded_numel for st in states) * states[0].shard.element_size()
     check_agreement(3, todo, nbytes, source.group, label)
-    crossing = [st.shard for st in states if st.offload is not None]  # See [Note: stage-3 streams]
+    crossing = [st.shard for st in states if st.store.transient]  # See [Note: stage-3 streams]
 
     def release(p: torch.nn.Parameter, st: PartitionState) -> None:
-        if st.offload is not None:
-            st.offload.release(p)  # See [Note: offloaded shards]
+        st.store.release(st)  # See [Note: offloaded shards]
 
     with stage3_streams().all_gather_issue(crossing):
         work, unpack, _ = all_reduce_fetch(todo, states, source.group, release)
@@ -445,10 +443,10 @@ def _gather_group(
         offsets.append(chunk)
         chunk += _aligned(source.piece(st).numel() * st.shard.element_size())
     fetch = not source.secondary
-    for p, st in zip(todo, states):
+    for st in states:
         st.status = ParamStatus.INFLIGHT
-        if fetch and st.offload is not None:
-            st.offload.fetch(p)  # See [Note: offloaded shards]
+        if fetch:
+            st.store.fetch(st)  # See [Note: offloaded shards]
     if world == 1:
         return GatherHandle(todo, None, None, offsets, chunk, label, source, states=states)
     if all_reduce:
@@ -456,7 +454,7 @@ def _gather_group(
     check_agreement(0, todo, chunk, source.group, label)
     device = states[0].shard.device
     # read on the all-gather stream, possibly freed soon after: See [Note: stage-3 streams]
-    crossing = [source.piece(st) for st in states if source.secondary or st.offload is not None]
+    crossing = [source.piece(st) for st in states if source.secondary or st.store.transient]
     with stage3_streams().all_gather_issue(crossing):
         if quantized and fetch:  # ZeRO++ qwZ: See [Note: quantized weight all-gather (qwZ)]
             from zero_core.comm.quantized_collectives import quantized_all_gather
@@ -466,18 +464,17 @@ def _gather_group(
             # node in 16 bits, as they are not the cross-node traffic qwZ exists to halve.
             shards = [st.shard for st in states]
             work, unpack = quantized_all_gather(shards, source.group, aligned=quantized == "aligned")
-            for p, st in zip(todo, states):
-                if st.offload is not None:
-                    st.offload.release(p)
+            for st in states:
+                st.store.release(st)
             return GatherHandle(
                 todo, work, None, offsets, chunk, label + " (int8)", source, unpack=unpack, states=states
             )
         send = torch.empty(chunk, dtype=torch.uint8, device=device)
-        for p, st, off in zip(todo, states, offsets):
+        for st, off in zip(states, offsets):
             sh = source.piece(st)
             send[off : off + sh.numel() * sh.element_size()].copy_(sh.view(torch.uint8))
-            if fetch and st.offload is not None:
-                st.offload.release(p)
+            if fetch:
+                st.store.release(st)
         recv = torch.empty(chunk * world, dtype=torch.uint8, device=device)
         work = source.all_gather(recv, send)
     return GatherHandle(todo, work, recv, offsets, chunk, label, source, states=states)

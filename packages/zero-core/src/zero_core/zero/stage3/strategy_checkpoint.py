@@ -174,7 +174,7 @@ class Stage3Checkpointing:
             elif m is not None:
                 reader.read_fp32_into(m.detach().view(-1)[: hi - lo], name, lo)
             if m is None or not shares_shard(m, st):
-                if st.offload is None:
+                if not st.store.transient:  # into the shard itself (See [Note: shard store seam])
                     reader.read_module_value_into(st.shard[: hi - lo], name, lo)
                 else:
                     value = torch.empty(st.shard_numel, dtype=st.shard.dtype)
