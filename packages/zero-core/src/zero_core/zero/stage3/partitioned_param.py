@@ -307,8 +307,11 @@ class GatherHandle:
         source: Any = None,
         unpack: Any = None,
         states: list[PartitionState] | None = None,
+        moved: list[PartitionState] | None = None,
     ) -> None:
         self.params = params
+        # shards of transient stores fetched for a gather without a collective (world 1)
+        self._moved = moved or []
         # the parameters' records, taken once per bucket (See [Note: stage 3 parameter records])
         self.states = states if states is not None else [_BY_ID[id(p)] for p in params]
         self._source = source
@@ -334,7 +337,6 @@ class GatherHandle:
                 self._unpack(i, st.full)
             elif self._recv is None:
                 st.full.copy_(st.shard)
-                st.store.release(st)
             else:
                 # One strided copy: column block ``off`` of every rank's chunk -> row r of full.
                 world = self._source.world
@@ -345,6 +347,8 @@ class GatherHandle:
                 keep_secondary(st)  # See [Note: MiCS and hpZ shard groups]
             p.data = _full_view(st)
             st.status = ParamStatus.AVAILABLE
+        for st in self._moved:  # copied into the gather buffers: See [Note: offloaded shards]
+            st.store.release(st)
         self._recv = self._unpack = None
 
 
@@ -411,20 +415,26 @@ def _all_reducible(st: PartitionState) -> bool:
     return not source.secondary and (source.route is None or source.route.hops is None)
 
 
+def _packed(p: torch.nn.Parameter, st: PartitionState) -> None:
+    """``all_reduce_fetch``'s per-parameter callback: the moved shards are released after it."""
+
+
 def _all_reduce_group(
-    todo: list[torch.nn.Parameter], states: list[PartitionState], source: Any, label: str
+    todo: list[torch.nn.Parameter],
+    states: list[PartitionState],
+    source: Any,
+    label: str,
+    moved: list[PartitionState],
 ) -> GatherHandle:
     """The bucket fetched by one all-reduce of a zero-padded buffer (See [Note: all-reduce fetch])."""
     label = label.replace("all-gather of", "all-reduce fetch of", 1)
     nbytes = sum(st.padded_numel for st in states) * states[0].shard.element_size()
     check_agreement(3, todo, nbytes, source.group, label)
-    crossing = [st.shard for st in states if st.store.transient]  # See [Note: stage-3 streams]
-
-    def release(p: torch.nn.Parameter, st: PartitionState) -> None:
-        st.store.release(st)  # See [Note: offloaded shards]
-
+    crossing = [st.shard for st in moved]  # See [Note: stage-3 streams]
     with stage3_streams().all_gather_issue(crossing):
-        work, unpack, _ = all_reduce_fetch(todo, states, source.group, release)
+        work, unpack, _ = all_reduce_fetch(todo, states, source.group, _packed)
+        for st in moved:  # packed into the buffer: See [Note: offloaded shards]
+            st.store.release(st)
     return GatherHandle(todo, work, None, [0] * len(todo), 0, label, source, unpack=unpack, states=states)
 
 
@@ -445,16 +455,19 @@ def _gather_group(
     fetch = not source.secondary
     for st in states:
         st.status = ParamStatus.INFLIGHT
-        if fetch:
-            st.store.fetch(st)  # See [Note: offloaded shards]
+    # Only the transient stores' shards are fetched and released around the packing (See [Note:
+    # offloaded shards]); a bucket of plain shards costs one filter, as the old branches did.
+    moved = [st for st in states if st.store.transient] if fetch else []
+    for st in moved:
+        st.store.fetch(st)
     if world == 1:
-        return GatherHandle(todo, None, None, offsets, chunk, label, source, states=states)
+        return GatherHandle(todo, None, None, offsets, chunk, label, source, states=states, moved=moved)
     if all_reduce:
-        return _all_reduce_group(todo, states, source, label)
+        return _all_reduce_group(todo, states, source, label, moved)
     check_agreement(0, todo, chunk, source.group, label)
     device = states[0].shard.device
     # read on the all-gather stream, possibly freed soon after: See [Note: stage-3 streams]
-    crossing = [source.piece(st) for st in states if source.secondary or st.store.transient]
+    crossing = [source.piece(st) for st in states] if source.secondary else [st.shard for st in moved]
     with stage3_streams().all_gather_issue(crossing):
         if quantized and fetch:  # ZeRO++ qwZ: See [Note: quantized weight all-gather (qwZ)]
             from zero_core.comm.quantized_collectives import quantized_all_gather
@@ -464,7 +477,7 @@ def _gather_group(
             # node in 16 bits, as they are not the cross-node traffic qwZ exists to halve.
             shards = [st.shard for st in states]
             work, unpack = quantized_all_gather(shards, source.group, aligned=quantized == "aligned")
-            for st in states:
+            for st in moved:
                 st.store.release(st)
             return GatherHandle(
                 todo, work, None, offsets, chunk, label + " (int8)", source, unpack=unpack, states=states
@@ -473,8 +486,8 @@ def _gather_group(
         for st, off in zip(states, offsets):
             sh = source.piece(st)
             send[off : off + sh.numel() * sh.element_size()].copy_(sh.view(torch.uint8))
-            if fetch:
-                st.store.release(st)
+        for st in moved:  # packed: See [Note: offloaded shards]
+            st.store.release(st)
         recv = torch.empty(chunk * world, dtype=torch.uint8, device=device)
         work = source.all_gather(recv, send)
     return GatherHandle(todo, work, recv, offsets, chunk, label, source, states=states)

@@ -368,10 +368,11 @@ class Stage3Strategy:
                 m.grad = g.to(m.dtype).mul_(grad_scale)
         self.optimizer.step()  # device-side masters (all of them without offload; 1 - ratio with it)
         self.offload.step(self.optimizer, grad_scale)
-        for p, st, m in self._written_back:
-            if not shares_shard(m, st):
-                # the master's new values (the offload's: the low-precision copy its CPU step wrote)
-                write_shard(p, self.offload.updated(m))
+        for p, st, m in self._device_written:
+            if not shares_shard(m, st):  # a separate copy: the new values go to the shard
+                write_shard(p, m)
+        for p, _, m in self._offloaded_written:
+            write_shard(p, self.offload.updated(m))  # the low-precision copy its CPU step wrote
         self.refresh_persistent()
 
     def refresh_persistent(self) -> None:
@@ -514,16 +515,17 @@ class Stage3Strategy:
                     self.master[i] = h
 
     def _split_masters(self) -> None:
-        """The step's lists, made once (the masters never change after construction): masters the
-        offload steps, masters the strategy's optimizer steps, and masters whose new values are
-        written back to their shards (those that are not the shard itself)."""
+        """The step's lists, made once (the masters never change after construction): the masters
+        the offload steps and those the strategy's optimizer steps, with their parameters (their
+        new values are written back to the shards). See [Note: optimizer offload seam]."""
         pairs = [
             (p, st, self.master[st.id]) for p, st in zip(self.params, self.records) if st.id in self.master
         ]
         self.offloaded = {st.id: m for _, st, m in pairs if self.offload.owns(m)}
-        self._offloaded_steps = [(st, m) for _, st, m in pairs if st.id in self.offloaded]
-        self._device_steps = [(st, m) for _, st, m in pairs if st.id not in self.offloaded]
-        self._written_back = pairs
+        self._offloaded_written = [(p, st, m) for p, st, m in pairs if st.id in self.offloaded]
+        self._device_written = [(p, st, m) for p, st, m in pairs if st.id not in self.offloaded]
+        self._offloaded_steps = [(st, m) for _, st, m in self._offloaded_written]
+        self._device_steps = [(st, m) for _, st, m in self._device_written]
 
     def _optimizer_state(self, m: torch.Tensor) -> dict[str, Any]:
         return self.offload.state_of(self.optimizer, m)
