@@ -69,7 +69,8 @@ class ShardStore(Protocol):
         ...
 
     def set_dtype(self, p: torch.nn.Parameter, dtype: torch.dtype) -> None:
-        """Hand ``p``'s shard over as a plain tensor before the caller casts it to ``dtype``."""
+        """Before ``set_shard_dtype`` casts ``p``'s shard to ``dtype``: hand it back as a plain
+        tensor (the caller casts it), or keep it, re-homed in ``dtype`` at once."""
         ...
 
     def memory_breakdown(self) -> dict[str, int]: ...
