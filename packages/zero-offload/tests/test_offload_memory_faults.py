@@ -87,8 +87,8 @@ def test_offload_memory_device_side_is_params_and_grads(world: int, tmp_path) ->
             assert bd["host_master_weights"] >= 4 * (N_TRAINABLE // world), bd
             assert bd["host_optimizer_states"] <= 4 * 16, bd  # Adam's step counters only
             assert 0 < bd["host_swap_buffers"] <= 3 * tile_bytes, bd
-        else:  # ZeRO-Infinity: masters swapped with the states, tile by tile
-            tile_bytes = 1024 * 3 * 4  # 1024-element tile x (master + 2 Adam states)
+        else:  # ZeRO-Infinity: masters and gradients swapped with the states, tile by tile
+            tile_bytes = 1024 * 4 * 4  # 1024-element tile x (master + gradient + 2 Adam states)
             assert bd["host_master_weights"] == 0 and bd["host_optimizer_states"] <= 4 * 16, bd
             assert 0 < bd["host_swap_buffers"] <= 3 * tile_bytes, bd
 

@@ -90,9 +90,7 @@ def _train(case: dict, nvme_root: str) -> tuple:
         "memory": memory,
         "fetches": po.fetches,
         "read_ahead_hits": po.read_ahead_hits,
-        "swap_file": None
-        if po.swap_dir is None
-        else str(po.swap_dir.path / f"params{len(po._files) - 1}.swp"),
+        "swap_file": None if po.swap_dir is None else str(po.swap_dir.path / list(po.swap_dir.files)[-1]),
         "shard_numel": {n: partition_state(p).shard_numel for n, p in model.named_parameters()},
     }
     info["swap_file_existed"] = info["swap_file"] is not None and os.path.exists(info["swap_file"])
@@ -173,7 +171,7 @@ def _errors(nvme_root: str) -> dict:
     model = TinyLM(VOCAB, 16, 23)
     engine, *_ = zero_core.initialize(model=model, optimizer=torch.optim.Adam(model.parameters()), config=cfg)
     po = engine.strategy.param_offload
-    victim = po.swap_dir.path / "params0.swp"
+    victim = po.swap_dir.path / next(iter(po.swap_dir.files))  # its first parameter swap file
     os.remove(victim)
     x, y = _data(0, 1)
     try:

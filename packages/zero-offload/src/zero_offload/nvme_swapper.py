@@ -12,6 +12,10 @@ tile of every state, so resident CPU memory for optimizer states is at most
 * ``pipeline_write``: tile k's write is left in flight while tile k+1 is updated; a buffer
   still being written is reused only after the write handle has drained.
 
+Arrays created and filled before the swapper (``preallocated``: the fp32 masters and the
+gradients of [Note: ZeRO-Infinity streaming]) are neither allocated nor zeroed here, and
+``read_only`` arrays (the gradients) are read with each tile but never written back.
+
 Without either flag every transfer is waited for at once (simple, least memory). Reads and
 writes use two separate aio handles so that waiting for the next tile's read never waits for
 the previous tile's write. Tiles start at multiples of 1024 elements (4096 bytes), so the
@@ -34,6 +38,11 @@ _ALIGN_ELEMS = 1024  # 4096 bytes of fp32
 def round_tile(tile_numel: int) -> int:
     """``tile_numel`` rounded up to a multiple of 1024 elements (O_DIRECT alignment)."""
     return max(_ALIGN_ELEMS, -(-tile_numel // _ALIGN_ELEMS) * _ALIGN_ELEMS)
+
+
+def swap_file_name(array: str, key: str) -> str:
+    """The swap file of state ``key`` of the swapped ``array`` (e.g. ``optim_group0.exp_avg.swp``)."""
+    return f"{array}.{key}.swp"
 
 
 def buffers_needed(pipeline_read: bool, pipeline_write: bool) -> int:
@@ -68,6 +77,8 @@ class StateSwapper:
         pipeline_read: bool,
         pipeline_write: bool,
         fast_init: bool,
+        preallocated: tuple[str, ...] = (),
+        read_only: tuple[str, ...] = (),
     ) -> None:
         if pool.numel < tile_numel * len(state_names):
             raise ValueError(
@@ -89,16 +100,18 @@ class StateSwapper:
         self.wh = write_handle
         self.pipeline_read = pipeline_read
         self.pipeline_write = pipeline_write
-        self.files = {k: f"{name}.{k}.swp" for k in state_names}
-        for f in self.files.values():
-            swap_dir.allocate(f, numel * 4)
+        self.files = {k: swap_file_name(name, k) for k in state_names}
+        self.read_only = frozenset(read_only)
+        fresh = [k for k in state_names if k not in preallocated]
+        for k in fresh:
+            swap_dir.allocate(self.files[k], numel * 4)
         if not fast_init:
             # Write the zero initial states through the same path training uses: proves the disk
             # accepts writes now rather than at the first step. fast_init trusts fallocate's zeros.
             buf = pool.buffers[0]
             buf.zero_()
             for lo, hi in self.tiles():
-                for k in state_names:
+                for k in fresh:
                     self.wh.async_pwrite(buf[: hi - lo], self.dir.check(self.files[k]), lo * 4)
                 self.wh.wait()
 
@@ -114,7 +127,8 @@ class StateSwapper:
 
     def _write(self, lo: int, hi: int, buf: torch.Tensor) -> None:
         for k, v in self._views(buf, hi - lo).items():
-            self.wh.async_pwrite(v, self.dir.check(self.files[k]), lo * 4)
+            if k not in self.read_only:
+                self.wh.async_pwrite(v, self.dir.check(self.files[k]), lo * 4)
 
     def run(self, update: Callable[[int, int, dict[str, torch.Tensor]], None]) -> None:
         """Call ``update(lo, hi, states)`` on every tile, states swapped in and out around it."""

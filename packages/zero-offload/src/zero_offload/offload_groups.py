@@ -18,6 +18,8 @@ from zero_offload.nvme_swapper import StateSwapper
 from zero_offload.transfers import host_buffer
 
 _MASTER = "fp32_master"  # the masters' swapped array (See [Note: masters on NVMe])
+_GRAD = "grad"  # the staged gradients' swapped array (See [Note: ZeRO-Infinity streaming])
+_NOT_STATES = (_MASTER, _GRAD)  # swapped arrays that are not optimizer states
 
 
 def _bytes(tensors: Any) -> int:
@@ -61,6 +63,16 @@ def _adam_settings(optimizer: torch.optim.Optimizer, group: dict[str, Any], gi: 
 
 def _host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     return host_buffer(numel, dtype, pin)  # pinned through the accelerator: See [Note: offload copies]
+
+
+def _unallocated(shape: torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A tensor of ``shape`` whose storage holds no memory (a streamed master's placeholder).
+
+    ``torch.empty`` reserves address space the kernel backs only when touched; the storage is
+    then resized to zero bytes, so RSS never sees it."""
+    t = torch.empty(shape, dtype=dtype)
+    t.untyped_storage().resize_(0)
+    return t
 
 
 class _Group:

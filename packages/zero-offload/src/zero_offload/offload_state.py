@@ -11,9 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from zero_core.checkpoint.fragments import DeferredTensor
 from zero_core.protocols.optimizer_offload import NoOptimizerOffload
 
-from zero_offload.offload_groups import _MASTER, _Group
+from zero_offload.offload_groups import _MASTER, _NOT_STATES, _Group
 from zero_offload.transfers import CopyFence
 
 # answers the calls about masters this offload does not own (See [Note: optimizer offload seam])
@@ -40,19 +41,36 @@ class OffloadStateMixin:
         if grp.swapper is not None:
             lo, hi = grp.offsets[i], grp.offsets[i + 1]
             for k in grp.swapper.state_names:
-                if k != _MASTER:
+                if k not in _NOT_STATES:
                     state[k] = grp.swapper.read_range(k, lo, hi).view(master.shape)
+        return state
+
+    def deferred_state_of(self, optimizer: torch.optim.Optimizer, master: torch.Tensor) -> dict[str, Any]:
+        """:meth:`state_of` for writing checkpoints: states in swap files are ``DeferredTensor``
+        values read only when written (See [Note: deferred fragments] in zero-core)."""
+        if id(master) not in self._where:  # not offloaded: See [Note: optimizer offload seam]
+            return _NOT_OWNED.deferred_state_of(optimizer, master)
+        g, i = self._where[id(master)]
+        grp = self.groups[g]
+        if grp.swapper is None:
+            return self.state_of(optimizer, master)  # host views: nothing is copied
+        state = dict(optimizer.state.get(master, {}))
+        lo, hi = grp.offsets[i], grp.offsets[i + 1]
+        for k in grp.swapper.state_names:
+            if k not in _NOT_STATES:
+                state[k] = DeferredTensor(hi - lo, torch.float32, _range_reader(grp, k, lo, hi))
         return state
 
     # [Note: masters on NVMe]
     # ZeRO-Infinity (stage 3 with offload_optimizer nvme): the fp32 masters are one more swapped
     # array of the tile pipeline ([Note: tile pipeline]), read and written with the Adam states
     # of the same tile, so resident CPU memory for masters + states is buffer_count x tile x
-    # (states + 1) x 4 bytes. The master Parameters the client optimizer holds keep their
-    # shapes but own no memory (their storage is resized to zero bytes); code that needs master
-    # values reads or writes them here (``master_value`` / ``set_master``), tile by tile from
-    # and to the swap file. The updated weights (in the training dtype, fp32 included) go to
-    # the module from a host buffer the step writes tile by tile (``updated``).
+    # (states + 2) x 4 bytes (the gradients are the other swapped array). The master
+    # Parameters the client optimizer holds keep their shapes but own no memory (their storage
+    # is empty); code that needs master values reads or writes them here (``master_value`` /
+    # ``set_master``), straight from and to the swap file. The updated weights (in the training
+    # dtype, fp32 included) go to the module through the step's ``publish`` callback, master by
+    # master (See [Note: ZeRO-Infinity streaming] in offload_stream.py).
     @torch.no_grad()
     def master_value(self, master: torch.Tensor) -> torch.Tensor:
         """A new fp32 tensor with ``master``'s values (shape of ``master``), wherever they live."""
@@ -63,11 +81,7 @@ class OffloadStateMixin:
         lo, hi = grp.offsets[i], grp.offsets[i + 1]
         if not self.masters_on_nvme:
             return grp.master[lo:hi].clone().view(master.shape)
-        out = torch.empty(hi - lo, dtype=torch.float32)
-        for a in range(lo, hi, self.nvme_tile):
-            b = min(hi, a + self.nvme_tile)
-            out[a - lo : b - lo].copy_(grp.swapper.read_range(_MASTER, a, b))
-        return out.view(master.shape)
+        return self._read_array(grp, _MASTER, lo, hi).view(master.shape)
 
     @torch.no_grad()
     def set_master(self, master: torch.Tensor, values: torch.Tensor) -> None:
@@ -85,9 +99,7 @@ class OffloadStateMixin:
             )
         self.copied_back.wait()  # a copy to the device may still read them: See [Note: offload copies]
         if self.masters_on_nvme:
-            for a in range(lo, hi, self.nvme_tile):
-                b = min(hi, a + self.nvme_tile)
-                grp.swapper.write_range(_MASTER, a, v[a - lo : b - lo])
+            self._write_array(grp, _MASTER, lo, v)
         else:
             grp.master[lo:hi].copy_(v)
         if grp.low is not None:
@@ -153,7 +165,7 @@ class OffloadStateMixin:
         grp = self.groups[g]
         lo, hi = grp.offsets[i], grp.offsets[i + 1]
         names = (
-            tuple(k for k in grp.swapper.state_names if k != _MASTER)
+            tuple(k for k in grp.swapper.state_names if k not in _NOT_STATES)
             if grp.swapper is not None
             else tuple(grp.states)
         )
@@ -179,10 +191,13 @@ class OffloadStateMixin:
         """Re-derive the low-precision copies from the masters (after masters were loaded or set)."""
         self.copied_back.wait()  # a copy to the device may still read them: See [Note: offload copies]
         for grp in self.groups:
-            if grp.low is not None and self.masters_on_nvme:
-                for lo, hi in grp.swapper.tiles():
-                    grp.low[lo:hi].copy_(grp.swapper.read_range(_MASTER, lo, hi))
-            elif grp.low is not None:
+            if self.masters_on_nvme:
+                continue  # no host copy: the strategy writes loaded weights to the parameters itself
+            if grp.low is not None:
                 grp.low.copy_(grp.master)
             if grp.device_low is not None:
                 grp.device_low.copy_(grp.low if grp.low is not None else grp.master)
+
+
+def _range_reader(grp: _Group, key: str, lo: int, hi: int) -> Any:
+    return lambda: grp.swapper.read_range(key, lo, hi)

@@ -26,19 +26,24 @@ non-offloaded run to fp32 rounding.
 
 This module holds construction, gradient staging and accounting; the step is in
 ``offload_step``, state and checkpoint access in ``offload_state``, the host buffers and
-Adam settings in ``offload_groups``.
+Adam settings in ``offload_groups``, the arrays ZeRO-Infinity streams through swap files
+(masters, gradients) in ``offload_stream`` ([Note: ZeRO-Infinity streaming]).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from zero_core.protocols.optimizer_offload import MasterSource, master_values
 
+from zero_offload.host_heap import bound_host_heap
 from zero_offload.nvme_swapper import BufferPool, StateSwapper, buffers_needed, round_tile
-from zero_offload.offload_groups import _MASTER, _adam_settings, _bytes, _Group, _host_empty
+from zero_offload.offload_groups import _GRAD, _MASTER, _adam_settings, _bytes, _Group, _host_empty
 from zero_offload.offload_state import OffloadStateMixin
 from zero_offload.offload_step import OffloadStepMixin
+from zero_offload.offload_stream import OffloadStreamMixin
 from zero_offload.swap_files import SwapDirectory
 from zero_offload.transfers import CopyFence
 
@@ -47,7 +52,7 @@ if TYPE_CHECKING:
     from zero_core.config.builtin_sections import AioConfig
 
 
-class OptimizerOffload(OffloadStepMixin, OffloadStateMixin):
+class OptimizerOffload(OffloadStepMixin, OffloadStateMixin, OffloadStreamMixin):
     """See [Note: optimizer offload hook].
 
     Args:
@@ -59,8 +64,8 @@ class OptimizerOffload(OffloadStepMixin, OffloadStateMixin):
         sub_group_size: elements per tile of the step (and per NVMe transfer).
         nvme_path, buffer_count, pin_memory, pipeline_read, pipeline_write, fast_init: the
             ``offload_optimizer`` settings; ``aio``: the ``aio`` config section as a dict.
-        masters_on_nvme: with ``device="nvme"``, swap the fp32 masters with the states
-            (ZeRO-Infinity; see [Note: masters on NVMe]).
+        masters_on_nvme: with ``device="nvme"``, swap the fp32 masters and the gradients with
+            the states (ZeRO-Infinity; see [Note: masters on NVMe] and [Note: ZeRO-Infinity streaming]).
     """
 
     def __init__(
@@ -133,16 +138,22 @@ class OptimizerOffload(OffloadStepMixin, OffloadStateMixin):
                     f"{self.pipeline_read} and pipeline_write={self.pipeline_write} need at least {need} buffers"
                 )
             self.swap_dir = SwapDirectory(nvme_path, self.rank, what="zero_optimization.offload_optimizer")
+            bound_host_heap()  # See [Note: host heap under NVMe offload]
 
     # -- construction ---------------------------------------------------------------------
     @torch.no_grad()
-    def adopt(self, sources: list[torch.Tensor]) -> list[torch.nn.Parameter]:
-        """Host fp32 masters (views of one flat buffer) initialised from ``sources``; one call per param group."""
+    def adopt(self, sources: Sequence[torch.Tensor | MasterSource]) -> list[torch.nn.Parameter]:
+        """fp32 masters initialised from ``sources``; one call per param group. Host masters are
+        views of one flat buffer; with masters on NVMe each source is read and written to the
+        swap file in turn (See [Note: ZeRO-Infinity streaming])."""
         if self._finalized:
             raise RuntimeError("OptimizerOffload.adopt: called after finalize()")
         g = _Group(len(self.groups), [int(s.numel()) for s in sources])
-        # masters on NVMe: the updated weights (even fp32) need a home the module reads from
-        with_low = self.low_dtype != torch.float32 or self.masters_on_nvme
+        if self.masters_on_nvme:
+            self._adopt_streamed(g, sources)
+            self.groups.append(g)
+            return g.params
+        with_low = self.low_dtype != torch.float32
         # The copy endpoints (staged gradients, the weights copied back) are pinned whatever
         # ``pin_memory`` says, the rest only when asked: See [Note: offload copies]
         g.master = _host_empty(g.numel, torch.float32, self.pin or not with_low)
@@ -151,9 +162,11 @@ class OptimizerOffload(OffloadStepMixin, OffloadStateMixin):
             g.low = _host_empty(g.numel, self.low_dtype, True)
         for i, s in enumerate(sources):
             lo, hi = g.offsets[i], g.offsets[i + 1]
-            g.master[lo:hi].copy_(s.detach().reshape(-1))
+            values = master_values(s).detach().reshape(-1)
+            g.master[lo:hi].copy_(values)
             if g.low is not None:
-                g.low[lo:hi].copy_(s.detach().reshape(-1))
+                g.low[lo:hi].copy_(values)
+            del values
             p = torch.nn.Parameter(g.master[lo:hi].view(s.shape))
             g.params.append(p)
             self._where[id(p)] = (g.index, i)
@@ -186,8 +199,8 @@ class OptimizerOffload(OffloadStepMixin, OffloadStateMixin):
                     state.update({k: v[lo:hi].view(p.shape) for k, v in g.states.items()})
                     optimizer.state[p] = state
             return
-        if self.masters_on_nvme:
-            names_per_group = [(*n, _MASTER) for n in names_per_group]
+        streamed = (_MASTER, _GRAD) if self.masters_on_nvme else ()  # See [Note: ZeRO-Infinity streaming]
+        names_per_group = [(*n, *streamed) for n in names_per_group]
         tile = round_tile(min(self.tile, max((g.numel for g in self.groups), default=1)))
         nstates = max((len(n) for n in names_per_group), default=2)
         self.nvme_tile = tile
@@ -214,13 +227,11 @@ class OptimizerOffload(OffloadStepMixin, OffloadStateMixin):
                 pipeline_read=self.pipeline_read,
                 pipeline_write=self.pipeline_write,
                 fast_init=self.fast_init,
+                preallocated=streamed,  # written by adopt / by the gradient staging
+                read_only=(_GRAD,),
             )
             for p in g.params:
                 optimizer.state[p] = {"step": torch.tensor(0.0)}
-            if self.masters_on_nvme:  # the masters' only copy is the swap file from now on
-                for lo, hi in g.swapper.tiles():
-                    g.swapper.write_range(_MASTER, lo, g.master[lo:hi])
-                g.master.untyped_storage().resize_(0)
 
     # -- per step ---------------------------------------------------------------------------
     def owns(self, master: torch.Tensor) -> bool:
@@ -236,13 +247,17 @@ class OptimizerOffload(OffloadStepMixin, OffloadStateMixin):
         if grad is None:
             self._staged.discard(id(master))
             return
-        view = grp.grad[grp.offsets[i] : grp.offsets[i + 1]]
-        if grad.numel() != view.numel():
+        lo, hi = grp.offsets[i], grp.offsets[i + 1]
+        if grad.numel() != hi - lo:
             raise ValueError(
-                f"OptimizerOffload.stage_grad: gradient has {grad.numel()} elements, master has {view.numel()}"
+                f"OptimizerOffload.stage_grad: gradient has {grad.numel()} elements, master has {hi - lo}"
             )
-        view.copy_(grad.detach().reshape(-1), non_blocking=True)
-        self.grads_landed.mark()  # step() waits for it: See [Note: offload copies]
+        if self.masters_on_nvme:  # See [Note: ZeRO-Infinity streaming]
+            self._drain_grads()  # a restage must not race an earlier write of the same range
+            self._stage_streamed(grp, lo, grad)
+        else:
+            grp.grad[lo:hi].copy_(grad.detach().reshape(-1), non_blocking=True)
+            self.grads_landed.mark()  # step() waits for it: See [Note: offload copies]
         self._staged.add(id(master))
         self.staged_in_step += 1
 
@@ -272,8 +287,11 @@ class OptimizerOffload(OffloadStepMixin, OffloadStateMixin):
                 f"OptimizerOffload.stage_grad_range: [{lo}, {lo + n}) is outside a master of "
                 f"{grp.offsets[i + 1] - base} elements"
             )
-        grp.grad[base + lo : base + lo + n].copy_(values.detach().reshape(-1), non_blocking=True)
-        self.grads_landed.mark()  # step() waits for it: See [Note: offload copies]
+        if self.masters_on_nvme:  # See [Note: ZeRO-Infinity streaming]
+            self._stage_streamed(grp, base + lo, values)
+        else:
+            grp.grad[base + lo : base + lo + n].copy_(values.detach().reshape(-1), non_blocking=True)
+            self.grads_landed.mark()  # step() waits for it: See [Note: offload copies]
         done = self._partial.get(id(master), 0) + n
         self._partial[id(master)] = done
         if done >= grp.offsets[i + 1] - base:
@@ -289,7 +307,9 @@ class OptimizerOffload(OffloadStepMixin, OffloadStateMixin):
         """Bytes of the host-side pools (and of the device-side copy-back buffers on CUDA)."""
         return {
             "host_master_weights": sum(g.master.untyped_storage().nbytes() for g in self.groups),
-            "host_gradients": _bytes(g.grad for g in self.groups),
+            # streamed gradients (See [Note: ZeRO-Infinity streaming]): only their writes in flight
+            "host_gradients": _bytes(g.grad for g in self.groups)
+            + _bytes(getattr(self, "_grad_inflight", ())),
             "host_low_precision_params": _bytes(g.low for g in self.groups),
             "host_optimizer_states": _bytes(t for g in self.groups for t in g.states.values()),
             "host_swap_buffers": self.pool.nbytes() if self.pool is not None else 0,
@@ -311,6 +331,7 @@ class OptimizerOffload(OffloadStepMixin, OffloadStateMixin):
         for h in (getattr(self, "read_handle", None), getattr(self, "write_handle", None)):
             if h is not None:
                 h.wait()
+        self._close_streams()
         if self.swap_dir is not None:
             self.swap_dir.close()
 

@@ -30,6 +30,7 @@ separate CPU allocations, and ``memory_breakdown`` reports them apart.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,7 @@ from zero_core.zero.stage3.param_records import is_partitioned, partition_state
 from zero_core.zero.stage3.transient_shards import TransientShards
 from zero_ops.aio import AsyncIOHandle, locked_empty
 
+from zero_offload.host_heap import bound_host_heap
 from zero_offload.swap_files import SwapDirectory
 from zero_offload.transfers import CopyFence, host_buffer
 
@@ -48,6 +50,9 @@ if TYPE_CHECKING:
     from zero_core.zero.stage3.partitioned_param import PartitionState
 
 _ALIGN = 4096
+# Several ParamOffload objects of a process share the rank's swap directory (zero.Init's and
+# the engine's): each names its files with its own number, so none truncates another's.
+_INSTANCES = itertools.count()
 
 
 def _round(nbytes: int) -> int:
@@ -104,6 +109,7 @@ class ParamOffload(TransientShards):
         self.offset: dict[int, tuple[str, int]] = {}  # id -> (swap file, byte offset) of NVMe homes
         self.in_cpu_numel = 0
         self.coordinator: Any = None
+        self.instance = next(_INSTANCES)
         self.fetches = 0
         self.read_ahead_hits = 0
         self.swap_dir: SwapDirectory | None = None
@@ -118,6 +124,7 @@ class ParamOffload(TransientShards):
             if nvme_path is None:
                 raise ValueError('zero_optimization.offload_param.nvme_path: required when device is "nvme"')
             self.swap_dir = SwapDirectory(nvme_path, self.rank, what="zero_optimization.offload_param")
+            bound_host_heap()  # See [Note: host heap under NVMe offload]
             kw = {
                 k: v
                 for k, v in dict(aio or {}).items()
@@ -171,7 +178,7 @@ class ParamOffload(TransientShards):
                 f"shard ({tuple(biggest.shape)}: {biggest.shard_numel} elements per rank) "
                 "does not fit in one buffer; raise buffer_size to at least the largest shard"
             )
-        name = f"params{len(self._files)}.swp"
+        name = f"params{self.instance}.{len(self._files)}.swp"
         cursor = 0
         for st in states:
             self.offset[st.id] = (name, cursor)
@@ -257,7 +264,10 @@ class ParamOffload(TransientShards):
 
     @torch.no_grad()
     def set_dtype(self, p: torch.nn.Parameter, dtype: torch.dtype) -> None:
-        """Change the shard's dtype (the strategy's training dtype after zero.Init placed it)."""
+        """Change the shard's dtype (the strategy's training dtype after zero.Init placed it).
+
+        The shard gets a new home here at once (its old NVMe region is left unused), so changing
+        the dtype of every parameter holds one shard in memory at a time, not the partition."""
         st = partition_state(p)
         values = self.read(st).to(dtype)
         del self.params[st.id]
@@ -267,6 +277,8 @@ class ParamOffload(TransientShards):
         st.shard = torch.empty(st.shard_numel, dtype=dtype, device=st.shard.device)
         st.shard.copy_(values)
         p.zero_shard = st.shard
+        del values
+        self.adopt([p])
 
     # -- NVMe plumbing ------------------------------------------------------------------------
     def _take(self) -> torch.Tensor:
@@ -352,6 +364,12 @@ class ParamOffload(TransientShards):
 
     def owns(self, p: torch.nn.Parameter) -> bool:
         return partition_state(p).store is self
+
+    def swap_io_bytes(self) -> dict[str, int]:
+        """Bytes read from and written to the parameter swap files so far."""
+        if self.swap_dir is None:
+            return {"read": 0, "written": 0}
+        return {"read": self.rh.bytes_read, "written": self.wh.bytes_written}
 
     def close(self) -> None:
         """Wait for I/O and remove the swap file (see [Note: swap file lifecycle])."""

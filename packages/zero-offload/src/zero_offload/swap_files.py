@@ -37,6 +37,26 @@ def job_name() -> str:
     return f"job-{os.getpid()}"
 
 
+def check_free_space(folder: str | os.PathLike, nbytes: int, what: str) -> None:
+    """Raise :class:`SwapFileError` naming ``folder`` unless its file system has ``nbytes`` free.
+
+    For a run planning its disk before it starts (swap files, checkpoints): the error says how
+    much is needed, for what, and how much is free. ``folder`` need not exist yet (its nearest
+    existing parent's file system is asked)."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"check_free_space: nbytes must be an int >= 0, got {nbytes!r}")
+    probe = Path(os.fspath(folder)).expanduser().absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < nbytes:
+        raise SwapFileError(
+            28,
+            f"{what}: {folder} needs {nbytes / 1e9:.2f} GB ({nbytes} bytes) free, but its file system "
+            f"has {free / 1e9:.2f} GB; free some space or point the run at a larger disk",
+        )
+
+
 def _fallocate(fd: int, nbytes: int) -> None:
     """Reserve ``nbytes`` real blocks for ``fd`` (posix_fallocate; a write of zeros where unsupported)."""
     try:

@@ -1,7 +1,8 @@
 """ZeRO-Offload / ZeRO-Infinity optimizer offload (CPU memory and NVMe), from zero-offload.
 
 Names: ``OptimizerOffload``, ``build_optimizer_offload``, ``NvmeOffloadBackend``,
-``SwapDirectory``, ``SwapFileError``, ``StateSwapper``, ``BufferPool``, ``job_name``.
+``SwapDirectory``, ``SwapFileError``, ``StateSwapper``, ``BufferPool``, ``job_name``,
+``check_free_space``.
 """
 
 from zero._lazy import lazy_module

@@ -13,11 +13,22 @@ absent when the module weight is itself the fp32 master, the reader then falls b
 ``param``), ``optim.<key>`` (optimizer state ``key``), ``buffer`` (module buffers).
 ``elementwise`` says a value has one element per parameter element (weights, exp_avg) as
 opposed to a per-parameter value (Adam's ``step``), which is stored whole.
+
+[Note: deferred fragments]
+A fragment normally holds a view of the live state (no copy). Values that live off memory
+(parameter shards, masters and optimizer states on NVMe or in an offload's host store, see
+[Note: ZeRO-Infinity streaming] in zero-offload) would have to be read into a new tensor, and
+reading all of them before writing would hold a rank's whole partition at once. Such a
+fragment is *deferred* (:meth:`Fragment.deferred`): its ``tensor`` is a ``meta`` placeholder
+with the dtype and element count (what the rank table records), and ``produce()`` reads the
+values when the saver writes that tensor, so saving holds one of them at a time. Strategies
+describe NVMe-resident optimizer states the same way with :class:`DeferredTensor`.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -34,6 +45,18 @@ BUFFER = "buffer"
 OPTIM_PREFIX = "optim."
 
 
+@dataclass(frozen=True)
+class DeferredTensor:
+    """A flat value of ``numel`` elements of ``dtype`` read only when written: ``read()`` returns it.
+
+    See [Note: deferred fragments].
+    """
+
+    numel: int
+    dtype: torch.dtype
+    read: Callable[[], torch.Tensor]
+
+
 @dataclass
 class Fragment:
     """Elements ``[start, end)`` of the flattened ``kind`` value of parameter ``name``."""
@@ -46,6 +69,35 @@ class Fragment:
     tensor: torch.Tensor
     elementwise: bool = True
     python_scalar: bool = False  # an optimizer state held as a Python number, not a tensor
+    # deferred: ``tensor`` is a meta placeholder and this reads the values (See [Note: deferred fragments])
+    produce: Callable[[], torch.Tensor] | None = None
+
+    @classmethod
+    def deferred(
+        cls,
+        name: str,
+        kind: str,
+        shape: tuple[int, ...],
+        start: int,
+        end: int,
+        dtype: torch.dtype,
+        produce: Callable[[], torch.Tensor],
+    ) -> Fragment:
+        """A fragment whose values ``produce()`` reads when it is written (See [Note: deferred fragments])."""
+        placeholder = torch.empty(end - start, dtype=dtype, device="meta")
+        return cls(name, kind, shape, start, end, placeholder, produce=produce)
+
+    def values(self) -> torch.Tensor:
+        """The fragment's values (flat): the held tensor, or a deferred fragment's ``produce()``."""
+        if self.produce is None:
+            return self.tensor.reshape(-1)
+        t = self.produce()
+        if t.numel() != self.end - self.start or t.dtype != self.tensor.dtype:
+            raise CheckpointError(
+                f"fragment {self.kind}:{self.name}: produced {t.numel()} {t.dtype} values for range "
+                f"[{self.start}, {self.end}) of {self.tensor.dtype}"
+            )
+        return t.reshape(-1)
 
     def __post_init__(self) -> None:
         numel = 1
@@ -104,7 +156,12 @@ def optimizer_state_fragments(
     out: list[Fragment] = []
     for key, value in state.items():
         kind = OPTIM_PREFIX + key
-        if (
+        if isinstance(value, DeferredTensor) and value.numel == per_elem:
+            for so, po, n in segments if segments is not None else [(0, 0, numel)]:
+                out.append(
+                    Fragment.deferred(name, kind, shape, po, po + n, value.dtype, _slice_of(value, so, n))
+                )
+        elif (
             torch.is_tensor(value)
             and value.numel() == per_elem
             and (value.dim() == 1 if segments is not None else value.shape == shape)
@@ -127,6 +184,10 @@ def optimizer_state_fragments(
                     "numbers can be checkpointed"
                 )
     return out
+
+
+def _slice_of(value: DeferredTensor, start: int, n: int) -> Callable[[], torch.Tensor]:
+    return lambda: value.read().reshape(-1)[start : start + n]
 
 
 @runtime_checkable

@@ -155,14 +155,16 @@ def _engine_meta(
 
 def _write_rank(stage_dir: str, rank: int, world: int, fragments: list[Fragment]) -> None:
     rng_tensors, rng_meta = rng.capture()
+    # a deferred fragment's values are read as it is written (See [Note: deferred fragments])
     entries = [
-        TensorEntry(f.key, (f.end - f.start,), f.tensor.dtype, (lambda t=f.tensor: t.reshape(-1)))
+        TensorEntry(f.key, (f.end - f.start,), f.tensor.dtype, f.values, temporary=f.produce is not None)
         for f in fragments
     ]
     entries += [TensorEntry(k, tuple(t.shape), t.dtype, (lambda t=t: t)) for k, t in rng_tensors.items()]
     tensor_name = rank_tensor_name(rank)
     # Fragments are views of the live state (and the RNG tensors are held above) until this returns,
-    # so they are checksummed while being written (see [Note: checksum overlapped with writing]).
+    # so they are checksummed while being written (see [Note: checksum overlapped with writing]);
+    # deferred ones are temporaries, checksummed inline and dropped after their write.
     record = write_tensor_file(os.path.join(stage_dir, tensor_name), entries, live_tensors=True)
     table = {
         "rank": rank,

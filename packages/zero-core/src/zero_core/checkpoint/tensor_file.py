@@ -65,12 +65,17 @@ def _index(x: Any) -> int:
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """One tensor to write: its name, shape and dtype up front, its value produced on demand."""
+    """One tensor to write: its name, shape and dtype up front, its value produced on demand.
+
+    ``temporary``: the produced tensor is a fresh copy (not live state), so even a writer with
+    ``live_tensors`` checksums it inline and drops it after its write.
+    """
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     produce: Callable[[], torch.Tensor]
+    temporary: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -137,7 +142,7 @@ def write_tensor_file(
                 )
             if t.numel():
                 data, shared = _as_bytes(t)
-                w.write(data, stable=live_tensors and shared)
+                w.write(data, stable=live_tensors and shared and not e.temporary)
                 del data
             del t
             if on_tensor is not None:
@@ -204,6 +209,7 @@ class TensorFile:
         if not os.path.isfile(path):
             raise CheckpointError(f"{path} does not exist")
         self.size = os.path.getsize(path)
+        self.bytes_read = 0  # tensor bytes read so far (read / read_into)
         self._fd = os.open(path, os.O_RDONLY)
         try:
             self._entries, self.metadata, self._data_start = self._parse_header()
@@ -308,6 +314,7 @@ class TensorFile:
         if not nbytes:
             return
         buf = byte_view(out)
+        self.bytes_read += nbytes
         while len(buf):
             k = os.preadv(self._fd, [buf], offset)
             if k <= 0:

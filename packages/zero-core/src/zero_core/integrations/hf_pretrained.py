@@ -8,13 +8,18 @@ then imports ``deepspeed`` and calls ``deepspeed.zero.Init``), so it cannot be p
 :func:`from_pretrained` does the same job with zero's own pieces:
 
 1. the model's config is read from the directory (``config.json``, no download) and the model
-   is built from it inside :class:`zero.Init`, so no rank ever holds the full model;
+   is built from it inside :class:`zero.Init`, so no rank ever holds the full model. As in
+   DeepSpeed (whose ``zero.Init`` takes its remote device from the config), a config whose
+   ``zero_optimization.offload_param.device`` is ``"cpu"`` or ``"nvme"`` puts each shard there
+   as its submodule is built (``remote_device`` overrides it): a model larger than memory goes
+   straight into NVMe partitions;
 2. :func:`load_pretrained_into_partitions` opens the safetensors files (``model.safetensors``,
    or the shards that ``model.safetensors.index.json`` lists: what ``save_pretrained`` and
-   ``save_16bit_model`` write) and, for every partitioned parameter, reads only the rows that
-   hold this rank's flat range ``[rank * shard, (rank + 1) * shard)`` through safetensors'
-   slicing, so each rank reads about ``1 / world`` of the weights (plus at most two partial
-   rows per tensor). Unpartitioned parameters and buffers are read whole.
+   ``save_16bit_model`` write) and, for every partitioned parameter, reads exactly this rank's
+   flat range ``[rank * shard, (rank + 1) * shard)`` with one ``pread`` (zero's own safetensors
+   reader, ``checkpoint.tensor_file``), so each rank reads ``1 / world`` of the weights and
+   holds one shard at a time: no memory map, whose touched pages would count in the process's
+   resident memory until the file is closed. Unpartitioned parameters and buffers are read whole.
 
 Tied weights (GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``) are one parameter
 found under any of its names; a name saved without the model's base prefix (a base model's
@@ -25,12 +30,12 @@ refused: convert them to safetensors first.
 from __future__ import annotations
 
 import json
-import math
 import os
 from typing import Any
 
 import torch
 
+from zero_core.checkpoint.tensor_file import TensorFile
 from zero_core.zero.stage3.param_records import full_shape, partition_state
 from zero_core.zero.stage3.partitioned_param import is_partitioned, write_shard
 
@@ -51,9 +56,7 @@ def _weight_files(path: str) -> dict[str, str]:
         return {k: os.path.join(path, v) for k, v in weight_map.items()}
     single = os.path.join(path, SINGLE_FILE)
     if os.path.isfile(single):
-        from safetensors import safe_open
-
-        with safe_open(single, framework="pt") as f:
+        with TensorFile(single) as f:
             return dict.fromkeys(f.keys(), single)
     found = sorted(os.listdir(path))
     if any(n.endswith((".bin", ".pt", ".pth")) for n in found):
@@ -64,16 +67,9 @@ def _weight_files(path: str) -> dict[str, str]:
     raise FileNotFoundError(f"from_pretrained: no {SINGLE_FILE} or {INDEX_FILE} in {path} (found {found})")
 
 
-def _read_range(sl: Any, shape: list[int], lo: int, hi: int) -> torch.Tensor:
-    """Elements ``[lo, hi)`` of the flattened tensor behind safetensors slice ``sl``, reading
-    only the rows (first-dimension entries) that hold them."""
-    if hi <= lo:
-        return torch.empty(0)
-    if len(shape) <= 1:
-        return sl[lo:hi].reshape(-1)
-    row = math.prod(shape[1:])
-    r0, r1 = lo // row, -(-hi // row)
-    return sl[r0:r1].reshape(-1)[lo - r0 * row : hi - r0 * row]
+def _read_range(f: TensorFile, key: str, lo: int, hi: int) -> torch.Tensor:
+    """Elements ``[lo, hi)`` of the flattened tensor ``key`` of ``f``: exactly those bytes, one ``pread``."""
+    return f.read(key, lo, hi)
 
 
 def _candidates(name: str, aliases: list[str], prefix: str) -> list[str]:
@@ -88,30 +84,30 @@ def _candidates(name: str, aliases: list[str], prefix: str) -> list[str]:
 
 
 @torch.no_grad()
-def _load_param(param: torch.nn.Parameter, handle: Any, key: str) -> None:
-    sl = handle.get_slice(key)
-    shape = list(sl.get_shape())
+def _load_param(param: torch.nn.Parameter, f: TensorFile, key: str) -> None:
+    shape = list(f.info(key)[1])
     want = list(full_shape(param))
     if shape != want:
         raise ValueError(f"from_pretrained: {key} has shape {shape} in the file, the model has {want}")
     if not is_partitioned(param):
-        param.data.copy_(sl[:] if shape else handle.get_tensor(key))
+        param.data.copy_(f.read_tensor(key))
         return
     st = partition_state(param)
     lo = min(st.rank * st.shard_numel, st.numel)
     hi = min(lo + st.shard_numel, st.numel)
     values = torch.zeros(st.shard_numel, dtype=st.shard.dtype)
-    values[: hi - lo] = _read_range(sl, shape, lo, hi).to(st.shard.dtype)
+    values[: hi - lo] = _read_range(f, key, lo, hi).to(st.shard.dtype)
     write_shard(param, values)
 
 
-def load_pretrained_into_partitions(model: torch.nn.Module, path: str, strict: bool = True) -> list[str]:
+def load_pretrained_into_partitions(
+    model: torch.nn.Module, path: str, strict: bool = True, *, stats: dict[str, int] | None = None
+) -> list[str]:
     """Fill ``model`` (built inside ``zero.Init`` or not) from the safetensors weights in ``path``;
     each rank reads only its partition of every partitioned parameter. Returns the file keys
     that were not used. With ``strict``, a parameter missing from the files is an error.
-    See [Note: from_pretrained into partitions]."""
-    from safetensors import safe_open
-
+    ``stats``, when given, receives ``bytes_read`` (tensor bytes this rank read from the files)
+    and ``files`` (how many it opened). See [Note: from_pretrained into partitions]."""
     files = _weight_files(path)
     prefix = str(getattr(model, "base_model_prefix", "") or "")
     names: dict[int, list[str]] = {}
@@ -131,15 +127,18 @@ def load_pretrained_into_partitions(model: torch.nn.Module, path: str, strict: b
                     missing.append(name)
                 continue
             if files[key] not in handles:
-                handles[files[key]] = safe_open(files[key], framework="pt").__enter__()
+                handles[files[key]] = TensorFile(files[key])
             if isinstance(tensor, torch.nn.Parameter):
                 _load_param(tensor, handles[files[key]], key)
             else:
-                tensor.copy_(handles[files[key]].get_tensor(key))
+                tensor.copy_(handles[files[key]].read_tensor(key))
             used.add(key)
     finally:
         for h in handles.values():
-            h.__exit__(None, None, None)
+            h.close()
+        if stats is not None:
+            stats["bytes_read"] = sum(h.bytes_read for h in handles.values())
+            stats["files"] = len(handles)
     if strict and missing:
         raise KeyError(f"from_pretrained: {len(missing)} parameters are not in {path}: {missing[:8]}")
     return sorted(set(files) - used)
@@ -158,13 +157,17 @@ def from_pretrained(
     *,
     dtype: torch.dtype | None = None,
     strict: bool = True,
+    remote_device: str | None = None,
+    stats: dict[str, int] | None = None,
     **config_overrides: Any,
 ) -> torch.nn.Module:
     """``model_class`` (a transformers model class, or an ``AutoModel*`` class) with the
     pretrained weights in the local directory ``path``, built inside :class:`zero.Init` with the
     zero config ``config_dict_or_path`` (its fp16/bf16 section picks the dtype unless ``dtype``
-    is given) and loaded with each rank reading only its partitions. Collective: call on every
-    rank. ``config_overrides`` update the model config (``attn_implementation="eager"`` ...).
+    is given, its ``offload_param.device`` where the shards live unless ``remote_device`` is
+    given) and loaded with each rank reading only its partitions. Collective: call on every
+    rank. ``config_overrides`` update the model config (``attn_implementation="eager"`` ...);
+    ``stats`` is :func:`load_pretrained_into_partitions`' (bytes this rank read).
     See [Note: from_pretrained into partitions]."""
     from zero_core.integrations.hf_extra import require_hf
     from zero_core.zero.stage3.init_context import Init
@@ -175,10 +178,22 @@ def from_pretrained(
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"from_pretrained: {path!r} has no config.json (a save_pretrained directory)")
     hf_config = AutoConfig.from_pretrained(path, **config_overrides)
-    with Init(config_dict_or_path=config_dict_or_path, dtype=dtype):
+    if remote_device is None:
+        remote_device = _offload_device(config_dict_or_path)
+    with Init(config_dict_or_path=config_dict_or_path, dtype=dtype, remote_device=remote_device):
         if hasattr(model_class, "from_config"):  # AutoModel* classes
             model = model_class.from_config(hf_config)
         else:
             model = model_class(hf_config)
-    load_pretrained_into_partitions(model, path, strict=strict)
+    load_pretrained_into_partitions(model, path, strict=strict, stats=stats)
     return model
+
+
+def _offload_device(config_dict_or_path: Any) -> str | None:
+    """``zero_optimization.offload_param.device`` of the config when it is "cpu" or "nvme"."""
+    from zero_core.zero.stage3.init_context import _load_cfg
+
+    cfg = _load_cfg(config_dict_or_path, None)
+    op = getattr(getattr(cfg, "zero_optimization", None), "offload_param", None)
+    device = getattr(op, "device", None)
+    return device if device in ("cpu", "nvme") else None

@@ -11,17 +11,25 @@ checked against it (``isinstance``, in zero-offload's tests). When nothing is of
 strategies hold :class:`NoOptimizerOffload`, the null implementation (FSDP2's ``OffloadPolicy``
 beside ``CPUOffloadPolicy``): it owns no master. Every implementation answers the calls about
 a master it does not own with the no-offload behaviour, the identity: ``master_value`` is the
-master itself, ``set_master`` copies into it, ``state_of`` / ``load_state`` are the optimizer's
-own state, ``updated`` is the master, ``stage_grad`` keeps nothing (stage 3's
-``offload_optimizer.ratio`` offloads only some masters, so zero-offload's class answers so for
-the rest). So stage code has no ``if offload is None`` branches and reads and writes every
-master through the offload. ``owns(master)`` remains for what really differs: which masters
-the strategy's own optimizer steps (decided once, at construction), the host-side accounting,
-and checkpoint loads that read an owned master's values into a buffer of their own.
+master itself, ``set_master`` copies into it, ``state_of`` / ``deferred_state_of`` /
+``load_state`` are the optimizer's own state, ``updated`` is the master, ``stage_grad`` keeps
+nothing and ``staged_grad`` has nothing (stage 3's ``offload_optimizer.ratio`` offloads only
+some masters, so zero-offload's class answers so for the rest). So stage code has no ``if
+offload is None`` branches and reads and writes every master through the offload.
+``owns(master)`` remains for what really differs: which masters the strategy's own optimizer
+steps (decided once, at construction), the host-side accounting, and checkpoint loads that read
+an owned master's values into a buffer of their own.
+
+Masters may be handed over as :class:`MasterSource` (a shape and a function producing the
+values) instead of tensors: the offload then reads each one when it stores it, so a strategy
+whose masters go to NVMe never holds them all (see [Note: ZeRO-Infinity streaming] in
+zero-offload's optimizer_offload.py); the null object just builds them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -29,12 +37,38 @@ import torch
 from zero_core.utils.storage_bytes import state_tensors
 
 
+@dataclass(frozen=True)
+class MasterSource:
+    """A master not built yet: its ``shape`` and ``produce()``, which returns its initial values.
+
+    ``adopt`` calls ``produce`` once, when it stores that master, and drops the result before the
+    next one (see [Note: optimizer offload seam]).
+    """
+
+    shape: torch.Size
+    produce: Callable[[], torch.Tensor]
+
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= int(d)
+        return n
+
+
+def master_values(source: torch.Tensor | MasterSource) -> torch.Tensor:
+    """The values of an ``adopt`` source: the tensor itself, or what a :class:`MasterSource` produces."""
+    return source.produce() if isinstance(source, MasterSource) else source
+
+
+Publish = Callable[[torch.Tensor, torch.Tensor], None]
+
+
 @runtime_checkable
 class OptimizerOffload(Protocol):
     """See [Note: optimizer offload seam]."""
 
     # -- taking over the masters --------------------------------------------------------------
-    def adopt(self, sources: list[torch.Tensor]) -> list[torch.nn.Parameter]:
+    def adopt(self, sources: Sequence[torch.Tensor | MasterSource]) -> list[torch.nn.Parameter]:
         """The offloaded fp32 masters holding ``sources``' values (in its home memory)."""
         ...
 
@@ -53,7 +87,25 @@ class OptimizerOffload(Protocol):
 
     def is_staged(self, master: torch.Tensor) -> bool: ...
 
-    def step(self, optimizer: torch.optim.Optimizer, grad_scale: float | torch.Tensor = 1.0) -> None: ...
+    def streams_gradients(self) -> bool:
+        """Whether staged gradients are kept in the offload's own store (NVMe), so the strategy
+        drops its copy once a gradient is staged (see [Note: ZeRO-Infinity streaming])."""
+        ...
+
+    def staged_grad(self, master: torch.Tensor) -> torch.Tensor | None:
+        """A new tensor with ``master``'s staged gradient (None: nothing staged this step)."""
+        ...
+
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        grad_scale: float | torch.Tensor = 1.0,
+        publish: Publish | None = None,
+    ) -> None:
+        """One step of every staged master; ``publish(master, values)`` receives each stepped
+        master's updated weights in the training dtype as soon as they exist (required when the
+        weights are never held whole: see [Note: ZeRO-Infinity streaming])."""
+        ...
 
     def updated(self, master: torch.Tensor) -> torch.Tensor:
         """``master``'s new values after the step, on the compute device (for the 16-bit copy);
@@ -73,6 +125,11 @@ class OptimizerOffload(Protocol):
 
     def state_of(self, optimizer: torch.optim.Optimizer, master: torch.Tensor) -> dict[str, Any]:
         """``master``'s optimizer state in torch's format (``optimizer.state`` when not owned)."""
+        ...
+
+    def deferred_state_of(self, optimizer: torch.optim.Optimizer, master: torch.Tensor) -> dict[str, Any]:
+        """``state_of`` for writing checkpoints: states not in memory are ``DeferredTensor`` values
+        (zero_core.checkpoint.fragments), read only when written."""
         ...
 
     def load_state(
@@ -117,8 +174,9 @@ class NoOptimizerOffload:
     As FSDP2's ``OffloadPolicy`` is to ``CPUOffloadPolicy``. See [Note: optimizer offload seam].
     """
 
-    def adopt(self, sources: list[torch.Tensor]) -> list[torch.Tensor]:
-        return list(sources)  # the masters stay where they are
+    def adopt(self, sources: Sequence[torch.Tensor | MasterSource]) -> list[torch.Tensor]:
+        # the masters stay where they are (a MasterSource is built here, as a Parameter)
+        return [s if isinstance(s, torch.Tensor) else torch.nn.Parameter(master_values(s)) for s in sources]
 
     def finalize(self, optimizer: torch.optim.Optimizer) -> None:
         pass
@@ -138,7 +196,18 @@ class NoOptimizerOffload:
     def is_staged(self, master: torch.Tensor) -> bool:
         return False
 
-    def step(self, optimizer: torch.optim.Optimizer, grad_scale: float | torch.Tensor = 1.0) -> None:
+    def streams_gradients(self) -> bool:
+        return False
+
+    def staged_grad(self, master: torch.Tensor) -> torch.Tensor | None:
+        return None  # nothing is staged here
+
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        grad_scale: float | torch.Tensor = 1.0,
+        publish: Publish | None = None,
+    ) -> None:
         pass  # nothing is staged here: the strategy's own optimizer.step() updates every master
 
     def updated(self, master: torch.Tensor) -> torch.Tensor:
@@ -156,6 +225,9 @@ class NoOptimizerOffload:
 
     def state_of(self, optimizer: torch.optim.Optimizer, master: torch.Tensor) -> dict[str, Any]:
         return optimizer.state.get(master, {})
+
+    def deferred_state_of(self, optimizer: torch.optim.Optimizer, master: torch.Tensor) -> dict[str, Any]:
+        return self.state_of(optimizer, master)  # in memory: nothing to defer
 
     def load_state(
         self, optimizer: torch.optim.Optimizer, master: torch.Tensor, state: dict[str, Any]

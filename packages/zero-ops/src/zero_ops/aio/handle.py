@@ -127,7 +127,8 @@ class AsyncIOHandle:
             if kernel AIO is not compiled in or not allowed here) or ``"threads"``.
 
     Tensors handed to ``async_*`` calls must stay untouched until :meth:`wait` returns; the handle
-    keeps them alive until then.
+    keeps them alive until then. ``bytes_read`` / ``bytes_written`` count the bytes of every
+    request submitted so far (zero-offload's swap throughput counters add them up).
     """
 
     def __init__(
@@ -177,6 +178,9 @@ class AsyncIOHandle:
             self._engine_ref = _EngineRef(self._engine)
             _live_native.add(self._engine_ref)
         self._inflight: list[torch.Tensor] = []
+        # bytes submitted for reading / writing since construction (swap throughput counters)
+        self.bytes_read = 0
+        self.bytes_written = 0
 
     # -- DeepSpeed-style getters ---------------------------------------------------------
     def get_block_size(self) -> int:
@@ -370,6 +374,10 @@ class AsyncIOHandle:
         nbytes = tensor.numel() * tensor.element_size()
         self._engine.submit(is_write, path, tensor.data_ptr(), nbytes, offset)
         self._inflight.append(tensor)
+        if is_write:
+            self.bytes_written += nbytes
+        else:
+            self.bytes_read += nbytes
         return 0
 
 

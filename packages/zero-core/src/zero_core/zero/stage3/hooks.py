@@ -48,7 +48,7 @@ class ZeroParamDict(dict):
     def __getitem__(self, key: str) -> Any:
         p = dict.__getitem__(self, key)
         if p is not None and (st := _BY_ID.get(id(p))) is not None and st.status is not ParamStatus.AVAILABLE:
-            _on_access(p)
+            _on_access(p, self)
         return p
 
     def items(self):  # noqa: ANN201 (dict view)
@@ -56,16 +56,16 @@ class ZeroParamDict(dict):
         if outside:
             for p in dict.values(self):
                 if p is not None and id(p) in _BY_ID:
-                    outside[-1](p)
+                    outside[-1](p, self)
         return dict.items(self)
 
 
-def _on_access(p: torch.nn.Parameter) -> None:
+def _on_access(p: torch.nn.Parameter, owner: ZeroParamDict) -> None:
     ctx = stage3_context()
     if ctx.active_hooks and ctx.active_hooks[-1].stack:
         ctx.active_hooks[-1].external_access(p)
     elif ctx.on_access_outside_forward:
-        ctx.on_access_outside_forward[-1](p)
+        ctx.on_access_outside_forward[-1](p, owner)  # owner: the module's parameter dict
 
 
 def install_param_dict(module: torch.nn.Module) -> None:

@@ -12,6 +12,18 @@ function) gets it gathered on access; it is re-partitioned, with rank 0's value,
 ``Module.apply`` gathers each module's parameters around the function the same way.
 ``Init(module=m)`` partitions an already-built model.
 
+Parameters gathered on access stay gathered until the ``__init__`` that touched them returns,
+which for code running at the end of the root's ``__init__`` (transformers' ``post_init`` walks
+every module with its own ``smart_apply`` and initialises each weight) would be the whole model.
+So at most ``zero_optimization.stage3_max_live_parameters`` elements (the config's, default
+1e9) stay gathered: past that, the earliest-touched ones of *other* modules are re-partitioned
+at once, with rank 0's value (all ranks touch the same parameters in the same order, so they
+agree); one touched again is simply gathered again. A module's own parameters are never cut
+while it is being read (``named_parameters()`` gathers all of a module's parameters before
+yielding the first), so code that initialises a module's weights through its attributes, one
+module after another, always writes into gathered parameters. Building a 2B-parameter GPT-2 under ``from_pretrained`` thus
+holds one submodule's worth of gathered weights, not the model.
+
 [Note: classes made inside zero.Init]
 A class created while the context is open (its module imported lazily inside it, as
 transformers' models are) gets its ``__init__`` wrapped by ``__init_subclass__``; a class
@@ -158,7 +170,11 @@ class Init:
         self._patched: list[tuple[type, str, Any]] = []
         self._installed: dict[type, Any] = {}  # class -> the __init__ wrapper set on it
         self._active = False
-        self._dirty: dict[int, torch.nn.Parameter] = {}
+        self._dirty: dict[int, torch.nn.Parameter] = {}  # gathered on access, in touch order
+        self._dirty_owner: dict[int, int] = {}  # id of the parameter dict each was read from
+        self._dirty_numel = 0
+        live = cfg.zero_optimization.max_live_parameters if cfg is not None else None  # "auto": the default
+        self.max_live = live if isinstance(live, int) and not isinstance(live, bool) else 1_000_000_000
         if self.enabled and module is not None:
             self._convert(module)
 
@@ -212,8 +228,9 @@ class Init:
         group, grad_divisor = partition_group(p, self.group)
         partition_param(p, group, broadcast_from=0, grad_divisor=grad_divisor)
 
-    def _touch(self, p: torch.nn.Parameter) -> None:
-        """Gather a parameter read during construction; re-partitioned by :meth:`_flush`."""
+    def _touch(self, p: torch.nn.Parameter, owner: Any = None) -> None:
+        """Gather a parameter read during construction (from ``owner``, a module's parameter
+        dict); re-partitioned by :meth:`_flush`, or earlier past ``max_live``."""
         st = partition_state(p)
         if st.status is ParamStatus.AVAILABLE or st.id in self._dirty:
             return
@@ -222,6 +239,14 @@ class Init:
             handle.wait()
         st.holds += 1
         self._dirty[st.id] = p
+        self._dirty_owner[st.id] = id(owner)
+        self._dirty_numel += st.numel
+        if self._dirty_numel > self.max_live:  # See [Note: stage 3 construction]
+            others = [q for i, q in self._dirty.items() if self._dirty_owner[i] != id(owner)]
+            for q in others:
+                if self._dirty_numel <= self.max_live:
+                    break
+                self._repartition(q)
 
     @torch.no_grad()
     def _flush(self, scope: torch.nn.Module | None) -> None:
@@ -230,15 +255,22 @@ class Init:
         if scope is None:
             params = list(self._dirty.values())
         else:
-            ids = {id(p) for p in scope.parameters()}
+            # Not ``scope.parameters()``: listing parameters through ``_parameters.items()`` gathers
+            # each one during construction (ZeroParamDict), i.e. the whole subtree at once.
+            ids = {id(p) for m in scope.modules() for p in dict.values(m._parameters) if p is not None}
             params = [p for p in self._dirty.values() if id(p) in ids]
         for p in params:
-            st = partition_state(p)
-            del self._dirty[st.id]
-            st.holds -= 1
-            broadcast_full(p, 0)
-            shard_from_full(p)
-            release_param(p)
+            self._repartition(p)
+
+    def _repartition(self, p: torch.nn.Parameter) -> None:
+        """Cut a parameter gathered during construction back to its shard, with rank 0's value."""
+        st = partition_state(p)
+        del self._dirty[st.id], self._dirty_owner[st.id]
+        self._dirty_numel -= st.numel
+        st.holds -= 1
+        broadcast_full(p, 0)
+        shard_from_full(p)
+        release_param(p)
 
     # -- patches --------------------------------------------------------------------------
     def _wrap_init(self, cls: type) -> None:
@@ -274,7 +306,7 @@ class Init:
                 child.apply(fn)
             own = [p for p in module._parameters.values() if p is not None and is_partitioned(p)]
             for p in own:
-                ctx._touch(p)
+                ctx._touch(p, module._parameters)
             fn(module)
             ctx._flush(module)
             return module

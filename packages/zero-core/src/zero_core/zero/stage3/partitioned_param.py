@@ -247,7 +247,9 @@ def set_shard_dtype(param: torch.nn.Parameter, dtype: torch.dtype) -> None:
         return
     if st.status is not ParamStatus.NOT_AVAILABLE:
         release_param(param, force=True)
-    st.store.set_dtype(param, dtype)  # hands the shard back as a plain tensor (See [Note: shard store seam])
+    # the store hands the shard back as a plain tensor, or re-homes it at once in ``dtype``
+    # (zero-offload's ParamOffload): See [Note: shard store seam]
+    st.store.set_dtype(param, dtype)
     st.shard = st.shard.to(dtype)
     param.zero_shard = st.shard
     st.full = torch.empty(st.padded_numel, dtype=dtype, device=st.shard.device)

@@ -38,7 +38,8 @@ class Stage3Context:
         # the Stage3Hooks runtimes currently driving a forward (at most one per process)
         self.active_hooks: list[Any] = []
         # set by zero.Init while it constructs modules: gather-on-access without a forward
-        self.on_access_outside_forward: list[Callable[[torch.nn.Parameter], None]] = []
+        # called with (parameter, the parameter dict of the module it was read from)
+        self.on_access_outside_forward: list[Callable[[torch.nn.Parameter, Any], None]] = []
         # the Stage3Streams made for the current accelerator (streams.stage3_streams)
         self.streams: Any = None
         self._next_param_id = 0

@@ -127,7 +127,7 @@ class Stage3StateAccess:
 
     def full_grad(self, p: torch.nn.Parameter) -> torch.Tensor | None:
         self.strategy.wait_reductions()
-        g = partition_state(p).grad_shard
+        g = self.strategy.grad_shard_of(p)
         # Every rank reduced the same buckets, so ``g is None`` agrees across ranks.
         return None if g is None else self._gather(p, g)
 
@@ -156,7 +156,7 @@ class Stage3StateAccess:
 
     def local_grad(self, p: torch.nn.Parameter) -> torch.Tensor | None:
         self.strategy.wait_reductions()
-        g = partition_state(p).grad_shard
+        g = self.strategy.grad_shard_of(p)
         return None if g is None else g.detach().float().clone()
 
     def local_optimizer_state(self, p: torch.nn.Parameter, key: str) -> torch.Tensor:
@@ -181,6 +181,7 @@ class Stage3StateAccess:
             dtype = self.strategy.reducer.accum_dtype or st.shard.dtype
             st.grad_shard = torch.zeros(st.shard_numel, dtype=dtype, device=st.shard.device)
         st.grad_shard.copy_(local.reshape(-1))
+        self.strategy.restage_grad(p)  # an offload that staged the old value gets the new one
 
     def set_full_grad(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
         self._write_grad_shard(p, self._local_slice(p, value))

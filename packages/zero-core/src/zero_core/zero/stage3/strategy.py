@@ -15,6 +15,7 @@ See [Note: engine strategies] for the contract with the engine.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
@@ -22,7 +23,12 @@ import torch
 
 from zero_core import comm
 from zero_core.config.strategy_options import Stage3Options
-from zero_core.protocols.optimizer_offload import NoOptimizerOffload, OptimizerOffload, add_host_breakdown
+from zero_core.protocols.optimizer_offload import (
+    MasterSource,
+    NoOptimizerOffload,
+    OptimizerOffload,
+    add_host_breakdown,
+)
 from zero_core.protocols.shard_store import PLAIN_SHARDS, ShardStore
 from zero_core.utils.grad_norm import any_nonfinite, needs_scaling, sum_of_squares
 from zero_core.utils.master_dtype import check_master_dtype
@@ -52,6 +58,7 @@ from zero_core.zero.stage3.reduce_buckets import GradBucketReducer
 from zero_core.zero.stage3.shard_groups import ShardRoute, drop_secondary
 from zero_core.zero.stage3.state_access import Stage3StateAccess
 from zero_core.zero.stage3.strategy_checkpoint import Stage3Checkpointing
+from zero_core.zero.stage3.streamed_grads import StreamedGradients
 
 
 def _unique_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -140,19 +147,18 @@ class Stage3Strategy:
         # off the device, so a master never aliases its shard; zero.Init(remote_device="nvme")
         # may have placed some there already
         self.param_offload = param_offload
-        self._partition_and_make_masters()
+        # See [Note: optimizer offload hook] in zero_offload; the null object when nothing is
+        # offloaded (See [Note: optimizer offload seam])
+        self.offload: OptimizerOffload = optimizer_offload or NoOptimizerOffload()
+        self._partition_all()
         # their records, in the same order, taken once: the step's loops read these
         # (See [Note: stage 3 parameter records])
         self.records = [partition_state(p) for p in self.params]
-        self._adopt_shard_stores(param_offload, options.quantized_nontrainable_weights)
-        # See [Note: optimizer offload hook] in zero_offload; the null object when nothing is
-        # offloaded (See [Note: optimizer offload seam])
-        self.checkpointing = Stage3Checkpointing(self)  # its checkpoint methods delegate there
-        self.offload: OptimizerOffload = (
-            optimizer_offload if optimizer_offload is not None else NoOptimizerOffload()
-        )
-        self._offload_masters(float(options.offload_ratio))
+        self._make_masters_and_offload(float(options.offload_ratio))
         self._split_masters()
+        self._adopt_shard_stores(param_offload, options.quantized_nontrainable_weights)
+        self.checkpointing = Stage3Checkpointing(self)  # its checkpoint methods delegate there
+        self.streamed = StreamedGradients()  # gradients the offload keeps on NVMe
         for name, p in module.named_parameters():
             set_param_name(p, name)
         self.persistent = self._choose_persistent(
@@ -223,7 +229,7 @@ class Stage3Strategy:
             self.reducer.qgz = QgzReducer(self.group)
 
     @torch.no_grad()
-    def _partition_and_make_masters(self) -> None:
+    def _partition_all(self) -> None:
         for p in self.params:
             group, grad_divisor = self._partition_one(p)
             st = partition_state(p)
@@ -235,18 +241,18 @@ class Stage3Strategy:
                     "Stage3Strategy: a parameter was partitioned by zero.Init over a group of "
                     f"{st.world} ranks but its {kind} group in the engine has {comm.get_world_size(group)}"
                 )
-            if not p.requires_grad or not self._make_masters:
-                set_shard_dtype(p, self.dtype)
-                continue
-            if self.master_dtype == self.dtype and not (self.param_offload.transient or st.store.transient):
-                # the shard itself, kept on the device: no extra copy in fp32, nor with bf16
-                # masters (See [Note: bf16 master weights])
-                set_shard_dtype(p, self.dtype)
-                master = torch.nn.Parameter(st.shard)
-            else:
-                master = torch.nn.Parameter(read_shard(p).detach().to(self.master_dtype, copy=True))
-                set_shard_dtype(p, self.dtype)
-            self.master[st.id] = master
+
+    @torch.no_grad()
+    def _new_master(self, p: torch.nn.Parameter, st: Any) -> torch.Tensor:
+        """``p``'s master values (``master_dtype``), read before its shard is cast to the training dtype."""
+        if self.master_dtype == self.dtype and not (self.param_offload.transient or st.store.transient):
+            # the shard itself, kept on the device: no extra copy in fp32, nor with bf16 masters
+            # (See [Note: bf16 master weights])
+            set_shard_dtype(p, self.dtype)
+            return st.shard
+        master = read_shard(p).detach().to(self.master_dtype, copy=True)
+        set_shard_dtype(p, self.dtype)
+        return master
 
     def _partition_one(self, p: torch.nn.Parameter) -> tuple[Any, int]:
         """Partition ``p`` (unless zero.Init did); returns the group and divisor it must have."""
@@ -314,14 +320,38 @@ class Stage3Strategy:
     # -- TrainingStrategy --------------------------------------------------------------
     def before_backward(self, is_boundary: bool) -> None:
         self.offload.begin_staging(is_boundary)  # See [Note: gradient staging] in zero_offload
+        self.streamed.clear()
         # only masters the offload owns are staged as they land (See [Note: gradient staging])
         self.reducer.on_reduced = self._stage_reduced if is_boundary and self.offloaded else None
 
     def _stage_reduced(self, params: list[torch.nn.Parameter]) -> None:
+        streams = self.offload.streams_gradients()
         for st in map(partition_state, params):
             m = self.offloaded.get(st.id)
             if m is not None:
                 self.offload.stage_grad_range(m, 0, st.grad_shard)
+                if streams:  # See [Note: ZeRO-Infinity streaming] in zero_offload
+                    self.streamed.drop(st)
+
+    def grad_shard_of(self, p: torch.nn.Parameter) -> torch.Tensor | None:
+        """``p``'s reduced gradient shard, also when the offload holds it on NVMe (read back)."""
+        st = partition_state(p)
+        m = self.offloaded.get(st.id)
+        if st.grad_shard is None and m is not None and self.offload.streams_gradients():
+            g = self.offload.staged_grad(m)
+            return None if g is None else g.reshape(-1)
+        return st.grad_shard
+
+    def restage_grad(self, p: torch.nn.Parameter) -> None:
+        """``p``'s gradient shard was set outside backward (``safe_set_*_grad``): hand the new
+        value to the offload that steps it, if any."""
+        st = partition_state(p)
+        m = self.offloaded.get(st.id)  # the device optimizer's masters keep their gradient here
+        if m is None or st.grad_shard is None:
+            return
+        self.offload.stage_grad(m, st.grad_shard)
+        if self.offload.streams_gradients():
+            self.streamed.drop(st)
 
     def after_backward(self, is_boundary: bool) -> None:
         self.wait_reductions()
@@ -336,11 +366,11 @@ class Stage3Strategy:
 
     def local_overflow(self) -> torch.Tensor:
         """A device flag (0-dim bool): does this rank's gradient shard hold an inf or a NaN?"""
-        return any_nonfinite(self._grad_shards())
+        return self.streamed.add_overflow(any_nonfinite(self._grad_shards()))
 
     def grad_norm_sq(self) -> torch.Tensor:
         # fused, in fp32, on the device: See [Note: scalars stay on the device in the step]
-        return sum_of_squares(self._grad_shards())
+        return self.streamed.add_norm_sq(sum_of_squares(self._grad_shards()))
 
     def norm_group(self) -> Any:
         # The engine reads None as "nothing to reduce": name the default group explicitly.
@@ -367,13 +397,16 @@ class Stage3Strategy:
             else:
                 m.grad = g.to(m.dtype).mul_(grad_scale)
         self.optimizer.step()  # device-side masters (all of them without offload; 1 - ratio with it)
-        self.offload.step(self.optimizer, grad_scale)
+        # offloaded masters: their new low-precision weights come back through _publish
+        self.offload.step(self.optimizer, grad_scale, publish=self._publish)
         for p, st, m in self._device_written:
             if not shares_shard(m, st):  # a separate copy: the new values go to the shard
                 write_shard(p, m)
-        for p, _, m in self._offloaded_written:
-            write_shard(p, self.offload.updated(m))  # the low-precision copy its CPU step wrote
         self.refresh_persistent()
+
+    def _publish(self, master: torch.Tensor, values: torch.Tensor) -> None:
+        """The offload's updated weights of ``master`` (training dtype) into its parameter's shard."""
+        write_shard(self._param_of_master[id(master)], values)
 
     def refresh_persistent(self) -> None:
         """Re-gather persistent parameters after their shards changed."""
@@ -386,6 +419,7 @@ class Stage3Strategy:
 
     def zero_grad(self) -> None:
         self.offload.begin_staging(True)  # a skipped step must not leave staged gradients
+        self.streamed.clear()
         for p, st in zip(self.params, self.records):
             st.grad_shard = None
             p.grad = None
@@ -410,7 +444,8 @@ class Stage3Strategy:
             "parameters",
             (st.shard for st in self.records if not st.store.transient),
         )
-        ledger.add("gradients", self._grad_shards())
+        # with the statistics of the gradients streamed to NVMe (See [Note: ZeRO-Infinity streaming])
+        ledger.add("gradients", [*self._grad_shards(), *self.streamed.tensors()])
         ledger.add("master_weights", self.master.values())
         ledger.add("optimizer_states", state)
         ledger.add(
@@ -433,6 +468,17 @@ class Stage3Strategy:
     def memory_peaks(self) -> dict[str, int]:
         """High-water marks since the engine was built (not live storages)."""
         return {"peak_gathered_and_full_grads": self.coordinator.peak_bytes}
+
+    def swap_io_bytes(self) -> dict[str, int]:
+        """Bytes read from and written to NVMe swap files so far by this strategy's offloads
+        (optimizer states, masters, gradients and parameters; zero without NVMe offload)."""
+        out = {"read": 0, "written": 0}
+        for store in [self.offload, *self.shard_stores()]:
+            counts = getattr(store, "swap_io_bytes", None)
+            if counts is not None:
+                for k, v in counts().items():
+                    out[k] += v
+        return out
 
     def shard_stores(self) -> list[ShardStore]:
         """The distinct shard stores of this strategy's parameters (See [Note: shard store seam])."""
@@ -490,41 +536,61 @@ class Stage3Strategy:
         )
 
     # -- optimizer offload (zero-offload; see [Note: optimizer offload hook] there) ----------
-    def _offload_masters(self, ratio: float) -> None:
-        """Hand the first ``ratio`` of the master elements (in parameter order) to the offload object.
-
-        ``offload_optimizer.ratio``: the rest keep their masters and optimizer states on the device.
-        """
+    def _offload_choice(self, ratio: float) -> set[int]:
+        """Record ids of the first ``ratio`` of the master elements (in parameter order): the
+        masters handed to the offload (``offload_optimizer.ratio``; the rest stay on the device)."""
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"zero_optimization.offload_optimizer.ratio must be in [0, 1], got {ratio!r}")
-        ids = [st.id for st in self.records if st.id in self.master]
-        total = sum(self.master[i].numel() for i in ids)
+        wanted = [st for p, st in zip(self.params, self.records) if p.requires_grad and self._make_masters]
+        total = sum(st.shard_numel for st in wanted)
         chosen, acc = set(), 0
-        for i in ids:
-            n = self.master[i].numel()
-            if acc + n > ratio * total + 1e-9:
+        for st in wanted:
+            if acc + st.shard_numel > ratio * total + 1e-9:
                 break
-            chosen.add(i)
-            acc += n
-        by_param = {id(p): st.id for p, st in zip(self.params, self.records)}
+            chosen.add(st.id)
+            acc += st.shard_numel
+        return chosen
+
+    @torch.no_grad()
+    def _make_masters_and_offload(self, ratio: float) -> None:
+        """fp32 masters of the trainable parameters; shards cast to the training dtype.
+
+        The offload's share is handed over as ``MasterSource`` objects per optimizer param
+        group, so an offload on NVMe reads and stores them one at a time (See [Note: ZeRO-Infinity
+        streaming] in zero_offload); the rest are built here."""
+        chosen = self._offload_choice(ratio)
+        by_param = {id(p): (p, st) for p, st in zip(self.params, self.records)}
         for group in self.optimizer.param_groups:
-            mine = [by_param[id(p)] for p in group["params"] if by_param.get(id(p)) in chosen]
-            if mine:
-                hosts = self.offload.adopt([self.master[i] for i in mine])  # the null object keeps them
-                for i, h in zip(mine, hosts):
-                    self.master[i] = h
+            mine = [by_param[id(q)] for q in group["params"] if id(q) in by_param]
+            mine = [(p, st) for p, st in mine if st.id in chosen and st.id not in self.master]
+            if not mine:
+                continue
+            sources = [
+                MasterSource(torch.Size([st.shard_numel]), functools.partial(self._new_master, p, st))
+                for p, st in mine
+            ]
+            for (_, st), m in zip(mine, self.offload.adopt(sources)):  # the null object keeps them
+                self.master[st.id] = m
+        for p, st in zip(self.params, self.records):
+            if not p.requires_grad or not self._make_masters:
+                set_shard_dtype(p, self.dtype)
+            elif st.id not in self.master:
+                self.master[st.id] = torch.nn.Parameter(self._new_master(p, st))
+        self._param_of_master = {
+            id(m): p for p, st in zip(self.params, self.records) if (m := self.master.get(st.id)) is not None
+        }
 
     def _split_masters(self) -> None:
         """The step's lists, made once (the masters never change after construction): the masters
         the offload steps and those the strategy's optimizer steps, with their parameters (their
-        new values are written back to the shards). See [Note: optimizer offload seam]."""
+        new values are written back to the shards; the offload publishes its own). See [Note:
+        optimizer offload seam]."""
         pairs = [
             (p, st, self.master[st.id]) for p, st in zip(self.params, self.records) if st.id in self.master
         ]
         self.offloaded = {st.id: m for _, st, m in pairs if self.offload.owns(m)}
-        self._offloaded_written = [(p, st, m) for p, st, m in pairs if st.id in self.offloaded]
         self._device_written = [(p, st, m) for p, st, m in pairs if st.id not in self.offloaded]
-        self._offloaded_steps = [(st, m) for _, st, m in self._offloaded_written]
+        self._offloaded_steps = [(st, m) for _, st, m in pairs if st.id in self.offloaded]
         self._device_steps = [(st, m) for _, st, m in self._device_written]
 
     def _optimizer_state(self, m: torch.Tensor) -> dict[str, Any]:

@@ -100,7 +100,10 @@ class Stage3Checkpointing:
         return lo, min(lo + st.shard_numel, st.numel)
 
     def checkpoint_fragments(self, exclude_frozen_parameters: bool = False) -> list[Any]:
-        """Each parameter's shard range: fp32 master, optimizer states, and the 16-bit (or frozen) weight."""
+        """Each parameter's shard range: fp32 master, optimizer states, and the 16-bit (or frozen) weight.
+
+        Values that live off memory (offloaded shards, masters and states) are deferred: read
+        one at a time while the saver writes them (See [Note: deferred fragments])."""
         s = self.strategy
         from zero_core.checkpoint.fragments import FP32, PARAM, Fragment, optimizer_state_fragments
 
@@ -116,14 +119,24 @@ class Stage3Checkpointing:
             shape = tuple(st.shape)
             m = s.master.get(st.id)
             if m is None or not shares_shard(m, st):  # 16-bit or frozen: the weight is not the master
-                out.append(Fragment(name, PARAM, shape, lo, hi, read_shard(p).detach()[: hi - lo]))
+                if not st.store.transient:  # the shard itself (See [Note: shard store seam])
+                    out.append(Fragment(name, PARAM, shape, lo, hi, st.shard[: hi - lo]))
+                else:
+                    read = functools.partial(_head, read_shard, p, hi - lo)
+                    out.append(Fragment.deferred(name, PARAM, shape, lo, hi, st.shard.dtype, read))
             if m is None:
                 continue
-            out.append(Fragment(name, FP32, shape, lo, hi, s._master_value(m).reshape(-1)[: hi - lo]))
+            owned = s.offload.owns(m)
+            if owned:
+                read = functools.partial(_head, s._master_value, m, hi - lo)
+                out.append(Fragment.deferred(name, FP32, shape, lo, hi, torch.float32, read))
+            else:
+                out.append(Fragment(name, FP32, shape, lo, hi, m.detach().reshape(-1)[: hi - lo]))
+            state = s.offload.deferred_state_of(s.optimizer, m)  # the optimizer's own when not owned
             out += optimizer_state_fragments(
                 name,
                 shape,
-                s._optimizer_state(m),
+                state,
                 [(0, lo, hi - lo)],
                 elementwise_numel=st.shard_numel,
                 emit_scalars=st.rank == 0,
@@ -143,63 +156,85 @@ class Stage3Checkpointing:
 
         Ranges are read in place, into the live shards, masters and optimizer states (see [Note:
         loading into the live state] in checkpoint/inplace.py); under an engine load those reads
-        complete in the reader's single pass (see [Note: single-pass load]), so what hands values
-        on (offload stores, the persistent parameters' gather) runs after it.
+        complete in the reader's single pass (see [Note: single-pass load]), so the persistent
+        parameters are gathered after it. Values that go to an offload store (offloaded shards,
+        masters, optimizer states) are read at once and stored parameter by parameter instead,
+        so a load never holds a rank's partition of them (See [Note: deferred fragments]); the
+        pass still verifies the files they came from.
         """
         s = self.strategy
-        from zero_core.checkpoint.format import CheckpointError
-        from zero_core.checkpoint.fragments import FP32, OPTIM_PREFIX, PARAM
-        from zero_core.checkpoint.inplace import state_buffer, zero_uncovered
         from zero_core.checkpoint.replicated import check_names
 
         check_names(reader, s.module, strict=strict)
         s.empty_partition_cache()
-        after: list[Callable[[], None]] = []  # uses of loaded values, once the single pass has read them
+        load_states = load_optimizer_states and not load_module_only
         for name, p in s.module.named_parameters():
-            st = partition_state(p)
-            if not (reader.has(name, PARAM) or reader.has(name, FP32)):
+            self._load_param(reader, name, p, load_states)
+        reader.finish_single_pass()  # collective, as this whole load
+        s.refresh_persistent()
+
+    def _load_param(self, reader: Any, name: str, p: torch.nn.Parameter, load_states: bool) -> None:
+        s = self.strategy
+        from zero_core.checkpoint.format import CheckpointError
+        from zero_core.checkpoint.fragments import FP32, PARAM
+
+        st = partition_state(p)
+        if not (reader.has(name, PARAM) or reader.has(name, FP32)):
+            return
+        saved = reader.shape(name, FP32 if reader.has(name, FP32) else PARAM)
+        if saved != tuple(st.shape):
+            raise CheckpointError(
+                f"parameter {name!r}: checkpoint shape {saved} != model shape {tuple(st.shape)}"
+            )
+        lo, hi = self._owned_range(p)
+        m = s.master.get(st.id)
+        offloaded = m is not None and s.offload.owns(m)
+        if offloaded:  # read now and stored: the offload keeps the master
+            value = torch.zeros(m.numel(), dtype=torch.float32)
+            value[: hi - lo].copy_(reader.read_fp32(name, lo, hi))
+            s._set_master_value(m, value)
+        elif m is not None:
+            reader.read_fp32_into(m.detach().view(-1)[: hi - lo], name, lo)
+        if m is None or not shares_shard(m, st):
+            if not st.store.transient:  # the shard itself (See [Note: shard store seam])
+                reader.read_module_value_into(st.shard[: hi - lo], name, lo)
+            else:  # read now and written to its home
+                value = torch.zeros(st.shard_numel, dtype=st.shard.dtype)
+                value[: hi - lo].copy_(reader.read_module_value(name, st.shard.dtype, lo, hi))
+                write_shard(p, value)
+        if m is not None and load_states:
+            self._load_states(reader, name, m, lo, hi, offloaded)
+
+    def _load_states(
+        self, reader: Any, name: str, m: torch.Tensor, lo: int, hi: int, offloaded: bool
+    ) -> None:
+        """The optimizer state of master ``m`` (elements ``[lo, hi)`` of parameter ``name``)."""
+        s = self.strategy
+        from zero_core.checkpoint.fragments import OPTIM_PREFIX
+        from zero_core.checkpoint.inplace import state_buffer, zero_uncovered
+
+        live = {} if offloaded else s.optimizer.state.get(m, {})
+        state: dict[str, Any] = {}
+        for key in reader.optimizer_keys(name):
+            kind = OPTIM_PREFIX + key
+            if not reader.is_elementwise(name, kind):
+                state[key] = reader.read_optimizer_state(name, key)
                 continue
-            saved = reader.shape(name, FP32 if reader.has(name, FP32) else PARAM)
-            if saved != tuple(st.shape):
-                raise CheckpointError(
-                    f"parameter {name!r}: checkpoint shape {saved} != model shape {tuple(st.shape)}"
-                )
-            lo, hi = self._owned_range(p)
-            m = s.master.get(st.id)
-            offloaded = m is not None and s.offload.owns(m)
-            if offloaded:
-                value = s._master_value(m).reshape(-1)  # a new tensor: the store keeps the master
-                reader.read_fp32_into(value[: hi - lo], name, lo)
-                after.append(functools.partial(s._set_master_value, m, value))
-            elif m is not None:
-                reader.read_fp32_into(m.detach().view(-1)[: hi - lo], name, lo)
-            if m is None or not shares_shard(m, st):
-                if not st.store.transient:  # into the shard itself (See [Note: shard store seam])
-                    reader.read_module_value_into(st.shard[: hi - lo], name, lo)
-                else:
-                    value = torch.empty(st.shard_numel, dtype=st.shard.dtype)
-                    reader.read_module_value_into(value[: hi - lo], name, lo)
-                    zero_uncovered(value, [(0, hi - lo)])
-                    after.append(functools.partial(write_shard, p, value))
-            if m is None or not load_optimizer_states or load_module_only:
-                continue
-            live = {} if offloaded else s.optimizer.state.get(m, {})
-            state: dict[str, Any] = {}
-            for key in reader.optimizer_keys(name):
-                kind = OPTIM_PREFIX + key
-                if not reader.is_elementwise(name, kind):
-                    state[key] = reader.read_optimizer_state(name, key)
-                    continue
+            if offloaded:  # read now, handed to the offload below
+                buf = torch.zeros(m.numel(), dtype=reader.dtype(name, kind))
+                buf[: hi - lo].copy_(reader.read(name, kind, lo, hi))
+            else:
                 buf = state_buffer(live.get(key), m.numel(), reader.dtype(name, kind), m.device)
                 reader.read_into(buf[: hi - lo], name, kind, lo)
                 zero_uncovered(buf, [(0, hi - lo)])  # the shard's padding
-                state[key] = buf.view(m.shape)
-            if state:
-                if offloaded:
-                    after.append(functools.partial(s.offload.load_state, s.optimizer, m, state))
-                else:
-                    s.optimizer.state[m] = state
-        reader.finish_single_pass()  # collective, as this whole load
-        for use in after:
-            use()
-        s.refresh_persistent()
+            state[key] = buf.view(m.shape)
+        if state:
+            if offloaded:
+                s.offload.load_state(s.optimizer, m, state)
+            else:
+                s.optimizer.state[m] = state
+
+
+def _head(read: Callable[[Any], torch.Tensor], what: Any, n: int) -> torch.Tensor:
+    """The first ``n`` values of ``read(what)`` (a shard's, without its padding), flat."""
+    return read(what).reshape(-1)[:n]
