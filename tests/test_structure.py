@@ -11,6 +11,10 @@ imported or run, so the rules hold in any environment that has the repository.
   harness, the test runner) or read as the reference of a measurement (the benchmarks).
 * No file renamed into place outside the one atomic writer and the places that cannot import it
   (see [Note: one atomic writer] in ``zero_core/checkpoint/atomic.py``).
+* Typed seams: lines annotated ``: Any`` or ``-> Any`` in ``packages/*/src`` stay under
+  :data:`MAX_ANY_PER_1000_LINES` per 1,000 source lines (FSDP2 is near 4). Use the real type (a
+  tensor, module, process group, config section, protocol), ``object`` for a value that is only
+  checked or passed on, and ``if TYPE_CHECKING:`` imports where a real import would close a circle.
 
 zero-core's ``tests/test_layering.py`` keeps the rule on the direction of imports inside
 zero-core (``zero/`` and ``checkpoint/`` below ``engine/``).
@@ -19,6 +23,7 @@ zero-core (``zero/`` and ``checkpoint/`` below ``engine/``).
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -26,6 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted(ROOT.glob("packages/*/src"))
 TOOLS = ROOT / "tools"
 MAX_FUNCTION_LINES = 80
+#: the most lines annotated ``Any`` per 1,000 lines of ``packages/*/src`` (see the module docstring)
+MAX_ANY_PER_1000_LINES = 8
 #: (file relative to the repository, function) allowed over the limit, with the reason. The
 #: benchmark drivers below predate the rule in tools/ (a measurement, then its report, in one
 #: function); they are split when next edited, and no new entry may be added.
@@ -355,3 +362,37 @@ def test_the_rename_finder_sees_os_and_pathlib_renames_not_str_replace(tmp_path:
         "cfg.replace(x=1)\n"
     )
     assert renames(f) == [2, 3, 4, 5]
+
+
+_ANY_ANNOTATION = re.compile(r":\s*Any\b|-> Any\b")
+
+
+def any_annotation_lines(path: Path) -> tuple[int, int]:
+    """(lines annotated ``: Any`` / ``-> Any``, all lines) of one source file."""
+    lines = path.read_text().splitlines()
+    return sum(1 for line in lines if _ANY_ANNOTATION.search(line)), len(lines)
+
+
+def test_any_annotations_stay_rare() -> None:
+    counts = {p: any_annotation_lines(p) for root in SOURCES for p in sorted(root.rglob("*.py"))}
+    annotated = sum(n for n, _ in counts.values())
+    total = sum(t for _, t in counts.values())
+    density = 1000 * annotated / total
+    worst = sorted(counts.items(), key=lambda kv: -kv[1][0])[:10]
+    listing = "\n".join(f"  {n:3d} {p.relative_to(ROOT)}" for p, (n, _) in worst)
+    assert density < MAX_ANY_PER_1000_LINES, (
+        f"{annotated} lines annotated Any in {total} source lines ({density:.2f} per 1,000, the limit is "
+        f"{MAX_ANY_PER_1000_LINES}); give these seams their real types. Most in:\n{listing}"
+    )
+
+
+def test_the_any_counter_sees_parameters_and_returns_not_containers(tmp_path: Path) -> None:
+    f = tmp_path / "m.py"
+    f.write_text(
+        "def f(x: Any, y: int) -> None: ...\n"
+        "def g(x: int) -> Any: ...\n"
+        "value:Any = 1\n"
+        "def h(x: dict[str, Any]) -> list[Any]: ...\n"
+        "def k(x: AnyStr) -> object: ...\n"
+    )
+    assert any_annotation_lines(f) == (3, 5)

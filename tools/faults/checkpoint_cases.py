@@ -482,6 +482,21 @@ def run_cases(work: str, *, kills: int = 2, flips: int = 2, seed: int = 0) -> li
     return cases
 
 
+def case_checkpoint_faults(full: bool = False) -> list[Case]:
+    """Every checkpoint case, as ``run_faults.py`` runs it: 10 kills and 10 flips of each weight
+    with ``full``, else 2 of each."""
+    work = tempfile.mkdtemp(prefix="zero-ckpt-faults-")
+    try:
+        n = 10 if full else 2
+        return run_cases(work, kills=n, flips=n)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+#: what ``run_faults.py`` finds and runs
+CASES = [case_checkpoint_faults]
+
+
 def totals(cases: list[Case]) -> str:
     kills = [c for c in cases if c[0].startswith("kill")]
     corrupt = [c for c in cases if c[0].startswith(("flip", "forge", "edit", "world"))]

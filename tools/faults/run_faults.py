@@ -1,11 +1,16 @@
-"""Fault injection for issue 25: run the cases, print the table and the totals.
+"""Fault injection (issues 25 and 37): run the cases, print the table and the totals.
 
-    python tools/faults/run_faults.py            # small mode (CI: a few minutes)
-    python tools/faults/run_faults.py --full     # by hand: 20 clean-exit runs instead of 2
-    python tools/faults/run_faults.py --out tools/bench/results/faults.md
+    python tools/faults/run_faults.py            # small mode (a few minutes)
+    python tools/faults/run_faults.py --full     # by hand: every row (about an hour on 2 loaded cores)
+    python tools/faults/run_faults.py --full --out tools/bench/results/faults.md
+    python tools/faults/run_faults.py --only rank_failures,one_sided   # some case functions
+    python tools/faults/run_faults.py --full --sample   # rank failures: a 40-job slice of the matrix
 
-Runtime cases live in ``runtime_cases.py`` next to this file; the checkpoint cases (kills during
-saves, corruptions, forged files) in ``checkpoint_cases.py`` when it is there. A case module
+Cases live next to this file: ``runtime_cases.py`` (mismatched, stalled, exiting ranks, SIGTERM),
+``rank_failure_cases.py`` (one rank fails a given way in forward/backward/step at every stage,
+offload and pipeline, 2 and 4 ranks: the job must end within 15 s of the fault), ``failfast_cases.py``
+(saves and loads failing or called on one rank, a user's timeout, a rank ending mid-save, corrupted
+swap files) and ``checkpoint_cases.py`` (kills during saves, corruptions, forged files). A case module
 offers ``cases(full)`` returning rows, or ``CASES`` (functions), or functions named ``case_*``;
 a function returns one row ``(case, expected, observed, verdict)`` or a list of them. The exit
 status is 1 when any verdict is not ``ok``.
@@ -15,7 +20,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import platform
+import re
+import statistics
 import subprocess
 import sys
 import time
@@ -24,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-MODULES = ("runtime_cases", "checkpoint_cases")
+MODULES = ("runtime_cases", "rank_failure_cases", "failfast_cases", "checkpoint_cases")
 Row = tuple[str, str, str, str]
 
 
@@ -50,12 +58,13 @@ def _functions(module: Any) -> list[Callable[..., Any]]:
     ]
 
 
-def _call(fn: Callable[..., Any], full: bool) -> list[Row]:
+def _call(fn: Callable[..., Any], full: bool, sample: bool = False) -> list[Row]:
     try:
-        try:
-            out = fn(full=full)
-        except TypeError:
-            out = fn()
+        params = inspect.signature(fn).parameters
+        kwargs: dict[str, Any] = {"full": full} if "full" in params else {}
+        if sample and "sample" in params:
+            kwargs["sample"] = True
+        out = fn(**kwargs)
     except Exception as exc:  # a case that crashes is a failed case, not a crashed run
         return [
             (getattr(fn, "__name__", "case"), "runs", f"crashed: {type(exc).__name__}: {exc}"[:230], "FAIL")
@@ -65,20 +74,21 @@ def _call(fn: Callable[..., Any], full: bool) -> list[Row]:
     return [tuple(r) for r in out]
 
 
-def collect(full: bool, only: str = "") -> list[Row]:
+def collect(full: bool, only: str = "", sample: bool = False) -> list[Row]:
     rows: list[Row] = []
     for name in MODULES:
         module = _load(name)
         if module is None:
             continue
-        if hasattr(module, "cases") and not only:
+        if hasattr(module, "cases") and not only and not sample:
             rows += [tuple(r) for r in module.cases(full)]
             continue
         for fn in _functions(module):
             if only and not any(part and part in fn.__name__ for part in only.split(",")):
                 continue
             start = time.monotonic()
-            got = _call(fn, full)
+            print(f"{name}.{fn.__name__} ...", file=sys.stderr, flush=True)
+            got = _call(fn, full, sample)
             print(
                 f"  {fn.__name__}: {len(got)} row(s) in {time.monotonic() - start:.0f} s",
                 file=sys.stderr,
@@ -108,13 +118,27 @@ def totals(rows: list[Row]) -> list[str]:
     lines.append(f"{n} stalls, {ok} named with the collective and the rank, all processes exited")
     n, ok = count("SIGTERM")
     lines.append(f"{n} SIGTERM runs, {ok} left no swap files")
+    failing = [r for r in rows if r[0].startswith("rank failure:")]
+    if failing:
+        times = [float(m.group(1)) for r in failing if (m := re.search(r"ended ([0-9.]+) s after", r[2]))]
+        lines.append(
+            f"{len(failing)} failing-rank jobs, {sum(r[3] == 'ok' for r in failing)} ok: "
+            f"{sum(t <= 15 for t in times)} ended within 15 s of the fault (longest {max(times, default=0):.1f} s, "
+            f"median {statistics.median(times) if times else 0:.1f} s), "
+            f"{sum('WATCHDOG' in r[2] for r in failing)} needed the watchdog, "
+            f"{sum('named by NOBODY' not in r[2] for r in failing)} named the failed rank"
+        )
     other = [
         r
         for r in rows
-        if not r[0].startswith(("mismatch", "save_checkpoint", "different tags", "exit:", "stall", "SIGTERM"))
+        if not r[0].startswith(
+            ("mismatch", "save_checkpoint", "different tags", "exit:", "stall", "SIGTERM", "rank failure:")
+        )
     ]
     if other:
-        lines.append(f"{len(other)} other cases (checkpoints), {sum(r[3] == 'ok' for r in other)} ok")
+        lines.append(
+            f"{len(other)} other cases (checkpoints, saves, loads, timeouts, swap files), {sum(r[3] == 'ok' for r in other)} ok"
+        )
     bad = [r for r in rows if r[3] != "ok"]
     lines.append(f"TOTAL: {len(rows)} rows, {len(rows) - len(bad)} ok, {len(bad)} failed")
     return lines
@@ -129,20 +153,27 @@ def table(rows: list[Row]) -> str:
     return "\n".join(out)
 
 
-def _header(args: argparse.Namespace, seconds: float) -> str:
-    import torch
+def _loadavg() -> str:
+    try:
+        return " ".join(open("/proc/loadavg").read().split()[:3])
+    except OSError:
+        return "?"
 
-    commit = subprocess.run(
+
+def _commit() -> str:
+    return subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
     ).stdout.strip()
-    try:
-        load = open("/proc/loadavg").read().split()[:3]
-    except OSError:
-        load = ["?"]
+
+
+def _header(args: argparse.Namespace, seconds: float, load_at_start: str, commit: str) -> str:
+    import torch
+
     return (
-        f"machine: {platform.node()} ({platform.machine()}, {__import__('os').cpu_count()} CPUs), load average {' '.join(load)} "
-        f"(shared with other jobs)\n\ntorch {torch.__version__}, Python {platform.python_version()}, commit {commit}\n\n"
-        f"command: python tools/faults/run_faults.py{' --full' if args.full else ''}"
+        f"machine: {platform.node()} ({platform.machine()}, {__import__('os').cpu_count()} CPUs), load average "
+        f"{load_at_start} at the start, {_loadavg()} at the end (1, 5, 15 min; shared with other jobs)"
+        f"\n\ntorch {torch.__version__}, Python {platform.python_version()}, commit {commit}\n\n"
+        f"command: python tools/faults/run_faults.py{' --full' if args.full else ''}{' --sample' if args.sample else ''}"
         f"{' --only ' + args.only if args.only else ''}; wall time {seconds:.0f} s\n"
     )
 
@@ -155,15 +186,25 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="run only the case functions whose name contains one of these (comma-separated)",
     )
+    p.add_argument(
+        "--sample",
+        action="store_true",
+        help="cases that offer it run a slice of their matrix (rank failures: 40 of the 180 jobs)",
+    )
     p.add_argument("--out", default="", help="also write the table as markdown to this file")
     args = p.parse_args(argv)
-    start = time.monotonic()
-    rows = collect(args.full, args.only)
+    start, load_at_start, commit = time.monotonic(), _loadavg(), _commit()  # the code under test: read first
+    rows = collect(args.full, args.only, args.sample)
     text = table(rows) + "\n\n" + "\n".join(f"- {line}" for line in totals(rows)) + "\n"
     print(text)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        body = "# Fault injection (issue 25)\n\n" + _header(args, time.monotonic() - start) + "\n" + text
+        body = (
+            "# Fault injection (issues 25, 37)\n\n"
+            + _header(args, time.monotonic() - start, load_at_start, commit)
+            + "\n"
+            + text
+        )
         Path(args.out).write_text(body)
     return 0 if all(r[3] == "ok" for r in rows) else 1
 

@@ -10,17 +10,15 @@ backend of zero-offload.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 
-def _check_key(key: Any, where: str) -> None:
+def _check_key(key: object, where: str) -> None:
     if not isinstance(key, str) or not key:
         raise ValueError(f"MemoryOffloadBackend.{where}: key must be a non-empty str, got {key!r}")
 
 
-def _check_tensor(tensor: Any, name: str, where: str) -> None:
+def _check_tensor(tensor: object, name: str, where: str) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(
             f"MemoryOffloadBackend.{where}: {name} must be a torch.Tensor, got {type(tensor).__name__}"

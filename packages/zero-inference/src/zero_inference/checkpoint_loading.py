@@ -29,7 +29,7 @@ import contextlib
 import json
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file
@@ -39,6 +39,9 @@ from zero_core.checkpoint.atomic import atomic_write_json, atomic_write_safetens
 from zero_inference.param_source import SafetensorsSource
 from zero_inference.tp_reshard import TPReshardSource, plan_layouts
 from zero_inference.zero_checkpoint_source import ZeroCheckpointSource, is_zero_checkpoint
+
+if TYPE_CHECKING:
+    from zero_inference.auto_tp import TPPlan
 
 INDEX_NAME = "zero_inference_tp.json"
 FORMAT = "zero-inference-tp"
@@ -156,7 +159,7 @@ def _set_tensor(module: nn.Module, name: str, value: torch.Tensor, is_param: boo
 
 
 def load_replicated(
-    model: nn.Module, source: Any, plan: Any, dtype: torch.dtype | None, device: torch.device
+    model: nn.Module, source: Any, plan: TPPlan | None, dtype: torch.dtype | None, device: torch.device
 ) -> None:
     """Load every tensor of ``model`` outside the planned (sharded) modules from ``source``, whole."""
     sharded = set()
@@ -240,7 +243,7 @@ def save_mp_checkpoint(
     path: str,
     rank: int,
     tp_size: int,
-    plan: Any = None,
+    plan: TPPlan | None = None,
     shapes: dict[str, tuple[int, ...]] | None = None,
 ) -> None:
     """Write this rank's sharded state dict (and, on rank 0, the index). See [Note: inference checkpoint formats]."""

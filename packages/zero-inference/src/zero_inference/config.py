@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar
 
 import torch
@@ -42,7 +43,7 @@ _DTYPES: dict[str, torch.dtype] = {
 _ALLOWED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8)
 
 
-def _parse_dtype(value: Any) -> torch.dtype:
+def _parse_dtype(value: object) -> torch.dtype:
     if isinstance(value, torch.dtype):
         if value in _ALLOWED_DTYPES:
             return value
@@ -244,7 +245,7 @@ class DeepSpeedInferenceConfig(ConfigModel):
 InferenceConfig = DeepSpeedInferenceConfig
 
 
-def _read_config(config: Any) -> dict[str, Any]:
+def _read_config(config: InferenceConfigSource | None) -> dict[str, Any]:
     if config is None:
         return {}
     if isinstance(config, DeepSpeedInferenceConfig):
@@ -270,7 +271,9 @@ def _read_config(config: Any) -> dict[str, Any]:
     )
 
 
-def load_inference_config(config: Any = None, **kwargs: Any) -> DeepSpeedInferenceConfig:
+def load_inference_config(
+    config: InferenceConfigSource | None = None, **kwargs: object
+) -> DeepSpeedInferenceConfig:
     """Merge ``config`` (dict / JSON path / model) and ``kwargs`` (kwargs win) into a validated config.
 
     Raises :class:`zero_core.config.ConfigError` listing every problem with its key path.
@@ -340,7 +343,11 @@ def check_machine(cfg: DeepSpeedInferenceConfig, device: torch.device) -> None:
 _ENCODER_TYPES = ("bert", "roberta")
 
 
-def check_model_settings(cfg: DeepSpeedInferenceConfig, model: Any) -> None:
+#: what ``init_inference(config=...)`` takes: a dict, a JSON file path or a parsed config.
+InferenceConfigSource = Mapping[str, Any] | str | os.PathLike[str] | DeepSpeedInferenceConfig
+
+
+def check_model_settings(cfg: DeepSpeedInferenceConfig, model: torch.nn.Module) -> None:
     """Reject settings that do not apply to this model or engine, naming the field and why.
 
     [Note: settings that only some models use]

@@ -17,7 +17,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -36,6 +36,9 @@ from zero_inference.config import (
 from zero_inference.generation import decode, hf_step, resolve_settings
 from zero_inference.moe_inference import moe_layers, shard_experts
 from zero_inference.quantize_model import quantize_model_
+
+if TYPE_CHECKING:
+    from zero_inference.config import InferenceConfigSource
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -324,7 +327,9 @@ def model_has_meta(model: nn.Module) -> bool:
     return any(p.device.type == "meta" for p in model.parameters())
 
 
-def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> InferenceEngine:
+def init_inference(
+    model: nn.Module, config: InferenceConfigSource | None = None, **kwargs: object
+) -> InferenceEngine:
     """Wrap ``model`` in an :class:`InferenceEngine`.
 
     ``config`` is a dict, a path to a JSON file or a ``DeepSpeedInferenceConfig``; ``kwargs`` are

@@ -23,11 +23,15 @@ come from the local projection sizes) and int8 compose with it. Decoder configur
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    import transformers
 
 _ACTIVATIONS = {
     "gelu": F.gelu,
@@ -38,7 +42,9 @@ _ACTIVATIONS = {
 }
 
 
-def _bias_act(linear: nn.Module, x: torch.Tensor, act: Any) -> torch.Tensor:
+def _bias_act(
+    linear: nn.Module, x: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
     """``act(linear(x))`` with the bias folded into the matmul (``addmm``)."""
     if type(linear) is nn.Linear and linear.bias is not None:
         flat = x.reshape(-1, x.shape[-1])
@@ -51,7 +57,7 @@ def _bias_act(linear: nn.Module, x: torch.Tensor, act: Any) -> torch.Tensor:
 class FusedBertEncoder(nn.Module):
     """Drop-in for ``BertEncoder`` (same call and output). See [Note: fused encoder injection]."""
 
-    def __init__(self, encoder: nn.Module, config: Any) -> None:
+    def __init__(self, encoder: nn.Module, config: transformers.PretrainedConfig) -> None:
         super().__init__()
         if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
             raise ValueError(

@@ -14,8 +14,7 @@ equals the single-process model's on the same input. Layers already built with `
 
 from __future__ import annotations
 
-from typing import Any
-
+import torch.distributed as dist
 from torch import nn
 from zero_core import comm
 from zero_core.plugins import require
@@ -30,7 +29,7 @@ def moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     ]
 
 
-def shard_experts(model: nn.Module, ep_size: int, ep_group: Any = None) -> int:
+def shard_experts(model: nn.Module, ep_size: int, ep_group: dist.ProcessGroup | None = None) -> int:
     """Shard the experts of every ``MoE`` layer of ``model`` over ``ep_size`` ranks; returns the layer count.
 
     See [Note: expert-parallel inference].

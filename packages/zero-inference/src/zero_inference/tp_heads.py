@@ -16,16 +16,16 @@ does the same for BLOOM by slicing its ALiBi tensor per rank.
 from __future__ import annotations
 
 import inspect
-from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 #: argument names that may carry one slice per head
 PER_HEAD_ARGUMENTS = ("alibi", "attention_mask")
 
 
-def _cut(name: str, value: Any, heads: int, start: int, stop: int) -> Any:
+def _cut(name: str, value: object, heads: int, start: int, stop: int) -> object:
     if not isinstance(value, torch.Tensor) or heads <= 1:
         return value
     if value.dim() == 4 and value.shape[1] == heads:
@@ -37,7 +37,7 @@ def _cut(name: str, value: Any, heads: int, start: int, stop: int) -> Any:
     return value
 
 
-def install_head_slicing(module: nn.Module, heads: int, rank: int, world: int) -> Any:
+def install_head_slicing(module: nn.Module, heads: int, rank: int, world: int) -> RemovableHandle | None:
     """Cut per-head arguments of ``module`` (which keeps ``heads // world`` of ``heads``) to rank's heads.
 
     Returns the hook handle, or None when ``module.forward`` takes none of

@@ -29,16 +29,19 @@ overlapping parts), never a whole tensor it then cuts, except for replicated ten
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 
 from zero_inference.param_source import column_segments
 
+if TYPE_CHECKING:
+    from zero_inference.auto_tp import TPPlan
+
 
 def plan_layouts(
-    plan: Any, shapes: dict[str, tuple[int, ...]]
+    plan: TPPlan, shapes: dict[str, tuple[int, ...]]
 ) -> tuple[dict[str, dict], dict[str, list[int]]]:
     """(``layouts``, ``shapes``) entries of the index for the tensors ``plan`` shards."""
     layouts: dict[str, dict] = {}

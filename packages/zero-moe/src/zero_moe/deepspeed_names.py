@@ -29,12 +29,12 @@ def _rename(state_dict: dict[str, Any], prefix: str, old: str, new: str) -> None
         state_dict[target] = state_dict.pop(key)
 
 
-def _moe_pre_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+def _moe_pre_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: object) -> None:
     # ``deepspeed_moe.X`` -> ``zero_moe.X``; the experts below are renamed by their own hook.
     _rename(state_dict, prefix, "deepspeed_moe.", "zero_moe.")
 
 
-def _experts_pre_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+def _experts_pre_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: object) -> None:
     _rename(state_dict, prefix, "deepspeed_experts.", "zero_experts.")
 
 

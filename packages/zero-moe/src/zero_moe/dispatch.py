@@ -19,10 +19,10 @@ reverse all-to-all bring the results home.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.autograd.function import FunctionCtx
 from zero_core import comm
 
 from zero_moe.experts import Experts
@@ -34,9 +34,9 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any,
+        ctx: FunctionCtx,
         input: torch.Tensor,
-        group: Any,
+        group: dist.ProcessGroup | None,
         output_splits: list[int] | None,
         input_splits: list[int] | None,
         out_rows: int,
@@ -50,7 +50,7 @@ class _AllToAll(torch.autograd.Function):
         return output
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_in = grad.new_empty((ctx.in_rows, *grad.shape[1:]))
         comm.all_to_all_single(
             grad_in, grad.contiguous(), ctx.input_splits, ctx.output_splits, group=ctx.group
@@ -60,7 +60,7 @@ class _AllToAll(torch.autograd.Function):
 
 def all_to_all(
     input: torch.Tensor,
-    group: Any,
+    group: dist.ProcessGroup | None,
     output_splits: list[int] | None = None,
     input_splits: list[int] | None = None,
 ) -> torch.Tensor:
@@ -80,9 +80,9 @@ class MOELayer(nn.Module):
         self.experts = experts
         self.ep_size = ep_size
         self.num_local_experts = num_local_experts
-        self.ep_group: Any = None
+        self.ep_group: dist.ProcessGroup | None = None
 
-    def _set_ep_group(self, group: Any) -> None:
+    def _set_ep_group(self, group: dist.ProcessGroup | None) -> None:
         self.ep_group = group
         self.gate.ep_group = group
 

@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from zero_core import comm
@@ -116,7 +116,7 @@ def topk_gating(
     drop_tokens: bool = True,
     use_rts: bool = True,
     ragged: bool = False,
-    ep_group: Any = None,
+    ep_group: dist.ProcessGroup | None = None,
 ) -> GateOutput:
     """Route ``S`` tokens given gate ``logits [S, E]``. See [Note: gating semantics]."""
     if logits.dim() != 2:
@@ -217,7 +217,7 @@ class _Slots:
         )
 
 
-def _dropless_capacity(loads: torch.Tensor, ep_group: Any) -> int:
+def _dropless_capacity(loads: torch.Tensor, ep_group: dist.ProcessGroup | None) -> int:
     """The padded dropless capacity: the largest load of any expert over the expert-parallel group."""
     most = loads.max().reshape(1).clone()
     if ep_group is not None and comm.get_world_size(ep_group) > 1:
@@ -262,7 +262,7 @@ class TopKGate(nn.Module):
         self.top2_2nd_expert_sampling = top2_2nd_expert_sampling
         self.ragged_dropless = ragged_dropless
         # Set by the MoE layer once the expert-parallel group exists (dropless capacity MAX).
-        self.ep_group: Any = None
+        self.ep_group: dist.ProcessGroup | None = None
 
     def forward(self, x: torch.Tensor, used_token: torch.Tensor | None = None) -> GateOutput:
         x = x.float()

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed as dist
 from zero_core import comm
 
-_EXPERT_PARALLEL_GROUP: dict[str, Any] = {}
-_EXPERT_DATA_PARALLEL_GROUP: dict[str, Any] = {}
+_EXPERT_PARALLEL_GROUP: dict[str, dist.ProcessGroup | None] = {}
+_EXPERT_DATA_PARALLEL_GROUP: dict[str, dist.ProcessGroup | None] = {}
 _EXPERT_PARALLEL_SIZE: dict[str, int] = {}
 
 
@@ -72,19 +73,19 @@ def create_expert_and_data_parallel(ep_size: int) -> str:
     return name
 
 
-def _lookup(table: dict[str, Any], name: str, what: str) -> Any:
+def _lookup(table: dict[str, dist.ProcessGroup | None], name: str, what: str) -> dist.ProcessGroup | None:
     if name not in _EXPERT_PARALLEL_SIZE:
         known = sorted(_EXPERT_PARALLEL_SIZE) or "none"
         raise KeyError(f"{what}: no expert groups named {name!r} (created: {known})")
     return table[name]
 
 
-def get_expert_parallel_group(name: str) -> Any:
+def get_expert_parallel_group(name: str) -> dist.ProcessGroup | None:
     """The expert-parallel process group ``name`` (``None`` when not distributed)."""
     return _lookup(_EXPERT_PARALLEL_GROUP, name, "get_expert_parallel_group")
 
 
-def get_expert_data_parallel_group(name: str) -> Any:
+def get_expert_data_parallel_group(name: str) -> dist.ProcessGroup | None:
     """The expert-data-parallel process group ``name`` (``None`` when not distributed)."""
     return _lookup(_EXPERT_DATA_PARALLEL_GROUP, name, "get_expert_data_parallel_group")
 

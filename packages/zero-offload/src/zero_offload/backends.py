@@ -22,6 +22,7 @@ import torch
 from zero_core.offload_memory import MemoryOffloadBackend
 from zero_ops.aio import AsyncIOHandle
 
+from zero_offload.swap_checksums import SwapChecksums
 from zero_offload.swap_files import SwapDirectory
 
 __all__ = ["MemoryOffloadBackend", "NvmeOffloadBackend"]
@@ -45,6 +46,8 @@ class NvmeOffloadBackend:
         self._meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         # (staging buffer, destination) of reads into tensors the handle cannot fill directly
         self._pending_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._sums = SwapChecksums(self._dir)  # See [Note: swap checksums]
+        self._pending_checks: list[tuple[str, torch.Tensor]] = []  # (file, tensor read into)
         self._closed = False
 
     @property
@@ -76,6 +79,7 @@ class NvmeOffloadBackend:
             self._handle.wait()
             self._dir.allocate(name, nbytes)
             self._meta[key] = meta
+        self._sums.record(name, 0, src)
         self._handle.async_pwrite(src, self._dir.check(name), 0)
         if not async_op:
             self._handle.wait()
@@ -92,16 +96,21 @@ class NvmeOffloadBackend:
             )
         if out.device.type == "cpu" and out.is_contiguous():
             self._handle.async_pread(out, self._dir.check(name), 0)
+            self._pending_checks.append((name, out))
         else:
             staging = torch.empty(shape, dtype=dtype)
             self._handle.async_pread(staging, self._dir.check(name), 0)
+            self._pending_checks.append((name, staging))
             self._pending_copies.append((staging, out))
         if not async_op:
             self.wait()
 
     def wait(self) -> None:
-        """Complete every outstanding read and write."""
+        """Complete every outstanding read and write (reads verified: See [Note: swap checksums])."""
         self._handle.wait()
+        checks, self._pending_checks = self._pending_checks, []
+        for name, read in checks:
+            self._sums.verify(name, 0, read)
         with torch.no_grad():
             for staging, out in self._pending_copies:
                 out.copy_(staging)
@@ -113,6 +122,7 @@ class NvmeOffloadBackend:
         if self._meta.pop(key, None) is not None:
             path, _ = self._dir.files.pop(name)
             path.unlink(missing_ok=True)
+            self._sums.forget(name)
 
     def contains(self, key: str) -> bool:
         return key in self._meta

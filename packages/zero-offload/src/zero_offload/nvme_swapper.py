@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 from zero_ops.aio import AsyncIOHandle, locked_empty
 
+from zero_offload.swap_checksums import SwapChecksums
 from zero_offload.swap_files import SwapDirectory
 
 _ALIGN_ELEMS = 1024  # 4096 bytes of fp32
@@ -102,6 +103,7 @@ class StateSwapper:
         self.pipeline_write = pipeline_write
         self.files = {k: swap_file_name(name, k) for k in state_names}
         self.read_only = frozenset(read_only)
+        self.sums = SwapChecksums(swap_dir)  # See [Note: swap checksums]
         fresh = [k for k in state_names if k not in preallocated]
         for k in fresh:
             swap_dir.allocate(self.files[k], numel * 4)
@@ -114,6 +116,11 @@ class StateSwapper:
                 for k in fresh:
                     self.wh.async_pwrite(buf[: hi - lo], self.dir.check(self.files[k]), lo * 4)
                 self.wh.wait()
+        # Preallocated arrays were filled outside the swapper (adopted masters, staged gradients):
+        # their regions are checksummed from the first time the swapper writes them back.
+        for lo, hi in self.tiles():
+            for k in fresh:
+                self.sums.record_zeros(self.files[k], lo * 4, (hi - lo) * 4)
 
     def tiles(self) -> list[tuple[int, int]]:
         return [(lo, min(lo + self.tile, self.numel)) for lo in range(0, self.numel, self.tile)]
@@ -128,7 +135,13 @@ class StateSwapper:
     def _write(self, lo: int, hi: int, buf: torch.Tensor) -> None:
         for k, v in self._views(buf, hi - lo).items():
             if k not in self.read_only:
+                self.sums.record_async(self.files[k], lo * 4, v)  # drained before ``buf`` is reused
                 self.wh.async_pwrite(v, self.dir.check(self.files[k]), lo * 4)
+
+    def _verify(self, lo: int, hi: int, buf: torch.Tensor) -> None:
+        """The tile read into ``buf`` is what was written (see [Note: swap checksums])."""
+        for k, v in self._views(buf, hi - lo).items():
+            self.sums.verify(self.files[k], lo * 4, v)
 
     def run(self, update: Callable[[int, int, dict[str, torch.Tensor]], None]) -> None:
         """Call ``update(lo, hi, states)`` on every tile, states swapped in and out around it."""
@@ -139,6 +152,7 @@ class StateSwapper:
         def take() -> torch.Tensor:
             if not free:
                 self.wh.wait()
+                self.sums.drain()
                 free.extend(writing)
                 writing.clear()
             return free.popleft()
@@ -159,30 +173,59 @@ class StateSwapper:
                     cur = take()
                     self._read(lo, hi, cur)
                     self.rh.wait()
+                self._verify(lo, hi, cur)
                 update(lo, hi, self._views(cur, hi - lo))
                 self._write(lo, hi, cur)
                 if self.pipeline_write:
                     writing.append(cur)
                 else:
                     self.wh.wait()
+                    self.sums.drain()
                     free.append(cur)
         finally:
             self.rh.wait()
             self.wh.wait()
+            self.sums.drain()
+
+    def _covering(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """The tiles that hold elements ``[lo, hi)``."""
+        first = lo // self.tile * self.tile
+        return [(a, min(a + self.tile, self.numel)) for a in range(first, hi, self.tile)]
+
+    def _read_tile(self, key: str, lo: int, hi: int) -> torch.Tensor:
+        out = torch.empty(hi - lo, dtype=torch.float32)
+        self.rh.sync_pread(out, self.dir.check(self.files[key]), lo * 4)
+        self.sums.verify(self.files[key], lo * 4, out)
+        return out
 
     def read_range(self, key: str, lo: int, hi: int) -> torch.Tensor:
-        """A new CPU tensor with elements ``[lo, hi)`` of state ``key`` (for checkpoints and inspection)."""
+        """A new CPU tensor with elements ``[lo, hi)`` of state ``key`` (for checkpoints and inspection).
+
+        The tiles holding the range are read whole, so that their checksums can be verified."""
         out = torch.empty(hi - lo, dtype=torch.float32)
-        if hi > lo:
-            self.rh.sync_pread(out, self.dir.check(self.files[key]), lo * 4)
+        for a, b in self._covering(lo, hi) if hi > lo else []:
+            tile = self._read_tile(key, a, b)
+            x, y = max(lo, a), min(hi, b)
+            out[x - lo : y - lo].copy_(tile[x - a : y - a])
         return out
 
     def write_range(self, key: str, lo: int, values: torch.Tensor) -> None:
-        """Write ``values`` (fp32) as elements ``[lo, lo + numel)`` of state ``key``."""
+        """Write ``values`` (fp32) as elements ``[lo, lo + numel)`` of state ``key``.
+
+        Tiles covered in part are read (and verified), patched and written whole, so each
+        tile's checksum stays that of its bytes (see [Note: swap checksums])."""
         v = values.detach().reshape(-1).to(torch.float32).contiguous()
         if lo < 0 or lo + v.numel() > self.numel:
             raise ValueError(
                 f"StateSwapper {self.name}: range [{lo}, {lo + v.numel()}) outside {self.numel} elements"
             )
-        if v.numel():
-            self.wh.sync_pwrite(v, self.dir.check(self.files[key]), lo * 4)
+        hi = lo + v.numel()
+        for a, b in self._covering(lo, hi) if hi > lo else []:
+            if lo <= a and b <= hi:
+                tile = v[a - lo : b - lo]
+            else:
+                tile = self._read_tile(key, a, b)
+                x, y = max(lo, a), min(hi, b)
+                tile[x - a : y - a].copy_(v[x - lo : y - lo])
+            self.sums.record(self.files[key], a * 4, tile)
+            self.wh.sync_pwrite(tile, self.dir.check(self.files[key]), a * 4)

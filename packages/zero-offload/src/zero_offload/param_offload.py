@@ -41,6 +41,7 @@ from zero_core.zero.stage3.transient_shards import TransientShards
 from zero_ops.aio import AsyncIOHandle, locked_empty
 
 from zero_offload.host_heap import bound_host_heap
+from zero_offload.swap_checksums import SwapChecksums
 from zero_offload.swap_files import SwapDirectory
 from zero_offload.transfers import CopyFence, host_buffer
 
@@ -125,6 +126,7 @@ class ParamOffload(TransientShards):
                 raise ValueError('zero_optimization.offload_param.nvme_path: required when device is "nvme"')
             self.swap_dir = SwapDirectory(nvme_path, self.rank, what="zero_optimization.offload_param")
             bound_host_heap()  # See [Note: host heap under NVMe offload]
+            self.sums = SwapChecksums(self.swap_dir)  # See [Note: swap checksums]
             kw = {
                 k: v
                 for k, v in dict(aio or {}).items()
@@ -223,6 +225,7 @@ class ParamOffload(TransientShards):
                 self._read_nvme(st.id, buf)
                 self.rh.wait()
                 self._reading = False
+            self._verify(st.id, buf)
             st.shard.copy_(buf[: _nbytes(st)].view(st.shard.dtype))
             self._free.append(buf)
         self._read_ahead()
@@ -241,6 +244,7 @@ class ParamOffload(TransientShards):
         self._read_nvme(st.id, buf)
         self.rh.wait()
         self._reading = False
+        self._verify(st.id, buf)
         out = buf[: _nbytes(st)].view(st.shard.dtype).clone()
         self._free.append(buf)
         return out
@@ -311,8 +315,14 @@ class ParamOffload(TransientShards):
         nb = values.numel() * values.element_size()
         buf[:nb].view(values.dtype).copy_(values.reshape(-1))
         name, offset = self.offset[pid]
+        self.sums.record(name, offset, buf[:nb])
         self.wh.async_pwrite(buf[: _round(nb)], self.swap_dir.check(name), offset)
         self._writing.append(buf)
+
+    def _verify(self, pid: int, buf: torch.Tensor) -> None:
+        """The shard read into ``buf`` is what was written (see [Note: swap checksums])."""
+        name, offset = self.offset[pid]
+        self.sums.verify(name, offset, buf[: _nbytes(partition_state(self.params[pid]))])
 
     def _drop_landed(self, pid: int) -> None:
         buf = self._landed.pop(pid, None)

@@ -9,17 +9,22 @@ clear error at ``initialize`` naming the path, never a failed write in the middl
 Files are removed on normal exit: by ``close()`` (the engine's ``destroy()``) or, failing
 that, by an ``atexit`` hook, and on SIGTERM (see [Note: cleanup on SIGTERM]). A swap file that disappears while training (deleted by a cleanup
 job, a remounted disk) is reported by name before it is read, instead of reading zeros or
-garbage.
+garbage. A process ended by SIGKILL (or ``os._exit``) can remove nothing: its ``job-<pid>``
+folder (marked with the host it ran on) is removed by the next swap directory created under the
+same ``nvme_path`` on that host once no process of that pid runs there.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
+import socket
 import weakref
 from pathlib import Path
 
+from zero_core.comm.failures import process_alive
 from zero_core.utils.termination import forget, on_termination
 
 
@@ -75,6 +80,31 @@ def _fallocate(fd: int, nbytes: int) -> None:
     os.fsync(fd)
 
 
+_HOST_MARK = ".host"
+
+
+def _claim_and_sweep(root: Path, job_dir: Path) -> None:
+    """Mark ``job_dir`` with this host; remove ``job-<pid>`` folders under ``root`` left by
+    processes of this host that ended without cleaning up (see [Note: swap file lifecycle])."""
+    host = socket.gethostname()
+    with contextlib.suppress(OSError):
+        (job_dir / _HOST_MARK).write_text(host)
+    try:
+        siblings = list(root.iterdir())
+    except OSError:
+        return
+    for d in siblings:
+        pid = d.name[4:]
+        if d == job_dir or not d.name.startswith("job-") or not pid.isdigit():
+            continue
+        try:
+            if (d / _HOST_MARK).read_text() != host or process_alive(host, int(pid)):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+
+
 class SwapDirectory:
     """The swap files of one rank under ``nvme_path/<job>/rank<rank>/`` (see [Note: swap file lifecycle])."""
 
@@ -96,6 +126,7 @@ class SwapDirectory:
                 exc.errno,
                 f"{what}: cannot create the swap directory {self.path} (nvme_path={self.root}): {exc}",
             ) from exc
+        _claim_and_sweep(self.root, self.job_dir)
         if not os.access(self.path, os.W_OK | os.X_OK):
             raise SwapFileError(
                 13, f"{what}: the swap directory {self.path} is not writable (nvme_path={self.root})"
@@ -158,13 +189,19 @@ class SwapDirectory:
         return sum(n for _, n in self.files.values())
 
     def close(self) -> None:
-        """Remove this rank's swap files and directory (and the job directory when it is empty)."""
+        """Remove this rank's swap files and directory (and the job directory when it is empty).
+
+        Marked closed only once done: a SIGTERM arriving in the middle (a launcher stopping the
+        job while this runs at exit) runs it again in full from its handler before the process
+        ends (see [Note: cleanup on SIGTERM]); every step is idempotent."""
         if self._closed:
             return
-        self._closed = True
-        forget(self._termination_key)
         shutil.rmtree(self.path, ignore_errors=True)
         try:
+            if not any(p.name != _HOST_MARK for p in self.job_dir.iterdir()):
+                (self.job_dir / _HOST_MARK).unlink(missing_ok=True)
             self.job_dir.rmdir()  # only succeeds once every rank of this job has cleaned up
         except OSError:
             pass
+        self._closed = True
+        forget(self._termination_key)

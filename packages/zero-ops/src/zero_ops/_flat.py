@@ -118,7 +118,7 @@ def check_scalar(
     return value
 
 
-def check_betas(where: str, betas: Any, *, high_open: bool) -> tuple[float, float]:
+def check_betas(where: str, betas: object, *, high_open: bool) -> tuple[float, float]:
     """Returns ``betas`` as a float pair after checking both lie in [0, 1] (or [0, 1))."""
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")

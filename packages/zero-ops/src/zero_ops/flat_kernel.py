@@ -66,7 +66,7 @@ class FlatKernelBase:
         lr: float,
         low_precision_out: torch.Tensor | None = None,
         on_tile_done: TileCallback | None = None,
-        **hparams: Any,
+        **hparams: object,
     ) -> None:
         """One update of the flat ``params`` (and ``states``) in place, tile by tile (see
         [Note: tiled updates]); ``hparams`` override the constructor's for this call."""

@@ -78,6 +78,7 @@ from zero_pipe.layer_files import LAYERS_INDEX, load_layer_files, read_root
 from zero_pipe.layer_spec import TiedLayerSpec, first_tied_index
 
 if TYPE_CHECKING:  # PipelineModule.load_state_dir calls in here: the class is only a type for this file
+    from zero_pipe.engine import PipelineEngine
     from zero_pipe.module import PipelineModule
 
 PIPELINE_SECTION = "pipeline"
@@ -103,7 +104,7 @@ class _StageFragments:
     See [Note: universal pipeline checkpoints].
     """
 
-    def __init__(self, engine: Any, strict: bool = True) -> None:
+    def __init__(self, engine: PipelineEngine, strict: bool = True) -> None:
         self.inner = engine.strategy
         self.module: PipelineModule = engine.module
         self.grid = engine.grid
@@ -153,7 +154,7 @@ class _EngineView:
 
     dp_group = None
 
-    def __init__(self, engine: Any, strict: bool = True) -> None:
+    def __init__(self, engine: PipelineEngine, strict: bool = True) -> None:
         self.engine = engine
         self.module = engine.module
         self.config = engine.config
@@ -181,7 +182,7 @@ def _layer_order(module: PipelineModule, name: str) -> int:
     )
 
 
-def _rank_record(engine: Any) -> dict[str, Any]:
+def _rank_record(engine: PipelineEngine) -> dict[str, Any]:
     """What one rank contributes to the root record (gathered to rank 0)."""
     module, grid = engine.module, engine.grid
     names = checkpoint_names(module)
@@ -200,7 +201,7 @@ def _rank_record(engine: Any) -> dict[str, Any]:
     }
 
 
-def _extra_meta(engine: Any) -> dict[str, Any]:
+def _extra_meta(engine: PipelineEngine) -> dict[str, Any]:
     """The root record's ``parameters`` of every stage and its ``pipeline`` section (collective)."""
     records: list[Any] = [None] * _dist.get_world_size()
     _dist.all_gather_object(records, _rank_record(engine))
@@ -231,9 +232,9 @@ def _extra_meta(engine: Any) -> dict[str, Any]:
 
 
 def save_engine_checkpoint(
-    engine: Any,
+    engine: PipelineEngine,
     save_dir: str,
-    tag: Any = None,
+    tag: str | int | None = None,
     client_state: dict | None = None,
     save_latest: bool = True,
     exclude_frozen_parameters: bool = False,
@@ -357,9 +358,9 @@ def _restore(
 
 
 def load_engine_checkpoint(
-    engine: Any,
+    engine: PipelineEngine,
     load_dir: str,
-    tag: Any = None,
+    tag: str | int | None = None,
     load_module_strict: bool = True,
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,

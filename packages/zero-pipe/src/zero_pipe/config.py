@@ -8,13 +8,13 @@ built-in model, unknown keys are errors here.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BeforeValidator
 from zero_core.config.base import ConfigModel, NonNegInt
 
 
-def _stages(value: Any) -> Any:
+def _stages(value: object) -> object:
     if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
         return value
     if isinstance(value, float) and value.is_integer() and value >= 1:

@@ -14,7 +14,7 @@ happens inside a batch (instructions, transfers, trace) is :class:`StageExecutor
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ from zero_core.config import ZeroConfig, load_config
 from zero_core.engine.loss_scaler import LossScaler, build_loss_scaler
 from zero_core.engine.state_report import breakdown_text
 from zero_core.engine.strategy_factory import compute_dtype
+from zero_core.protocols.training import LRScheduler
 
 from zero_pipe import _dist
 from zero_pipe.config_checks import check_pipeline_config
@@ -62,7 +63,7 @@ class PipelineEngine:
         module: PipelineModule,
         optimizer: torch.optim.Optimizer,
         config: Mapping[str, Any] | ZeroConfig,
-        lr_scheduler: Any = None,
+        lr_scheduler: LRScheduler | None = None,
         *,
         has_bool_tensors: bool = False,
         loss_scaler: LossScaler | None = None,
@@ -120,7 +121,7 @@ class PipelineEngine:
         self.global_steps = 0
         self.global_samples = 0
         #: the loader over ``initialize``'s ``training_data`` (set by ``initialize_pipeline``)
-        self.training_dataloader: Any = None
+        self.training_dataloader: Iterable[object] | None = None
         self._print_clock = time.perf_counter()
         #: schedules by what they depend on; building one plans the whole pipeline
         self._schedules: dict[tuple, PipeSchedule] = {}
@@ -149,7 +150,7 @@ class PipelineEngine:
         return self.strategy.optimizer
 
     @property
-    def lr_scheduler(self) -> Any:
+    def lr_scheduler(self) -> LRScheduler | None:
         return self.stage_optimizer.lr_scheduler
 
     def train_batch_size(self) -> int:
@@ -209,7 +210,7 @@ class PipelineEngine:
         """Optimizer steps skipped for an fp16 overflow (DeepSpeed's counter)."""
         return self.stage_optimizer.skipped_steps
 
-    def set_dataloader(self, loader: Any) -> None:
+    def set_dataloader(self, loader: Iterable[object]) -> None:
         """DeepSpeed's: train on ``loader`` (an iterator over it on the first and last stages)."""
         if not hasattr(loader, "__iter__"):
             raise TypeError(f"set_dataloader: expected an iterable data loader, got {type(loader)}")
@@ -256,17 +257,17 @@ class PipelineEngine:
         """Forget cached activation shapes (call on every rank when they change)."""
         self.executor.reset_activation_shape()
 
-    def forward(self, *args: Any, **kwargs: Any) -> None:
+    def forward(self, *args: object, **kwargs: object) -> None:
         raise RuntimeError(
             "PipelineEngine: forward() is disabled for pipeline parallelism; use train_batch()"
         )
 
-    def backward(self, *args: Any, **kwargs: Any) -> None:
+    def backward(self, *args: object, **kwargs: object) -> None:
         raise RuntimeError(
             "PipelineEngine: backward() is disabled for pipeline parallelism; use train_batch()"
         )
 
-    def step(self, *args: Any, **kwargs: Any) -> None:
+    def step(self, *args: object, **kwargs: object) -> None:
         raise RuntimeError("PipelineEngine: step() is disabled for pipeline parallelism; use train_batch()")
 
     def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
@@ -371,7 +372,7 @@ class PipelineEngine:
     def save_checkpoint(
         self,
         save_dir: str,
-        tag: Any = None,
+        tag: str | int | None = None,
         client_state: dict | None = None,
         save_latest: bool = True,
         exclude_frozen_parameters: bool = False,
@@ -388,7 +389,7 @@ class PipelineEngine:
     def load_checkpoint(
         self,
         load_dir: str,
-        tag: Any = None,
+        tag: str | int | None = None,
         load_module_strict: bool = True,
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
@@ -437,7 +438,9 @@ class PipelineEngine:
         batch = next(self.data_iterator)
         return self.batch_fn(batch) if self.batch_fn is not None else batch
 
-    def _aggregate_loss(self, losses: list[torch.Tensor], reduce_output: str | None, bcast: bool) -> Any:
+    def _aggregate_loss(
+        self, losses: list[torch.Tensor], reduce_output: str | None, bcast: bool
+    ) -> torch.Tensor | list[torch.Tensor] | None:
         """Mean over micro-batches and data-parallel replicas on the last stage, then
         broadcast to every stage of the pipeline (when ``bcast``; otherwise the other stages
         get None, as in DeepSpeed, rather than a made-up loss)."""

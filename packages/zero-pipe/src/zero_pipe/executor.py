@@ -193,7 +193,7 @@ class StageExecutor:
         return ch
 
     # -- transfers -------------------------------------------------------------------------
-    def _recv_source(self, ins: Any) -> tuple[Payload | None, int, int]:
+    def _recv_source(self, ins: RecvActivation | RecvGrad) -> tuple[Payload | None, int, int]:
         """(payload if known, peer rank, tag) of a RecvActivation/RecvGrad instruction."""
         v = self._virtual(ins.chunk_id)
         if isinstance(ins, RecvActivation):

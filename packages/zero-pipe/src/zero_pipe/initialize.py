@@ -8,7 +8,7 @@ zero-core's ``initialize`` sets up the process group and parses the config, then
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from zero_core.config import ZeroConfig
@@ -20,8 +20,16 @@ from zero_pipe.engine import PipelineEngine
 from zero_pipe.module import PipelineModule
 from zero_pipe.optimizer_step import PipelineConfigError
 
+if TYPE_CHECKING:
+    from torch.optim.optimizer import ParamsT
+    from torch.utils.data import Dataset
+    from zero_core.engine.initialize import ClientScheduler
+    from zero_core.protocols.training import LRScheduler
 
-def _scheduler(lr_scheduler: Any, optimizer: torch.optim.Optimizer, cfg: ZeroConfig) -> Any:
+
+def _scheduler(
+    lr_scheduler: ClientScheduler, optimizer: torch.optim.Optimizer, cfg: ZeroConfig
+) -> LRScheduler | None:
     if lr_scheduler is not None:
         if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             return lr_scheduler(optimizer)
@@ -53,9 +61,9 @@ def initialize_pipeline(
     *,
     model: PipelineModule,
     optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None,
-    model_parameters: Any,
-    training_data: Any,
-    lr_scheduler: Any,
+    model_parameters: ParamsT | None,
+    training_data: Dataset | None,
+    lr_scheduler: ClientScheduler,
     config: ZeroConfig,
     collate_fn: Callable[..., Any] | None = None,
 ) -> tuple[PipelineEngine, torch.optim.Optimizer, Any, Any]:
@@ -107,7 +115,7 @@ class PipelineModelEngine:
     a :class:`PipelineModule`, or any subclass, trains with :class:`PipelineEngine`.
     See [Note: model engine hooks] in zero-core's ``engine/model_engines.py``."""
 
-    def accepts(self, model: Any) -> bool:
+    def accepts(self, model: object) -> bool:
         return isinstance(model, PipelineModule)
 
     def data_parallel_world_size(self, model: PipelineModule, world_size: int) -> int:

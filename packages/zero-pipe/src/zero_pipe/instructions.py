@@ -7,13 +7,11 @@ the model chunk (``chunk_id``, 0 when a stage holds one chunk).
 
 from __future__ import annotations
 
-from typing import Any
-
 
 class PipeInstruction:
     """Base class of every instruction; keyword arguments are stored as attributes."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, **kwargs: object) -> None:
         self.name = type(self).__name__
         self.kwargs = kwargs
         for key, val in kwargs.items():
@@ -45,7 +43,7 @@ class ReduceTiedGrads(PipeInstruction):
 class BufferOpInstruction(PipeInstruction):
     """An instruction operating on one pipeline buffer."""
 
-    def __init__(self, buffer_id: int, **kwargs: Any) -> None:
+    def __init__(self, buffer_id: int, **kwargs: object) -> None:
         if not isinstance(buffer_id, int) or buffer_id < 0:
             raise ValueError(f"{type(self).__name__}: buffer_id must be an int >= 0, got {buffer_id!r}")
         kwargs.setdefault("chunk_id", 0)

@@ -15,7 +15,7 @@ from torch import nn
 class LayerSpec:
     """A recipe ``typename(*module_args, **module_kwargs)`` built only where it is needed."""
 
-    def __init__(self, typename: type, *module_args: Any, **module_kwargs: Any) -> None:
+    def __init__(self, typename: type, *module_args: object, **module_kwargs: object) -> None:
         if not (isinstance(typename, type) and issubclass(typename, nn.Module)):
             raise TypeError(f"LayerSpec: typename must be an nn.Module subclass, got {typename!r}")
         self.typename = typename
@@ -41,10 +41,10 @@ class TiedLayerSpec(LayerSpec):
         self,
         key: str,
         typename: type,
-        *module_args: Any,
+        *module_args: object,
         forward_fn: Callable[[nn.Module, Any], Any] | None = None,
         tied_weight_attr: str | list[str] = "weight",
-        **module_kwargs: Any,
+        **module_kwargs: object,
     ) -> None:
         super().__init__(typename, *module_args, **module_kwargs)
         if not isinstance(key, str) or not key:

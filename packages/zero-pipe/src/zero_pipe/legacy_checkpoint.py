@@ -16,13 +16,16 @@ writes the universal format, which loads in any layout.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zero_core.checkpoint.format import CheckpointError
 from zero_core.checkpoint.metadata import check_int, check_loss_scaler
 
 from zero_pipe.layer_files import load_layers
 from zero_pipe.state_io import load_state
+
+if TYPE_CHECKING:
+    from zero_pipe.engine import PipelineEngine
 
 
 def _rank_stem(stage: int, dp: int) -> str:
@@ -36,7 +39,7 @@ def _check_counters(state: dict[str, Any], where: str) -> None:
         raise CheckpointError(f"{where}: skipped_steps {state['skipped_steps']} > global_steps (edited?)")
 
 
-def _check_layout(engine: Any, meta: dict[str, Any]) -> None:
+def _check_layout(engine: PipelineEngine, meta: dict[str, Any]) -> None:
     """Format-2 optimizer states load only into the layout they were saved with."""
     mine = (engine.num_stages, engine.num_chunks, engine.dp_size, int(engine.config.zero_optimization.stage))
     saved = (meta["num_stages"], meta["num_chunks"], meta["data_parallel_size"], meta["zero_stage"])
@@ -56,7 +59,7 @@ def _check_layout(engine: Any, meta: dict[str, Any]) -> None:
 
 
 def load_format2_checkpoint(
-    engine: Any,
+    engine: PipelineEngine,
     ckpt_dir: str,
     meta: dict[str, Any],
     *,

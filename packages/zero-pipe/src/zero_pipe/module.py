@@ -29,7 +29,7 @@ from zero_pipe.partition import partition_balanced, partition_uniform, type_weig
 from zero_pipe.topology import PipeDataParallelTopology, PipelineParallelGrid, ProcessTopology
 
 
-def _layer_type_name(layer: Any) -> str:
+def _layer_type_name(layer: object) -> str:
     if isinstance(layer, LayerSpec):
         return layer.typename.__name__
     return (
@@ -39,7 +39,7 @@ def _layer_type_name(layer: Any) -> str:
     )
 
 
-def _param_count(layer: Any) -> int:
+def _param_count(layer: object) -> int:
     if isinstance(layer, LayerSpec):
         with torch.device("meta"):  # count without allocating: no stage materialises others' layers
             layer = layer.build()
@@ -48,7 +48,7 @@ def _param_count(layer: Any) -> int:
     return 0
 
 
-def _checked_layers(layers: Any) -> list[Any]:
+def _checked_layers(layers: object) -> list[Any]:
     """``layers`` as a list, each a LayerSpec, module or callable (an ``nn.Sequential``: its children)."""
     if isinstance(layers, nn.Sequential):
         layers = list(layers.children())
@@ -69,13 +69,13 @@ def _checked_layers(layers: Any) -> list[Any]:
 
 
 def _check_arguments(
-    num_stages: Any,
-    topology: Any,
-    loss_fn: Any,
-    activation_checkpoint_interval: Any,
-    activation_checkpoint_func: Any,
-    dynamic_shape: Any,
-    num_chunks: Any,
+    num_stages: object,
+    topology: object,
+    loss_fn: object,
+    activation_checkpoint_interval: object,
+    activation_checkpoint_func: object,
+    dynamic_shape: object,
+    num_chunks: object,
 ) -> None:
     """The constructor's other arguments, each named in its error."""
     if num_stages is None and topology is None:
@@ -264,7 +264,7 @@ class PipelineModule(nn.Module):
 
     def tied_weight(self, key: str, attr: str) -> torch.Tensor:
         """The tensor ``attr`` (a dotted path, e.g. ``"wte.weight"``, as DeepSpeed allows) of tied module ``key``."""
-        obj: Any = self.tied_modules[key]
+        obj: object = self.tied_modules[key]
         for part in attr.split("."):
             if not hasattr(obj, part):
                 raise AttributeError(

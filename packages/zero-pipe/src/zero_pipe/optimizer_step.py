@@ -20,9 +20,10 @@ reduction do not support (as in DeepSpeed): they are rejected with a config erro
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from zero_core.config import ZeroConfig
 from zero_core.engine.boundary_step import OptimizerBoundaryStep
 from zero_core.engine.loss_scaler import LossScaler
@@ -32,6 +33,13 @@ from zero_core.utils.param_groups import is_expert_param
 from zero_core.zero.stage_1_and_2 import PartitionedOptimizerStrategy
 
 from zero_pipe import _dist
+
+if TYPE_CHECKING:
+    from zero_core.engine.strategy import TrainingStrategy
+    from zero_core.protocols.training import LRScheduler
+
+    from zero_pipe.module import PipelineModule
+    from zero_pipe.topology import PipelineParallelGrid
 
 
 def _backend_device() -> torch.device:
@@ -45,7 +53,7 @@ class PipelineConfigError(ValueError):
     """The configuration cannot drive a pipeline."""
 
 
-def check_zero_stage(stage: Any) -> int:
+def check_zero_stage(stage: object) -> int:
     """The ZeRO stage for a pipeline: 0 or 1; 2 and 3 are a clear error."""
     if stage not in (0, 1):
         raise PipelineConfigError(
@@ -56,7 +64,7 @@ def check_zero_stage(stage: Any) -> int:
     return int(stage)
 
 
-def check_no_experts_across_stages(module: torch.nn.Module, grid: Any) -> None:
+def check_no_experts_across_stages(module: torch.nn.Module, grid: PipelineParallelGrid) -> None:
     """Mixture-of-Experts layers train in a pipeline of one stage only (collective over the world).
 
     zero-moe creates its expert-parallel and expert-data-parallel groups over the whole world
@@ -81,8 +89,11 @@ def check_no_experts_across_stages(module: torch.nn.Module, grid: Any) -> None:
 
 
 def build_strategy(
-    module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig, dp_group: Any
-) -> Any:
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: ZeroConfig,
+    dp_group: dist.ProcessGroup | None,
+) -> TrainingStrategy:
     """The zero-core training strategy of this stage over its data-parallel group, from zero-core's
     one factory (See [Note: strategy options]), reducing once per batch (``pipeline=True``).
 
@@ -109,13 +120,13 @@ class StageOptimizer:
 
     def __init__(
         self,
-        strategy: Any,
-        module: Any,
-        grid: Any,
+        strategy: TrainingStrategy,
+        module: PipelineModule,
+        grid: PipelineParallelGrid,
         *,
         loss_scaler: LossScaler,
         gradient_clipping: float,
-        lr_scheduler: Any = None,
+        lr_scheduler: LRScheduler | None = None,
         skip_nonfinite: bool = False,
     ) -> None:
         self.strategy = strategy

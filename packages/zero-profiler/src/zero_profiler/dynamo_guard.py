@@ -27,8 +27,10 @@ from __future__ import annotations
 import importlib
 import sys
 import types
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 _DONE: list[bool] = []  # non-empty once this process's marking is done
 _TRACE_RULES_DONE: list[bool] = []
@@ -44,14 +46,14 @@ _MODULES = (
 )
 
 
-def disable_inlining(fn: Any) -> Any:
+def disable_inlining(fn: _F) -> _F:
     """Mark ``fn`` the way ``torch.compiler.disable`` does, for Dynamo's inliner only (no wrapper)."""
     fn._torchdynamo_disable = True
     fn._torchdynamo_disable_msg = "zero_profiler runs uncompiled; see [Note: profiling compiled models]"
     return fn
 
 
-def _codes(obj: Any, seen: set[int]) -> Iterator[types.CodeType]:
+def _codes(obj: object, seen: set[int]) -> Iterator[types.CodeType]:
     """Every code object reachable from a module, class or function (nested ones included)."""
     if id(obj) in seen:
         return

@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -41,7 +40,7 @@ class FlopsProfilerConfig:
     output_file: str | None = None
 
     @classmethod
-    def from_section(cls, section: Any) -> FlopsProfilerConfig:
+    def from_section(cls, section: object) -> FlopsProfilerConfig:
         """From a dict, a pydantic model (``model_dump``) or any object with these attributes."""
         if section is None:
             return cls()
@@ -59,7 +58,7 @@ class FlopsProfilerConfig:
         return cfg
 
     def _validate(self) -> None:
-        def is_int(v: Any) -> bool:
+        def is_int(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
         if not isinstance(self.enabled, bool):
@@ -100,7 +99,9 @@ class StepProfiler:
         rank: only this process's rank 0 prints (pass the global rank; default 0).
     """
 
-    def __init__(self, model: torch.nn.Module, config: Any, engine: Any = None, rank: int = 0):
+    def __init__(
+        self, model: torch.nn.Module, config: object, engine: torch.nn.Module | None = None, rank: int = 0
+    ):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"StepProfiler: model must be a torch.nn.Module, got {type(model).__name__}")
         self.config = FlopsProfilerConfig.from_section(config)

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._ops import OpOverload, OpOverloadPacket
 
 aten = torch.ops.aten
 
@@ -44,7 +45,7 @@ Formula = Callable[..., tuple[int, int]]
 FORMULAS: dict[Any, Formula] = {}
 
 
-def _register(*packets: Any) -> Callable[[Formula], Formula]:
+def _register(*packets: OpOverloadPacket) -> Callable[[Formula], Formula]:
     def wrap(fn: Formula) -> Formula:
         for packet in packets:
             FORMULAS[packet] = fn
@@ -53,7 +54,7 @@ def _register(*packets: Any) -> Callable[[Formula], Formula]:
     return wrap
 
 
-def _numel(x: Any) -> int:
+def _numel(x: object) -> int:
     if isinstance(x, torch.Tensor):
         return x.numel()
     if isinstance(x, (tuple, list)):
@@ -61,7 +62,7 @@ def _numel(x: Any) -> int:
     return 0
 
 
-def _first_tensor_out(out: Any) -> torch.Tensor | None:
+def _first_tensor_out(out: object) -> torch.Tensor | None:
     if isinstance(out, torch.Tensor):
         return out
     if isinstance(out, (tuple, list)):
@@ -191,7 +192,7 @@ def _sdpa_fused_backward(args, kwargs, out):
 # --- normalisations -----------------------------------------------------------------------------
 
 
-def _norm_factor(weight: Any) -> int:
+def _norm_factor(weight: object) -> int:
     return 5 if isinstance(weight, torch.Tensor) else 4
 
 
@@ -304,7 +305,7 @@ for _name in _REDUCTIONS:
         FORMULAS[getattr(aten, _name)] = _per_input_element
 
 
-def op_cost(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
+def op_cost(func: OpOverload, args: tuple, kwargs: dict, out: object) -> tuple[int, int]:
     """The ``(flops, macs)`` of one executed ATen overload ``func`` (0, 0 when not counted)."""
     formula = FORMULAS.get(func.overloadpacket)
     if formula is None:

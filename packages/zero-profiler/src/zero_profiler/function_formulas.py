@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch._ops import OpOverloadPacket
 
 # The arithmetic is the ATen-level counter's: the rules here only decide which ATen operator a call
 # becomes (see [Note: FLOP conventions]).
@@ -46,7 +47,7 @@ Cost = tuple[int, int, Any]  # (flops, macs, ATen overload packet)
 class Pointwise(NamedTuple):
     """A function that runs exactly one pointwise operator, ``packet``: 1 FLOP per output element."""
 
-    packet: Any
+    packet: OpOverloadPacket
 
 
 class Rule(NamedTuple):
@@ -86,7 +87,7 @@ def _resolve(names: list[str], holders: tuple = (torch, Tensor)) -> list[Any]:
     return found
 
 
-def _add(fns: list[Any], value: Any) -> None:
+def _add(fns: list[Any], value: object) -> None:
     for fn in fns:
         FUNCTION_RULES[fn] = value
 
@@ -139,7 +140,7 @@ _add([F.tanh], Pointwise(aten.tanh))
 _add([F.sigmoid], Pointwise(aten.sigmoid))
 
 
-def _inplace_activation(packet: Any, packet_: Any) -> Rule:
+def _inplace_activation(packet: OpOverloadPacket, packet_: OpOverloadPacket) -> Rule:
     """``F.relu``/``F.silu``: the in-place operator when ``inplace=True``."""
 
     def count(args, kwargs):
@@ -156,7 +157,7 @@ _add([F.silu], _inplace_activation(aten.silu, aten.silu_))
 # --- reductions: 1 FLOP per input element -------------------------------------------------------
 
 
-def _per_input_element(packet: Any) -> Rule:
+def _per_input_element(packet: OpOverloadPacket) -> Rule:
     def count(args, kwargs):
         return _arg(args, kwargs, 0, "input").numel(), 0, packet
 
@@ -172,7 +173,7 @@ _add([F.softmax, *_resolve(["softmax"])], _per_input_element(aten._softmax))
 _add([F.log_softmax, *_resolve(["log_softmax"])], _per_input_element(aten._log_softmax))
 
 
-def _norm(packet: Any, weight_index: int, on_cpu_only: bool = False) -> Rule:
+def _norm(packet: OpOverloadPacket, weight_index: int, on_cpu_only: bool = False) -> Rule:
     """5 FLOPs per element with an affine weight, 4 without (see [Note: FLOP conventions])."""
 
     def count(args, kwargs):
@@ -187,7 +188,7 @@ def _norm(packet: Any, weight_index: int, on_cpu_only: bool = False) -> Rule:
 _add([F.layer_norm, torch.layer_norm], _norm(aten.native_layer_norm, 2))
 
 
-def layer_norm_cost(x: Tensor, weight: Any) -> Cost | None:
+def layer_norm_cost(x: Tensor, weight: Tensor | None) -> Cost | None:
     """``F.layer_norm(x, shape, weight, ...)``'s cost (None when not mirrored)."""
     if not _dense(x):
         return None
@@ -226,7 +227,7 @@ def _bmm(args, kwargs):
     return (*aten_bmm_cost(args, kwargs, None), aten.bmm)
 
 
-def _shifted(count: Callable, packet: Any) -> Rule:
+def _shifted(count: Callable, packet: OpOverloadPacket) -> Rule:
     """``addmm``/``baddbmm``: the product of args 1 and 2; the added input is not counted."""
 
     def shifted(args, kwargs):
@@ -254,7 +255,7 @@ def _folds(x: Tensor) -> bool:
     return all(stride[i] == stride[i + 1] * shape[i + 1] for i in range(x.dim() - 2))
 
 
-def _matmul_packet(da: int, db: int, a: Tensor, b_requires_grad: bool) -> Any:
+def _matmul_packet(da: int, db: int, a: Tensor, b_requires_grad: bool) -> OpOverloadPacket | None:
     """The ATen product ``torch.matmul(a, b)`` runs (``a``, ``b`` of ``da``, ``db`` dims), or None
     when we do not mirror the choice.
 

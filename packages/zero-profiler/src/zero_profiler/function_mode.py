@@ -52,13 +52,18 @@ Compiled models: see [Note: profiling compiled models] in :mod:`zero_profiler.dy
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from zero_profiler.dynamo_guard import disable_inlining
 from zero_profiler.function_formulas import FUNCTION_RULES, PASS, Pointwise
+
+if TYPE_CHECKING:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from zero_profiler.tracking import ModuleTracker
 
 _Tensor = torch.Tensor
 _stack_len = torch._C._len_torch_function_stack
@@ -75,7 +80,7 @@ class FunctionCountingMode(TorchFunctionMode):
     receives the counts; ``aten_mode`` the (not yet entered) ATen-level counting mode.
     """
 
-    def __init__(self, tracker: Any, aten_mode: Any) -> None:
+    def __init__(self, tracker: ModuleTracker, aten_mode: TorchDispatchMode) -> None:
         super().__init__()
         self._record = tracker.record
         self._aten_mode = aten_mode

@@ -28,12 +28,17 @@ Details that keep this invisible to the model:
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, SupportsIndex
 
 import torch
 
 from zero_profiler.dynamo_guard import disable_inlining
 from zero_profiler.module_formulas import leaf_rule
+
+if TYPE_CHECKING:
+    from zero_profiler.module_formulas import LeafRule
+    from zero_profiler.tracking import ModuleTracker
 
 
 class TrackedForward:
@@ -46,7 +51,12 @@ class TrackedForward:
     """
 
     def __init__(
-        self, tracker: Any, module: torch.nn.Module, original: Any, ignored: bool, leaf: Any = None
+        self,
+        tracker: ModuleTracker,
+        module: torch.nn.Module,
+        original: Callable[..., Any],
+        ignored: bool,
+        leaf: LeafRule | None = None,
     ) -> None:
         self.original = original
         self.active = True
@@ -79,7 +89,7 @@ class TrackedForward:
 
         return copy.deepcopy(self.original, memo)
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
         return self.original.__reduce_ex__(protocol)
 
 
@@ -87,7 +97,7 @@ disable_inlining(TrackedForward.__call__)  # See [Note: profiling compiled model
 
 
 def wrap_forwards(
-    model: torch.nn.Module, tracker: Any, ignore_types: tuple[type, ...]
+    model: torch.nn.Module, tracker: ModuleTracker, ignore_types: tuple[type, ...]
 ) -> list[tuple[torch.nn.Module, TrackedForward, bool]]:
     """Install a :class:`TrackedForward` on every module of ``model``.
 

@@ -23,8 +23,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._ops import OpOverloadPacket
 
-from zero_profiler.function_formulas import NO_FLOPS, dropout_cost, layer_norm_cost, linear_cost
+from zero_profiler.function_formulas import NO_FLOPS, Cost, dropout_cost, layer_norm_cost, linear_cost
 
 aten = torch.ops.aten
 _PLAIN = (torch.Tensor, nn.Parameter)
@@ -35,7 +36,7 @@ _MISSING = object()
 _LINEAR, _LAYER_NORM, _EMBEDDING, _DROPOUT = F.linear, F.layer_norm, F.embedding, F.dropout
 _GELU, _RELU, _SILU = F.gelu, F.relu, F.silu
 
-LeafRule = Callable[[nn.Module, Any], Any]
+LeafRule = Callable[[nn.Module, Any], Cost | None]
 
 
 def _params(m: nn.Module) -> tuple[Any, Any] | None:
@@ -50,21 +51,21 @@ def _params(m: nn.Module) -> tuple[Any, Any] | None:
     return w, b
 
 
-def _linear_rule(m: nn.Linear, x: Any) -> Any:
+def _linear_rule(m: nn.Linear, x: object) -> Cost | None:
     wb = _params(m)
     if wb is None or x.__class__ not in _PLAIN or F.linear is not _LINEAR:
         return None
     return linear_cost((x, wb[0], wb[1]), _NO_KWARGS)
 
 
-def _layer_norm_rule(m: nn.LayerNorm, x: Any) -> Any:
+def _layer_norm_rule(m: nn.LayerNorm, x: object) -> Cost | None:
     wb = _params(m)
     if wb is None or x.__class__ not in _PLAIN or F.layer_norm is not _LAYER_NORM:
         return None
     return layer_norm_cost(x, wb[0])
 
 
-def _embedding_rule(m: nn.Embedding, x: Any) -> Any:
+def _embedding_rule(m: nn.Embedding, x: object) -> Cost | None:
     # A lookup (and, with max_norm, a renormalisation): no counted operator.
     w = m._parameters.get("weight")
     if w is None or w.__class__ not in _PLAIN or x.__class__ not in _PLAIN or F.embedding is not _EMBEDDING:
@@ -72,16 +73,21 @@ def _embedding_rule(m: nn.Embedding, x: Any) -> Any:
     return NO_FLOPS
 
 
-def _dropout_rule(m: nn.Dropout, x: Any) -> Any:
+def _dropout_rule(m: nn.Dropout, x: object) -> Cost | None:
     if x.__class__ not in _PLAIN or F.dropout is not _DROPOUT:
         return None
     return dropout_cost((x, m.p, m.training, m.inplace), _NO_KWARGS)
 
 
-def _activation_rule(functional: Any, original: Any, packet: Any, packet_: Any = None) -> LeafRule:
+def _activation_rule(
+    functional: str,
+    original: Callable[..., torch.Tensor],
+    packet: OpOverloadPacket,
+    packet_: OpOverloadPacket | None = None,
+) -> LeafRule:
     """One pointwise operator: 1 FLOP per output element, and the output has the input's shape."""
 
-    def rule(m: nn.Module, x: Any) -> Any:
+    def rule(m: nn.Module, x: object) -> Cost | None:
         if x.__class__ not in _PLAIN or getattr(F, functional) is not original:
             return None
         return x.numel(), 0, packet_ if packet_ is not None and m.inplace else packet

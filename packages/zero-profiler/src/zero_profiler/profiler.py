@@ -44,12 +44,12 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
         raise
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
+def _check_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
-def _check_depth(value: Any) -> None:
+def _check_depth(value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < -1:
         raise ValueError(f"module_depth must be -1 (every depth) or an int >= 0, got {value!r}")
 
@@ -87,7 +87,7 @@ class FlopsProfiler:
     def __init__(
         self,
         model: torch.nn.Module,
-        ds_engine: Any = None,
+        ds_engine: torch.nn.Module | None = None,
         recompute_fwd_factor: float = 0.0,
         *,
         fast_path: bool = True,
@@ -317,7 +317,7 @@ def _run(model: torch.nn.Module, args: Sequence[Any], kwargs: dict, mode: str) -
     return model(*args, **kwargs)
 
 
-def _backward(output: Any) -> None:
+def _backward(output: object) -> None:
     """Backpropagate from every floating output tensor that requires grad (ones as upstream grad)."""
     from torch.utils._pytree import tree_leaves
 
@@ -328,7 +328,13 @@ def _backward(output: Any) -> None:
 
 
 def _check_profile_arguments(
-    model: Any, mode: Any, args: Any, kwargs: Any, warm_up: Any, module_depth: Any, top_modules: Any
+    model: object,
+    mode: object,
+    args: object,
+    kwargs: object,
+    warm_up: object,
+    module_depth: object,
+    top_modules: object,
 ) -> None:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"get_model_profile: model must be a torch.nn.Module, got {type(model).__name__}")

@@ -52,7 +52,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -63,6 +63,14 @@ from zero_profiler.flop_formulas import FORMULAS
 from zero_profiler.function_mode import FunctionCountingMode
 from zero_profiler.module_calls import unwrap_forwards, wrap_forwards
 from zero_profiler.module_formulas import AT_ATEN_LEVEL
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from torch._ops import OpOverload, OpOverloadPacket
+
+    from zero_profiler.function_formulas import Cost
+    from zero_profiler.module_formulas import LeafRule
 
 _current_autograd_node = torch._C._current_autograd_node
 _WARMED_UP: list[bool] = []  # non-empty once a counting mode has dispatched an operator
@@ -124,7 +132,7 @@ class _CountingMode(TorchDispatchMode):
         # OpOverload -> (callable, formula or None, overload packet)
         self._ops: dict[Any, tuple[Any, Any, Any]] = {}
 
-    def _describe(self, func: Any) -> tuple[Any, Any, Any]:
+    def _describe(self, func: OpOverload) -> tuple[Any, Any, Any]:
         packet = func.overloadpacket
         # OpOverload.__call__ only forwards to ._op; calling it directly saves a Python frame.
         call = getattr(func, "_op", func)
@@ -253,7 +261,7 @@ class ModuleTracker:
             totals.bwd_first_op = now
         totals.bwd_last_op = now
 
-    def record(self, flops: int, macs: int, packet: Any = None) -> None:
+    def record(self, flops: int, macs: int, packet: OpOverloadPacket | None = None) -> None:
         """Credit one operator's cost to the current phase and module call (its innermost frame)."""
         if self._suppress:
             return
@@ -301,7 +309,12 @@ class ModuleTracker:
     # See [Note: module calls by forward wrappers] for why a call is begin + run + end.
 
     def begin_ignored(
-        self, module: torch.nn.Module, leaf: Any, forward: Any, args: tuple, kwargs: dict
+        self,
+        module: torch.nn.Module,
+        leaf: LeafRule | None,
+        forward: Callable[..., object],
+        args: tuple,
+        kwargs: dict,
     ) -> list:
         """Start an ignored module's call: nothing in it is counted, forward or backward."""
         self._suppress += 1
@@ -319,7 +332,14 @@ class ModuleTracker:
         """The modules whose forward is running, outermost first."""
         return [frame[4] for frame in self._frames]
 
-    def begin_call(self, module: torch.nn.Module, leaf: Any, forward: Any, args: tuple, kwargs: dict) -> list:
+    def begin_call(
+        self,
+        module: torch.nn.Module,
+        leaf: LeafRule | None,
+        forward: Callable[..., object],
+        args: tuple,
+        kwargs: dict,
+    ) -> list:
         """Open a module call's frame; returns it, with what to run in slot 7.
 
         ``leaf``: the module's rule from :mod:`zero_profiler.module_formulas` (or None); when it
@@ -372,7 +392,9 @@ class ModuleTracker:
             stats.fwd_duration += end - start
             stats.calls += 1
 
-    def _leaf_cost(self, mode: FunctionCountingMode, leaf: Any, module: torch.nn.Module, x: Any) -> Any:
+    def _leaf_cost(
+        self, mode: FunctionCountingMode, leaf: LeafRule, module: torch.nn.Module, x: object
+    ) -> Cost | None:
         """The leaf rule's cost, leaving the function mode stepped aside; None (and the mode in
         place) when either declines. The rule runs with the mode aside: its own tensor queries
         must not go through the mode."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 from zero_core.plugins import MissingPackageError, require
@@ -19,7 +20,7 @@ from zero_core.plugins import MissingPackageError, require
 __all__ = ["MissingPackageError", "import_owner", "lazy_module"]
 
 
-def import_owner(module: str, what: str) -> Any:
+def import_owner(module: str, what: str) -> ModuleType:
     """Import ``module`` (a family module path) or raise zero-core's ``MissingPackageError``
     naming the distribution to install (one family map: ``zero_core.plugins.FAMILY``)."""
     return require(module, what)

@@ -8,12 +8,15 @@ import resource
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from zero_core.accelerator._validate import check_index, check_rng_state, check_seed, check_tensor
-from zero_core.accelerator.typed_tensors import LEGACY_CPU_TYPES, TypedTensorsMixin
+from zero_core.accelerator.typed_tensors import LEGACY_CPU_TYPES, TensorFactory, TypedTensorsMixin
+
+if TYPE_CHECKING:
+    from zero_core.protocols.accelerator import Event, Stream
 
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -28,7 +31,7 @@ class CpuEvent:
         self._time: float | None = None
         self._recorded = False
 
-    def record(self, stream: Any = None) -> None:
+    def record(self, stream: Stream | None = None) -> None:
         self._recorded = True
         if self.enable_timing:
             self._time = time.perf_counter()
@@ -40,7 +43,7 @@ class CpuEvent:
     def query(self) -> bool:
         return True
 
-    def wait(self, stream: Any = None) -> None:
+    def wait(self, stream: Stream | None = None) -> None:
         return None
 
     def elapsed_time(self, end_event: CpuEvent) -> float:
@@ -57,7 +60,7 @@ class CpuEvent:
 class CpuStream:
     """A CPU stream: work runs synchronously on the issuing thread, so ordering is trivial."""
 
-    def __init__(self, device: Any = None, priority: int = 0) -> None:
+    def __init__(self, device: torch.device | str | int | None = None, priority: int = 0) -> None:
         self.device = torch.device("cpu")
         self.priority = priority
 
@@ -67,10 +70,10 @@ class CpuStream:
     def query(self) -> bool:
         return True
 
-    def wait_stream(self, stream: Any) -> None:
+    def wait_stream(self, stream: Stream) -> None:
         return None
 
-    def wait_event(self, event: Any) -> None:
+    def wait_event(self, event: Event) -> None:
         return None
 
     def record_event(self, event: CpuEvent | None = None) -> CpuEvent:
@@ -167,7 +170,7 @@ class CpuAccelerator(TypedTensorsMixin):
 
     # -- streams and events --------------------------------------------------------------
     @contextmanager
-    def stream(self, stream: Any) -> Iterator[Any]:
+    def stream(self, stream: CpuStream | None) -> Iterator[CpuStream | None]:
         if stream is not None and not isinstance(stream, CpuStream):
             raise TypeError(
                 f"CpuAccelerator.stream: expected a CpuStream or None, got {type(stream).__name__}"
@@ -191,7 +194,7 @@ class CpuAccelerator(TypedTensorsMixin):
     def synchronize(self, index: int | None = None) -> None:
         check_index(index, "CpuAccelerator.synchronize")
 
-    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+    def record_stream(self, tensor: torch.Tensor, stream: Stream) -> None:
         """No-op: CPU work is synchronous, so memory freed after a use is never still in use."""
         check_tensor(tensor, "CpuAccelerator.record_stream")
 
@@ -264,7 +267,7 @@ class CpuAccelerator(TypedTensorsMixin):
     def is_fp16_supported(self) -> bool:
         return True
 
-    def _typed_tensor(self, dtype: torch.dtype) -> Any:
+    def _typed_tensor(self, dtype: torch.dtype) -> TensorFactory:
         # torch's legacy CPU tensor types, as DeepSpeed's CPU accelerator returns them
         return LEGACY_CPU_TYPES[dtype]
 

@@ -9,15 +9,18 @@ machines; calling its methods there raises torch's own "no CUDA" errors.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from zero_core.accelerator._validate import check_index, check_rng_state, check_seed, check_tensor
-from zero_core.accelerator.typed_tensors import TypedTensorsMixin
+from zero_core.accelerator.typed_tensors import TensorFactory, TypedTensorsMixin
+
+if TYPE_CHECKING:
+    from zero_core.protocols.accelerator import Stream
 
 
-def _device_arg(index: int | None) -> Any:
+def _device_arg(index: int | None) -> torch.device | None:
     # torch.cuda functions take None as "the current device".
     return None if index is None else torch.device("cuda", index)
 
@@ -76,14 +79,14 @@ class CudaAccelerator(TypedTensorsMixin):
         return "nccl"
 
     # -- streams and events --------------------------------------------------------------
-    def stream(self, stream: Any) -> Any:
+    def stream(self, stream: torch.cuda.Stream | None) -> torch.cuda.StreamContext:
         return torch.cuda.stream(stream)
 
-    def current_stream(self, index: int | None = None) -> Any:
+    def current_stream(self, index: int | None = None) -> torch.cuda.Stream:
         check_index(index, "CudaAccelerator.current_stream")
         return torch.cuda.current_stream(_device_arg(index))
 
-    def default_stream(self, index: int | None = None) -> Any:
+    def default_stream(self, index: int | None = None) -> torch.cuda.Stream:
         check_index(index, "CudaAccelerator.default_stream")
         return torch.cuda.default_stream(_device_arg(index))
 
@@ -91,7 +94,7 @@ class CudaAccelerator(TypedTensorsMixin):
         check_index(index, "CudaAccelerator.synchronize")
         torch.cuda.synchronize(_device_arg(index))
 
-    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+    def record_stream(self, tensor: torch.Tensor, stream: Stream) -> None:
         """Tell the caching allocator that ``stream`` uses ``tensor``'s memory, so the block is
         not handed out again until the work queued on ``stream`` so far has finished (a tensor
         allocated on one stream and read on another; see [Note: stage-3 streams])."""
@@ -157,7 +160,7 @@ class CudaAccelerator(TypedTensorsMixin):
     def is_fp16_supported(self) -> bool:
         return torch.cuda.is_available()
 
-    def _typed_tensor(self, dtype: torch.dtype) -> Any:
+    def _typed_tensor(self, dtype: torch.dtype) -> TensorFactory:
         # as DeepSpeed's CUDA accelerator: torch.tensor with the dtype and the device fixed
         return functools.partial(torch.tensor, dtype=dtype, device="cuda")
 

@@ -10,10 +10,13 @@ fixed (``FloatTensor([1.0])`` on the GPU).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any
 
 import torch
+
+#: what ``FloatTensor`` & co. are: a callable making a tensor of one dtype (torch's legacy type on CPU)
+TensorFactory = Callable[..., torch.Tensor]
 
 #: DeepSpeed's property names -> dtype
 TENSOR_TYPES = {
@@ -33,7 +36,7 @@ LEGACY_CPU_TYPES = {dtype: getattr(torch, name) for name, dtype in TENSOR_TYPES.
 class TypedTensorsMixin:
     """Adds DeepSpeed's dtype helpers to an accelerator; subclasses define ``_typed_tensor``."""
 
-    def _typed_tensor(self, dtype: torch.dtype) -> Any:
+    def _typed_tensor(self, dtype: torch.dtype) -> TensorFactory:
         raise NotImplementedError
 
     def is_bf16_supported(self) -> bool:
@@ -59,29 +62,29 @@ class TypedTensorsMixin:
         return False
 
     @property
-    def BFloat16Tensor(self) -> Any:  # noqa: N802 (DeepSpeed's names)
+    def BFloat16Tensor(self) -> TensorFactory:  # noqa: N802 (DeepSpeed's names)
         return self._typed_tensor(torch.bfloat16)
 
     @property
-    def ByteTensor(self) -> Any:  # noqa: N802
+    def ByteTensor(self) -> TensorFactory:  # noqa: N802
         return self._typed_tensor(torch.uint8)
 
     @property
-    def DoubleTensor(self) -> Any:  # noqa: N802
+    def DoubleTensor(self) -> TensorFactory:  # noqa: N802
         return self._typed_tensor(torch.float64)
 
     @property
-    def FloatTensor(self) -> Any:  # noqa: N802
+    def FloatTensor(self) -> TensorFactory:  # noqa: N802
         return self._typed_tensor(torch.float32)
 
     @property
-    def HalfTensor(self) -> Any:  # noqa: N802
+    def HalfTensor(self) -> TensorFactory:  # noqa: N802
         return self._typed_tensor(torch.float16)
 
     @property
-    def IntTensor(self) -> Any:  # noqa: N802
+    def IntTensor(self) -> TensorFactory:  # noqa: N802
         return self._typed_tensor(torch.int32)
 
     @property
-    def LongTensor(self) -> Any:  # noqa: N802
+    def LongTensor(self) -> TensorFactory:  # noqa: N802
         return self._typed_tensor(torch.int64)

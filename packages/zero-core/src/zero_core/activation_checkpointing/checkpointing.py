@@ -20,9 +20,10 @@ import logging
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.autograd.function import FunctionCtx
 
 from zero_core.activation_checkpointing import storage
 from zero_core.activation_checkpointing.config import (
@@ -30,6 +31,9 @@ from zero_core.activation_checkpointing.config import (
     read_activation_checkpointing_config,
 )
 from zero_core.activation_checkpointing.rng import RNGSnapshot, seed_model_parallel
+
+if TYPE_CHECKING:
+    from zero_core.protocols.training import ModelParallelUnit
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +46,7 @@ class CheckpointingState:
     uses the defaults when ``configure()`` was never called."""
 
     config: ActivationCheckpointingConfig = dataclasses.field(default_factory=ActivationCheckpointingConfig)
-    mpu: Any = None
+    mpu: ModelParallelUnit | None = None
     configured: bool = False
     # whether the last configure() came from zero_core.initialize (which re-reads each engine's
     # config) rather than from the user's own call (which initialize must not undo)
@@ -55,8 +59,8 @@ _STATE = CheckpointingState()
 
 
 def configure(
-    mpu_: Any = None,
-    deepspeed_config: Any = None,
+    mpu_: ModelParallelUnit | None = None,
+    deepspeed_config: object = None,
     partition_activations: bool | None = None,
     contiguous_checkpointing: bool | None = None,
     num_checkpoints: int | None = None,
@@ -97,7 +101,7 @@ def configure(
     reset()
 
 
-def configure_from_initialize(deepspeed_config: Any) -> bool:
+def configure_from_initialize(deepspeed_config: object) -> bool:
     """``configure`` from an engine's config, unless that is the caller's job.
 
     Megatron-style scripts call ``checkpointing.configure(mpu, deepspeed_config=..., num_checkpoints=N)``
@@ -133,7 +137,7 @@ def get_config() -> ActivationCheckpointingConfig:
     return _STATE.config
 
 
-def get_mpu() -> Any:
+def get_mpu() -> ModelParallelUnit | None:
     """The model-parallel unit given to ``configure`` (or None)."""
     return _STATE.mpu
 
@@ -200,7 +204,7 @@ class CheckpointFunction(torch.autograd.Function):
     """The autograd Function behind ``checkpoint``. See [Note: how a checkpoint recomputes]."""
 
     @staticmethod
-    def forward(ctx: Any, run_function: Callable, _grad_anchor: torch.Tensor, *args: Any) -> Any:
+    def forward(ctx: FunctionCtx, run_function: Callable, _grad_anchor: torch.Tensor, *args: Any) -> Any:
         with _Boundary("forward"):
             ctx.run_function = run_function
             ctx.rng = RNGSnapshot.capture()
@@ -220,7 +224,7 @@ class CheckpointFunction(torch.autograd.Function):
         return outputs
 
     @staticmethod
-    def backward(ctx: Any, *grad_outputs: Any) -> tuple[Any, ...]:
+    def backward(ctx: FunctionCtx, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         if not torch.autograd._is_checkpoint_valid():
             raise RuntimeError(
                 "activation checkpointing is not compatible with torch.autograd.grad(); use .backward()"

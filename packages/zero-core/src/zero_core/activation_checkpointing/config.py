@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any
 
 SECTION = "activation_checkpointing"
 
@@ -52,7 +51,7 @@ class ActivationCheckpointingConfig:
         return self
 
 
-def _section_from(source: Any) -> Any:
+def _section_from(source: object) -> object:
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         try:
@@ -77,7 +76,7 @@ def _section_from(source: Any) -> Any:
 
 
 def read_activation_checkpointing_config(
-    source: Any, *, validate: bool = True
+    source: object, *, validate: bool = True
 ) -> ActivationCheckpointingConfig:
     """Read the ``activation_checkpointing`` section of a whole config (dict, JSON path or config object).
 

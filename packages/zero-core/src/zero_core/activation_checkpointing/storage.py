@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from zero_core.activation_checkpointing.config import ActivationCheckpointingConfig
+
+if TYPE_CHECKING:
+    from zero_core.protocols.training import ModelParallelUnit
 
 
 @dataclasses.dataclass
@@ -40,7 +43,7 @@ class SavedTensor:
     partitioned: bool
 
 
-def _all_gather_flat(output: torch.Tensor, part: torch.Tensor, group: Any) -> None:
+def _all_gather_flat(output: torch.Tensor, part: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     """Gather equal flat partitions into ``output`` through the project's comm layer (the contract of
     docs/architecture.md); plain torch.distributed while that layer is not importable."""
     try:
@@ -99,7 +102,7 @@ class ContiguousBuffers:
             self._next_slot = 0
 
 
-def uses_storage(config: ActivationCheckpointingConfig, mpu: Any) -> bool:
+def uses_storage(config: ActivationCheckpointingConfig, mpu: ModelParallelUnit | None) -> bool:
     """Whether any option changes how inputs are kept (else they are kept by reference)."""
     partition = config.partition_activations and mpu is not None and mpu.get_model_parallel_world_size() > 1
     return partition or config.cpu_checkpointing or config.contiguous_memory_optimization
@@ -108,7 +111,7 @@ def uses_storage(config: ActivationCheckpointingConfig, mpu: Any) -> bool:
 def save_inputs(
     tensors: list[torch.Tensor],
     config: ActivationCheckpointingConfig,
-    mpu: Any,
+    mpu: ModelParallelUnit | None,
     buffers: ContiguousBuffers,
 ) -> list[SavedTensor]:
     """Keep ``tensors`` as the options say. See [Note: saved-input storage]."""
@@ -135,7 +138,7 @@ def save_inputs(
     return saved
 
 
-def load_inputs(saved: list[SavedTensor], mpu: Any) -> list[torch.Tensor]:
+def load_inputs(saved: list[SavedTensor], mpu: ModelParallelUnit | None) -> list[torch.Tensor]:
     """Rebuild the full input tensors kept by ``save_inputs``."""
     tensors = []
     for s in saved:

@@ -91,7 +91,7 @@ def staging_dir_name(tag: str) -> str:
     return f".{tag}.partial"
 
 
-def validate_tag(tag: Any) -> str:
+def validate_tag(tag: object) -> str:
     """A tag must be a non-empty path-safe name (it becomes a directory name)."""
     if isinstance(tag, int) and not isinstance(tag, bool):
         tag = str(tag)
@@ -119,7 +119,7 @@ def dtype_from_name(name: str, where: str) -> torch.dtype:
         raise CheckpointError(f"{where}: unknown dtype {name!r} (known: {sorted(_DTYPES)})") from None
 
 
-def check_json_compatible(value: Any, where: str) -> None:
+def check_json_compatible(value: object, where: str) -> None:
     """Raise ``TypeError`` naming the path of the first value JSON cannot hold exactly.
 
     Allowed: dict with str keys, list, tuple (comes back as a list), str, int, finite or
@@ -159,7 +159,7 @@ def _escape_key(key: str) -> str:
     return KEY_ESCAPE + key if key == FLOAT_TAG or key.startswith(KEY_ESCAPE) else key
 
 
-def _encode_floats(value: Any) -> Any:
+def _encode_floats(value: object) -> object:
     # JSON has no inf/nan: spell them as tagged objects so they round-trip exactly.
     if isinstance(value, float) and not math.isfinite(value):
         return {FLOAT_TAG: repr(value)}
@@ -170,7 +170,7 @@ def _encode_floats(value: Any) -> Any:
     return value
 
 
-def _decode_hook(obj: dict[str, Any]) -> Any:
+def _decode_hook(obj: dict[str, object]) -> object:
     if len(obj) == 1 and FLOAT_TAG in obj:
         return float(obj[FLOAT_TAG])
     if any(k.startswith(KEY_ESCAPE) for k in obj):
@@ -178,7 +178,7 @@ def _decode_hook(obj: dict[str, Any]) -> Any:
     return obj
 
 
-def dumps(value: Any) -> bytes:
+def dumps(value: object) -> bytes:
     return json.dumps(_encode_floats(value), indent=1, sort_keys=True, allow_nan=False).encode()
 
 

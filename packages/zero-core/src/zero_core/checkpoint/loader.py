@@ -7,6 +7,7 @@ scheduler, optimizer hyper-parameters, buffers, RNG) is restored here.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import warnings
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from zero_core import comm
-from zero_core.checkpoint import rng
+from zero_core.checkpoint import outcome, rng
 from zero_core.checkpoint.experts import global_expert_names
 from zero_core.checkpoint.format import (
     COMMIT_FILE,
@@ -30,6 +31,7 @@ from zero_core.checkpoint.format import (
 from zero_core.checkpoint.fragments import BUFFER, CheckpointableStrategy, CheckpointReader
 from zero_core.checkpoint.integrity import verify_file
 from zero_core.checkpoint.metadata import check_engine_meta, check_seal
+from zero_core.checkpoint.outcome import attempt
 
 
 def resolve_tag(load_dir: str, tag: Any) -> str | None:
@@ -237,7 +239,9 @@ def load_checkpoint(
     verified them completely before anything was copied: one disk pass, but the copies had to
     wait for it, so a cold load cost disk time plus copy time.)
     A file that fails after bytes were copied leaves the engine refusing to train or save
-    until a load succeeds.
+    until a load succeeds. Any other failure of a rank's own part (opening the tag, planning
+    its reads) is agreed on before the single pass, so every rank raises it (see [Note:
+    collective save outcome]).
     """
     load_dir = _check_arguments(load_dir, custom_load_fn)
     tag = resolve_tag(load_dir, tag)
@@ -251,22 +255,24 @@ def load_checkpoint(
         raise CheckpointError(
             f"load_checkpoint: the {type(strategy).__name__} strategy cannot load checkpoints"
         )
-    meta, reader = _open_for(engine, load_dir, tag)
+    group = getattr(engine, "dp_group", None)
     load_opt = load_optimizer_states and not load_module_only
-    _require_optimizer_states(engine, meta, reader, load_opt)
+    opened: list[Any] = []  # [meta, reader] once open
+    prepare = functools.partial(
+        _prepare, engine, load_dir, tag, opened, load_opt, load_module_only, load_module_strict
+    )
+    error = attempt(prepare)
+    meta, reader = opened if opened else (None, None)
     try:
-        _read_state(engine, reader, load_opt, load_module_only, load_module_strict)
-        if custom_load_fn is not None:
-            custom_load_fn(src=full_module_state_dict(reader, engine.module), dst=engine.module)
-        if not load_module_only:
-            restore = restore_engine or _restore_engine
-            restore(engine, meta, reader, load_optimizer_states, load_lr_scheduler_states)
-            _restore_sparse_names(engine, meta, load_module_strict)
-        finish = getattr(strategy, "after_checkpoint_load", None)
-        if finish is not None:  # see [Note: rank-local optimizer state]
-            finish()
+        outcome.agree(group, error, f"load_checkpoint of tag {tag!r} from {load_dir}", "Nothing was loaded")
+        restore_fn = restore_engine or _restore_engine
+
+        def restore(e: Any, m: dict[str, Any], r: CheckpointReader) -> None:
+            restore_fn(e, m, r, load_optimizer_states, load_lr_scheduler_states)
+
+        _complete(engine, meta, reader, custom_load_fn, restore, load_module_only, load_module_strict)
     except BaseException as e:
-        if reader.touched_state and hasattr(engine, "invalidate_state"):
+        if reader is not None and reader.touched_state and hasattr(engine, "invalidate_state"):
             engine.invalidate_state(
                 f"the last load_checkpoint from {reader.tag_dir} failed after overwriting part of the "
                 f"model/optimizer state: {e}; load a good checkpoint before training",
@@ -274,24 +280,56 @@ def load_checkpoint(
             )
         raise
     finally:
-        reader.close()
+        if reader is not None:
+            reader.close()
     if hasattr(engine, "state_restored"):
         engine.state_restored(optimizer=load_opt)
     return reader.tag_dir, meta.get("client_state", {})
 
 
-def _read_state(
-    engine: Any, reader: CheckpointReader, load_opt: bool, module_only: bool, strict: bool
+def _prepare(
+    engine: Any,
+    load_dir: str,
+    tag: str,
+    opened: list[Any],
+    load_opt: bool,
+    module_only: bool,
+    strict: bool,
 ) -> None:
-    """The strategy's fragments and the module's buffers, in the one verifying pass."""
+    """This rank's part of a load, before any collective (see [Note: collective save outcome]):
+    open and check the tag, plan the strategy's reads; ``opened`` receives ``[meta, reader]``.
+    The single pass it begins is finished by the caller once every rank got here."""
+    meta, reader = _open_for(engine, load_dir, tag)
+    opened[:] = [meta, reader]
+    _require_optimizer_states(engine, meta, reader, load_opt)
     # sizes of every rank file checked here, checksums in the single pass (see [Note: shared verification])
     reader.begin_single_pass(getattr(engine, "dp_group", None))
     engine.strategy.load_checkpoint_fragments(
         reader, load_optimizer_states=load_opt, load_module_only=module_only, strict=strict
     )
     _load_buffers(reader, engine.module, strict)
+
+
+def _complete(
+    engine: Any,
+    meta: dict[str, Any],
+    reader: CheckpointReader,
+    custom_load_fn: Callable[..., Any] | None,
+    restore: Callable[..., None],
+    module_only: bool,
+    strict: bool,
+) -> None:
+    """After every rank prepared its reads: the single pass, then the engine state."""
     reader.finish_single_pass()
     reader.end_single_pass()
+    if custom_load_fn is not None:
+        custom_load_fn(src=full_module_state_dict(reader, engine.module), dst=engine.module)
+    if not module_only:
+        restore(engine, meta, reader)
+        _restore_sparse_names(engine, meta, strict)
+    finish = getattr(engine.strategy, "after_checkpoint_load", None)
+    if finish is not None:  # see [Note: rank-local optimizer state]
+        finish()
 
 
 def _open_for(engine: Any, load_dir: str, tag: str) -> tuple[dict[str, Any], CheckpointReader]:

@@ -1,10 +1,12 @@
 """``engine.save_checkpoint``: every rank writes its fragments in parallel, rank 0 commits.
 
 Order (see [Note: checkpoint format]): validate everything that can be validated before a
-byte is written (tag, client_state); rank 0 prepares an empty staging directory; barrier;
-every rank writes ``rank_<r>.safetensors`` then ``rank_<r>.json`` (atomically); barrier;
+byte is written (tag, client_state); rank 0 prepares an empty staging directory; agreement;
+every rank writes ``rank_<r>.safetensors`` then ``rank_<r>.json`` (atomically); agreement;
 rank 0 checksums the rank tables, writes ``checkpoint.json`` and the conversion script,
-renames the staging directory to the tag, and only then replaces ``latest``; barrier.
+renames the staging directory to the tag, and only then replaces ``latest``; agreement. Each
+agreement is where a failure on any rank becomes the same error on every rank (see [Note:
+collective save outcome] in ``outcome.py``).
 
 The commit itself (renames, ``latest`` last) is shared with every checkpoint writer: see
 [Note: one checkpoint writer] and [Note: replacing a tag] in ``staged.py``; the root record
@@ -21,7 +23,7 @@ from typing import Any
 import torch
 
 from zero_core import comm
-from zero_core.checkpoint import rng
+from zero_core.checkpoint import outcome, rng
 from zero_core.checkpoint.atomic import atomic_write_bytes
 from zero_core.checkpoint.experts import global_expert_names
 from zero_core.checkpoint.format import (
@@ -41,19 +43,10 @@ from zero_core.checkpoint.format import (
 from zero_core.checkpoint.fragments import BUFFER, CheckpointableStrategy, Fragment
 from zero_core.checkpoint.integrity import CHECKSUM_ALGORITHM, file_crc32c, file_record
 from zero_core.checkpoint.metadata import sealed_bytes
+from zero_core.checkpoint.outcome import attempt
 from zero_core.checkpoint.replicated import checkpoint_names
 from zero_core.checkpoint.staged import publish_tag
 from zero_core.checkpoint.tensor_file import TensorEntry, write_tensor_file
-
-
-def _dist() -> tuple[bool, int, int]:
-    on = comm.is_initialized()
-    return on, (comm.get_rank() if on else 0), (comm.get_world_size() if on else 1)
-
-
-def _barrier(group: Any = None) -> None:
-    if comm.is_initialized() and comm.get_world_size(group) > 1:
-        comm.barrier(group=group)
 
 
 def buffer_fragments(module: torch.nn.Module) -> list[Fragment]:
@@ -236,33 +229,54 @@ def save_checkpoint(
     world = comm.get_world_size(group) if on else 1
     # The ranks already agreed on ``tag`` (the engine's save agreement: See [Note: checkpoint tag agreement]).
     meta = _engine_meta(engine, tag, world, client_state, exclude_frozen_parameters) if rank == 0 else None
+    exclude = exclude_frozen_parameters
     if extra_meta is not None:
         check_json_compatible(extra_meta, "extra_meta")
         if meta is not None:
             meta.update(extra_meta)
 
     stage_dir = os.path.join(save_dir, staging_dir_name(tag))
-    if rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        shutil.rmtree(stage_dir, ignore_errors=True)  # leftovers of a crashed save of this tag
-        os.makedirs(stage_dir)
-    _barrier(group)
-    fragments = strategy.checkpoint_fragments(exclude_frozen_parameters=exclude_frozen_parameters)
-    # Strategies name fragments by module parameter name; expert parameters are stored under their
-    # global expert name whatever the strategy (see [Note: expert fragments]; idempotent).
+    what = f"save_checkpoint of tag {tag!r} in {save_dir}"
+    kept = "Nothing was committed: the previous checkpoint and 'latest' are unchanged"
+    # Every step below ends in an outcome agreement, not a barrier: See [Note: collective save outcome].
+    error = attempt(lambda: _prepare_staging(save_dir, stage_dir)) if rank == 0 else None
+    outcome.agree(group, error, f"{what}, preparing the staging directory", kept)
+    error = attempt(lambda: _write_rank(stage_dir, rank, world, _fragments(engine, strategy, exclude, rank)))
+    _agree_or_clean(group, error, f"{what}, writing the rank files", kept, stage_dir if rank == 0 else None)
+    error = (
+        attempt(lambda: commit_tag(save_dir, stage_dir, tag, world, meta, save_latest)) if rank == 0 else None
+    )
+    _agree_or_clean(group, error, f"{what}, committing", kept, stage_dir if rank == 0 else None)
+    return True
+
+
+def _prepare_staging(save_dir: str, stage_dir: str) -> None:
+    os.makedirs(save_dir, exist_ok=True)
+    shutil.rmtree(stage_dir, ignore_errors=True)  # leftovers of a crashed save of this tag
+    os.makedirs(stage_dir)
+
+
+def _fragments(engine: Any, strategy: Any, exclude: bool, rank: int) -> list[Fragment]:
+    """This rank's fragments: the strategy's (expert parameters under their global names,
+    see [Note: expert fragments]) and, on rank 0, the module's buffers."""
+    fragments = strategy.checkpoint_fragments(exclude_frozen_parameters=exclude)
     renamed = global_expert_names(engine.module)
     if renamed:
         fragments = [dataclasses.replace(f, name=renamed.get(f.name, f.name)) for f in fragments]
     if rank == 0:
         fragments = fragments + buffer_fragments(engine.module)
+    return fragments
+
+
+def _agree_or_clean(
+    group: Any, error: BaseException | None, what: str, kept: str, stage_dir: str | None
+) -> None:
+    """The outcome agreement; when it fails rank 0 (``stage_dir`` given) removes the staging
+    directory, now that no rank writes into it (a rank that ended instead leaves it to the next
+    save, as a kill -9 does: See [Note: collective save outcome])."""
     try:
-        _write_rank(stage_dir, rank, world, fragments)
-    except BaseException:
-        if rank == 0:  # e.g. a full disk: the error names the file; leave no staging directory
+        outcome.agree(group, error, what, kept)
+    except BaseException as exc:
+        if stage_dir is not None and outcome.all_done_writing(exc, error) and os.path.isdir(stage_dir):
             shutil.rmtree(stage_dir, ignore_errors=True)
         raise
-    _barrier(group)
-    if rank == 0:
-        commit_tag(save_dir, stage_dir, tag, world, meta, save_latest)
-    _barrier(group)
-    return True

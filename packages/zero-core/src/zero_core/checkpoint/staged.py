@@ -9,14 +9,15 @@ steps that loaded without error):
 
 1. ``begin``: the tag is validated (``format.validate_tag``: a plain name, never ``..`` or a
    path) before anything is written; rank 0 empties the staging directory
-   ``<save_dir>/.<tag>.partial``; barrier.
+   ``<save_dir>/.<tag>.partial``; agreement (a barrier at which a failure on any rank becomes
+   the same error on every rank: [Note: collective save outcome] in ``outcome.py``).
 2. Every rank writes its files into the staging directory, each atomically (``atomic.py``),
    checksummed while written ([Note: checkpoint checksum] in ``integrity.py``), and lists
    their records in its own manifest ``.records_<rank>.json``.
-3. ``commit``: barrier; rank 0 merges the manifests into the root record's ``files`` (a file
+3. ``commit``: agreement; rank 0 merges the manifests into the root record's ``files`` (a file
    written by two ranks must have the same record: replicas may both write it), writes the root record sealed ([Note: sealed metadata] in
    ``metadata.py``), fsyncs, renames the staging directory to the tag ([Note: replacing a
-   tag]) and only then replaces ``latest``; barrier.
+   tag]) and only then replaces ``latest``; agreement.
 
 A crash (kill -9 of any rank) before the last rename leaves the previous tag and ``latest``
 as they were; the staging directory is emptied by the next save of that tag. Loading
@@ -47,6 +48,7 @@ from typing import Any
 import torch
 
 from zero_core import comm
+from zero_core.checkpoint import outcome
 from zero_core.checkpoint.atomic import atomic_write_bytes, fsync_dir
 from zero_core.checkpoint.format import (
     LATEST_FILE,
@@ -58,6 +60,7 @@ from zero_core.checkpoint.format import (
 )
 from zero_core.checkpoint.integrity import verify_file
 from zero_core.checkpoint.metadata import read_sealed, sealed_bytes
+from zero_core.checkpoint.outcome import attempt
 from zero_core.checkpoint.tensor_file import TensorEntry, TensorFile, write_tensor_file
 
 _KILL_AT_ENV = "ZERO_CHECKPOINT_KILL_AT"
@@ -70,9 +73,7 @@ def _dist(group: Any) -> tuple[int, int]:
     return comm.get_rank(group), comm.get_world_size(group)
 
 
-def _barrier(group: Any) -> None:
-    if comm.is_initialized() and comm.get_world_size(group) > 1:
-        comm.barrier(group=group)
+_KEPT = "Nothing was committed: the previous checkpoint and 'latest' are unchanged"
 
 
 def publish_tag(save_dir: str, stage_dir: str, tag: str, save_latest: bool) -> None:
@@ -100,8 +101,9 @@ class StagedSave:
     """One tag being written by every rank of ``group``; see [Note: one checkpoint writer].
 
     Collective: every rank constructs it, calls :meth:`begin`, writes its own files and calls
-    :meth:`commit`. A rank whose write fails (a full disk) removes its temporary file; rank 0
-    also removes the staging directory, which the next save of the tag would otherwise clear.
+    :meth:`commit`. A write that fails (a full disk) is not raised at once: the rank remembers it
+    (its temporary file removed, later writes skipped) and :meth:`commit` raises it on every rank
+    (see [Note: collective save outcome]); rank 0 then removes the staging directory.
     """
 
     def __init__(self, save_dir: str | os.PathLike[str], tag: Any, *, group: Any = None) -> None:
@@ -113,13 +115,17 @@ class StagedSave:
         self.rank, self.world = _dist(group)
         self.stage_dir = os.path.join(self.save_dir, staging_dir_name(self.tag))
         self.records: dict[str, dict[str, Any]] = {}
+        self.error: BaseException | None = None  # the first failed write of this rank
+        self._what = f"save_checkpoint of tag {self.tag!r} in {self.save_dir}"
 
     def begin(self) -> None:
-        if self.rank == 0:
-            os.makedirs(self.save_dir, exist_ok=True)
-            shutil.rmtree(self.stage_dir, ignore_errors=True)  # leftovers of a crashed save of this tag
-            os.makedirs(self.stage_dir)
-        _barrier(self.group)
+        error = attempt(self._prepare) if self.rank == 0 else None
+        outcome.agree(self.group, error, f"{self._what}, preparing the staging directory", _KEPT)
+
+    def _prepare(self) -> None:
+        os.makedirs(self.save_dir, exist_ok=True)
+        shutil.rmtree(self.stage_dir, ignore_errors=True)  # leftovers of a crashed save of this tag
+        os.makedirs(self.stage_dir)
 
     def _path(self, name: str) -> str:
         if not name or os.path.basename(name) != name or name.startswith("."):
@@ -134,20 +140,16 @@ class StagedSave:
             TensorEntry(k, tuple(t.shape), t.dtype, (lambda t=t: t.detach())) for k, t in tensors.items()
         ]
         path = self._path(name)
-        try:
-            self.records[name] = write_tensor_file(path, entries)
-        except BaseException:
-            self.abort()
-            raise
+        if self.error is None:
+            self.error = attempt(lambda: self.records.__setitem__(name, write_tensor_file(path, entries)))
 
     def write_json(self, name: str, value: Any) -> None:
         """Write the JSON-compatible ``value`` as the file ``name``."""
         path = self._path(name)
-        try:
-            self.records[name] = atomic_write_bytes(path, dumps(value), sync_dir=False)
-        except BaseException:
-            self.abort()
-            raise
+        if self.error is None:
+            self.error = attempt(
+                lambda: self.records.__setitem__(name, atomic_write_bytes(path, dumps(value), sync_dir=False))
+            )
 
     def _merged_records(self) -> dict[str, dict[str, Any]]:
         files: dict[str, dict[str, Any]] = {}
@@ -165,19 +167,34 @@ class StagedSave:
     def commit(self, record_name: str, meta: dict[str, Any], save_latest: bool = True) -> str:
         """Publish the tag with the root record ``record_name`` (``meta`` plus every file's record).
 
-        ``meta`` is used on rank 0 only. Returns the tag directory.
+        ``meta`` is used on rank 0 only. Returns the tag directory. Raises on every rank when a
+        write failed on any (see [Note: collective save outcome]).
         """
-        atomic_write_bytes(os.path.join(self.stage_dir, _MANIFEST.format(self.rank)), dumps(self.records))
-        _barrier(self.group)
-        if self.rank == 0:
-            meta = {**meta, "tag": self.tag, "files": self._merged_records()}
-            atomic_write_bytes(os.path.join(self.stage_dir, record_name), sealed_bytes(meta), sync_dir=False)
+        manifest = os.path.join(self.stage_dir, _MANIFEST.format(self.rank))
+        if self.error is None:
+            self.error = attempt(lambda: atomic_write_bytes(manifest, dumps(self.records)))
+        self._agree(self.error, "writing the files")
+
+        def publish() -> None:
+            merged = {**meta, "tag": self.tag, "files": self._merged_records()}
+            atomic_write_bytes(
+                os.path.join(self.stage_dir, record_name), sealed_bytes(merged), sync_dir=False
+            )
             publish_tag(self.save_dir, self.stage_dir, self.tag, save_latest)
-        _barrier(self.group)
+
+        self._agree(attempt(publish) if self.rank == 0 else None, "committing")
         return os.path.join(self.save_dir, self.tag)
 
+    def _agree(self, error: BaseException | None, step: str) -> None:
+        try:
+            outcome.agree(self.group, error, f"{self._what}, {step}", _KEPT)
+        except BaseException as exc:
+            if outcome.all_done_writing(exc, error):
+                self.abort()
+            raise
+
     def abort(self) -> None:
-        """After a failed write: rank 0 removes the staging directory (a crash leaves it to the next save)."""
+        """After a failed save: rank 0 removes the staging directory (a crash leaves it to the next save)."""
         if self.rank == 0:
             shutil.rmtree(self.stage_dir, ignore_errors=True)
 

@@ -49,7 +49,8 @@ import re
 import struct
 import sys
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -94,7 +95,7 @@ _CHUNK = 8 * 2**20
 _COPY_CHUNK = 4 * 2**20
 
 
-def _torch() -> Any:
+def _torch() -> ModuleType:
     import torch  # only where a tensor must be made: see [Note: streaming conversion]
 
     return torch
@@ -118,7 +119,7 @@ def parse_size(size: int | str) -> int:
 
 
 # -- reading -------------------------------------------------------------------------------
-def _decode_hook(obj: dict[str, Any]) -> Any:
+def _decode_hook(obj: dict[str, object]) -> object:
     """inf/nan are stored as {"__float__": "inf"}, dict keys that look like it escaped (format.py's
     [Note: JSON float tags]; repeated here so that this file runs without zero_core)."""
     if len(obj) == 1 and "__float__" in obj:
@@ -128,7 +129,7 @@ def _decode_hook(obj: dict[str, Any]) -> Any:
     return obj
 
 
-def _encode(value: Any) -> Any:
+def _encode(value: object) -> object:
     """The inverse of :func:`_decode_hook` (format.py's ``_encode_floats``), to recompute a seal."""
     if isinstance(value, float) and not math.isfinite(value):
         return {"__float__": repr(value)}
@@ -200,7 +201,7 @@ def _file_sum64(path: str) -> str:
     return f"{a:016x}{b:016x}"
 
 
-def _crc32c(path: str) -> Any:
+def _crc32c(path: str) -> ModuleType:
     try:
         import crc32c
     except ImportError:
@@ -275,7 +276,7 @@ def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return dict(pairs)
 
 
-def _entries(header: Any, data_size: int) -> dict[str, tuple[str, int, int]]:
+def _entries(header: object, data_size: int) -> dict[str, tuple[str, int, int]]:
     """``key -> (dtype name, lo, hi)``, after the checks of ``tensor_file.check_layout`` (safetensors' rules)."""
     if not isinstance(header, dict):
         raise ValueError("the header is not a JSON object")
@@ -393,7 +394,7 @@ _copy_file_range_ok = [hasattr(os, "copy_file_range")]  # cleared the first time
 class _Checkpoint:
     """One verified tag: ``(name, kind) -> [(start, end, rank, key)]``, rank files opened lazily."""
 
-    def __init__(self, checkpoint_dir: str, tag: Any) -> None:
+    def __init__(self, checkpoint_dir: str | os.PathLike[str], tag: str | int | None) -> None:
         if not isinstance(checkpoint_dir, (str, os.PathLike)):
             raise TypeError(f"checkpoint_dir must be a path, got {type(checkpoint_dir).__name__}")
         checkpoint_dir = os.fspath(checkpoint_dir)
@@ -515,7 +516,7 @@ def _tag_dir(checkpoint_dir: str, tag: str) -> str:
 EXTRA_READERS: list[Any] = []
 
 
-def _open(checkpoint_dir: Any, tag: Any) -> _Checkpoint:
+def _open(checkpoint_dir: str | os.PathLike[str], tag: str | int | None) -> _Checkpoint:
     """The checkpoint to convert: the first of :data:`EXTRA_READERS` that recognises it, else an
     engine checkpoint."""
     if isinstance(checkpoint_dir, (str, os.PathLike)):
@@ -562,7 +563,9 @@ def _value(ckpt: _Checkpoint, name: str, kind: str) -> torch.Tensor:
 
 
 def get_fp32_state_dict_from_zero_checkpoint(
-    checkpoint_dir: str | os.PathLike[str], tag: Any = None, exclude_frozen_parameters: bool = False
+    checkpoint_dir: str | os.PathLike[str],
+    tag: str | int | None = None,
+    exclude_frozen_parameters: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The consolidated fp32 weights (and buffers) of a checkpoint, as an in-memory state dict on CPU."""
     ckpt = _open(checkpoint_dir, tag)
@@ -576,7 +579,7 @@ def get_fp32_state_dict_from_zero_checkpoint(
 
 
 def load_state_dict_from_zero_checkpoint(
-    model: torch.nn.Module, checkpoint_dir: str | os.PathLike[str], tag: Any = None
+    model: torch.nn.Module, checkpoint_dir: str | os.PathLike[str], tag: str | int | None = None
 ) -> torch.nn.Module:
     """Load the consolidated fp32 weights into ``model`` (moved to CPU) and return it.
 
@@ -660,7 +663,7 @@ def _shards(entries: list[_Out], max_bytes: int) -> Iterator[list[_Out]]:
         yield shard
 
 
-def _atomic_fd(path: str, fill: Any) -> None:
+def _atomic_fd(path: str, fill: Callable[[int, str], None]) -> None:
     """Create ``path`` atomically: ``fill(fd, tmp)`` writes the temporary file ``tmp`` (through the
     open ``fd`` or by its name), which is then fsynced and renamed.
 
@@ -754,8 +757,11 @@ _WEIGHT_SUFFIXES = (".safetensors", *_PICKLE_SUFFIXES)
 
 
 def _resolve_output(
-    output_dir: Any, max_shard_size: int | str, safe_serialization: bool, tag: Any
-) -> tuple[str, Any, int]:
+    output_dir: str | os.PathLike[str],
+    max_shard_size: int | str,
+    safe_serialization: bool,
+    tag: str | int | None,
+) -> tuple[str, str | int | None, int]:
     """The output file (a directory gets Hugging Face's name), the tag (DeepSpeed < 0.16's third
     positional argument) and the shard size limit in bytes; clear errors for a mismatched name."""
     if not isinstance(output_dir, (str, os.PathLike)):
@@ -791,7 +797,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     output_dir: str | os.PathLike[str],
     max_shard_size: int | str = "5GB",
     safe_serialization: bool = True,
-    tag: Any = None,
+    tag: str | int | None = None,
     exclude_frozen_parameters: bool = False,
     progress: bool = True,
 ) -> list[str]:

@@ -40,7 +40,7 @@ from zero_core.comm.groups import (
 )
 from zero_core.comm.logger import OP_NAMES, CommsLogger, Stats, comms_logger
 from zero_core.comm.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
-from zero_core.comm.watchdog import CollectiveTimeoutError, CollectiveWatchdog
+from zero_core.comm.watchdog import CollectiveTimeoutError, CollectiveWatchdog, PeerFailedError
 from zero_core.comm.work import Work
 
 
@@ -58,6 +58,7 @@ __all__ = [
     "OP_NAMES",
     "CommsLogger",
     "P2POp",
+    "PeerFailedError",
     "ProcessGroup",
     "ReduceOp",
     "Stats",

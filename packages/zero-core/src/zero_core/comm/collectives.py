@@ -26,7 +26,7 @@ Post-processing runs when the op completes: immediately for synchronous calls, o
 
 from __future__ import annotations
 
-from typing import Any
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,8 @@ from zero_core.comm.work import Work
 from zero_core.utils.tensor_alias import apart_or_slot
 
 ReduceOp = dist.ReduceOp
+# What ``op`` arguments take: a member such as ``ReduceOp.SUM`` (a RedOpType) or a ReduceOp.
+_Op = ReduceOp | ReduceOp.RedOpType
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -60,7 +62,7 @@ _BOOL_OPS = {
 }
 
 
-def _prepare(where: str, group: Any) -> int:
+def _prepare(where: str, group: dist.ProcessGroup | None) -> int:
     require_initialized(where)
     check_group(group, where)
     if is_non_member(group) or dist.get_rank(group) < 0:
@@ -70,7 +72,7 @@ def _prepare(where: str, group: Any) -> int:
     return dist.get_world_size(group)
 
 
-def _check_op(op: Any, where: str) -> None:
+def _check_op(op: object, where: str) -> None:
     if not isinstance(op, (ReduceOp, ReduceOp.RedOpType)):
         raise TypeError(f"zero_core.comm.{where}: op must be a zero_core.comm.ReduceOp, got {op!r}")
 
@@ -83,7 +85,7 @@ def _check_same(a: torch.Tensor, b: torch.Tensor, where: str) -> None:
         )
 
 
-def _check_output_input(output: Any, input: Any, where: str) -> None:
+def _check_output_input(output: torch.Tensor, input: torch.Tensor, where: str) -> None:
     """Both are tensors of one dtype and device."""
     check_tensor(output, "output", where)
     check_tensor(input, "input", where)
@@ -101,7 +103,7 @@ def _check_world_multiple(
         )
 
 
-def _avg_is_native(tensor: torch.Tensor, group: Any) -> bool:
+def _avg_is_native(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
     return tensor.is_floating_point() and dist.get_backend(group) == "nccl"
 
 
@@ -115,7 +117,9 @@ def _divide(tensor: torch.Tensor, n: int) -> None:
 class _Reduction:
     """How to run a reduction on ``tensor``: the buffer and op to hand to torch, and the fix-up."""
 
-    def __init__(self, tensor: torch.Tensor, op: Any, group: Any, n: int, where: str) -> None:
+    def __init__(
+        self, tensor: torch.Tensor, op: _Op, group: dist.ProcessGroup | None, n: int, where: str
+    ) -> None:
         _check_op(op, where)
         self.op, self.buffer, self.divide = op, tensor, False
         if tensor.dtype == torch.bool:
@@ -136,7 +140,10 @@ class _Reduction:
 
 
 def all_reduce(
-    tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False
+    tensor: torch.Tensor,
+    op: _Op = ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
 ) -> Work | None:
     """Reduce ``tensor`` across ``group`` in place on every rank."""
     n = _prepare("all_reduce", group)
@@ -154,7 +161,11 @@ def all_reduce(
 
 
 def reduce(
-    tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False
+    tensor: torch.Tensor,
+    dst: int,
+    op: _Op = ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
 ) -> Work | None:
     """Reduce ``tensor`` into global rank ``dst`` (other ranks' tensors are left unspecified)."""
     n = _prepare("reduce", group)
@@ -190,7 +201,9 @@ def _flat_out(output: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _direct(group: Any, full: torch.Tensor, piece: torch.Tensor, *, reduce: bool) -> bool:
+def _direct(
+    group: dist.ProcessGroup | None, full: torch.Tensor, piece: torch.Tensor, *, reduce: bool
+) -> bool:
     """Whether to run the op as a direct exchange: gloo, and the two buffers apart or in place
     (a partial overlap keeps torch's collective). See [Note: gloo direct collectives]."""
     return gloo_direct.applies(group, piece, reduce) and apart_or_slot(full, piece, dist.get_rank(group))
@@ -206,8 +219,8 @@ def _run(work: gloo_direct.DirectWork, async_op: bool) -> gloo_direct.DirectWork
 def reduce_scatter_tensor(
     output: torch.Tensor,
     input: torch.Tensor,
-    op: Any = ReduceOp.SUM,
-    group: Any = None,
+    op: _Op = ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
     async_op: bool = False,
 ) -> Work | None:
     """Reduce ``input`` (world_size equal chunks, flat order) and give rank i chunk i in ``output``."""
@@ -233,7 +246,7 @@ def reduce_scatter_tensor(
 
 
 def all_gather_into_tensor(
-    output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
 ) -> Work | None:
     """Concatenate every rank's ``input`` (flat, in group-rank order) into ``output``."""
     n = _prepare("all_gather_into_tensor", group)
@@ -262,7 +275,10 @@ def all_gather_into_tensor(
 
 
 def all_gather(
-    tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False
+    tensor_list: list[torch.Tensor],
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
 ) -> Work | None:
     """Gather every rank's ``tensor`` into ``tensor_list[rank]``; sizes may differ per rank."""
     n = _prepare("all_gather", group)
@@ -310,7 +326,9 @@ def all_gather(
     )
 
 
-def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Work | None:
+def broadcast(
+    tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, async_op: bool = False
+) -> Work | None:
     """Copy ``tensor`` of global rank ``src`` into ``tensor`` on every member of ``group``."""
     _prepare("broadcast", group)
     check_tensor(tensor, "tensor", "broadcast")
@@ -326,7 +344,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool 
     )
 
 
-def _check_splits(splits: Any, dim0: int, n: int, name: str) -> None:
+def _check_splits(splits: list[int] | None, dim0: int, n: int, name: str) -> None:
     where = "zero_core.comm.all_to_all_single"
     if splits is None:
         if dim0 % n:
@@ -344,7 +362,7 @@ def all_to_all_single(
     input: torch.Tensor,
     output_split_sizes: list[int] | None = None,
     input_split_sizes: list[int] | None = None,
-    group: Any = None,
+    group: dist.ProcessGroup | None = None,
     async_op: bool = False,
 ) -> Work | None:
     """Split ``input`` along dim 0, send chunk i to rank i, concatenate what arrives in ``output``.
@@ -388,7 +406,10 @@ def _split_bytes(input: torch.Tensor, splits: list[int] | None, n: int) -> list[
 
 
 def broadcast_object_list(
-    object_list: list[Any], src: int = 0, group: Any = None, device: Any = None
+    object_list: list[object],
+    src: int = 0,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
 ) -> None:
     """Replace ``object_list``'s items on every rank with those of global rank ``src`` (pickled)."""
     _prepare("broadcast_object_list", group)
@@ -408,7 +429,7 @@ def broadcast_object_list(
     )
 
 
-def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
+def all_gather_object(object_list: list[object], obj: object, group: dist.ProcessGroup | None = None) -> None:
     """Fill ``object_list[i]`` with rank i's ``obj`` (pickled; ``object_list`` has world_size slots)."""
     n = _prepare("all_gather_object", group)
     if not isinstance(object_list, list) or len(object_list) != n:
@@ -426,13 +447,17 @@ def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> No
     )
 
 
-def barrier(group: Any = None) -> None:
+def barrier(group: dist.ProcessGroup | None = None) -> None:
     """Block until every member of ``group`` reaches the barrier."""
     _prepare("barrier", group)
     issue("barrier", group, 0, None, lambda a: dist.barrier(group=group, async_op=a), async_op=False)
 
 
-def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+def monitored_barrier(
+    group: dist.ProcessGroup | None = None,
+    timeout: timedelta | float | None = None,
+    wait_all_ranks: bool = False,
+) -> None:
     """A barrier that raises, naming the missing rank(s), after ``timeout`` (seconds or timedelta).
 
     Supported by gloo only (torch's limitation).

@@ -104,8 +104,11 @@ class DirectWork:
     """The transfers of one direct collective; ``wait()`` also runs its completion (the sum).
 
     Looks like a torch ``Work`` to ``zero_core.comm.Work`` and the collective watchdog:
-    ``wait(timeout)``, ``is_completed()``, ``get_future()``.
+    ``wait(timeout)``, ``is_completed()``, ``get_future()``. Its transfers are point-to-point, so
+    it is waited on once, never in slices (``resumable_wait``; see [Note: collective watchdog]).
     """
+
+    resumable_wait = False
 
     def __init__(self, works: list[Any], complete: Callable[[], None] | None) -> None:
         self._works = works

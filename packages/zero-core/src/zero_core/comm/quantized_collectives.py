@@ -38,12 +38,13 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Callable
-from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from zero_core import comm
 from zero_core.comm.quantize import dequantize_blocks, num_blocks, quantize_blocks
+from zero_core.comm.work import Work
 
 #: qwZ: int8 weights in blocks of 256 elements (scale overhead 4/256 byte per element).
 WEIGHT_BITS, WEIGHT_BLOCK = 8, 256
@@ -81,12 +82,12 @@ def _unpack(packed: torch.Tensor, cols: int, bits: int, block: int) -> torch.Ten
 # -- qwZ ------------------------------------------------------------------------------------
 def quantized_all_gather(
     shards: list[torch.Tensor],
-    group: Any = None,
+    group: dist.ProcessGroup | None = None,
     *,
     bits: int = WEIGHT_BITS,
     block_size: int = WEIGHT_BLOCK,
     aligned: bool = False,
-) -> tuple[Any, Callable[[int, torch.Tensor], None]]:
+) -> tuple[Work | None, Callable[[int, torch.Tensor], None]]:
     """Start an all-gather of ``shards`` (this rank's, same sizes on every rank) quantized.
 
     Returns ``(work, unpack)``: after ``work.wait()``, ``unpack(i, full)`` writes the gathered,
@@ -137,8 +138,8 @@ class QuantizedReduceScatter:
         self,
         out: torch.Tensor,
         rows: torch.Tensor,
-        intra: Any,
-        inter: Any,
+        intra: dist.ProcessGroup | None,
+        inter: dist.ProcessGroup | None,
         bits: int,
         block: int,
     ) -> None:
@@ -183,8 +184,8 @@ class QuantizedReduceScatter:
 def quantized_reduce_scatter(
     out: torch.Tensor,
     rows: torch.Tensor,
-    intra_group: Any,
-    inter_group: Any = None,
+    intra_group: dist.ProcessGroup | None,
+    inter_group: dist.ProcessGroup | None = None,
     *,
     bits: int = GRAD_BITS,
     block_size: int = GRAD_BLOCK,
@@ -217,7 +218,7 @@ class QgzReducer:
     expert-data-parallel group) through one all-to-all over their own group.
     """
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         from zero_core.comm.topology import current_topology, node_groups
 
         self.group = group
@@ -227,7 +228,9 @@ class QgzReducer:
         )
         self.intra, self.inter = node_groups() if self.hierarchical else (None, None)
 
-    def __call__(self, out: torch.Tensor, rows: torch.Tensor, group: Any) -> QuantizedReduceScatter:
+    def __call__(
+        self, out: torch.Tensor, rows: torch.Tensor, group: dist.ProcessGroup | None
+    ) -> QuantizedReduceScatter:
         # a group of the whole world numbers its ranks as the world does (node-major)
         if self.hierarchical and comm.get_world_size(group) == comm.get_world_size():
             return quantized_reduce_scatter(out, rows, self.intra, self.inter)

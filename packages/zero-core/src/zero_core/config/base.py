@@ -48,7 +48,7 @@ class _AutoDefault:
 AUTO = _AutoDefault()
 
 
-def show(value: Any, limit: int | None = None) -> str:
+def show(value: object, limit: int | None = None) -> str:
     """Render a config value as the user wrote it: JSON when possible, ``repr`` otherwise; cut to
     ``limit`` characters (ending in "...") when given, for whole sections quoted in a message."""
     try:
@@ -60,7 +60,7 @@ def show(value: Any, limit: int | None = None) -> str:
     return text
 
 
-def _reject_bool(value: Any) -> Any:
+def _reject_bool(value: object) -> object:
     # bool is an int subclass in Python and pydantic's lax mode would turn `true` into 1.
     if isinstance(value, bool):
         raise PydanticCustomError(
@@ -87,7 +87,7 @@ def one_of(allowed: Iterable[Any], *, case_insensitive: bool = True, canonical: 
     listing = ", ".join(show(a) for a in allowed)
     by_lower = {str(a).lower(): a for a in allowed if isinstance(a, str)}
 
-    def check(value: Any) -> Any:
+    def check(value: object) -> object:
         if isinstance(value, str) and case_insensitive and value.lower() in by_lower:
             return by_lower[value.lower()] if canonical else value
         if not isinstance(value, bool) and value in allowed:
@@ -148,7 +148,7 @@ class ConfigModel(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _normalise_input(cls, data: Any) -> Any:
+    def _normalise_input(cls, data: object) -> object:
         if not isinstance(data, dict):
             return data
         data = dict(data)

@@ -27,7 +27,7 @@ from zero_core.config.base import (
 from zero_core.config.monitoring import FlopsProfilerConfig
 
 
-def _stages(value: Any) -> Any:
+def _stages(value: object) -> object:
     if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
         return value
     if isinstance(value, float) and value.is_integer() and value >= 1:

@@ -38,7 +38,7 @@ class ConfigError(ValueError):
         super().__init__(text)
 
 
-def join_path(*parts: Any) -> str:
+def join_path(*parts: object) -> str:
     """``("zero_optimization", "offload_param", "device")`` -> ``zero_optimization.offload_param.device``;
     integers become ``[i]``."""
     out = ""

@@ -109,7 +109,7 @@ def read_config(source: ConfigSource) -> tuple[dict[str, Any], str | None]:
     )
 
 
-def _check_deepscale(args: Any) -> None:
+def _check_deepscale(args: object) -> None:
     """DeepSpeed's deprecated ``args.deepscale_config``: warn, and refuse it next to
     ``args.deepspeed_config`` (DeepSpeed does not know which to use either)."""
     old = getattr(args, "deepscale_config", None)
@@ -131,7 +131,9 @@ def _check_deepscale(args: Any) -> None:
     )
 
 
-def _pick_source(config: Any, args: Any, config_params: Any) -> Any:
+def _pick_source(
+    config: ConfigSource | None, args: object, config_params: ConfigSource | None
+) -> ConfigSource | None:
     if config is not None and config_params is not None and config is not config_params:
         raise ConfigError(
             ["config and config_params are both given: pass the config once (config_params is the old name)"]
@@ -178,7 +180,7 @@ def _check_key_values(cfg: ZeroConfig, policy: str, where: str | None) -> None:
 def load_config(
     config: ConfigSource | None = None,
     *,
-    args: Any = None,
+    args: object = None,
     config_params: ConfigSource | None = None,
     world_size: int | None = None,
     world_size_source: str | None = None,

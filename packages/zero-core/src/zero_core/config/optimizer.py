@@ -118,7 +118,7 @@ _KIND_NAMES = {
 }
 
 
-def _matches(value: Any, kind: type) -> bool:
+def _matches(value: object, kind: type) -> bool:
     if isinstance(value, bool):
         return kind is bool
     if kind is float:
@@ -167,7 +167,7 @@ class OptimizerConfig(ConfigModel):
         params = {k: v for k, v in params.items() if v != AUTO_VALUE}
         problems = []
 
-        def number(v: Any) -> bool:
+        def number(v: object) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool)
 
         for key in ("lr", "weight_decay"):

@@ -31,7 +31,7 @@ _DTYPE_SPELLINGS = {
 }
 
 
-def _canonical_dtype(value: Any) -> Any:
+def _canonical_dtype(value: object) -> object:
     if isinstance(value, str):
         return _DTYPE_SPELLINGS.get(value.lower(), value)
     return value

@@ -14,6 +14,7 @@ from typing import Annotated, Any, ClassVar
 from pydantic import (
     BaseModel,
     Field,
+    ModelWrapValidatorHandler,
     PrivateAttr,
     SerializeAsAny,
     ValidationError,
@@ -48,7 +49,7 @@ def _section_default(name: str) -> Any:
     return Field(default_factory=lambda: sections.section_model(name)())
 
 
-def validate_section(name: str, value: Any, context: dict[str, Any] | None) -> BaseModel:
+def validate_section(name: str, value: object, context: dict[str, Any] | None) -> BaseModel:
     """Validate plugin section ``name`` with the model registered for it now."""
     model = sections.section_model(name)
     if model is None:
@@ -140,7 +141,7 @@ class ZeroConfig(ConfigModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _collect_extra_sections(cls, data: Any) -> Any:
+    def _collect_extra_sections(cls, data: object) -> object:
         if not isinstance(data, dict):
             return data
         registered = sections.config_sections()
@@ -152,7 +153,7 @@ class ZeroConfig(ConfigModel):
 
     @model_validator(mode="wrap")
     @classmethod
-    def _remember_auto_batch(cls, data: Any, handler: Any) -> ZeroConfig:
+    def _remember_auto_batch(cls, data: object, handler: ModelWrapValidatorHandler[ZeroConfig]) -> ZeroConfig:
         cfg = handler(data)
         if isinstance(data, dict):
             cfg._auto_batch = tuple(
@@ -162,7 +163,7 @@ class ZeroConfig(ConfigModel):
 
     @field_validator("zero_optimization", mode="before")
     @classmethod
-    def _legacy_bool_zero(cls, value: Any) -> Any:
+    def _legacy_bool_zero(cls, value: object) -> object:
         if isinstance(value, bool):
             warnings.warn(
                 f"zero_optimization: {show(value)} is deprecated, use zero_optimization: "
@@ -175,12 +176,12 @@ class ZeroConfig(ConfigModel):
 
     @field_validator(*BUILTIN_SECTIONS, mode="before")
     @classmethod
-    def _validate_plugin_section(cls, value: Any, info: ValidationInfo) -> Any:
+    def _validate_plugin_section(cls, value: object, info: ValidationInfo) -> BaseModel:
         return validate_section(info.field_name, value, info.context)
 
     @field_validator("extra_sections", mode="before")
     @classmethod
-    def _validate_extra_sections(cls, value: Any, info: ValidationInfo) -> Any:
+    def _validate_extra_sections(cls, value: object, info: ValidationInfo) -> object:
         if not isinstance(value, dict):
             return value
         return {name: validate_section(name, v, info.context) for name, v in value.items()}

@@ -45,11 +45,11 @@ def _flag(key: str) -> Callable[[Any], bool]:
 _enabled = _flag("enabled")
 
 
-def _compile_on(value: Any) -> bool:
+def _compile_on(value: object) -> bool:
     return _enabled(value) or _flag("deepcompile")(value)
 
 
-def _compression_on(value: Any) -> bool:
+def _compression_on(value: object) -> bool:
     """DeepSpeed switches compression on per technique: ``{"sparse_pruning": {"shared_parameters":
     {"enabled": true, ...}}, "layer_reduction": {"enabled": true}, ...}``, not with a top-level flag."""
     if not isinstance(value, dict):
@@ -60,11 +60,11 @@ def _compression_on(value: Any) -> bool:
     )
 
 
-def _truthy(value: Any) -> bool:
+def _truthy(value: object) -> bool:
     return bool(value)
 
 
-def _tp_size(value: Any) -> bool:
+def _tp_size(value: object) -> bool:
     if not isinstance(value, dict):
         return bool(value)
     size = value.get("autotp_size", value.get("tp_size", 1))

@@ -10,14 +10,11 @@ reported with everything needed to debug it.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import dataclasses
-import gc
 import json
 import logging
 import os
 import socket
-import sys
 import weakref
 from datetime import timedelta
 from typing import Any
@@ -25,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zero_core.distributed import teardown
 from zero_core.distributed.world_info import (
     DEFAULT,
     EXPLICIT,
@@ -41,6 +39,9 @@ logger = logging.getLogger(__name__)
 # the info is only trusted while that very group is the default one (it may be destroyed and
 # replaced by other code, or this module state inherited by a forked child).
 _joined: tuple[WorldInfo, Any] | None = None
+
+
+DEFAULT_PG_TIMEOUT = timedelta(minutes=30)
 
 
 class DistributedInitError(RuntimeError):
@@ -70,8 +71,10 @@ def _validate(
         or not 0 < distributed_port < 65536
     ):
         raise ValueError(f"{where}: distributed_port must be an int in 1..65535, got {distributed_port!r}")
-    if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
-        raise ValueError(f"{where}: timeout must be a positive datetime.timedelta, got {timeout!r}")
+    if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
+        raise ValueError(
+            f"{where}: timeout must be a positive datetime.timedelta (or None: 30 minutes), got {timeout!r}"
+        )
     if init_method is not None and (not isinstance(init_method, str) or "://" not in init_method):
         raise ValueError(
             f"{where}: init_method must be None or a URL such as 'env://', 'tcp://host:port' or 'file:///path', got {init_method!r}"
@@ -175,12 +178,23 @@ def _discovered_world(
     return info
 
 
+def _apply_timeout(timeout: timedelta | None) -> timedelta:
+    """The process group's timeout; one given explicitly also bounds zero's collectives (the
+    user's own bound: See [Note: collective watchdog])."""
+    if timeout is None:
+        return DEFAULT_PG_TIMEOUT
+    from zero_core.comm import watchdog
+
+    watchdog.set_init_timeout(timeout.total_seconds())
+    return timeout
+
+
 def init_distributed(
     dist_backend: str | None = None,
     auto_mpi_discovery: bool = True,
     distributed_port: int = 29500,
     verbose: bool = True,
-    timeout: timedelta = timedelta(minutes=30),
+    timeout: timedelta | None = None,
     init_method: str | None = None,
     dist_init_required: bool | None = None,
     config: Any = None,
@@ -197,6 +211,11 @@ def init_distributed(
     initialisation; an already initialised group makes this a no-op. ``config`` (dict, JSON
     path or config object) may carry a ``comms_logger`` section, which is applied.
 
+    ``timeout`` (default 30 minutes) bounds forming the group and is the process group's own
+    timeout; given explicitly, it also bounds every collective of zero unless the config's
+    ``comms_timeout`` or ``ZERO_COLLECTIVE_TIMEOUT`` says otherwise (see [Note: collective
+    watchdog]; the default there is 300 s).
+
     Raises :class:`DistributedInitError` when the world does not form within ``timeout``.
     """
     global _joined
@@ -212,6 +231,7 @@ def init_distributed(
         verbose,
     )
     _apply_comm_config(config)
+    timeout = _apply_timeout(timeout)
     if dist_init_required is False:
         return
     if dist.is_initialized():
@@ -245,41 +265,10 @@ def init_distributed(
             f"it. Cause: {type(exc).__name__}: {exc}"
         ) from exc
     _joined = (info, weakref.ref(dist.group.WORLD))  # weakly: see [Note: process group teardown at exit]
-    atexit.register(_destroy_at_exit, weakref.ref(dist.group.WORLD))
+    atexit.register(teardown.destroy_at_exit, weakref.ref(dist.group.WORLD))
+    from zero_core.comm import failures
 
-
-def _destroy_at_exit(group_ref: Any) -> None:
-    """Tear down the process group this module formed, in order, before the interpreter does.
-
-    [Note: process group teardown at exit]
-    Left to interpreter shutdown, gloo's worker threads can still be finishing an op while
-    their owner is destroyed, and the process dies with SIGABRT ("terminate called without an
-    active exception") after a run that succeeded - measured in about one of 2-3 four-rank runs
-    at stages 1-3. A barrier (bounded by the collective watchdog's timeout) makes every rank
-    finish its last op first, then ``destroy_process_group`` joins the threads while Python is
-    still intact. A rank leaving with an exception skips the barrier (its peers may never come)
-    and a fired watchdog ends the process before this runs (see [Note: collective watchdog]).
-    Nothing of ours may keep the group alive past ``destroy_process_group`` (this module's
-    record of the world and the watchdog hold it through weak references, the watchdog drops
-    its Work handles when closed, and a garbage-collection pass frees cycles afterwards): a
-    group object that survives into interpreter teardown is destroyed there, which is the
-    abort this avoids (a full fault run with the group still referenced showed 1 abort in 20).
-    """
-    try:
-        if not dist.is_initialized() or dist.group.WORLD is not group_ref():
-            return  # destroyed already, or replaced by someone else's group
-        from zero_core import comm
-
-        # Python sets sys.last_value when the script ends with an uncaught exception.
-        if getattr(sys, "last_value", None) is None:
-            with contextlib.suppress(Exception):
-                work = dist.barrier(async_op=True)
-                work.wait(timedelta(seconds=comm.watchdog.collective_timeout()))
-        comm.destroy_process_group()
-        # Free what only reference cycles still hold (Work handles, engines) while Python is intact.
-        gc.collect()
-    except Exception as exc:  # never turn a finished job into a failed exit
-        logger.warning("init_distributed: destroying the process group at exit failed: %s", exc)
+    failures.install()  # a process ending with an error says so: See [Note: failed ranks]
 
 
 def world_info() -> WorldInfo:

@@ -12,12 +12,15 @@ like DeepSpeed's, it overrides the micro-step count's boundary decision until re
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from zero_core import comm
 from zero_core.engine.strategy_factory import COMM_DTYPES
+
+if TYPE_CHECKING:
+    from zero_core.config import ZeroConfig
 
 
 class DeepSpeedAccessors:
@@ -32,7 +35,7 @@ class DeepSpeedAccessors:
     behaviour (strategy, boundary step, ``NoSyncGuard``, ``ModelStates``) are held, not mixed in.
     """
 
-    config: Any
+    config: ZeroConfig
     compute_dtype: torch.dtype
     _global_grad_norm: float | None
     _wall_clock: bool

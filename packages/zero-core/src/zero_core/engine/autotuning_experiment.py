@@ -22,11 +22,15 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from zero_core import plugins
+
+if TYPE_CHECKING:
+    from zero_core.config import ZeroConfig
+    from zero_core.engine.engine import ZeroEngine
 
 #: the environment variable the autotuner sets on its experiments (the value: the experiment's name)
 EXPERIMENT_ENV = "ZERO_AUTOTUNING_EXPERIMENT"
@@ -70,7 +74,7 @@ def experiment_baseline(model: torch.nn.Module) -> ExperimentBaseline:
     return ExperimentBaseline(process_baseline_bytes(model), model_info(model))
 
 
-def attach_experiment_hook(cfg: Any, engine: Any, baseline: ExperimentBaseline) -> None:
+def attach_experiment_hook(cfg: ZeroConfig, engine: ZeroEngine, baseline: ExperimentBaseline) -> None:
     """Add the autotuning experiment's step hook to ``engine`` when the config asks for one.
 
     With ``autotuning.model_info.profile`` zero-profiler's hook writes the model information and

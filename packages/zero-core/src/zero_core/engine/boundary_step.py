@@ -20,13 +20,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from zero_core import comm
 from zero_core.engine.loss_scaler import LossScaler, warn_static_overflow
 from zero_core.utils.grad_norm import clip_coefficient
+
+if TYPE_CHECKING:
+    from zero_core.engine.strategy import TrainingStrategy
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,12 @@ class OptimizerBoundaryStep:
     """
 
     def __init__(
-        self, strategy: Any, loss_scaler: LossScaler, *, device: torch.device, skip_nonfinite: bool
+        self,
+        strategy: TrainingStrategy,
+        loss_scaler: LossScaler,
+        *,
+        device: torch.device,
+        skip_nonfinite: bool,
     ) -> None:
         self.strategy = strategy
         self.loss_scaler = loss_scaler

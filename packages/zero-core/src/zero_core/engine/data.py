@@ -12,18 +12,20 @@ epoch (``seed + epoch``) when the loader is iterated again.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from zero_core.utils.nested import map_tensors
+
+_T = TypeVar("_T")
 
 
 class ZeroDataLoader:
     def __init__(
         self,
-        dataset: Any,
+        dataset: Dataset,
         batch_size: int,
         *,
         rank: int,
@@ -58,12 +60,12 @@ class ZeroDataLoader:
         return iter(self.loader)
 
 
-def move_to_device(batch: Any, device: torch.device) -> Any:
+def move_to_device(batch: _T, device: torch.device) -> _T:
     """``batch`` with its tensors (nested as :func:`map_tensors` walks) moved to ``device``."""
     return map_tensors(batch, lambda t: t.to(device))
 
 
-def cast_floating(batch: Any, dtype: torch.dtype) -> Any:
+def cast_floating(batch: _T, dtype: torch.dtype) -> _T:
     """``batch`` with its floating-point tensors (nested as :func:`map_tensors` walks) cast to ``dtype``.
 
     The engine's forward applies it with ``fp16.auto_cast`` (DeepSpeed's switch for feeding fp32

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from zero_core import comm
 from zero_core.engine.grad_buckets import BucketedAllReduce
@@ -29,6 +30,8 @@ from zero_core.utils.storage_bytes import StorageLedger
 from zero_core.zero.param_owners import PARAM_OWNERS
 
 if TYPE_CHECKING:
+    from zero_core.checkpoint.fragments import CheckpointReader
+    from zero_core.engine.loss_scaler import LossScaler
     from zero_core.engine.strategy_factory import DataParallelOptions
 
 
@@ -39,7 +42,7 @@ class DataParallelStrategy:
         optimizer: torch.optim.Optimizer,
         options: DataParallelOptions,
         *,
-        group: Any = None,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         self.module = module
         self.optimizer = optimizer
@@ -96,14 +99,14 @@ class DataParallelStrategy:
                 )
             optimizer.bind_data_parallel(group)
         self._dense_this_boundary = True
-        self.loss_scaler: Any = None  # see bind_loss_scaler
+        self.loss_scaler: LossScaler | None = None  # see bind_loss_scaler
         from zero_core.engine.data_parallel_access import DataParallelStateAccess
 
         # See [Note: parameter owner registry] (zero/param_owners.py); released by close()
         self._state_access = DataParallelStateAccess(self)
         PARAM_OWNERS.register(self.params, self._state_access)
 
-    def bind_loss_scaler(self, loss_scaler: Any) -> None:
+    def bind_loss_scaler(self, loss_scaler: LossScaler | None) -> None:
         """The engine's loss scaler: the safe_get gradient helpers report unscaled gradients."""
         self.loss_scaler = loss_scaler
 
@@ -170,7 +173,7 @@ class DataParallelStrategy:
         # fused, in fp32, on the device: See [Note: scalars stay on the device in the step]
         return sum_of_squares(self._grads())
 
-    def norm_group(self) -> Any:
+    def norm_group(self) -> dist.ProcessGroup | None:
         return None
 
     @torch.no_grad()
@@ -244,7 +247,7 @@ class DataParallelStrategy:
 
     def load_checkpoint_fragments(
         self,
-        reader: Any,
+        reader: CheckpointReader,
         *,
         load_optimizer_states: bool = True,
         load_module_only: bool = False,

@@ -11,15 +11,18 @@ parameter, flattened.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from zero_core.engine.data_parallel import DataParallelStrategy
 
 
 class DataParallelStateAccess:
     """The owner object of [Note: safe_get owner protocol] for stage-0 parameters."""
 
-    def __init__(self, strategy: Any) -> None:
+    def __init__(self, strategy: DataParallelStrategy) -> None:
         self.strategy = strategy
 
     def _master(self, p: torch.nn.Parameter) -> torch.Tensor:
@@ -79,7 +82,7 @@ class DataParallelStateAccess:
     def local_optimizer_state(self, p: torch.nn.Parameter, key: str) -> torch.Tensor:
         return self.full_optimizer_state(p, key).reshape(-1)
 
-    def _check(self, p: torch.nn.Parameter, value: Any, where: str) -> None:
+    def _check(self, p: torch.nn.Parameter, value: object, where: str) -> None:
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{where}: value must be a torch.Tensor, got {type(value).__name__}")
         if value.numel() != p.numel():

@@ -20,7 +20,7 @@ import torch
 from zero_core import comm
 from zero_core.config import ZeroConfig
 from zero_core.engine.accessors import DeepSpeedAccessors
-from zero_core.engine.agreement import SaveAgreement
+from zero_core.engine.agreement import LoadAgreement, SaveAgreement
 from zero_core.engine.boundary_step import OptimizerBoundaryStep
 from zero_core.engine.data import cast_floating
 from zero_core.engine.eval_only import is_eval_only, require_optimizer
@@ -116,6 +116,7 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
         self._invalid_state: str | None = None
         self._invalid_state_optimizer = False
         self._save_agreement = SaveAgreement()
+        self._load_agreement = LoadAgreement()
 
     # -- the parts it holds: attribute forwarding, no_sync, offload_states -----------------
     def __getattr__(self, name: str) -> Any:
@@ -401,8 +402,15 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
         custom_load_fn: Callable[..., Any] | None = None,
     ) -> tuple[str | None, dict[str, Any] | None]:
         """Load a checkpoint saved at any world size and stage; returns ``(load_path, client_state)``."""
-        from zero_core.checkpoint.loader import load_checkpoint
+        from zero_core.checkpoint.loader import load_checkpoint, resolve_tag
 
+        # Every rank calls, for one tag, or a clear error (see [Note: one-sided calls]).
+        if isinstance(load_dir, (str, os.PathLike)):
+            try:
+                resolved = resolve_tag(os.fspath(load_dir), tag)
+            except Exception as exc:  # the loader raises it below, on every rank that sees it
+                resolved = f"(unreadable: {exc})"
+            self._load_agreement.agree_tag(resolved, self.dp_group)
         return load_checkpoint(
             self,
             load_dir,

@@ -30,9 +30,12 @@ the parameter groups (the strategies need them) and owns no state.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.optim.optimizer import ParamsT
 
 
 class NoOptimizerError(RuntimeError):
@@ -42,7 +45,7 @@ class NoOptimizerError(RuntimeError):
 class EvalOnlyOptimizer(torch.optim.Optimizer):
     """Placeholder optimizer of an engine built without one. See [Note: engine without an optimizer]."""
 
-    def __init__(self, params: Any) -> None:
+    def __init__(self, params: ParamsT) -> None:
         params = list(params)
         if not params:
             params = [torch.nn.Parameter(torch.zeros(0), requires_grad=False)]
@@ -60,11 +63,11 @@ _MESSAGE = (
 )
 
 
-def is_eval_only(optimizer: Any) -> bool:
+def is_eval_only(optimizer: object) -> bool:
     return isinstance(optimizer, EvalOnlyOptimizer)
 
 
-def require_optimizer(optimizer: Any, what: str) -> None:
+def require_optimizer(optimizer: object, what: str) -> None:
     """Raise :class:`NoOptimizerError` when ``optimizer`` is the placeholder of an eval-only engine."""
     if is_eval_only(optimizer):
         raise NoOptimizerError(_MESSAGE.format(what=f"engine.{what}"))

@@ -61,11 +61,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from zero_core import comm
+from zero_core.comm.work import Work
 
 #: Stage 0's bucket size when the config gives no ``reduce_bucket_size``: 25 MiB of fp32.
 STAGE0_DEFAULT_BUCKET_NUMEL = 25 * 2**20 // 4
@@ -79,7 +80,7 @@ class _Bucket:
     ready: set[int] = field(default_factory=set)
     launched: bool = False
     buffer: torch.Tensor | None = None
-    work: Any = None
+    work: Work | None = None
     had_grad: list[bool] = field(default_factory=list)  # this rank's, at the last launch
     accumulated: set[int] = field(default_factory=set)  # params summed into the buffer (accum_dtype)
     send: torch.Tensor | None = None  # the buffer cast to the communication dtype, in flight
@@ -92,7 +93,7 @@ class BucketedAllReduce:
         self,
         params: Iterable[torch.nn.Parameter],
         bucket_numel: int,
-        group: Any = None,
+        group: dist.ProcessGroup | None = None,
         overlap: bool = True,
         comm_dtype: torch.dtype | None = None,
         predivide_factor: float = 1.0,

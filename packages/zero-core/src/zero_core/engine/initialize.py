@@ -10,9 +10,10 @@ module to fp16/bf16, (7) data loader and monitors.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from zero_core import comm
 from zero_core.config import ZeroConfig
@@ -23,11 +24,24 @@ from zero_core.engine.eval_only import is_eval_only
 from zero_core.engine.loss_scaler import build_loss_scaler
 from zero_core.engine.strategy_factory import build_optimizer, build_strategy, compute_dtype
 from zero_core.plugins import require
+from zero_core.protocols.training import LRScheduler, ModelParallelUnit
+
+if TYPE_CHECKING:
+    from torch.optim.optimizer import ParamsT
+    from torch.utils.data import Dataset
+
+    from zero_core.config.loader import ConfigSource
+    from zero_core.engine.model_engines import ModelEngineHook
+
+#: what ``initialize(optimizer=...)`` takes: an optimizer, a callable building one from the parameters, or None.
+ClientOptimizer = torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None
+#: what ``initialize(lr_scheduler=...)`` takes: a scheduler, a callable (or class) building one from the optimizer, or None.
+ClientScheduler = LRScheduler | Callable[[torch.optim.Optimizer], LRScheduler] | None
 
 __all__ = ["compute_dtype", "initialize"]
 
 
-def _broadcast_module(module: torch.nn.Module, group: Any) -> None:
+def _broadcast_module(module: torch.nn.Module, group: dist.ProcessGroup | None) -> None:
     """Make every rank start from the same parameters and buffers.
 
     Each parameter comes from the first rank of the group it is reduced over: the
@@ -50,7 +64,9 @@ def _broadcast_module(module: torch.nn.Module, group: Any) -> None:
             comm.broadcast(b.data, src=src, group=group)
 
 
-def _build_scheduler(lr_scheduler: Any, optimizer: torch.optim.Optimizer, cfg: ZeroConfig) -> Any:
+def _build_scheduler(
+    lr_scheduler: ClientScheduler, optimizer: torch.optim.Optimizer, cfg: ZeroConfig
+) -> LRScheduler | None:
     if is_eval_only(optimizer):
         if lr_scheduler is not None or cfg.scheduler is not None:
             raise ValueError(
@@ -146,7 +162,7 @@ def _build_profiler(model: torch.nn.Module, cfg: ZeroConfig, engine: ZeroEngine)
     return StepProfiler(model, data, engine=engine, rank=comm.get_rank() if comm.is_initialized() else 0)
 
 
-def _check_compressed_optimizer(cfg: ZeroConfig, optimizer: Any, is_pipeline: bool) -> None:
+def _check_compressed_optimizer(cfg: ZeroConfig, optimizer: ClientOptimizer, is_pipeline: bool) -> None:
     """1-bit Adam, 0/1 Adam and 1-bit LAMB run on plain data parallelism only (as in DeepSpeed).
 
     Told apart by what the stage-0 strategy asks them, ``communicates_gradients`` (zero-ops'
@@ -170,18 +186,18 @@ def _check_compressed_optimizer(cfg: ZeroConfig, optimizer: Any, is_pipeline: bo
 
 
 def initialize(
-    args: Any = None,
+    args: object = None,
     model: torch.nn.Module | None = None,
-    optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None = None,
-    model_parameters: Any = None,
-    training_data: Any = None,
-    lr_scheduler: Any = None,
+    optimizer: ClientOptimizer = None,
+    model_parameters: ParamsT | None = None,
+    training_data: Dataset | None = None,
+    lr_scheduler: ClientScheduler = None,
     distributed_port: int = 29500,
-    mpu: Any = None,
+    mpu: ModelParallelUnit | None = None,
     dist_init_required: bool | None = None,
     collate_fn: Callable[..., Any] | None = None,
-    config: Any = None,
-    config_params: Any = None,
+    config: ConfigSource | None = None,
+    config_params: ConfigSource | None = None,
 ) -> tuple[ZeroEngine, torch.optim.Optimizer, Any, Any]:
     """Build the training engine. Returns ``(engine, optimizer, training_dataloader, lr_scheduler)``."""
     if model is None:
@@ -225,8 +241,14 @@ def initialize(
 
 
 def _agreed_config(
-    model: torch.nn.Module, optimizer: Any, config: Any, config_params: Any, args: Any, mpu: Any, group: Any
-) -> tuple[ZeroConfig, Any, int]:
+    model: torch.nn.Module,
+    optimizer: ClientOptimizer,
+    config: ConfigSource | None,
+    config_params: ConfigSource | None,
+    args: object,
+    mpu: ModelParallelUnit | None,
+    group: dist.ProcessGroup | None,
+) -> tuple[ZeroConfig, ModelEngineHook | None, int]:
     """The parsed config every rank agreed on, the model's engine hook (None: ZeroEngine) and the
     data-parallel world size the batch sizes are per."""
     from zero_core.config import load_config
@@ -257,13 +279,13 @@ def _agreed_config(
 
 def _build_engine(
     model: torch.nn.Module,
-    optimizer: Any,
-    model_parameters: Any,
-    lr_scheduler: Any,
-    loader: Any,
+    optimizer: ClientOptimizer,
+    model_parameters: ParamsT | None,
+    lr_scheduler: ClientScheduler,
+    loader: ZeroDataLoader | None,
     cfg: ZeroConfig,
-    group: Any,
-) -> tuple[ZeroEngine, Any]:
+    group: dist.ProcessGroup | None,
+) -> tuple[ZeroEngine, LRScheduler | None]:
     """Steps (3)-(6) of the module docstring's order and the monitors: the ``ZeroEngine`` and its
     LR scheduler."""
     from zero_core.accelerator import get_accelerator
@@ -300,6 +322,6 @@ def _build_engine(
     return engine, scheduler
 
 
-def _replicated_eval(optimizer: Any, cfg: ZeroConfig) -> bool:
+def _replicated_eval(optimizer: torch.optim.Optimizer, cfg: ZeroConfig) -> bool:
     """An optimizer-less engine at stage 1 or 2 is plain data parallel (See [Note: engine without an optimizer])."""
     return is_eval_only(optimizer) and int(cfg.zero_optimization.stage) in (1, 2)

@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from zero_core.config.precision import FP16Config
 
 
 @dataclass
@@ -132,7 +135,7 @@ def warn_static_overflow(scale: float, step: int | None, skipped: int) -> None:
     )
 
 
-def build_loss_scaler(fp16_enabled: bool, fp16_section: Any | None) -> LossScaler:
+def build_loss_scaler(fp16_enabled: bool, fp16_section: FP16Config | None) -> LossScaler:
     """The scaler the config asks for: dynamic when ``fp16.loss_scale`` is 0, else static."""
     if not fp16_enabled:
         return LossScaler(1.0)

@@ -30,14 +30,14 @@ ENTRY_POINT_GROUP = "zero.model_engines"
 class ModelEngineHook(Protocol):
     """What a package registers under ``zero.model_engines``. See [Note: model engine hooks]."""
 
-    def accepts(self, model: Any) -> bool: ...
+    def accepts(self, model: object) -> bool: ...
 
     def data_parallel_world_size(self, model: Any, world_size: int) -> int: ...
 
     def initialize(self, **kwargs: Any) -> tuple[Any, Any, Any, Any]: ...
 
 
-def find_model_engine(model: Any) -> ModelEngineHook | None:
+def find_model_engine(model: object) -> ModelEngineHook | None:
     """The registered hook that accepts ``model``, or None for a plain module."""
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         top = ep.value.split(":", 1)[0].split(".", 1)[0]

@@ -38,11 +38,15 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from zero_core.protocols.optimizer_offload import NoOptimizerOffload
+
+if TYPE_CHECKING:
+    from zero_core.engine.strategy import TrainingStrategy
+    from zero_core.zero.stage3.strategy import Stage3Strategy
 
 STATE_KINDS = ("optim_states", "hp_params", "lp_params", "lp_grads", "contiguous_grad_buffer")
 
@@ -65,7 +69,7 @@ class OffloadDeviceEnum(str, enum.Enum):
     nvme = "nvme"
 
 
-def _kind_name(kind: Any) -> str:
+def _kind_name(kind: object) -> str:
     """``OffloadStateTypeEnum.optim_states`` (or its value, or the plain string) -> ``"optim_states"``."""
     value = getattr(kind, "value", kind)
     if not isinstance(value, str) or value not in STATE_KINDS:
@@ -129,11 +133,11 @@ class ModelStates:
 
     def offload(
         self,
-        strategy: Any,
+        strategy: TrainingStrategy,
         stage: int,
         home: torch.device,
         include: Iterable[Any] | None = None,
-        device: Any = "cpu",
+        device: torch.device | str = "cpu",
         pin_memory: bool = True,
         non_blocking: bool = False,
     ) -> None:
@@ -171,7 +175,7 @@ class ModelStates:
         _move_storages(chosen, everything, target, bool(pin_memory), bool(non_blocking))
         self.offloaded = {**(self.offloaded or {}), **{k: home for k in kinds}}
 
-    def reload(self, strategy: Any, non_blocking: bool = False) -> None:
+    def reload(self, strategy: TrainingStrategy, non_blocking: bool = False) -> None:
         """Bring back every state :meth:`offload` moved, to the device it came from."""
         if not self.offloaded:
             return
@@ -192,7 +196,7 @@ class ModelStates:
             )
 
 
-def _state_tensors(s: Any, kind: str) -> list[torch.Tensor]:
+def _state_tensors(s: Stage3Strategy, kind: str) -> list[torch.Tensor]:
     """The tensors of ``kind`` in the stage 3 strategy ``s``."""
     if kind == "lp_params":
         return [st.shard for st in s.records]

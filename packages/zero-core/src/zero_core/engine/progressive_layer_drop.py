@@ -30,9 +30,12 @@ arguments), the engine only schedules it:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from zero_core.config import ZeroConfig
 
 
 class ProgressiveLayerDrop:
@@ -78,7 +81,7 @@ class ProgressiveLayerDrop:
             self.current_theta = 1.0
 
 
-def build_progressive_layer_drop(config: Any) -> ProgressiveLayerDrop | None:
+def build_progressive_layer_drop(config: ZeroConfig) -> ProgressiveLayerDrop | None:
     """The schedule of the config's ``progressive_layer_drop`` section, None when it is off."""
     section = getattr(config, "progressive_layer_drop", None)
     if section is None or not getattr(section, "enabled", False):

@@ -25,9 +25,8 @@ them at stage 0 only as well), rather than densify them silently. With a wider
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+import torch.distributed as dist
 
 from zero_core import comm
 
@@ -69,7 +68,7 @@ class SparseGradReducer:
         params: list[torch.nn.Parameter],
         native: dict[int, bool],
         *,
-        group: Any = None,
+        group: dist.ProcessGroup | None = None,
         divisor: int,
         comm_dtype: torch.dtype | None = None,
         accum_dtype: torch.dtype | None = None,

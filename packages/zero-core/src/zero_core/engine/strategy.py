@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 
 
 @runtime_checkable
@@ -37,7 +38,7 @@ class TrainingStrategy(Protocol):
         replicated (stage 0) return the full value and report ``norm_group() is None``.
         """
 
-    def norm_group(self) -> Any:
+    def norm_group(self) -> dist.ProcessGroup | None:
         """Process group over which ``grad_norm_sq`` shares are summed (None: no reduction)."""
 
     def step(self, grad_scale: float | torch.Tensor) -> None:

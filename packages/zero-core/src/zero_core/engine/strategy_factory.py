@@ -14,10 +14,12 @@ reduction] in zero-pipe) and runs stage 0 or 1 only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from zero_core import comm
 from zero_core.config import ZeroConfig
@@ -34,6 +36,11 @@ from zero_core.engine.eval_only import is_eval_only
 from zero_core.plugins import require
 from zero_core.protocols.optimizer_offload import OptimizerOffload
 from zero_core.protocols.shard_store import PLAIN_SHARDS, ShardStore
+
+if TYPE_CHECKING:
+    from torch.optim.optimizer import ParamsT
+
+    from zero_core.engine.strategy import TrainingStrategy
 
 
 @dataclass(frozen=True)
@@ -72,7 +79,7 @@ class DataParallelOptions:
 
 
 def optimizer_offload(
-    module: torch.nn.Module, cfg: ZeroConfig, group: Any, dtype: torch.dtype
+    module: torch.nn.Module, cfg: ZeroConfig, group: dist.ProcessGroup | None, dtype: torch.dtype
 ) -> OptimizerOffload | None:
     """zero-offload's ``OptimizerOffload`` when ``offload_optimizer.device`` is cpu/nvme, else None."""
     zc = cfg.zero_optimization
@@ -90,7 +97,7 @@ def optimizer_offload(
     )
 
 
-def param_offload(cfg: ZeroConfig, group: Any) -> ShardStore:
+def param_offload(cfg: ZeroConfig, group: dist.ProcessGroup | None) -> ShardStore:
     """zero-offload's ``ParamOffload`` when ``offload_param.device`` is cpu/nvme (stage 3), else
     the plain store (See [Note: shard store seam])."""
     zc = cfg.zero_optimization
@@ -105,10 +112,10 @@ def build_strategy(
     module: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     cfg: ZeroConfig,
-    group: Any,
+    group: dist.ProcessGroup | None,
     *,
     pipeline: bool = False,
-) -> Any:
+) -> TrainingStrategy:
     """The training strategy of ``cfg``'s ZeRO stage over ``group``. See [Note: strategy options].
 
     Only stage 3 casts the module itself (it partitions the parameters); for the other stages
@@ -160,7 +167,11 @@ def build_strategy(
 
 
 def build_optimizer(
-    optimizer: Any, params: Any, cfg: ZeroConfig, *, required_by: str | None = None
+    optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None,
+    params: ParamsT,
+    cfg: ZeroConfig,
+    *,
+    required_by: str | None = None,
 ) -> torch.optim.Optimizer:
     """The optimizer ``initialize`` trains with: the client's, built by the client's callable, or
     from the config's ``optimizer`` section.

@@ -8,14 +8,19 @@ zero-core's ``hf`` extra (``pip install 'packages/zero-core[hf]'``), and without
 names is an error saying so (``hf_extra.py``).
 """
 
-from typing import Any
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from zero_core.integrations.hf_pretrained import from_pretrained, load_pretrained_into_partitions
+
+if TYPE_CHECKING:
+    from zero_core.integrations.hf_trainer import ZeroTrainer
 
 __all__ = ["ZeroTrainer", "from_pretrained", "load_pretrained_into_partitions"]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> type[ZeroTrainer]:
     if name == "ZeroTrainer":  # imports transformers (and accelerate): only when asked for
         from zero_core.integrations.hf_extra import require_hf
 

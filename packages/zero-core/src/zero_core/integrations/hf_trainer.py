@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers
@@ -44,19 +45,26 @@ import zero_core
 from zero_core.config.loader import read_config
 from zero_core.integrations.hf_trainer_checkpoint import TrainerCheckpoints
 
+if TYPE_CHECKING:
+    from torch.optim.optimizer import ParamsT
+    from torch.utils.data import DataLoader
+
+    from zero_core.config.loader import ConfigSource
+    from zero_core.engine.engine import ZeroEngine
+
 
 class _EngineOptimizer:
     """What the Trainer's loop sees as its optimizer: the engine's param groups; stepping and
     zeroing belong to the engine. See [Note: Trainer under zero]."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: ZeroEngine) -> None:
         self.engine = engine
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.engine.optimizer.param_groups
 
-    def step(self, closure: Any = None) -> None:
+    def step(self, closure: Callable[[], float] | None = None) -> None:
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -69,10 +77,10 @@ class _EngineOptimizer:
 class _EngineScheduler:
     """The Trainer's view of the learning rate: the engine's (its scheduler steps in the engine)."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: ZeroEngine) -> None:
         self.engine = engine
 
-    def step(self, *args: Any, **kwargs: Any) -> None:
+    def step(self, *args: object, **kwargs: object) -> None:
         return None
 
     def get_last_lr(self) -> list[float]:
@@ -91,7 +99,7 @@ class ZeroTrainer(TrainerCheckpoints, transformers.Trainer):
     DeepSpeed. Every other argument is the Trainer's. See [Note: Trainer under zero].
     """
 
-    def __init__(self, *args: Any, zero_config: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, zero_config: ConfigSource, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.args.save_only_model and self.args.load_best_model_at_end:
             # as the Trainer refuses it for DeepSpeed: loading the best model loads its engine state
@@ -101,7 +109,7 @@ class ZeroTrainer(TrainerCheckpoints, transformers.Trainer):
             )
         raw, _ = read_config(zero_config)  # the user's keys only: fills below need what is absent
         self.zero_config = raw
-        self.engine: Any = None
+        self.engine: ZeroEngine | None = None
         # The engine reduces at its own accumulation boundaries (and refuses no_sync at stages
         # 2/3, as DeepSpeed does): accelerate's no_sync around the non-final micro-batches of an
         # accumulation window must not reach it (accelerate skips it for DeepSpeed engines too).
@@ -148,13 +156,13 @@ class ZeroTrainer(TrainerCheckpoints, transformers.Trainer):
                 if value == "auto" and key in values:
                     params[key] = values[key]
 
-    def _build_engine(self, max_steps: int) -> Any:
+    def _build_engine(self, max_steps: int) -> ZeroEngine:
         cfg, a = self._engine_config(), self.args
         self._fill_auto_params(cfg, max_steps)
         optimizer = None
         if "optimizer" not in cfg:
 
-            def optimizer(params: Any) -> torch.optim.Optimizer:
+            def optimizer(params: ParamsT) -> torch.optim.Optimizer:
                 return torch.optim.AdamW(
                     params,
                     lr=a.learning_rate,
@@ -166,7 +174,7 @@ class ZeroTrainer(TrainerCheckpoints, transformers.Trainer):
         scheduler = None
         if "scheduler" not in cfg:
 
-            def scheduler(opt: torch.optim.Optimizer) -> Any:
+            def scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
                 return transformers.get_scheduler(
                     a.lr_scheduler_type,
                     opt,
@@ -181,8 +189,8 @@ class ZeroTrainer(TrainerCheckpoints, transformers.Trainer):
 
     # -- the Trainer's hooks -------------------------------------------------------------
     def _prepare_for_training(
-        self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any
-    ) -> tuple:
+        self, max_steps: int, train_dataloader: DataLoader, resume_from_checkpoint: str | bool | None
+    ) -> tuple[ZeroEngine, DataLoader]:
         if self.engine is None:
             self.engine = self._build_engine(max_steps)
         if resume_from_checkpoint is not None:  # where the Trainer loads DeepSpeed's checkpoint
@@ -192,11 +200,16 @@ class ZeroTrainer(TrainerCheckpoints, transformers.Trainer):
         self.lr_scheduler = _EngineScheduler(self.engine)
         return self.engine, train_dataloader
 
-    def _wrap_model(self, model: Any, training: bool = True, dataloader: Any = None) -> Any:
+    def _wrap_model(
+        self, model: torch.nn.Module, training: bool = True, dataloader: DataLoader | None = None
+    ) -> torch.nn.Module:
         return self.engine if self.engine is not None else model
 
     def training_step(
-        self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor:
         """One micro-batch: the model's mean loss through ``engine.backward`` / ``engine.step``;
         returns the loss divided by the accumulation steps (what the Trainer sums for its log)."""
@@ -208,10 +221,12 @@ class ZeroTrainer(TrainerCheckpoints, transformers.Trainer):
         self.engine.step()
         return loss.detach() / self.current_gradient_accumulation_steps
 
-    def _clip_grad_norm(self, model: Any) -> Any:
+    def _clip_grad_norm(self, model: torch.nn.Module) -> float | None:
         return self._get_grad_norm(model)
 
-    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> float | None:
+    def _get_grad_norm(
+        self, model: torch.nn.Module, grad_norm: float | torch.Tensor | None = None
+    ) -> float | None:
         norm = self.engine.get_global_grad_norm()
         return None if norm is None else float(norm)
 

@@ -42,11 +42,17 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING
 
 from zero_core.checkpoint import rng
 from zero_core.checkpoint.format import COMMIT_FILE, CheckpointError
 from zero_core.checkpoint.loader import resolve_tag
+
+if TYPE_CHECKING:
+    import torch
+    import transformers
+
+    from zero_core.engine.engine import ZeroEngine
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +61,7 @@ RNG_FILE = "rng_state"  # rng_state_<rank>.safetensors / .json, as the Trainer's
 _MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 
 
-def check_trainer_checkpoint(path: Any) -> str:
+def check_trainer_checkpoint(path: str | os.PathLike[str]) -> str:
     """``path`` as a str when it is a ``ZeroTrainer`` checkpoint folder (one with a complete
     engine checkpoint); otherwise a ``ValueError`` saying what is missing."""
     if not isinstance(path, (str, os.PathLike)):
@@ -97,9 +103,9 @@ class TrainerCheckpoints:
     """The Trainer's checkpoint hooks for ``ZeroTrainer`` (which defines ``engine``): see
     [Note: Trainer checkpoints]. Mixed in before ``transformers.Trainer``."""
 
-    engine: Any
-    args: Any
-    state: Any
+    engine: ZeroEngine | None
+    args: transformers.TrainingArguments
+    state: transformers.TrainerState
 
     # -- saving ---------------------------------------------------------------------------
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
@@ -121,7 +127,9 @@ class TrainerCheckpoints:
         rng.save_rank_file(output_dir, RNG_FILE, self.args.process_index, self.args.world_size)
 
     # -- resuming -------------------------------------------------------------------------
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+    def _load_from_checkpoint(
+        self, resume_from_checkpoint: str, model: torch.nn.Module | None = None
+    ) -> None:
         """Check the folder only: the engine loads it once built (``_load_engine_checkpoint``)."""
         check_trainer_checkpoint(resume_from_checkpoint)
 

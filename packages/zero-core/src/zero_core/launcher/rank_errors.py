@@ -9,19 +9,25 @@ claims the folder's ``first`` file with an atomic ``os.link``: the first rank to
 error, and a later rank prints its own only when it differs (by type and message) from the
 first one. The traceback starts at the user's script (the shim's and runpy's frames are
 dropped), and a ``SystemExit("message")`` prints as its message alone, as Python itself does.
-The launcher then says in one line which ranks of which script failed (see
-``zero_core.launcher.run.run_job``). A script started another way (torchrun or python directly,
+The launcher then says in one line which ranks of which script failed and exits with the
+status of the rank that failed first (see ``zero_core.launcher.run.failed_first``): each rank
+leaves an ``exit-<rank>.json`` note with its status and whether it only followed a failed peer
+(see [Note: failed ranks]), whose error then prints as one line, not a traceback. A script started another way (torchrun or python directly,
 no folder) raises as usual. With several nodes, each node's launcher has its own folder, so an
 error common to all ranks prints once per node.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ERROR_DIR_ENV = "ZERO_RUN_ERROR_DIR"
 #: frames of these files are the launcher's, not the user's: left out of a rank's traceback
@@ -65,19 +71,74 @@ def report(folder: Path, text: str, key: str) -> None:
         print(f"[rank {_rank()}] {text.rstrip()}", file=sys.stderr, flush=True)
 
 
-def run_reporting_once(run: Callable[[], object]) -> None:
-    """Call ``run`` (a rank's script); when it fails under ``zero run``, report the error once and exit 1."""
-    folder = os.environ.get(ERROR_DIR_ENV)
-    if not folder or not os.path.isdir(folder):
-        run()
+def _status(code: object) -> int:
+    """The exit status ``SystemExit(code)`` gives: None is 0, an int itself, anything else 1."""
+    if code is None:
+        return 0
+    return code if isinstance(code, int) else 1
+
+
+def _record(what: str, *args: Any) -> None:
+    """Record this rank's failure in the job's store (``failures.<what>(*args)``, see [Note:
+    failed ranks]), if it has one."""
+    if "torch.distributed" not in sys.modules:
+        return  # failed before torch was imported: no process group, nothing to tell
+    try:
+        from zero_core.comm import failures
+
+        getattr(failures, what)(*args)
+    except Exception:
+        pass
+
+
+def note_exit(folder: Path | None, code: int, followed: bool) -> None:
+    """Tell ``zero run`` how this rank ends: its status and whether it only followed a failed peer."""
+    if folder is None:
         return
+    note = {"code": code, "followed": followed, "time": time.time()}
+    with contextlib.suppress(OSError):
+        (folder / f"exit-{_rank()}.json").write_text(json.dumps(note))
+
+
+def read_exit_notes(folder: str | Path) -> dict[int, dict[str, Any]]:
+    """The notes of :func:`note_exit`, by rank."""
+    out: dict[int, dict[str, Any]] = {}
+    for path in Path(folder).glob("exit-*.json"):
+        rank = path.stem.split("-", 1)[1]
+        with contextlib.suppress(OSError, ValueError):
+            if rank.isdigit():
+                out[int(rank)] = json.loads(path.read_text())
+    return out
+
+
+def run_reporting_once(run: Callable[[], object]) -> None:
+    """Call ``run`` (a rank's script). A failure (an exception, ``sys.exit(n)`` with ``n != 0``,
+    Ctrl-C) is recorded for the peers (see [Note: failed ranks]); under ``zero run`` the error
+    is reported once and the rank exits 1 (``sys.exit(n)`` keeps its status). An error that
+    only follows a failed peer (``PeerFailedError``) prints as one line: the traceback that
+    matters is the failed rank's."""
+    folder = os.environ.get(ERROR_DIR_ENV)
+    where = Path(folder) if folder and os.path.isdir(folder) else None
     try:
         run()
     except SystemExit as exc:
-        if exc.code is None or isinstance(exc.code, int):
-            raise
-        report(Path(folder), str(exc.code), f"SystemExit: {exc.code}")
-        raise SystemExit(1) from None
+        status = _status(exc.code)
+        if status:
+            _record("record_exit", status, exc)
+            note_exit(where, status, followed=False)
+        if where is not None and not (exc.code is None or isinstance(exc.code, int)):
+            report(where, str(exc.code), f"SystemExit: {exc.code}")
+            raise SystemExit(1) from None
+        raise
+    except KeyboardInterrupt as exc:
+        _record("record_exception", exc, 130)
+        raise
     except Exception as exc:
-        report(Path(folder), _user_traceback(exc), f"{type(exc).__name__}: {exc}")
+        _record("record_exception", exc)
+        if where is None:
+            raise
+        followed = isinstance(getattr(exc, "failed_rank", None), int)
+        note_exit(where, 1, followed)
+        text = f"{type(exc).__name__}: {exc}" if followed else _user_traceback(exc)
+        report(where, text, f"{type(exc).__name__}: {exc}")
         raise SystemExit(1) from None

@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -270,23 +271,65 @@ def run_job(args: argparse.Namespace) -> int:
         return _run_torchrun(argv, args.script, errors)
 
 
-def failure_summary(script: str, failures: dict) -> str:
-    """One line: which ranks of ``script`` failed, and which torchrun stopped because of them.
+def failure_summary(script: str, failures: dict, notes: dict[int, dict] | None = None) -> str:
+    """One line: which ranks of ``script`` failed, and which stopped because of them.
 
     ``failures`` maps a global rank to torchrun's record of it (``exitcode``; negative when
-    the process was ended by a signal, as torchrun ends the others once one rank fails).
+    the process was ended by a signal, as torchrun ends the others once one rank fails);
+    ``notes`` are the ranks' exit notes (a rank that only followed a failed peer says so).
     """
+    notes = notes or {}
 
     def ranks(rs: list[int]) -> str:
         return f"rank{'s' if len(rs) > 1 else ''} {', '.join(str(r) for r in rs)}"
 
-    failed = sorted(r for r, f in failures.items() if f.exitcode >= 0)
-    stopped = sorted(r for r, f in failures.items() if f.exitcode < 0)
-    if not failed:
-        return f"{script}: {ranks(stopped)} ended by a signal"
-    codes = ", ".join(str(c) for c in sorted({failures[r].exitcode for r in failed}))
-    line = f"{script} failed on {ranks(failed)} (exit code {codes})"
+    def how(rs: list[int]) -> str:
+        codes = sorted({failures[r].exitcode for r in rs})
+        return ", ".join(f"exit code {c}" if c >= 0 else f"killed by {_signal_name(-c)}" for c in codes)
+
+    first, _ = failed_first(failures, notes)
+    followed = sorted(r for r in failures if r != first and notes.get(r, {}).get("followed"))
+    stopped = sorted(
+        r for r in failures if r != first and r not in notes and failures[r].exitcode == -signal.SIGTERM
+    )
+    failed = sorted(set(failures) - set(followed) - set(stopped))
+    line = f"{script} failed on {ranks(failed)} ({how(failed)})"
+    if followed:
+        line += f"; {ranks(followed)} stopped because of it"
     return line + (f"; {ranks(stopped)} stopped by the launcher" if stopped else "")
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def failed_first(failures: dict, notes: dict[int, dict]) -> tuple[int, int]:
+    """``(rank, exit status)`` of the rank that failed first, which ``zero run`` exits with.
+
+    ``failures``: torchrun's record per global rank (``exitcode``, negative for a signal, and
+    ``timestamp``, in whole seconds; the mapping lists the ranks in the order torchrun saw them
+    end, which breaks ties); ``notes``: the ranks' own exit notes (see [Note: errors printed
+    once]). A rank that only followed a failed peer, or ended by the SIGTERM torchrun sends the
+    others once one rank failed, is chosen only when no rank failed on its own. A signal is
+    reported as ``128 + signal``, as a shell does.
+    """
+
+    seen = {r: i for i, r in enumerate(failures)}  # torchrun records the ranks in the order it saw them end
+
+    def order(r: int) -> tuple[int, float, int]:
+        note, code = notes.get(r), failures[r].exitcode
+        if note is not None:
+            return (2 if note.get("followed") else 0, float(note.get("time", 0.0)), seen[r])
+        stopped = code == -signal.SIGTERM  # torchrun's stop, unless nothing else failed
+        return (1 if stopped else 0, float(failures[r].timestamp or 0), seen[r])
+
+    rank = min(failures, key=order)
+    code = notes.get(rank, {}).get("code", failures[rank].exitcode)
+    code = int(code) if isinstance(code, int) else 1
+    return rank, (128 - code if code < 0 else code) or 1
 
 
 def _run_torchrun(argv: list[str], script: str, errors: str) -> int:
@@ -309,8 +352,12 @@ def _run_torchrun(argv: list[str], script: str, errors: str) -> int:
         torchrun_main(argv)
     except ChildFailedError as exc:
         # The ranks printed the error (once); torchrun's own summary would name our shim.
-        print(f"zero run: {failure_summary(script, exc.failures)}", file=sys.stderr)
-        return 1
+        from zero_core.launcher.rank_errors import read_exit_notes
+
+        notes = read_exit_notes(errors)
+        _, code = failed_first(exc.failures, notes)
+        print(f"zero run: {failure_summary(script, exc.failures, notes)}", file=sys.stderr)
+        return code
     finally:
         agent_log.setLevel(level)
         for k, v in saved.items():

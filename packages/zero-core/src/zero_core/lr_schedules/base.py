@@ -3,7 +3,10 @@ JSON data and back. See [Note: scheduler state is a function of last_batch_itera
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 from zero_core.lr_schedules.validation import _check_int, _param_groups
 
@@ -14,7 +17,7 @@ class _Schedule:
     # Attribute names saved by state_dict() (besides last_batch_iteration); plain JSON data only.
     _state_keys: tuple[str, ...] = ()
 
-    def __init__(self, optimizer: Any, last_batch_iteration: int) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, last_batch_iteration: int) -> None:
         self._owner = type(self).__name__
         self.optimizer = optimizer
         _param_groups(optimizer, self._owner)  # a clear error now for something without param groups
@@ -76,7 +79,7 @@ class _Schedule:
         self._apply()
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> object:
     if isinstance(value, tuple):
         return [_plain(v) for v in value]
     if isinstance(value, list):

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 from zero_core.lr_schedules.base import _Schedule
 from zero_core.lr_schedules.constants import (
@@ -27,7 +30,7 @@ _SCHEDULES: dict[str, type[_Schedule]] = {
 }
 
 
-def build_lr_scheduler(optimizer: Any, scheduler_config: Any) -> _Schedule:
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, scheduler_config: object) -> _Schedule:
     """Build the scheduler described by the config's ``scheduler`` section,
     ``{"type": "WarmupLR", "params": {...}}`` (``params`` optional), for ``optimizer``.
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 from zero_core.lr_schedules.base import _Schedule
 from zero_core.lr_schedules.validation import _check_float, _check_int, _per_group
@@ -38,7 +41,7 @@ class OneCycle(_Schedule):
 
     def __init__(
         self,
-        optimizer: Any,
+        optimizer: torch.optim.Optimizer,
         cycle_min_lr: float | list[float],
         cycle_max_lr: float | list[float],
         decay_lr_rate: float = 0.0,

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 from zero_core.lr_schedules.base import _Schedule
 from zero_core.lr_schedules.validation import _check_float, _check_int, _per_group
@@ -17,7 +20,7 @@ class LRRangeTest(_Schedule):
 
     def __init__(
         self,
-        optimizer: Any,
+        optimizer: torch.optim.Optimizer,
         lr_range_test_min_lr: float | list[float] = 1e-3,
         lr_range_test_step_size: int = 2000,
         lr_range_test_step_rate: float = 1.0,

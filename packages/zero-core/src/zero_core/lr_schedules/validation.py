@@ -4,12 +4,11 @@ warmup type and the optimizer's ``param_groups``; each error names the schedule 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from zero_core.lr_schedules.constants import VALID_WARMUP_TYPES
 
 
-def _check_int(name: str, value: Any, owner: str, minimum: int | None = None) -> int:
+def _check_int(name: str, value: object, owner: str, minimum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{owner}: '{name}' must be an int, got {type(value).__name__} ({value!r})")
     if minimum is not None and value < minimum:
@@ -17,7 +16,7 @@ def _check_int(name: str, value: Any, owner: str, minimum: int | None = None) ->
     return value
 
 
-def _check_float(name: str, value: Any, owner: str, minimum: float | None = None) -> float:
+def _check_float(name: str, value: object, owner: str, minimum: float | None = None) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise TypeError(f"{owner}: '{name}' must be a finite number, got {type(value).__name__} ({value!r})")
     if minimum is not None and value < minimum:
@@ -25,7 +24,9 @@ def _check_float(name: str, value: Any, owner: str, minimum: float | None = None
     return float(value)
 
 
-def _per_group(name: str, value: Any, n_groups: int, owner: str, minimum: float | None = None) -> list[float]:
+def _per_group(
+    name: str, value: object, n_groups: int, owner: str, minimum: float | None = None
+) -> list[float]:
     """Expand a "float or list" argument to one float per param group."""
     if isinstance(value, (list, tuple)):
         if len(value) != n_groups:
@@ -36,13 +37,13 @@ def _per_group(name: str, value: Any, n_groups: int, owner: str, minimum: float 
     return [_check_float(name, value, owner, minimum)] * n_groups
 
 
-def _check_warmup_type(value: Any, owner: str) -> str:
+def _check_warmup_type(value: object, owner: str) -> str:
     if value not in VALID_WARMUP_TYPES:
         raise ValueError(f"{owner}: 'warmup_type' must be one of {list(VALID_WARMUP_TYPES)}, got {value!r}")
     return value
 
 
-def _param_groups(optimizer: Any, owner: str) -> list[dict]:
+def _param_groups(optimizer: object, owner: str) -> list[dict]:
     groups = getattr(optimizer, "param_groups", None)
     if not isinstance(groups, list) or not groups or not all(isinstance(g, dict) for g in groups):
         raise TypeError(

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 from zero_core.lr_schedules.base import _Schedule
 from zero_core.lr_schedules.constants import WARMUP_LOG_RATE
@@ -36,7 +39,7 @@ class WarmupLR(_Schedule):
 
     def __init__(
         self,
-        optimizer: Any,
+        optimizer: torch.optim.Optimizer,
         warmup_min_lr: float | list[float] = 0.0,
         warmup_max_lr: float | list[float] = 0.001,
         warmup_num_steps: int = 1000,
@@ -74,7 +77,7 @@ class WarmupDecayLR(WarmupLR):
 
     def __init__(
         self,
-        optimizer: Any,
+        optimizer: torch.optim.Optimizer,
         total_num_steps: int,
         warmup_min_lr: float | list[float] = 0.0,
         warmup_max_lr: float | list[float] = 0.001,
@@ -117,7 +120,7 @@ class WarmupCosineLR(_Schedule):
 
     def __init__(
         self,
-        optimizer: Any,
+        optimizer: torch.optim.Optimizer,
         total_num_steps: int,
         warmup_min_ratio: float | list[float] = 0.0,
         warmup_num_steps: int = 1000,

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import numbers
-from typing import Any
 
 Event = tuple[str, float, int]
 
 
-def validate_events(events: Any, owner: str) -> list[Event]:
+def validate_events(events: object, owner: str) -> list[Event]:
     """Check ``events`` is a list of ``(name, value, step)`` and return them with plain float values.
 
     Values may be Python numbers or one-element tensors (``loss.detach()``); steps must be ints >= 0.

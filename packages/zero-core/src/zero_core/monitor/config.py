@@ -43,7 +43,7 @@ class CSVConfig:
 SECTIONS: dict[str, type] = {"tensorboard": TensorBoardConfig, "wandb": WandbConfig, "csv_monitor": CSVConfig}
 
 
-def _as_dict(section: Any, name: str) -> dict[str, Any]:
+def _as_dict(section: object, name: str) -> dict[str, Any]:
     if section is None:
         return {}
     if isinstance(section, dict):
@@ -55,7 +55,7 @@ def _as_dict(section: Any, name: str) -> dict[str, Any]:
     raise TypeError(f"monitor config: section '{name}' must be a dict, got {type(section).__name__}")
 
 
-def parse_section(name: str, section: Any) -> Any:
+def parse_section(name: str, section: object) -> TensorBoardConfig | WandbConfig | CSVConfig:
     """Validate one monitor section and return its dataclass."""
     cls = SECTIONS[name]
     data = _as_dict(section, name)
@@ -72,7 +72,7 @@ def parse_section(name: str, section: Any) -> Any:
     return cls(**data)
 
 
-def parse_monitor_config(config: Any) -> dict[str, Any]:
+def parse_monitor_config(config: object) -> dict[str, TensorBoardConfig | WandbConfig | CSVConfig]:
     """``{"tensorboard": TensorBoardConfig, "wandb": WandbConfig, "csv_monitor": CSVConfig}`` from a whole
     config (dict or object); other keys of the config are ignored."""
     if config is None:

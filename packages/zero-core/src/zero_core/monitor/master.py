@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch.distributed as dist
 
@@ -26,7 +25,7 @@ class MonitorMaster:
     written, only on global rank 0: other ranks create no files and ``write_events`` is a no-op there.
     """
 
-    def __init__(self, config: Any = None) -> None:
+    def __init__(self, config: object = None) -> None:
         sections = parse_monitor_config(config)
         self.enabled = any(section.enabled for section in sections.values())
         self.rank = _global_rank()

@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.optim.optimizer import ParamsT
 
 from zero_core import plugins
 
 
-def _adam(params: Iterable[Any], **kw: Any) -> torch.optim.Optimizer:
+def _adam(params: ParamsT, **kw: object) -> torch.optim.Optimizer:
     adam_w_mode = kw.pop("adam_w_mode", True)
     kw.pop("torch_adam", None)
     kw.pop("fused", None)
@@ -35,7 +38,7 @@ def _adam(params: Iterable[Any], **kw: Any) -> torch.optim.Optimizer:
     return (torch.optim.AdamW if adam_w_mode else torch.optim.Adam)(params, **kw)
 
 
-def _adamw(params: Iterable[Any], **kw: Any) -> torch.optim.Optimizer:
+def _adamw(params: ParamsT, **kw: object) -> torch.optim.Optimizer:
     kw.pop("adam_w_mode", None)
     if not kw.get("bias_correction", True):
         return _adam(params, adam_w_mode=True, **kw)
@@ -44,25 +47,25 @@ def _adamw(params: Iterable[Any], **kw: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, **kw)
 
 
-def _lamb(params: Iterable[Any], **kw: Any) -> torch.optim.Optimizer:
+def _lamb(params: ParamsT, **kw: object) -> torch.optim.Optimizer:
     lamb = plugins.require("zero_ops.lamb", "optimizer type Lamb")
     return lamb.Lamb(params, **kw)
 
 
-def _cpu_adam(params: Iterable[Any], **kw: Any) -> torch.optim.Optimizer:
+def _cpu_adam(params: ParamsT, **kw: object) -> torch.optim.Optimizer:
     # looked up through the module so tests can stand in for an absent or present zero-ops
     adam = plugins.require("zero_ops.adam", "optimizer type CPUAdam")
     kw.pop("torch_adam", None)
     return adam.CPUAdam(params, **kw)
 
 
-def _lion(params: Iterable[Any], **kw: Any) -> torch.optim.Optimizer:
+def _lion(params: ParamsT, **kw: object) -> torch.optim.Optimizer:
     lion = plugins.require("zero_ops.lion", "optimizer type Lion")
     return lion.CPULion(params, **kw)
 
 
 def _onebit(name: str, config_name: str) -> Callable[..., torch.optim.Optimizer]:
-    def build(params: Iterable[Any], **kw: Any) -> torch.optim.Optimizer:
+    def build(params: ParamsT, **kw: object) -> torch.optim.Optimizer:
         onebit = plugins.require("zero_ops.onebit", f"optimizer type {config_name}")
         return getattr(onebit, name)(params, **kw)
 

@@ -15,7 +15,7 @@ of the 16-bit model weights that mixed precision needs after every step.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -35,5 +35,5 @@ class FlatOptimizerKernel(Protocol):
         step: int,
         lr: float,
         low_precision_out: torch.Tensor | None = None,
-        **hparams: Any,
+        **hparams: object,
     ) -> None: ...

@@ -42,7 +42,7 @@ def multirank(
         params.append(inspect.Parameter("world_size", inspect.Parameter.KEYWORD_ONLY))
 
         @functools.wraps(body)
-        def test(*fixtures: Any, world_size: int, **kw_fixtures: Any) -> None:
+        def test(*fixtures: object, world_size: int, **kw_fixtures: object) -> None:
             bound = sig.bind_partial(*fixtures, **kw_fixtures)
             call_kwargs = dict(bound.arguments)
             if body_takes_ws:

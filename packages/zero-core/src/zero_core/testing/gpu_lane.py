@@ -20,9 +20,12 @@ CUDA with NCCL wherever CUDA is present, and is skipped with a visible reason (`
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    import pytest
 
 
 def cuda_device_count() -> int:
@@ -59,7 +62,7 @@ def why_no_cuda(devices: int = 1) -> str | None:
     return f"needs CUDA: {devices} GPU(s) wanted, {build}"
 
 
-def needs_cuda(devices: int = 1) -> Any:
+def needs_cuda(devices: int = 1) -> list[pytest.MarkDecorator]:
     """The ``gpu`` marker plus a skip, with :func:`why_no_cuda` as the reason, where CUDA is absent."""
     import pytest
 

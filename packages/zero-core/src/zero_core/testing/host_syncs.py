@@ -16,7 +16,7 @@ import collections
 import contextlib
 import os
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -69,7 +69,13 @@ class _DispatchCounter(TorchDispatchMode):
         super().__init__()
         self.count = count
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> object:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func is torch.ops.aten._local_scalar_dense.default:
@@ -87,7 +93,13 @@ class _FunctionCounter(TorchFunctionMode):
         super().__init__()
         self.count = count
 
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_function__(
+        self,
+        func: Callable[..., object],
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> object:
         name = _HOST_READ_METHODS.get(func)
         if name is not None:
             self.count.add(name)

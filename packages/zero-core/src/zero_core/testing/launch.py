@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 
 def run_zero(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 900) -> str:
@@ -33,7 +32,7 @@ def experiment_records(exps: Path) -> dict[str, dict]:
     return {p.stem: json.loads(p.read_text()) for p in sorted(exps.glob("*.json"))}
 
 
-def write_json(path: Path, obj: Any) -> Path:
+def write_json(path: Path, obj: object) -> Path:
     """Write ``obj`` as JSON to ``path`` and return the path (configs for a launch)."""
     path.write_text(json.dumps(obj))
     return path

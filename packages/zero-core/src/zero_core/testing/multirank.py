@@ -18,6 +18,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
+from types import ModuleType
 from typing import Any
 
 _HOST = "127.0.0.1"
@@ -48,7 +49,15 @@ class RankTimeoutError(MultiRankError):
         self.unfinished_ranks = unfinished_ranks
 
 
-def _validate(fn: Any, world_size: Any, args: Any, kwargs: Any, timeout: Any, backend: Any, env: Any) -> None:
+def _validate(
+    fn: object,
+    world_size: object,
+    args: object,
+    kwargs: object,
+    timeout: object,
+    backend: object,
+    env: object,
+) -> None:
     if not callable(fn):
         raise TypeError(f"run_multirank: fn must be callable, got {type(fn).__name__}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -78,7 +87,7 @@ def _join_group(
     listen_fd: int,
     port: int,
     env: Mapping[str, str],
-) -> Any:
+) -> ModuleType:
     """Set this rank's environment and join the process group; returns ``torch.distributed``."""
     os.environ.update(
         {

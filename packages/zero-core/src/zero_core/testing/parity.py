@@ -16,11 +16,15 @@ rank's micro-batches) averaged over the ranks.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from zero_core.testing.models import _check_sizes
+
+if TYPE_CHECKING:
+    from zero_core.engine.engine import ZeroEngine
+    from zero_core.protocols.training import LRScheduler
 
 Batch = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 
@@ -53,7 +57,7 @@ def train_reference(
     steps: int | range,
     *,
     clip: float = 0.0,
-    scheduler: Any = None,
+    scheduler: LRScheduler | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process training: per step ``loss = model(*batch(step))``, backward, gradient
     clipping to ``clip`` (off at 0), ``optimizer.step()``, ``zero_grad(set_to_none=True)`` and
@@ -75,7 +79,7 @@ def train_reference(
 
 
 def train_engine(
-    engine: Any,
+    engine: ZeroEngine,
     batch: Batch,
     steps: int | range,
     *,

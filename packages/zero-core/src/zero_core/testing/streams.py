@@ -21,7 +21,7 @@ Used by the tests of [Note: stage-3 streams] and zero-offload's non-blocking cop
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -51,7 +51,7 @@ class _StorageIds:
             known = self._live[ptr] = (StorageWeakRef(storage), next(self._next))
         return known[1]
 
-    def all(self, values: Any) -> list[int]:
+    def all(self, values: object) -> list[int]:
         ids = (self.of(v) for v in tree_flatten(values)[0] if isinstance(v, torch.Tensor))
         return [i for i in ids if i is not None]
 
@@ -62,17 +62,19 @@ class RecordingStream(CpuStream):
     recorder: RecordingAccelerator
     name = "?"
 
-    def __init__(self, device: Any = None, priority: int = 0, name: str | None = None) -> None:
+    def __init__(
+        self, device: torch.device | str | int | None = None, priority: int = 0, name: str | None = None
+    ) -> None:
         super().__init__(device, priority)
         self.name = name or f"side{next(self.recorder._ids)}"
 
-    def wait_stream(self, stream: Any) -> None:
+    def wait_stream(self, stream: RecordingStream) -> None:
         self.recorder._log("wait_stream", self.name, stream.name)
 
-    def wait_event(self, event: Any) -> None:
+    def wait_event(self, event: RecordingEvent) -> None:
         self.recorder._log("wait_event", self.name, event.id)
 
-    def record_event(self, event: Any = None) -> Any:
+    def record_event(self, event: RecordingEvent | None = None) -> RecordingEvent:
         event = self.recorder.Event() if event is None else event
         event.record(self)
         return event
@@ -93,12 +95,12 @@ class RecordingEvent(CpuEvent):
         super().__init__(enable_timing, blocking, interprocess)
         self.id = next(self.recorder._ids)
 
-    def record(self, stream: Any = None) -> None:
+    def record(self, stream: RecordingStream | None = None) -> None:
         super().record(stream)
         stream = self.recorder.current_stream() if stream is None else stream
         self.recorder._log("record", stream.name, self.id)
 
-    def wait(self, stream: Any = None) -> None:
+    def wait(self, stream: RecordingStream | None = None) -> None:
         stream = self.recorder.current_stream() if stream is None else stream
         stream.wait_event(self)
 
@@ -114,7 +116,13 @@ class _OpLog(TorchDispatchMode):
         super().__init__()
         self.acc = acc
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> object:
         kwargs = kwargs or {}
         written: list[int] = []
         schema = getattr(func, "_schema", None)
@@ -151,7 +159,7 @@ class RecordingAccelerator(CpuAccelerator):
     def __repr__(self) -> str:
         return "RecordingAccelerator()"
 
-    def _log(self, *entry: Any) -> None:
+    def _log(self, *entry: object) -> None:
         if self._on:
             self.log.append(entry)
 
@@ -163,7 +171,7 @@ class RecordingAccelerator(CpuAccelerator):
             self.pinned.add(out.untyped_storage().data_ptr())
         return out
 
-    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+    def record_stream(self, tensor: torch.Tensor, stream: RecordingStream) -> None:
         super().record_stream(tensor, stream)
         sid = self._ids_of.of(tensor)
         if sid is not None:

@@ -15,8 +15,7 @@ or asked for (``engine.last_loss``, ``get_global_grad_norm()``). Tests count the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -39,7 +38,7 @@ def _by_device(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-def _combine(partials: list[torch.Tensor], reduce: Any) -> torch.Tensor:
+def _combine(partials: list[torch.Tensor], reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """One 0-dim result on the first group's device: one copy per extra device, not per tensor."""
     if len(partials) == 1:
         return partials[0]

@@ -39,14 +39,12 @@ for memory; ``tools/bench/results/bench_bf16_master.md`` measures it on the exam
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 MASTER_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def check_master_dtype(master_dtype: Any, dtype: Any, where: str, offloaded: bool = False) -> None:
+def check_master_dtype(master_dtype: object, dtype: torch.dtype, where: str, offloaded: bool = False) -> None:
     """``master_dtype`` is fp32, or bf16 with bf16 training and masters kept on the device
     (``offloaded``: the optimizer is offloaded). See [Note: bf16 master weights]."""
     if master_dtype not in MASTER_DTYPES:

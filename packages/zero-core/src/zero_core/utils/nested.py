@@ -4,14 +4,17 @@ checkpoint code share (it lives below all of them, so none imports upward to rea
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
 
 import torch
 
 __all__ = ["map_tensors"]
 
 
-def map_tensors(item: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+_T = TypeVar("_T")
+
+
+def map_tensors(item: _T, fn: Callable[[torch.Tensor], torch.Tensor]) -> _T:
     """``item`` with every tensor nested in its dicts, lists and tuples replaced by ``fn(tensor)``.
 
     Containers are rebuilt, keeping their type: a tuple keeps its type (namedtuples included),

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from zero_core.plugins import require
 
@@ -25,7 +26,7 @@ def is_expert_param(p: torch.nn.Parameter) -> bool:
 
 
 def reduction_groups(
-    params: Sequence[torch.nn.Parameter], dp_group: Any
+    params: Sequence[torch.nn.Parameter], dp_group: dist.ProcessGroup | None
 ) -> list[tuple[Any, list[torch.nn.Parameter]]]:
     """``[(group, params)]``: the data-parallel params first, then one entry per expert group."""
     dense = [p for p in params if not is_expert_param(p)]

@@ -11,6 +11,9 @@ the handler that was installed before (so a user's or a launcher's handler still
 when that was the default action, by restoring it and re-sending SIGTERM to this process, so
 the process still ends with the conventional status (killed by signal 15, ``128 + 15`` in a
 shell). Callbacks are held weakly where they are bound methods, and ``forget`` drops one.
+Observers (:func:`observe`: the record of a failed rank, see [Note: failed ranks]) run first,
+with the signal and frame, but never install the handler themselves: a Python handler runs only
+between bytecodes, so a process blocked in C++ would otherwise outlive its launcher's SIGTERM.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ import signal
 import threading
 import weakref
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 _callbacks: dict[int, Callable[[], Any]] = {}
 _ids = itertools.count()
 _lock = threading.Lock()
 _installed: list[Any] = []  # [previous handler] once installed
+_observers: list[Callable[[int, Any], Any]] = []
 
 
 def on_termination(callback: Callable[[], Any]) -> int:
@@ -39,7 +44,7 @@ def on_termination(callback: Callable[[], Any]) -> int:
     if hasattr(callback, "__self__") and hasattr(callback, "__func__"):
         ref = weakref.WeakMethod(callback)
 
-        def call() -> Any:
+        def call() -> object:
             method = ref()
             return method() if method is not None else None
 
@@ -58,6 +63,15 @@ def forget(key: int) -> None:
         _callbacks.pop(key, None)
 
 
+def observe(observer: Callable[[int, Any], Any]) -> None:
+    """Call ``observer(signum, frame)`` first when zero's SIGTERM handler runs (installs nothing)."""
+    if not callable(observer):
+        raise TypeError(f"observe: observer must be callable, got {type(observer).__name__}")
+    with _lock:
+        if observer not in _observers:
+            _observers.append(observer)
+
+
 def run_callbacks() -> None:
     """Run every registered callback once (newest first); one failing does not stop the others."""
     with _lock:
@@ -70,7 +84,12 @@ def run_callbacks() -> None:
             pass
 
 
-def _handler(signum: int, frame: Any) -> None:
+def _handler(signum: int, frame: FrameType | None) -> None:
+    for observer in list(_observers):
+        try:
+            observer(signum, frame)
+        except Exception:
+            pass
     run_callbacks()
     previous = _installed[0] if _installed else signal.SIG_DFL
     if callable(previous):

@@ -47,11 +47,12 @@ with ``ignore_unused_parameters: false`` they are reported instead (see ``finish
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from zero_core import comm
 from zero_core.zero.flat_partition import Chunk, FlatPartition
@@ -71,7 +72,7 @@ class GroupGrads:
     params: list[torch.nn.Parameter]
     names: list[str]
     layout: FlatPartition
-    group: Any = None
+    group: dist.ProcessGroup | None = None
     opt_group: int = 0
 
 
@@ -91,7 +92,7 @@ class PartitionedGradReducer:
         self,
         groups: Sequence[GroupGrads],
         *,
-        group: Any = None,
+        group: dist.ProcessGroup | None = None,
         partition_grads: bool,
         overlap_comm: bool,
         contiguous_gradients: bool = True,
@@ -157,7 +158,7 @@ class PartitionedGradReducer:
         # landed in this rank's shard (accumulated, for stage 2): optimizer offload copies it to
         # host memory there, overlapped with the rest of backward (See [Note: gradient staging]
         # in zero_offload's optimizer_offload.py). None: nothing to do.
-        self.on_reduced: Any = None
+        self.on_reduced: Callable[[int, int, torch.Tensor], None] | None = None
         self._reset_round()
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad) for gg in self.groups for p in gg.params

@@ -11,8 +11,6 @@ their dtype. Both are restored on exit, also when construction raises.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -21,7 +19,9 @@ _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 class OnDevice:
     """Create tensors on ``device`` (default ``"meta"``) with floating dtype ``dtype`` inside the context."""
 
-    def __init__(self, dtype: torch.dtype | None, device: Any = "meta", enabled: bool = True) -> None:
+    def __init__(
+        self, dtype: torch.dtype | None, device: torch.device | str | int = "meta", enabled: bool = True
+    ) -> None:
         if dtype is not None and dtype not in _FLOATING:
             raise ValueError(f"OnDevice: dtype must be a floating-point torch dtype or None, got {dtype!r}")
         try:
@@ -30,7 +30,7 @@ class OnDevice:
             raise ValueError(f"OnDevice: device {device!r} is not a torch device") from exc
         self.dtype = dtype
         self.enabled = bool(enabled)
-        self._device_ctx: Any = None
+        self._device_ctx: torch.device | None = None
         self._saved_dtype: torch.dtype | None = None
 
     def __enter__(self) -> OnDevice:
@@ -43,7 +43,7 @@ class OnDevice:
             torch.set_default_dtype(self.dtype)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if not self.enabled:
             return
         if self._saved_dtype is not None:

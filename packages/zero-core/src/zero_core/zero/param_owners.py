@@ -20,7 +20,7 @@ is a :class:`ParamLocation` the strategy keeps in its own map.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -42,18 +42,18 @@ class ParamOwnerRegistry:
     def __init__(self) -> None:
         self._owners: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
-    def register(self, params: Iterable[torch.Tensor], owner: Any) -> None:
+    def register(self, params: Iterable[torch.Tensor], owner: object) -> None:
         """Make ``owner`` the owner of every parameter of ``params`` (replacing any earlier one)."""
         for p in params:
             self._owners[p] = owner
 
-    def release(self, params: Iterable[torch.Tensor], owner: Any) -> None:
+    def release(self, params: Iterable[torch.Tensor], owner: object) -> None:
         """Forget the parameters of ``params`` still owned by ``owner`` (a later owner stays)."""
         for p in params:
             if self._owners.get(p) is owner:
                 del self._owners[p]
 
-    def owner_of(self, param: torch.Tensor) -> Any:
+    def owner_of(self, param: torch.Tensor) -> object | None:
         """The owner of ``param``, or None (stage 0 without an owner, frozen, or not trained)."""
         return self._owners.get(param)
 

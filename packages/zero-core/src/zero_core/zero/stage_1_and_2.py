@@ -43,7 +43,7 @@ no-op by design; it is accepted so DeepSpeed configs run unchanged, and ``True``
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -62,8 +62,20 @@ from zero_core.zero.param_owners import PARAM_OWNERS, ParamLocation
 from zero_core.zero.stage_1_and_2_access import PartitionedStateAccess
 from zero_core.zero.stage_1_and_2_checkpoint import PartitionedCheckpointing
 
+if TYPE_CHECKING:
+    from zero_core.checkpoint.fragments import CheckpointReader
 
-def _snapshot(obj: Any) -> Any:
+_T = TypeVar("_T")
+
+
+class _ScalesLoss(Protocol):
+    """What ``bind_loss_scaler`` needs of the engine's loss scaler."""
+
+    @property
+    def loss_scale(self) -> float: ...
+
+
+def _snapshot(obj: _T) -> _T:
     if torch.is_tensor(obj):
         return obj.detach().clone()
     if isinstance(obj, dict):
@@ -73,7 +85,7 @@ def _snapshot(obj: Any) -> Any:
     return obj
 
 
-def _positive_int(value: Any, name: str) -> int:
+def _positive_int(value: object, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"zero_optimization.{name} must be a positive number of elements, got {value!r}")
     return value
@@ -110,7 +122,7 @@ def gather_shards(
     flat: torch.Tensor,
     *,
     rank: int,
-    group: Any = None,
+    group: dist.ProcessGroup | None = None,
     bucket_numel: int | None = None,
     use_all_gather: bool = True,
 ) -> None:
@@ -158,11 +170,11 @@ def gather_shards(
 
 def _check_arguments(
     stage: int,
-    optimizer: Any,
+    optimizer: object,
     dtype: torch.dtype,
     reduce_bucket_size: int,
     allgather_bucket_size: int,
-    round_robin_gradients: Any,
+    round_robin_gradients: object,
 ) -> None:
     """Clear errors for the strategy's arguments, before anything is built."""
     if stage not in (1, 2):
@@ -189,7 +201,11 @@ def _check_arguments(
 
 
 def _partition_groups(
-    module: torch.nn.Module, optimizer: torch.optim.Optimizer, stage: int, group: Any, reduce_bucket_size: int
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    stage: int,
+    group: dist.ProcessGroup | None,
+    reduce_bucket_size: int,
 ) -> tuple[list[GroupGrads], dict[int, int]]:
     """One :class:`GroupGrads` per (optimizer param group, reduction group), its parameters in
     backward order, and that order (parameter id -> position)."""
@@ -243,7 +259,7 @@ class PartitionedOptimizerStrategy:
         optimizer: torch.optim.Optimizer,
         options: PartitionedOptions,
         *,
-        group: Any = None,
+        group: dist.ProcessGroup | None = None,
         optimizer_offload: OptimizerOffload | None = None,
     ) -> None:
         _check_arguments(
@@ -270,10 +286,9 @@ class PartitionedOptimizerStrategy:
         self.rank = comm.get_rank(group)
         self.allgather_bucket_size = options.allgather_bucket_size
         self.allgather_partitions = options.allgather_partitions
-        self.round_robin_gradients = (
-            options.round_robin_gradients
-        )  # a no-op: see [Note: round_robin_gradients]
-        self._loss_scaler: Any = None  # see bind_loss_scaler
+        # a no-op: see [Note: round_robin_gradients]
+        self.round_robin_gradients = options.round_robin_gradients
+        self._loss_scaler: _ScalesLoss | None = None  # see bind_loss_scaler
         groups, backward_order = _partition_groups(
             module, optimizer, options.stage, group, options.reduce_bucket_size
         )
@@ -353,7 +368,7 @@ class PartitionedOptimizerStrategy:
         for k, pg in enumerate(self.optimizer.param_groups):
             pg["params"] = [m for m, gg in zip(self.masters, self.groups) if gg.opt_group == k]
 
-    def bind_loss_scaler(self, loss_scaler: Any) -> None:
+    def bind_loss_scaler(self, loss_scaler: _ScalesLoss | None) -> None:
         """Let the debugging getters unscale fp16 gradients (``loss_scaler.loss_scale``).
 
         The engine calls it; without it gradients are returned as reduced (still scaled).
@@ -390,7 +405,7 @@ class PartitionedOptimizerStrategy:
         # fused, in fp32, on the device: See [Note: scalars stay on the device in the step]
         return sum_of_squares(self._shard_grads())
 
-    def norm_group(self) -> Any:
+    def norm_group(self) -> dist.ProcessGroup | None:
         return self.group if self.group is not None else dist.GroupMember.WORLD
 
     @torch.no_grad()
@@ -509,7 +524,7 @@ class PartitionedOptimizerStrategy:
 
     def load_checkpoint_fragments(
         self,
-        reader: Any,
+        reader: CheckpointReader,
         *,
         load_optimizer_states: bool = True,
         load_module_only: bool = False,

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from zero_core import comm
+from zero_core.zero.grad_reduce import PartitionedGradReducer
 from zero_core.zero.param_owners import ParamLocation
 
 
@@ -24,7 +25,7 @@ class PartitionedState(Protocol):
 
     groups: list[Any]  # the partition groups (layout, params, process group)
     masters: list[torch.nn.Parameter]  # one fp32 master shard per group
-    reducer: Any  # the PartitionedGradReducer: reduced gradient shards
+    reducer: PartitionedGradReducer  # reduced gradient shards
     _ranks: list[int]  # this rank within each group's process group
     _param_locations: dict[torch.nn.Parameter, ParamLocation]
 

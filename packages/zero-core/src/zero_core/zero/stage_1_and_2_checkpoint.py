@@ -8,16 +8,20 @@ groups, masters, optimizer and offload store; the format and the reader are
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from zero_core.checkpoint.fragments import CheckpointReader
+    from zero_core.zero.stage_1_and_2 import PartitionedOptimizerStrategy
 
 
 class PartitionedCheckpointing:
     """Saving and loading a partitioned optimizer's shards (held by the stage 1/2 strategy)."""
 
-    def __init__(self, strategy: Any) -> None:
-        self.strategy = strategy  # a PartitionedOptimizerStrategy (not imported: it imports this module)
+    def __init__(self, strategy: PartitionedOptimizerStrategy) -> None:
+        self.strategy = strategy  # imported for typing only: stage_1_and_2.py imports this module
 
     # -- checkpointing (zero_core.checkpoint; see [Note: checkpoint format] in checkpoint/format.py) --
     def checkpoint_fragments(self, exclude_frozen_parameters: bool = False) -> list[Any]:
@@ -58,7 +62,7 @@ class PartitionedCheckpointing:
     @torch.no_grad()
     def load_checkpoint_fragments(
         self,
-        reader: Any,
+        reader: CheckpointReader,
         *,
         load_optimizer_states: bool = True,
         load_module_only: bool = False,

@@ -11,7 +11,7 @@ carry ``adamw_mode`` and ``bias_correction``, which the CPU-offloaded step reads
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -54,7 +54,7 @@ class FusedAdam(torch.optim.Optimizer):
         self.set_grad_none = set_grad_none
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():

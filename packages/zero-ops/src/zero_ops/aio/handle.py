@@ -15,13 +15,16 @@ from __future__ import annotations
 import functools
 import os
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
 from zero_ops import _native
 from zero_ops.aio._threadpool import ThreadPoolEngine
 from zero_ops.aio.buffers import ALIGNMENT, is_locked, locked_empty
+
+_R = TypeVar("_R")
 
 # [Note: aio engines across fork]
 # A fork() copies a native engine but not its worker threads, and may copy its mutex and
@@ -39,7 +42,7 @@ class _EngineRef:
 
     __slots__ = ("engine", "__weakref__")
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: object) -> None:
         self.engine = engine
 
 
@@ -50,7 +53,7 @@ def _keep_inherited_engines_alive() -> None:
 os.register_at_fork(after_in_child=_keep_inherited_engines_alive)
 
 
-def _positive_int(name: str, value: Any) -> int:
+def _positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"AsyncIOHandle: {name} must be an int >= 1, got {value!r}")
     return value
@@ -67,12 +70,12 @@ def _positive_int(name: str, value: Any) -> int:
 _RENAMED = {"async": "async_op", "tensor": "buffer", "path": "filename", "offset": "file_offset"}
 
 
-def _keywords(where: str) -> Any:
+def _keywords(where: str) -> Callable[[Callable[..., _R]], Callable[..., _R]]:
     """Decorator translating the keywords of [Note: aio keyword names] for method ``where``."""
 
-    def wrap(method: Any) -> Any:
+    def wrap(method: Callable[..., _R]) -> Callable[..., _R]:
         @functools.wraps(method)
-        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def call(self: object, *args: object, **kwargs: object) -> _R:
             for old, new in _RENAMED.items():
                 if old in kwargs:
                     if new in kwargs:
@@ -85,7 +88,7 @@ def _keywords(where: str) -> Any:
     return wrap
 
 
-def _write_target(filename: Any, fd: Any) -> str | os.PathLike:
+def _write_target(filename: str | os.PathLike | int | None, fd: int | None) -> str | os.PathLike:
     """The path ``async_pwrite`` writes to: ``filename``, or the file behind descriptor ``fd``."""
     if fd is None and isinstance(filename, int) and not isinstance(filename, bool):
         fd = filename  # DeepSpeed's overload async_pwrite(buffer, fd, file_offset), by position
@@ -311,7 +314,7 @@ class AsyncIOHandle:
         self,
         num_elem: int,
         example_tensor: torch.dtype | torch.Tensor = torch.float32,
-        **deepspeed_names: Any,
+        **deepspeed_names: object,
     ) -> torch.Tensor:
         """A page-aligned CPU tensor (so transfers can use O_DIRECT), page-locked where allowed.
 

@@ -64,7 +64,7 @@ class OnebitAdam(FreezeStepOptimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        deepspeed: Any = None,
+        deepspeed: object = None,
         lr: float = 1e-3,
         freeze_step: int = 100000,
         bias_correction: bool = True,

@@ -42,10 +42,11 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from zero_core import comm
 from zero_core.comm.compressed import compressed_all_reduce
 
@@ -55,13 +56,13 @@ from zero_ops.onebit.layout import ChunkLayout
 COMM_BACKENDS = ("nccl", "gloo", "mpi", "ucc", "xccl")
 
 
-def check_int(name: str, owner: str, value: Any, minimum: int) -> int:
+def check_int(name: str, owner: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{owner}: {name} must be an integer >= {minimum}, got {value!r}")
     return value
 
 
-def check_number(name: str, owner: str, value: Any, low: float, high: float | None = None) -> float:
+def check_number(name: str, owner: str, value: object, low: float, high: float | None = None) -> float:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or value < low or (high is not None and value >= high):
         bound = f"in [{low}, {high})" if high is not None else f">= {low}"
@@ -117,14 +118,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.comm_backend_name = comm_backend_name.lower()
         self.cuda_aware = cuda_aware
         super().__init__(params, {**defaults, **self.PHASE})
-        self._group: Any = None
+        self._group: dist.ProcessGroup | None = None
         self._engine_reduces = False
         self._backend_checked = False
         self._layouts: dict[int, ChunkLayout] = {}
         self._errors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- the engine's side ---------------------------------------------------------------
-    def bind_data_parallel(self, group: Any = None) -> None:
+    def bind_data_parallel(self, group: dist.ProcessGroup | None = None) -> None:
         """Exchange over ``group``; the engine all-reduces the gradients of dense steps itself."""
         self._group = group
         self._engine_reduces = True
@@ -137,7 +138,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def phase(self, key: str) -> Any:
         return self.param_groups[0][key]
 
-    def set_phase(self, key: str, value: Any) -> None:
+    def set_phase(self, key: str, value: object) -> None:
         for group in self.param_groups:
             group[key] = value
 
@@ -279,7 +280,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
 
 def init_adam_style(
-    opt: CompressedOptimizer, params: Iterable[Any], args: dict[str, Any], **extra: Any
+    opt: CompressedOptimizer, params: Iterable[Any], args: dict[str, Any], **extra: object
 ) -> None:
     """Run :class:`CompressedOptimizer`'s constructor from an Adam-style constructor's arguments.
 
@@ -323,7 +324,7 @@ class FreezeStepOptimizer(CompressedOptimizer):
         return self.phase("compression_step") > self.freeze_step
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -25,7 +25,7 @@ the phase change: phase 1 exchanges gradients, phase 2 accumulated momenta.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -59,7 +59,7 @@ class ZeroOneAdam(CompressedOptimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        deepspeed: Any = None,
+        deepspeed: object = None,
         lr: float = 1e-3,
         bias_correction: bool = True,
         betas: tuple[float, float] = (0.9, 0.999),
@@ -113,7 +113,7 @@ class ZeroOneAdam(CompressedOptimizer):
 
     # -- the step ------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -55,7 +55,7 @@ _BOOLS = (
 _SIZES = ("batch_size", "hidden_size", "intermediate_size", "heads", "num_hidden_layers")
 
 
-def _check_int(name: str, value: Any, *, unset_ok: bool = True, low: int = 1) -> None:
+def _check_int(name: str, value: object, *, unset_ok: bool = True, low: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{_WHERE}: {name} must be an int, got {value!r}")
     if unset_ok and value == -1:
@@ -65,7 +65,7 @@ def _check_int(name: str, value: Any, *, unset_ok: bool = True, low: int = 1) ->
         raise ValueError(f"{_WHERE}: {name} must be {allowed}, got {value}")
 
 
-def _check_ratio(name: str, value: Any) -> None:
+def _check_ratio(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{_WHERE}: {name} must be a number, got {value!r}")
     if value == -1:
@@ -131,7 +131,7 @@ class TransformerConfig:
         self.__dict__.update(values)
 
     @staticmethod
-    def _check_floats(initializer_range: Any, layer_norm_eps: Any) -> None:
+    def _check_floats(initializer_range: object, layer_norm_eps: object) -> None:
         for name, value in (("initializer_range", initializer_range), ("layer_norm_eps", layer_norm_eps)):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{_WHERE}: {name} must be a number, got {value!r}")

@@ -24,10 +24,9 @@ config sets a seed, and kept as bool (1 byte per element instead of torch's floa
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import FunctionCtx
 
 
 def keep_mask(like: torch.Tensor, p: float, generator: torch.Generator | None) -> torch.Tensor:
@@ -48,14 +47,14 @@ class InvertibleLayerNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+        ctx: FunctionCtx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
     ) -> torch.Tensor:
         y, _, rstd = torch.native_layer_norm(x, (x.shape[-1],), weight, bias, eps)
         ctx.save_for_backward(y, weight, bias, rstd)
         return y
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+    def backward(ctx: FunctionCtx, dy: torch.Tensor) -> tuple:
         y, weight, bias, rstd = ctx.saved_tensors
         acc = torch.promote_types(dy.dtype, torch.float32)  # reductions in float32 for half inputs
         w, b = weight.to(acc), bias.to(acc)
@@ -80,14 +79,14 @@ class GeluLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         g = F.gelu(u)
         out = torch.addmm(bias, g.reshape(-1, g.shape[-1]), weight.t())
         ctx.save_for_backward(u, weight)
         return out.view(*u.shape[:-1], weight.shape[0])
 
     @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor) -> tuple:
+    def backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple:
         u, weight = ctx.saved_tensors
         d2 = dout.reshape(-1, dout.shape[-1])
         g = F.gelu(u).reshape(-1, u.shape[-1])
@@ -107,13 +106,15 @@ class DropoutMatmul(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, probs: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
+    def forward(
+        ctx: FunctionCtx, probs: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, p: float
+    ) -> torch.Tensor:
         ctx.save_for_backward(probs, v, mask)
         ctx.scale = 1.0 / (1.0 - p)
         return torch.matmul((probs * mask).mul_(ctx.scale), v)
 
     @staticmethod
-    def backward(ctx: Any, dctx: torch.Tensor) -> tuple:
+    def backward(ctx: FunctionCtx, dctx: torch.Tensor) -> tuple:
         probs, v, mask = ctx.saved_tensors
         dprobs = dv = None
         if ctx.needs_input_grad[1]:

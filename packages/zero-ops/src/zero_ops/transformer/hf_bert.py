@@ -7,13 +7,16 @@ layout. ``transformers`` is imported only when these are called (zero-ops does n
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
 from zero_ops.transformer.config import TransformerConfig
 from zero_ops.transformer.layer import TransformerLayer
+
+if TYPE_CHECKING:
+    import transformers
 
 _WHERE = "replace_bert_layers"
 
@@ -35,7 +38,9 @@ def _returns_tuple() -> bool:
     return int(transformers.__version__.split(".")[0]) < 5
 
 
-def config_from_bert(hf_config: Any, dtype: torch.dtype, **overrides: Any) -> TransformerConfig:
+def config_from_bert(
+    hf_config: transformers.PretrainedConfig, dtype: torch.dtype, **overrides: object
+) -> TransformerConfig:
     """The fused layer's config for a Hugging Face ``BertConfig`` (post-LN, as BERT is)."""
     if getattr(hf_config, "hidden_act", "gelu") != "gelu":
         raise ValueError(
@@ -80,7 +85,7 @@ def _children_of_type(model: nn.Module, cls: type) -> list[tuple[nn.Module, str,
     return found
 
 
-def replace_bert_layers(model: nn.Module, **overrides: Any) -> nn.Module:
+def replace_bert_layers(model: nn.Module, **overrides: object) -> nn.Module:
     """Replace every ``BertLayer`` in ``model`` (in place) with a :class:`TransformerLayer`
     holding the same weights; returns ``model``.
 
@@ -108,7 +113,7 @@ def replace_bert_layers(model: nn.Module, **overrides: Any) -> nn.Module:
     return model
 
 
-def _bert_layer(bert_layer: type, hf_config: Any, idx: int | None) -> nn.Module:
+def _bert_layer(bert_layer: type, hf_config: transformers.PretrainedConfig, idx: int | None) -> nn.Module:
     try:
         return bert_layer(hf_config, layer_idx=idx)
     except TypeError:  # transformers versions without layer_idx

@@ -156,8 +156,8 @@ class TransformerLayer(nn.Module):
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        *args: Any,
-        **kwargs: Any,
+        *args: object,
+        **kwargs: object,
     ) -> torch.Tensor | tuple[torch.Tensor]:
         """``hidden_states`` (batch, seq, hidden); ``attention_mask`` as BERT passes it: an
         additive mask broadcastable to (batch, heads, seq, seq) (``get_extended_attention_mask``),

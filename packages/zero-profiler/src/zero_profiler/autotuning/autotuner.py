@@ -42,7 +42,8 @@ import json
 import os
 import signal
 import sys
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 from zero_profiler.autotuning.confirm import ConfirmOutcome, run_confirm_phase
 from zero_profiler.autotuning.experiment import (
@@ -65,12 +66,15 @@ from zero_profiler.autotuning.space import (
 )
 from zero_profiler.autotuning.tuners import TUNERS
 
+if TYPE_CHECKING:
+    from zero_core.config.builtin_sections import AutotuningConfig
+
 
 class AutotuningError(RuntimeError):
     """The search cannot start (bad config or arguments)."""
 
 
-def _load_section(raw: Any) -> Any:
+def _load_section(raw: object) -> AutotuningConfig:
     from pydantic import ValidationError
     from zero_core.config.builtin_sections import AutotuningConfig
 
@@ -413,7 +417,7 @@ def autotune(args: argparse.Namespace) -> int:
     """``zero run --autotuning tune|run``: search, write the results; with ``run``, launch the best."""
     tuner = Autotuner(args)
 
-    def on_signal(signum: int, _frame: Any) -> None:
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
         tuner.runner.stop()  # the experiment runs in its own session: end it too
         raise SystemExit(128 + signum)
 

@@ -43,17 +43,21 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from zero_core import comm
 from zero_core.checkpoint.atomic import atomic_write_json
 from zero_core.engine.autotuning_experiment import EXPERIMENT_ENV
 
+if TYPE_CHECKING:
+    from zero_core.config.builtin_sections import AutotuningConfig
+    from zero_core.engine.engine import ZeroEngine
+
 __all__ = ["EXPERIMENT_ENV", "AutotuningMetricHook", "build_autotuning_hook", "write_json_atomic"]
 
 
-def write_json_atomic(path: str, data: Any) -> None:
+def write_json_atomic(path: str, data: object) -> None:
     """Write ``data`` as JSON to ``path`` (its folder made if missing) through zero-core's one
     atomic writer: see [Note: one atomic writer] in ``checkpoint/atomic.py``."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -95,7 +99,7 @@ class AutotuningMetricHook:
     Built by :func:`build_autotuning_hook`; see [Note: autotuning experiments].
     """
 
-    def __init__(self, section: Any, engine: Any, baseline_bytes: int) -> None:
+    def __init__(self, section: AutotuningConfig, engine: ZeroEngine, baseline_bytes: int) -> None:
         self.start = int(section.start_profile_step)
         self.end = int(section.end_profile_step)
         if self.end <= self.start:
@@ -112,7 +116,7 @@ class AutotuningMetricHook:
         self._step_times: list[float] = []
         self._step_samples: list[int] = []
 
-    def __call__(self, engine: Any) -> None:
+    def __call__(self, engine: ZeroEngine) -> None:
         step = engine.global_steps
         if step == self.start:
             self._mark_start(engine)
@@ -121,20 +125,20 @@ class AutotuningMetricHook:
             if step == self.end:
                 self._finish(engine)
 
-    def _sync(self, engine: Any) -> None:
+    def _sync(self, engine: ZeroEngine) -> None:
         from zero_core.accelerator import get_accelerator
 
         get_accelerator().synchronize()
         if comm.is_initialized() and comm.get_world_size() > 1:
             comm.barrier()
 
-    def _mark_start(self, engine: Any) -> None:
+    def _mark_start(self, engine: ZeroEngine) -> None:
         self._sync(engine)
         self._t0 = time.perf_counter()
         self._samples0 = engine.global_samples
         self._last = (self._t0, self._samples0)
 
-    def _mark_step(self, engine: Any) -> None:
+    def _mark_step(self, engine: ZeroEngine) -> None:
         # the accelerator's queue drained, so the step's time is its real time; no barrier: the
         # step's collectives already keep the ranks together, and rank 0's clock is what is written
         from zero_core.accelerator import get_accelerator
@@ -145,7 +149,7 @@ class AutotuningMetricHook:
         self._step_samples.append(samples - self._last[1])
         self._last = (now, samples)
 
-    def _finish(self, engine: Any) -> None:
+    def _finish(self, engine: ZeroEngine) -> None:
         self._sync(engine)
         elapsed = max(time.perf_counter() - float(self._t0 or 0.0), 1e-9)
         samples = engine.global_samples - self._samples0
@@ -183,7 +187,7 @@ class AutotuningMetricHook:
 
 
 def build_autotuning_hook(
-    section: Any, engine: Any, info: dict[str, int], baseline_bytes: int
+    section: AutotuningConfig, engine: ZeroEngine, info: dict[str, int], baseline_bytes: int
 ) -> AutotuningMetricHook:
     """The step hook of an autotuning experiment, for the ``autotuning`` config ``section`` of a
     launch with a ``metric_path`` (zero-core's ``attach_experiment_hook`` calls it; ``info``

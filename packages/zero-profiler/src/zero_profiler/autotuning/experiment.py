@@ -21,10 +21,15 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zero_profiler.autotuning.engine_hook import EXPERIMENT_ENV, write_json_atomic
 from zero_profiler.autotuning.space import Candidate
+
+if TYPE_CHECKING:
+    import argparse
+
+    from zero_core.config.builtin_sections import AutotuningConfig
 
 #: the script flags that carry the config path (ours and DeepSpeed's)
 CONFIG_FLAGS = ("--zero_config", "--deepspeed_config", "--zero-config", "--deepspeed-config")
@@ -126,7 +131,7 @@ class ExperimentRunner:
         self,
         launch_prefix: list[str],
         script_args: list[str],
-        section: Any,
+        section: AutotuningConfig,
         budget: int,
         exps_dir: str,
         results_dir: str,
@@ -291,7 +296,7 @@ class ExperimentRunner:
                 result.reason = f"the metric was written, then the launch ended with {reason}"
 
 
-def launcher_prefix(args: Any) -> list[str]:
+def launcher_prefix(args: argparse.Namespace) -> list[str]:
     """``python -m zero_core.launcher run <the launcher flags of args>`` (without the script)."""
     from zero_core.launcher.run import TORCHRUN_FLAGS
 

@@ -13,9 +13,12 @@ Offloading the optimizer states (``offload_optimizer``) moves their K bytes off 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from zero_profiler.memory_estimators import zero_paper_model_states_bytes
+
+if TYPE_CHECKING:
+    from zero_core.config.builtin_sections import AutotuningConfig
 
 #: environment override of the memory budget (bytes; "64MB", "2GiB" also accepted), for tests
 BUDGET_ENV = "ZERO_AUTOTUNING_MEMORY_BUDGET"
@@ -72,7 +75,7 @@ def _host_available_bytes() -> int:
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
-def device_memory_budget(section: Any, ranks_per_node: int) -> tuple[int, str]:
+def device_memory_budget(section: AutotuningConfig, ranks_per_node: int) -> tuple[int, str]:
     """(bytes one rank may use, where that figure came from).
 
     Order: the ``ZERO_AUTOTUNING_MEMORY_BUDGET`` environment variable, the section's

@@ -14,7 +14,7 @@ import os
 import shlex
 import statistics
 import sys
-from typing import Any
+from typing import Any, TextIO
 
 from zero_core.checkpoint.atomic import atomic_path, atomic_write_text
 
@@ -28,7 +28,7 @@ PLOT_NAME = "metric_vs_micro_batch.png"
 class Progress:
     """A text progress bar, one line per experiment (the total is an estimate: the search prunes)."""
 
-    def __init__(self, total: int, stream: Any = None) -> None:
+    def __init__(self, total: int, stream: TextIO | None = None) -> None:
         self.total = max(1, total)
         self.done = 0
         self.stream = stream or sys.stdout

@@ -24,7 +24,10 @@ import itertools
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from zero_core.config.builtin_sections import AutotuningConfig
 
 #: the knobs each stage tunes (with ``fast: false``)
 STAGE_KNOBS: dict[int, tuple[str, ...]] = {
@@ -77,7 +80,7 @@ class SearchSpace:
         ]
 
 
-def _is_open(value: Any) -> bool:
+def _is_open(value: object) -> bool:
     return value in _OPEN
 
 
@@ -93,7 +96,7 @@ def _stages(zero_opt: dict[str, Any]) -> list[int]:
     return sorted(set(values))
 
 
-def build_space(user: dict[str, Any], section: Any, num_params: int) -> SearchSpace:
+def build_space(user: dict[str, Any], section: AutotuningConfig, num_params: int) -> SearchSpace:
     """The search space of ``user`` (the raw config dict) under the ``autotuning`` ``section``."""
     zero_opt = user.get("zero_optimization") or {}
     if not isinstance(zero_opt, dict):
@@ -135,7 +138,7 @@ def micro_batch_candidates(low: int, high: int, count: int) -> list[int]:
     return sorted({min(high, max(low, v)) for v in values} | {high})
 
 
-def batch_fits(space: SearchSpace, mbs: int, world: int, section: Any) -> bool:
+def batch_fits(space: SearchSpace, mbs: int, world: int, section: AutotuningConfig) -> bool:
     """Whether micro-batch ``mbs`` gives a train batch within the section's bounds and the user's
     fixed ``train_batch_size``."""
     gas = space.gas or 1
@@ -183,7 +186,7 @@ def experiment_name(cand: Candidate, config: dict[str, Any]) -> str:
     return f"z{cand.stage}_mbs{cand.mbs}{'_offload' if cand.offload else ''}_{digest}"
 
 
-def knob_feature(value: Any) -> float:
+def knob_feature(value: object) -> float:
     """A knob value as a number for the cost model: 0/1 for a flag, log2 of a size."""
     if isinstance(value, bool):
         return 1.0 if value else 0.0

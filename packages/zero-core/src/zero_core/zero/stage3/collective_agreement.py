@@ -41,7 +41,10 @@ gloo with divergences that keep sizes, since a size mismatch aborts gloo before 
 ``"collective"`` (the debug switch: a 32-byte all-gather of the headers on the backend's device
 before each collective, compared on the host, so one host sync per collective; it needs no
 store), ``False``/``0`` (off). Every wait is bounded by the collective watchdog's timeout
-(``collective_timeout``).
+(``collective_timeout``). The read of the peers' headers is a watched store wait (see [Note:
+watched store waits] in ``zero_core.comm.store_wait``): part of the data collective it
+precedes for the watchdog, left with ``PeerFailedError`` when a rank failed, and at the
+deadline the watchdog's diagnosis naming the rank that did not arrive, every process ending.
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ import torch
 
 from zero_core import comm
 from zero_core.comm import watchdog as _watchdog
+from zero_core.comm.collective_errors import CollectiveTimeoutError, PeerFailedError
+from zero_core.comm.store_wait import wait_for_keys
 from zero_core.zero.stage3.param_records import RECORDS_BY_ID as _BY_ID
 from zero_core.zero.stage3.runtime_context import stage3_context
 
@@ -153,14 +158,14 @@ class StoreAgreement:
 
     def __init__(self, store: Any) -> None:
         self.store = store  # the main thread's client; the side thread clones its own
-        self._timeouts: dict[int, float] = {}
         self._seq: dict[tuple[int, ...], int] = {}
-        self._pending: deque[tuple[tuple[int, ...], int, int, Header, str]] = deque()
+        self._pending: deque[tuple[tuple[int, ...], int, int, Header, str, int | None]] = deque()
         self._cond = threading.Condition()
         self._posted = 0
         self._done = 0
         self._thread: threading.Thread | None = None
         self.error: str | None = None  # the first disagreement found (kept: later ones follow from it)
+        self.peer_failed: PeerFailedError | None = None  # the side thread's wait left for a failed peer
 
     def check(self, ranks: tuple[int, ...], me: int, header: Header, what: str, inline: bool) -> None:
         """Number ``header`` on the group of global ``ranks`` and compare it with the peers'
@@ -168,14 +173,21 @@ class StoreAgreement:
         self.raise_if_failed()
         seq = self._seq.get(ranks, 0) + 1
         self._seq[ranks] = seq
+        wd = _watchdog.get_watchdog()
+        number = wd.next_seq(ranks) if wd is not None else None  # the data collective's number
         if inline:
-            message = self._exchange(self.store, ranks, me, seq, header, what)
+            try:
+                message = self._exchange(self.store, ranks, me, seq, header, what, number)
+            except PeerFailedError:
+                raise  # a rank failed: no disagreement to report (See [Note: failed ranks])
+            except CollectiveTimeoutError as exc:
+                raise Stage3CollectiveError(f"ZeRO stage 3: {exc}") from exc
             if message is not None:
                 self.error = self.error or message
                 raise Stage3CollectiveError(message)
             return
         with self._cond:
-            self._pending.append((ranks, me, seq, header, what))
+            self._pending.append((ranks, me, seq, header, what, number))
             self._posted += 1
             self._cond.notify()
         if self._thread is None:
@@ -183,6 +195,8 @@ class StoreAgreement:
             self._thread.start()
 
     def raise_if_failed(self) -> None:
+        if self.peer_failed is not None:
+            raise PeerFailedError(str(self.peer_failed), self.peer_failed.failed_rank)
         if self.error is not None:
             raise Stage3CollectiveError(self.error)
 
@@ -202,10 +216,12 @@ class StoreAgreement:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: bool(self._pending))
-                ranks, me, seq, header, what = self._pending[0]
+                ranks, me, seq, header, what, number = self._pending[0]
             try:
-                message = self._exchange(store, ranks, me, seq, header, what)
-            except Exception as exc:  # the store is gone (the end of a job): stop comparing
+                message = self._exchange(store, ranks, me, seq, header, what, number)
+            except PeerFailedError as exc:
+                self.peer_failed, message = exc, str(exc)
+            except Exception as exc:  # the watchdog's diagnosis, or the store is gone (the end of a job)
                 message = f"ZeRO stage 3: the agreement check before {what} failed: {exc}"
             with self._cond:
                 self._pending.popleft()
@@ -222,36 +238,30 @@ class StoreAgreement:
                     return
 
     def _exchange(
-        self, store: Any, ranks: tuple[int, ...], me: int, seq: int, header: Header, what: str
+        self,
+        store: Any,
+        ranks: tuple[int, ...],
+        me: int,
+        seq: int,
+        header: Header,
+        what: str,
+        number: int | None,
     ) -> str | None:
-        group, timeout = ",".join(map(str, ranks)), collective_timeout()
-        if self._timeouts.get(id(store)) != timeout:
-            store.set_timeout(datetime.timedelta(seconds=timeout))
-            self._timeouts[id(store)] = timeout
+        """Post ``header`` as exchange ``seq`` of the group, read the peers'; the mismatch message
+        or None. The read is a watched store wait, part of collective ``number`` of the
+        watchdog's count (See [Note: watched store waits]): a failed peer raises
+        ``PeerFailedError``, the deadline the watchdog's diagnosis."""
+        group = ",".join(map(str, ranks))
         store.set(f"{_KEY}/{group}/{me}/{seq}", " ".join(map(str, header)))
         if seq > 2:
             store.delete_key(f"{_KEY}/{group}/{me}/{seq - 2}")
         keys = [f"{_KEY}/{group}/{r}/{seq}" for r in ranks if r != me]
-        try:
-            values = store.multi_get(keys)
-        except Exception as exc:
-            late = [r for r, k in zip((r for r in ranks if r != me), keys) if not _present(store, k)]
-            return (
-                f"ZeRO stage 3: rank(s) {late} did not reach collective #{seq} on the group of ranks "
-                f"{list(ranks)} ({what}) within {timeout:g} s (the agreement check's wait; store said: {exc})"
-            )
+        values = wait_for_keys(store, keys, ranks, f"{what} (its stage-3 agreement check)", number)
         theirs = iter(tuple(int(x) for x in v.decode().split()) for v in values)
         rows = [header if r == me else next(theirs) for r in ranks]
         if all(row == header for row in rows):
             return None
         return mismatch_error(rows, ranks, me, what, seq)
-
-
-def _present(store: Any, key: str) -> bool:
-    try:
-        return bool(store.check([key]))
-    except Exception:
-        return False
 
 
 class _Slot:
@@ -329,6 +339,8 @@ def wait_bounded(work: Any, what: str) -> None:
         wd.note(what)  # the parameters of this collective, for the watchdog's diagnosis
     try:
         work.wait(timeout=datetime.timedelta(seconds=collective_timeout()))
+    except PeerFailedError as exc:  # a rank failed: no disagreement to report (See [Note: failed ranks])
+        raise PeerFailedError(f"{exc} (ZeRO stage 3: {what})", exc.failed_rank) from exc
     except Exception as exc:
         found = agreement.error if agreement is not None else None
         if found is not None:
