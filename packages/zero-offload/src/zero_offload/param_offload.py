@@ -40,17 +40,23 @@ from __future__ import annotations
 import itertools
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from zero_core.accelerator import get_accelerator
+from zero_core.protocols.shard_store import PLAIN_SHARDS
 from zero_core.zero.stage3.param_records import is_partitioned, partition_state
+from zero_core.zero.stage3.transient_shards import TransientShards
 from zero_ops.aio import AsyncIOHandle, locked_empty
 
 from zero_offload.host_heap import bound_host_heap
 from zero_offload.swap_checksums import SwapChecksums
 from zero_offload.swap_files import SwapDirectory
 from zero_offload.transfers import CopyFence, host_buffer
+
+if TYPE_CHECKING:
+    from zero_core.config import ZeroOptimizationConfig
+    from zero_core.config.builtin_sections import AioConfig
+    from zero_core.zero.stage3.partitioned_param import PartitionState
 
 _ALIGN = 4096
 # Several ParamOffload objects of a process share the rank's swap directory (zero.Init's and
@@ -66,8 +72,9 @@ def _nbytes(st: Any) -> int:
     return st.shard_numel * st.shard.element_size()
 
 
-class ParamOffload:
-    """See [Note: parameter offload].
+class ParamOffload(TransientShards):
+    """See [Note: parameter offload]; a transient ``ShardStore`` (See [Note: shard store seam]
+    in zero-core's ``protocols/shard_store.py``): fetch and release are ``TransientShards``'.
 
     Args:
         device: ``"cpu"`` or ``"nvme"`` (``offload_param.device``).
@@ -150,7 +157,7 @@ class ParamOffload:
                     f"ParamOffload.adopt: expected parameters partitioned by ZeRO stage 3 (zero_core's is_partitioned), "
                     f"got a {type(p).__name__} of shape {tuple(getattr(p, 'shape', ()))}"
                 )
-        new = [p for p in params if partition_state(p).offload is None]
+        new = [p for p in params if not partition_state(p).store.transient]  # others keep theirs
         nvme_new = []
         for p in new:
             st = partition_state(p)
@@ -167,7 +174,7 @@ class ParamOffload:
         for p in new:
             st = partition_state(p)
             self.params[st.id] = p  # (NVMe homes were registered by _grow_file already)
-            st.offload = self
+            st.store = self
             st.shard.untyped_storage().resize_(0)
 
     def _grow_file(self, params: list[torch.nn.Parameter]) -> None:
@@ -209,19 +216,11 @@ class ParamOffload:
         self._free.extend(self._writing)
         self._writing.clear()
 
-    def follow(self, coordinator: Any) -> None:
-        """Read ahead in ``coordinator``'s recorded module order (see [Note: parameter offload])."""
-        self.coordinator = coordinator
-
-    # -- the device copy (called by zero-core's gather_params) --------------------------------
-    @torch.no_grad()
-    def fetch(self, p: torch.nn.Parameter) -> None:
-        """Make ``st.shard`` hold the shard's values on the device."""
-        st = partition_state(p)
-        if st.shard.untyped_storage().nbytes() > 0:
-            return
+    # -- the device copy (TransientShards.fetch calls this from zero-core's gather_params) -------
+    def _fill(self, st: PartitionState) -> None:
+        """Copy the shard's values from its home into ``st.shard`` (allocated), then read ahead
+        in the followed coordinator's recorded module order (see [Note: parameter offload])."""
         self.fetches += 1
-        st.shard.untyped_storage().resize_(_nbytes(st))
         if st.id in self.host:
             st.shard.copy_(self.host[st.id], non_blocking=True)
             self.fetched.mark()  # write() waits before changing a home: See [Note: offload copies]
@@ -241,19 +240,10 @@ class ParamOffload:
             self._free.append(buf)
         self._read_ahead()
 
-    def release(self, p: torch.nn.Parameter) -> None:
-        """Drop the device copy (the home holds the values)."""
-        st = partition_state(p)
-        # The stream that packs it may still read it: the block is not reused before that work
-        # is done (no host wait; See [Note: stage-3 streams] in zero_core).
-        get_accelerator().record_stream(st.shard, get_accelerator().current_stream())
-        st.shard.untyped_storage().resize_(0)
-
     # -- values (checkpoints, step write-back, modifiers) --------------------------------------
     @torch.no_grad()
-    def read(self, p: torch.nn.Parameter) -> torch.Tensor:
-        """A new CPU tensor with ``p``'s shard values (from the home; whole shard, padding included)."""
-        st = partition_state(p)
+    def read(self, st: PartitionState) -> torch.Tensor:
+        """A new CPU tensor with the shard's values (from the home; whole shard, padding included)."""
         if st.id in self.host:
             return self.host[st.id].clone()
         self._drop_landed(st.id)
@@ -268,9 +258,8 @@ class ParamOffload:
         return out
 
     @torch.no_grad()
-    def write(self, p: torch.nn.Parameter, values: torch.Tensor) -> None:
-        """Set ``p``'s shard to ``values`` (cast to its dtype) at its home (and in a live device copy)."""
-        st = partition_state(p)
+    def write(self, st: PartitionState, values: torch.Tensor) -> None:
+        """Set the shard to ``values`` (cast to its dtype) at its home (and in a live device copy)."""
         v = values.detach().reshape(-1)
         if v.numel() != st.shard_numel:
             raise ValueError(
@@ -292,11 +281,11 @@ class ParamOffload:
         The shard gets a new home here at once (its old NVMe region is left unused), so changing
         the dtype of every parameter holds one shard in memory at a time, not the partition."""
         st = partition_state(p)
-        values = self.read(p).to(dtype)
+        values = self.read(st).to(dtype)
         del self.params[st.id]
         self.host.pop(st.id, None)
         self.offset.pop(st.id, None)
-        st.offload = None
+        st.store = PLAIN_SHARDS
         st.shard = torch.empty(st.shard_numel, dtype=dtype, device=st.shard.device)
         st.shard.copy_(values)
         p.zero_shard = st.shard
@@ -372,7 +361,7 @@ class ParamOffload:
             for q in module_params(co.modules[idx]):
                 st = partition_state(q)
                 if (
-                    st.offload is not self
+                    st.store is not self
                     or st.id in self.host
                     or st.id in self._landed
                     or st.shard.untyped_storage().nbytes() > 0
@@ -399,7 +388,7 @@ class ParamOffload:
         }
 
     def owns(self, p: torch.nn.Parameter) -> bool:
-        return getattr(partition_state(p), "offload", None) is self
+        return partition_state(p).store is self
 
     def swap_io_bytes(self) -> dict[str, int]:
         """Bytes read from and written to the parameter swap files so far."""
@@ -416,18 +405,17 @@ class ParamOffload:
             self.swap_dir.close()
 
 
-def build_param_offload(zero_config: Any, aio_config: Any = None, *, rank: int = 0) -> ParamOffload | None:
+def build_param_offload(
+    zero_config: ZeroOptimizationConfig, aio_config: AioConfig | None = None, *, rank: int = 0
+) -> ParamOffload | None:
     """The :class:`ParamOffload` that ``zero_optimization.offload_param`` asks for (None when off)."""
-    op = getattr(zero_config, "offload_param", None)
-    if op is None or getattr(op, "device", "none") == "none":
+    op = zero_config.offload_param
+    if op is None or not op.enabled:
         return None
-    if int(getattr(zero_config, "stage", 3)) != 3:
+    if zero_config.stage != 3:
         raise ValueError(
             f"zero_optimization.offload_param: offloading parameters needs stage 3, got stage {zero_config.stage}"
         )
-    aio: dict[str, Any] = {}
-    if aio_config is not None:
-        aio = aio_config.model_dump() if hasattr(aio_config, "model_dump") else dict(aio_config)
     return ParamOffload(
         op.device,
         rank=rank,
@@ -436,5 +424,5 @@ def build_param_offload(zero_config: Any, aio_config: Any = None, *, rank: int =
         buffer_size=int(op.buffer_size),
         max_in_cpu=int(op.max_in_cpu),
         pin_memory=bool(op.pin_memory),
-        aio=aio,
+        aio=aio_config.model_dump() if aio_config is not None else {},
     )
