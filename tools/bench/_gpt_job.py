@@ -244,7 +244,7 @@ def _fetch_wait_counter(engine: Any) -> Any:
     """Seconds so far that zero's parameter fetches waited for NVMe reads (zero-offload's
     ``ParamOffload.fetch_wait_s``: the parameter swapping the compute did not hide); 0 elsewhere."""
     strategy = getattr(engine, "strategy", None)
-    offloads = strategy._param_offloads() if hasattr(strategy, "_param_offloads") else []
+    offloads = strategy.shard_stores() if hasattr(strategy, "shard_stores") else []
     return lambda: float(sum(getattr(po, "fetch_wait_s", 0.0) for po in offloads))
 
 

@@ -43,12 +43,13 @@ def _config(nvme_root: str) -> dict:
 
 def _train(nvme_root: str) -> tuple:
     import zero_core
+    from zero_offload.param_offload import ParamOffload
 
     torch.manual_seed(0)
     model = TinyLM(VOCAB, 16, 23)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     engine, *_ = zero_core.initialize(model=model, optimizer=opt, config=_config(nvme_root))
-    po = engine.strategy._param_offloads()[0]
+    po = next(s for s in engine.strategy.shard_stores() if isinstance(s, ParamOffload))
     seen = {"hits_with_others_in_flight": 0, "others_collected": 0, "shared_handles": 0}
     fetch = po.fetch
 
