@@ -18,6 +18,7 @@ import torch
 from zero_core.testing import parity, run_multirank
 from zero_core.testing.models import TinyLM, token_batch
 from zero_core.zero.stage3.param_records import partition_state
+from zero_offload import ParamOffload
 
 STEPS, MICRO, SEQ, VOCAB = 20, 2, 8, 32
 
@@ -66,15 +67,15 @@ def _train(case: dict, nvme_root: str) -> tuple:
     if case.get("init"):  # zero.Init places each shard at its home as it is constructed
         with Init(remote_device=case["param"], config_dict_or_path=cfg):
             model = TinyLM(VOCAB, 16, 23)
-        placed = [partition_state(p).offload for p in model.parameters()]
-        assert all(o is not None and o is placed[0] for o in placed), placed
+        placed = [partition_state(p).store for p in model.parameters()]
+        assert all(isinstance(o, ParamOffload) and o is placed[0] for o in placed), placed
     else:
         model = TinyLM(VOCAB, 16, 23)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     engine, *_ = zero_core.initialize(model=model, optimizer=opt, config=cfg)
     if case.get("init"):
-        assert {id(o) for o in engine.strategy._param_offloads()} == {id(placed[0])}
-    po = engine.strategy._param_offloads()[0]
+        assert {id(o) for o in engine.strategy.shard_stores()} == {id(placed[0])}
+    (po,) = [s for s in engine.strategy.shard_stores() if isinstance(s, ParamOffload)]
     memory = []
 
     def record_memory(step: int) -> None:

@@ -12,9 +12,13 @@ from typing import Any
 
 import torch
 from zero_core.checkpoint.fragments import DeferredTensor
+from zero_core.protocols.optimizer_offload import NoOptimizerOffload
 
 from zero_offload.offload_groups import _MASTER, _NOT_STATES, _Group
 from zero_offload.transfers import CopyFence
+
+# answers the calls about masters this offload does not own (See [Note: optimizer offload seam])
+_NOT_OWNED = NoOptimizerOffload()
 
 
 class OffloadStateMixin:
@@ -29,6 +33,8 @@ class OffloadStateMixin:
     # -- state access (checkpoints, safe_get) --------------------------------------------------
     def state_of(self, optimizer: torch.optim.Optimizer, master: torch.Tensor) -> dict[str, Any]:
         """``master``'s optimizer state in torch's format (NVMe: read from the swap files)."""
+        if id(master) not in self._where:  # not offloaded (ratio < 1): See [Note: optimizer offload seam]
+            return _NOT_OWNED.state_of(optimizer, master)
         g, i = self._where[id(master)]
         grp = self.groups[g]
         state = dict(optimizer.state.get(master, {}))
@@ -42,6 +48,8 @@ class OffloadStateMixin:
     def deferred_state_of(self, optimizer: torch.optim.Optimizer, master: torch.Tensor) -> dict[str, Any]:
         """:meth:`state_of` for writing checkpoints: states in swap files are ``DeferredTensor``
         values read only when written (See [Note: deferred fragments] in zero-core)."""
+        if id(master) not in self._where:  # not offloaded: See [Note: optimizer offload seam]
+            return _NOT_OWNED.deferred_state_of(optimizer, master)
         g, i = self._where[id(master)]
         grp = self.groups[g]
         if grp.swapper is None:
@@ -66,6 +74,8 @@ class OffloadStateMixin:
     @torch.no_grad()
     def master_value(self, master: torch.Tensor) -> torch.Tensor:
         """A new fp32 tensor with ``master``'s values (shape of ``master``), wherever they live."""
+        if id(master) not in self._where:  # not offloaded: See [Note: optimizer offload seam]
+            return _NOT_OWNED.master_value(master)
         g, i = self._where[id(master)]
         grp = self.groups[g]
         lo, hi = grp.offsets[i], grp.offsets[i + 1]
@@ -76,6 +86,9 @@ class OffloadStateMixin:
     @torch.no_grad()
     def set_master(self, master: torch.Tensor, values: torch.Tensor) -> None:
         """Set ``master``'s fp32 values (and its updated low-precision copy), wherever they live."""
+        if id(master) not in self._where:  # not offloaded: See [Note: optimizer offload seam]
+            _NOT_OWNED.set_master(master, values)
+            return
         g, i = self._where[id(master)]
         grp = self.groups[g]
         lo, hi = grp.offsets[i], grp.offsets[i + 1]
@@ -145,6 +158,9 @@ class OffloadStateMixin:
         self, optimizer: torch.optim.Optimizer, master: torch.Tensor, state: dict[str, Any]
     ) -> None:
         """Replace ``master``'s optimizer state with ``state`` (torch's format), wherever it lives."""
+        if id(master) not in self._where:  # not offloaded: See [Note: optimizer offload seam]
+            _NOT_OWNED.load_state(optimizer, master, state)
+            return
         g, i = self._where[id(master)]
         grp = self.groups[g]
         lo, hi = grp.offsets[i], grp.offsets[i + 1]

@@ -159,7 +159,10 @@ class OffloadStepMixin:
                 update(t_lo, t_hi, {k: v[t_lo:t_hi] for k, v in grp.states.items()})
 
     def updated(self, master: torch.Tensor) -> torch.Tensor:
-        """The updated weights of ``master`` in the training dtype, on the compute device (flat)."""
+        """The updated weights of ``master`` in the training dtype, on the compute device (flat);
+        a master not offloaded (ratio < 1) is its own (See [Note: optimizer offload seam])."""
+        if id(master) not in self._where:
+            return master.detach()
         if self.masters_on_nvme:
             raise RuntimeError(
                 "OptimizerOffload.updated: with the masters on NVMe no host copy of the updated weights "

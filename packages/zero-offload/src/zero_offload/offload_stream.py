@@ -109,6 +109,9 @@ class OffloadStreamMixin:
         """A new fp32 tensor with elements ``[lo, hi)`` of the group's swapped array ``key``."""
         if key == _GRAD:
             self._drain_grads()
+        swapper = _checksummed(grp, key)
+        if swapper is not None:
+            return swapper.read_range(key, lo, hi)  # verified; See [Note: swap checksums]
         out = torch.empty(hi - lo, dtype=torch.float32)
         if hi > lo:
             self._stream_handles().sync_pread(out, self._array_path(grp, key), lo * 4)
@@ -116,7 +119,12 @@ class OffloadStreamMixin:
 
     def _write_array(self, grp: _Group, key: str, lo: int, values: torch.Tensor) -> None:
         v = values.detach().reshape(-1).to("cpu", torch.float32).contiguous()
-        if v.numel():
+        if not v.numel():
+            return
+        swapper = _checksummed(grp, key)
+        if swapper is not None:
+            swapper.write_range(key, lo, v)  # keeps the tiles' checksums those of their bytes
+        else:
             self._stream_handles().sync_pwrite(v, self._array_path(grp, key), lo * 4)
 
     # -- gradients -------------------------------------------------------------------------
@@ -200,3 +208,12 @@ class OffloadStreamMixin:
             h = getattr(self, name, None)
             if h is not None:
                 h.wait()
+
+
+def _checksummed(grp: _Group, key: str) -> Any:
+    """The group's swapper when it writes (and so checksums) array ``key``, else None: before the
+    first step, and for the read-only gradients, the arrays are read and written directly."""
+    swapper = getattr(grp, "swapper", None)
+    if swapper is None or key not in swapper.files or key in swapper.read_only:
+        return None
+    return swapper

@@ -33,7 +33,7 @@ Adam settings in ``offload_groups``, the arrays ZeRO-Infinity streams through sw
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from zero_core.protocols.optimizer_offload import MasterSource, master_values
@@ -46,6 +46,10 @@ from zero_offload.offload_step import OffloadStepMixin
 from zero_offload.offload_stream import OffloadStreamMixin
 from zero_offload.swap_files import SwapDirectory
 from zero_offload.transfers import CopyFence
+
+if TYPE_CHECKING:
+    from zero_core.config import ZeroOptimizationConfig
+    from zero_core.config.builtin_sections import AioConfig
 
 
 class OptimizerOffload(OffloadStepMixin, OffloadStateMixin, OffloadStreamMixin):
@@ -234,7 +238,10 @@ class OptimizerOffload(OffloadStepMixin, OffloadStateMixin, OffloadStreamMixin):
         return id(master) in self._where
 
     def stage_grad(self, master: torch.Tensor, grad: torch.Tensor | None) -> None:
-        """Copy ``master``'s reduced gradient shard to host memory (None: no gradient this step)."""
+        """Copy ``master``'s reduced gradient shard to host memory (None: no gradient this step);
+        a master not offloaded keeps its gradient with the strategy (See [Note: optimizer offload seam])."""
+        if id(master) not in self._where:
+            return
         g, i = self._where[id(master)]
         grp = self.groups[g]
         if grad is None:
@@ -268,7 +275,10 @@ class OptimizerOffload(OffloadStepMixin, OffloadStateMixin, OffloadStreamMixin):
         self._partial.clear()
 
     def stage_grad_range(self, master: torch.Tensor, lo: int, values: torch.Tensor) -> None:
-        """Copy ``values`` (reduced gradient elements ``[lo, lo + n)`` of ``master``'s shard) to host."""
+        """Copy ``values`` (reduced gradient elements ``[lo, lo + n)`` of ``master``'s shard) to host
+        (nothing for a master not offloaded: See [Note: optimizer offload seam])."""
+        if id(master) not in self._where:
+            return
         g, i = self._where[id(master)]
         grp = self.groups[g]
         base, n = grp.offsets[i], values.numel()
@@ -327,20 +337,17 @@ class OptimizerOffload(OffloadStepMixin, OffloadStateMixin, OffloadStreamMixin):
 
 
 def build_optimizer_offload(
-    zero_config: Any,
-    aio_config: Any = None,
+    zero_config: ZeroOptimizationConfig,
+    aio_config: AioConfig | None = None,
     *,
     rank: int = 0,
     compute_device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> OptimizerOffload | None:
     """The :class:`OptimizerOffload` that ``zero_optimization.offload_optimizer`` asks for (None when off)."""
-    oo = getattr(zero_config, "offload_optimizer", None)
-    if oo is None or getattr(oo, "device", "none") == "none":
+    oo = zero_config.offload_optimizer
+    if oo is None or not oo.enabled:
         return None
-    aio: dict[str, Any] = {}
-    if aio_config is not None:
-        aio = aio_config.model_dump() if hasattr(aio_config, "model_dump") else dict(aio_config)
     return OptimizerOffload(
         oo.device,
         rank=rank,
@@ -353,7 +360,7 @@ def build_optimizer_offload(
         pipeline_read=bool(oo.pipeline_read),
         pipeline_write=bool(oo.pipeline_write),
         fast_init=bool(oo.fast_init),
-        aio=aio,
+        aio=aio_config.model_dump() if aio_config is not None else {},
         # ZeRO-Infinity swaps the masters too; stages 1/2 keep them in CPU memory, as DeepSpeed does
-        masters_on_nvme=int(getattr(zero_config, "stage", 0)) == 3,
+        masters_on_nvme=zero_config.stage == 3,
     )

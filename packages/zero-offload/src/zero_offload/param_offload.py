@@ -20,6 +20,13 @@ device and a *device copy* that exists only while it is needed:
   order (see [Note: stage 3 parameter coordinator]) are read ahead into the free buffers, so
   the all-gather of module k+1 finds its shards already in memory. Resident CPU bytes for
   parameters are thus at most ``buffer_count x buffer_size`` (+ ``max_in_cpu``) elements.
+* each read in flight has an aio handle of its own (a pool of at most ``buffer_count`` + 1
+  handles; an aio handle's ``wait`` collects everything submitted on it), so a fetch waits
+  for its own shard only. With one handle for all reads, each fetch waited for every
+  read-ahead in flight, then issued one more that the next fetch waited for: the shards of a
+  module, fetched back to back, were read one after the other with no compute under them.
+  ``fetch_wait_s`` counts the seconds fetches spent waiting for the disk (the part of the
+  parameter swapping the compute did not hide).
 * after the optimizer step, the updated low-precision shard is written back to its home
   (``write_shard``; NVMe writes go through a pool buffer and are left in flight until a
   buffer or a read needs them).
@@ -31,18 +38,25 @@ separate CPU allocations, and ``memory_breakdown`` reports them apart.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from zero_core.accelerator import get_accelerator
+from zero_core.protocols.shard_store import PLAIN_SHARDS
 from zero_core.zero.stage3.param_records import is_partitioned, partition_state
+from zero_core.zero.stage3.transient_shards import TransientShards
 from zero_ops.aio import AsyncIOHandle, locked_empty
 
 from zero_offload.host_heap import bound_host_heap
 from zero_offload.swap_checksums import SwapChecksums
 from zero_offload.swap_files import SwapDirectory
 from zero_offload.transfers import CopyFence, host_buffer
+
+if TYPE_CHECKING:
+    from zero_core.config import ZeroOptimizationConfig
+    from zero_core.config.builtin_sections import AioConfig
+    from zero_core.zero.stage3.partitioned_param import PartitionState
 
 _ALIGN = 4096
 # Several ParamOffload objects of a process share the rank's swap directory (zero.Init's and
@@ -58,8 +72,9 @@ def _nbytes(st: Any) -> int:
     return st.shard_numel * st.shard.element_size()
 
 
-class ParamOffload:
-    """See [Note: parameter offload].
+class ParamOffload(TransientShards):
+    """See [Note: parameter offload]; a transient ``ShardStore`` (See [Note: shard store seam]
+    in zero-core's ``protocols/shard_store.py``): fetch and release are ``TransientShards``'.
 
     Args:
         device: ``"cpu"`` or ``"nvme"`` (``offload_param.device``).
@@ -106,26 +121,30 @@ class ParamOffload:
         self.instance = next(_INSTANCES)
         self.fetches = 0
         self.read_ahead_hits = 0
+        self.fetch_wait_s = 0.0  # seconds fetches waited for reads (See [Note: parameter offload])
         self.swap_dir: SwapDirectory | None = None
         self._files: list[str] = []
         self._file_bytes = 0
         self._buffers: list[torch.Tensor] = []
         self._free: list[torch.Tensor] = []
-        self._landed: OrderedDict[int, torch.Tensor] = OrderedDict()  # read ahead, complete or in flight
-        self._reading = False
+        # read ahead, complete or in flight: id -> (buffer, the handle its read was submitted on)
+        self._landed: OrderedDict[int, tuple[torch.Tensor, Any]] = OrderedDict()
         self._writing: list[torch.Tensor] = []
+        self._readers: list[Any] = []  # every read handle made (the byte counters add them up)
+        self._idle_readers: list[Any] = []  # read handles with nothing in flight
+        self._aio_kw: dict[str, Any] = {}
         if device == "nvme":
             if nvme_path is None:
                 raise ValueError('zero_optimization.offload_param.nvme_path: required when device is "nvme"')
             self.swap_dir = SwapDirectory(nvme_path, self.rank, what="zero_optimization.offload_param")
-            bound_host_heap()  # See [Note: host heap under NVMe offload]
             self.sums = SwapChecksums(self.swap_dir)  # See [Note: swap checksums]
+            bound_host_heap()  # See [Note: host heap under NVMe offload]
             kw = {
                 k: v
                 for k, v in dict(aio or {}).items()
                 if k in ("block_size", "queue_depth", "single_submit", "overlap_events", "thread_count")
             }
-            self.rh = AsyncIOHandle(**kw)
+            self._aio_kw = kw
             self.wh = AsyncIOHandle(**kw)
 
     # -- adoption ------------------------------------------------------------------------------
@@ -138,7 +157,7 @@ class ParamOffload:
                     f"ParamOffload.adopt: expected parameters partitioned by ZeRO stage 3 (zero_core's is_partitioned), "
                     f"got a {type(p).__name__} of shape {tuple(getattr(p, 'shape', ()))}"
                 )
-        new = [p for p in params if partition_state(p).offload is None]
+        new = [p for p in params if not partition_state(p).store.transient]  # others keep theirs
         nvme_new = []
         for p in new:
             st = partition_state(p)
@@ -155,7 +174,7 @@ class ParamOffload:
         for p in new:
             st = partition_state(p)
             self.params[st.id] = p  # (NVMe homes were registered by _grow_file already)
-            st.offload = self
+            st.store = self
             st.shard.untyped_storage().resize_(0)
 
     def _grow_file(self, params: list[torch.nn.Parameter]) -> None:
@@ -184,10 +203,9 @@ class ParamOffload:
         # Buffers: only as large as the largest shard needs (never more than buffer_size elements).
         need = _round(_nbytes(biggest))
         if not self._buffers or self._buffers[0].numel() < need:
-            self.rh.wait()
+            for pid in list(self._landed):
+                self._drop_landed(pid)
             self.wh.wait()
-            self._landed.clear()
-            self._reading = False
             self._writing = []
             self._buffers = [locked_empty(need, torch.uint8) for _ in range(self.buffer_count)]
             self._free = list(self._buffers)
@@ -198,52 +216,34 @@ class ParamOffload:
         self._free.extend(self._writing)
         self._writing.clear()
 
-    def follow(self, coordinator: Any) -> None:
-        """Read ahead in ``coordinator``'s recorded module order (see [Note: parameter offload])."""
-        self.coordinator = coordinator
-
-    # -- the device copy (called by zero-core's gather_params) --------------------------------
-    @torch.no_grad()
-    def fetch(self, p: torch.nn.Parameter) -> None:
-        """Make ``st.shard`` hold the shard's values on the device."""
-        st = partition_state(p)
-        if st.shard.untyped_storage().nbytes() > 0:
-            return
+    # -- the device copy (TransientShards.fetch calls this from zero-core's gather_params) -------
+    def _fill(self, st: PartitionState) -> None:
+        """Copy the shard's values from its home into ``st.shard`` (allocated), then read ahead
+        in the followed coordinator's recorded module order (see [Note: parameter offload])."""
         self.fetches += 1
-        st.shard.untyped_storage().resize_(_nbytes(st))
         if st.id in self.host:
             st.shard.copy_(self.host[st.id], non_blocking=True)
             self.fetched.mark()  # write() waits before changing a home: See [Note: offload copies]
         else:
-            buf = self._landed.pop(st.id, None)
-            if buf is not None:
+            landed = self._landed.pop(st.id, None)
+            if landed is not None:
                 self.read_ahead_hits += 1
-                if self._reading:
-                    self.rh.wait()
-                    self._reading = False
+                buf, reader = landed
             else:
                 buf = self._take()
-                self._read_nvme(st.id, buf)
-                self.rh.wait()
-                self._reading = False
+                reader = self._read_nvme(st.id, buf)
+            t0 = time.perf_counter()
+            self._settle(reader)  # this shard's read only: the read-aheads stay in flight
+            self.fetch_wait_s += time.perf_counter() - t0
             self._verify(st.id, buf)
             st.shard.copy_(buf[: _nbytes(st)].view(st.shard.dtype))
             self._free.append(buf)
         self._read_ahead()
 
-    def release(self, p: torch.nn.Parameter) -> None:
-        """Drop the device copy (the home holds the values)."""
-        st = partition_state(p)
-        # The stream that packs it may still read it: the block is not reused before that work
-        # is done (no host wait; See [Note: stage-3 streams] in zero_core).
-        get_accelerator().record_stream(st.shard, get_accelerator().current_stream())
-        st.shard.untyped_storage().resize_(0)
-
     # -- values (checkpoints, step write-back, modifiers) --------------------------------------
     @torch.no_grad()
-    def read(self, p: torch.nn.Parameter) -> torch.Tensor:
-        """A new CPU tensor with ``p``'s shard values (from the home; whole shard, padding included)."""
-        st = partition_state(p)
+    def read(self, st: PartitionState) -> torch.Tensor:
+        """A new CPU tensor with the shard's values (from the home; whole shard, padding included)."""
         if st.id in self.host:
             return self.host[st.id].clone()
         self._drop_landed(st.id)
@@ -251,18 +251,15 @@ class ParamOffload:
         self._free.extend(self._writing)
         self._writing.clear()
         buf = self._take()
-        self._read_nvme(st.id, buf)
-        self.rh.wait()
-        self._reading = False
+        self._settle(self._read_nvme(st.id, buf))
         self._verify(st.id, buf)
         out = buf[: _nbytes(st)].view(st.shard.dtype).clone()
         self._free.append(buf)
         return out
 
     @torch.no_grad()
-    def write(self, p: torch.nn.Parameter, values: torch.Tensor) -> None:
-        """Set ``p``'s shard to ``values`` (cast to its dtype) at its home (and in a live device copy)."""
-        st = partition_state(p)
+    def write(self, st: PartitionState, values: torch.Tensor) -> None:
+        """Set the shard to ``values`` (cast to its dtype) at its home (and in a live device copy)."""
         v = values.detach().reshape(-1)
         if v.numel() != st.shard_numel:
             raise ValueError(
@@ -284,11 +281,11 @@ class ParamOffload:
         The shard gets a new home here at once (its old NVMe region is left unused), so changing
         the dtype of every parameter holds one shard in memory at a time, not the partition."""
         st = partition_state(p)
-        values = self.read(p).to(dtype)
+        values = self.read(st).to(dtype)
         del self.params[st.id]
         self.host.pop(st.id, None)
         self.offset.pop(st.id, None)
-        st.offload = None
+        st.store = PLAIN_SHARDS
         st.shard = torch.empty(st.shard_numel, dtype=dtype, device=st.shard.device)
         st.shard.copy_(values)
         p.zero_shard = st.shard
@@ -302,14 +299,11 @@ class ParamOffload:
             self._free.extend(self._writing)
             self._writing.clear()
         if not self._free and self._landed:  # evict the read-ahead furthest from use
-            if self._reading:
-                self.rh.wait()
-                self._reading = False
-            _, buf = self._landed.popitem(last=True)
-            self._free.append(buf)
+            self._drop_landed(next(reversed(self._landed)))
         return self._free.pop()
 
-    def _read_nvme(self, pid: int, buf: torch.Tensor) -> None:
+    def _read_nvme(self, pid: int, buf: torch.Tensor) -> Any:
+        """Start reading ``pid``'s shard into ``buf`` on an idle handle; returns that handle."""
         assert self.swap_dir is not None
         if self._writing:  # a read must see every earlier write of the same file
             self.wh.wait()
@@ -317,8 +311,20 @@ class ParamOffload:
             self._writing.clear()
         name, offset = self.offset[pid]
         n = _round(_nbytes(partition_state(self.params[pid])))
-        self.rh.async_pread(buf[:n], self.swap_dir.check(name), offset)
-        self._reading = True
+        if self._idle_readers:
+            reader = self._idle_readers.pop()
+        else:  # at most one read per buffer is in flight, plus the one of read()
+            reader = AsyncIOHandle(**self._aio_kw)
+            self._readers.append(reader)
+        reader.async_pread(buf[:n], self.swap_dir.check(name), offset)
+        return reader
+
+    def _settle(self, reader: Any) -> None:
+        """Wait for the read submitted on ``reader`` and make the handle idle again."""
+        try:
+            reader.wait()
+        finally:
+            self._idle_readers.append(reader)
 
     def _write_nvme(self, pid: int, values: torch.Tensor) -> None:
         assert self.swap_dir is not None
@@ -336,11 +342,10 @@ class ParamOffload:
         self.sums.verify(name, offset, buf[: _nbytes(partition_state(self.params[pid]))])
 
     def _drop_landed(self, pid: int) -> None:
-        buf = self._landed.pop(pid, None)
-        if buf is not None:
-            if self._reading:
-                self.rh.wait()
-                self._reading = False
+        landed = self._landed.pop(pid, None)
+        if landed is not None:
+            buf, reader = landed
+            self._settle(reader)
             self._free.append(buf)
 
     def _read_ahead(self) -> None:
@@ -356,7 +361,7 @@ class ParamOffload:
             for q in module_params(co.modules[idx]):
                 st = partition_state(q)
                 if (
-                    st.offload is not self
+                    st.store is not self
                     or st.id in self.host
                     or st.id in self._landed
                     or st.shard.untyped_storage().nbytes() > 0
@@ -366,8 +371,7 @@ class ParamOffload:
                 if not self._free:
                     return
                 buf = self._free.pop()
-                self._read_nvme(st.id, buf)
-                self._landed[st.id] = buf
+                self._landed[st.id] = (buf, self._read_nvme(st.id, buf))
             if len(self._landed) >= self.buffer_count:
                 return
 
@@ -384,34 +388,34 @@ class ParamOffload:
         }
 
     def owns(self, p: torch.nn.Parameter) -> bool:
-        return getattr(partition_state(p), "offload", None) is self
+        return partition_state(p).store is self
 
     def swap_io_bytes(self) -> dict[str, int]:
         """Bytes read from and written to the parameter swap files so far."""
         if self.swap_dir is None:
             return {"read": 0, "written": 0}
-        return {"read": self.rh.bytes_read, "written": self.wh.bytes_written}
+        return {"read": sum(r.bytes_read for r in self._readers), "written": self.wh.bytes_written}
 
     def close(self) -> None:
         """Wait for I/O and remove the swap file (see [Note: swap file lifecycle])."""
         if self.swap_dir is not None:
-            self.rh.wait()
+            for reader in self._readers:
+                reader.wait()
             self.wh.wait()
             self.swap_dir.close()
 
 
-def build_param_offload(zero_config: Any, aio_config: Any = None, *, rank: int = 0) -> ParamOffload | None:
+def build_param_offload(
+    zero_config: ZeroOptimizationConfig, aio_config: AioConfig | None = None, *, rank: int = 0
+) -> ParamOffload | None:
     """The :class:`ParamOffload` that ``zero_optimization.offload_param`` asks for (None when off)."""
-    op = getattr(zero_config, "offload_param", None)
-    if op is None or getattr(op, "device", "none") == "none":
+    op = zero_config.offload_param
+    if op is None or not op.enabled:
         return None
-    if int(getattr(zero_config, "stage", 3)) != 3:
+    if zero_config.stage != 3:
         raise ValueError(
             f"zero_optimization.offload_param: offloading parameters needs stage 3, got stage {zero_config.stage}"
         )
-    aio: dict[str, Any] = {}
-    if aio_config is not None:
-        aio = aio_config.model_dump() if hasattr(aio_config, "model_dump") else dict(aio_config)
     return ParamOffload(
         op.device,
         rank=rank,
@@ -420,5 +424,5 @@ def build_param_offload(zero_config: Any, aio_config: Any = None, *, rank: int =
         buffer_size=int(op.buffer_size),
         max_in_cpu=int(op.max_in_cpu),
         pin_memory=bool(op.pin_memory),
-        aio=aio,
+        aio=aio_config.model_dump() if aio_config is not None else {},
     )

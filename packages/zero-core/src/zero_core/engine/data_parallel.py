@@ -32,6 +32,7 @@ from zero_core.zero.param_owners import register_owner, release_owner
 if TYPE_CHECKING:
     from zero_core.checkpoint.fragments import CheckpointReader
     from zero_core.engine.loss_scaler import LossScaler
+    from zero_core.engine.strategy_factory import DataParallelOptions
 
 
 class DataParallelStrategy:
@@ -39,35 +40,30 @@ class DataParallelStrategy:
         self,
         module: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
+        options: DataParallelOptions,
         *,
         group: dist.ProcessGroup | None = None,
-        bucket_numel: int = 500_000_000,
-        overlap_comm: bool = True,
-        comm_dtype: torch.dtype | None = None,
-        predivide_factor: float = 1.0,
-        master_weights: bool = False,
-        prescale: bool = False,
-        accum_dtype: torch.dtype | None = None,
-        sparse_gradients: bool = False,
     ) -> None:
         self.module = module
         self.optimizer = optimizer
         self.group = group
         self.params = [p for p in module.parameters() if p.requires_grad]
         dp_world = comm.get_world_size(group)
-        self.accum_dtype = accum_dtype
-        native = sparse_gradient_params(module, sparse_gradients)  # See [Note: sparse gradient reduction]
+        self.accum_dtype = options.accum_dtype
+        native = sparse_gradient_params(
+            module, options.sparse_gradients
+        )  # See [Note: sparse gradient reduction]
         self.reducers = [
             BucketedAllReduce(
                 [p for p in params if id(p) not in native],
-                bucket_numel,
+                options.bucket_numel,
                 group=reduce_group,
-                overlap=overlap_comm,
-                comm_dtype=comm_dtype,
-                predivide_factor=predivide_factor,
+                overlap=options.overlap_comm,
+                comm_dtype=options.comm_dtype,
+                predivide_factor=options.predivide_factor,
                 divisor=dp_world,
-                prescale=prescale,
-                accum_dtype=accum_dtype,
+                prescale=options.prescale,
+                accum_dtype=options.accum_dtype,
             )
             for reduce_group, params in reduction_groups(self.params, group)
         ]
@@ -77,8 +73,8 @@ class DataParallelStrategy:
                 native,
                 group=reduce_group,
                 divisor=dp_world,
-                comm_dtype=comm_dtype,
-                accum_dtype=accum_dtype,
+                comm_dtype=options.comm_dtype,
+                accum_dtype=options.accum_dtype,
             )
             for reduce_group, params in reduction_groups(self.params, group)
             if (sparse := [p for p in params if id(p) in native])
@@ -87,10 +83,10 @@ class DataParallelStrategy:
         self._sparse_of = {id(p): r for r in self.sparse for p in r.params}
         # model param -> fp32 master param (only with mixed precision)
         self.master: dict[torch.nn.Parameter, torch.nn.Parameter] = {}
-        if master_weights:
+        if options.master_weights:
             self._rebind_to_masters()
         self._communicates = getattr(optimizer, "communicates_gradients", None)
-        if self._communicates is not None and (accum_dtype is not None or self.sparse):
+        if self._communicates is not None and (options.accum_dtype is not None or self.sparse):
             raise ValueError(
                 f"{type(optimizer).__name__} exchanges gradients itself: data_types.grad_accum_dtype wider than "
                 "the training dtype and sparse embedding gradients are not supported with it"

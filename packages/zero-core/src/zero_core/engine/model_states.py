@@ -151,7 +151,7 @@ class ModelStates:
         if dev != "cpu":
             raise ValueError(f"offload_states: device must be 'cpu' (OffloadDeviceEnum.cpu), got {device!r}")
         offloads_optimizer = not isinstance(strategy.offload, NoOptimizerOffload)
-        if offloads_optimizer or strategy.param_offload is not None:
+        if offloads_optimizer or strategy.param_offload.transient:  # See [Note: shard store seam]
             raise ValueError(
                 "offload_states: the config offloads the optimizer or the parameters already "
                 "(zero_optimization.offload_optimizer / offload_param); those states live off the device "

@@ -5,8 +5,9 @@ Every engine that trains with a ZeRO strategy (``initialize``'s ``ZeroEngine``, 
 ``PipelineEngine``) builds it here, so one config gives one strategy whoever asks. The config
 is typed (``ZeroConfig`` and its ``zero_optimization`` section hold every default once); each
 strategy's settings are a frozen options dataclass built from those sections
-(:class:`DataParallelOptions`, :class:`PartitionedOptions`, :class:`Stage3Options`) and handed
-to the strategy's constructor field by field. A pipeline asks with ``pipeline=True``: it
+(:class:`DataParallelOptions` here, ``PartitionedOptions`` and ``Stage3Options`` in
+``config/strategy_options.py``, below the strategies) and handed to the strategy's constructor
+whole, as the typed config sections go whole to zero-offload's builders. A pipeline asks with ``pipeline=True``: it
 reduces once after all micro-batches' backwards (no overlap, See [Note: pipeline gradient
 reduction] in zero-pipe) and runs stage 0 or 1 only.
 """
@@ -14,52 +15,32 @@ reduction] in zero-pipe) and runs stage 0 or 1 only.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from zero_core import comm
 from zero_core.config import ZeroConfig
+from zero_core.config.strategy_options import (  # noqa: F401 (COMM_DTYPES, master_dtype: re-exported)
+    COMM_DTYPES,
+    PartitionedOptions,
+    Stage3Options,
+    accum_dtype,
+    comm_dtype,
+    compute_dtype,
+    master_dtype,
+)
 from zero_core.engine.eval_only import is_eval_only
 from zero_core.plugins import require
+from zero_core.protocols.optimizer_offload import OptimizerOffload
+from zero_core.protocols.shard_store import PLAIN_SHARDS, ShardStore
 
 if TYPE_CHECKING:
     from torch.optim.optimizer import ParamsT
 
     from zero_core.engine.strategy import TrainingStrategy
-    from zero_core.protocols.optimizer_offload import OptimizerOffload
-
-# ``communication_data_type`` names -> dtypes
-COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def compute_dtype(cfg: ZeroConfig) -> torch.dtype:
-    """The training dtype the config asks for: fp16, bf16 or fp32."""
-    if cfg.fp16.enabled:
-        return torch.float16
-    if cfg.bf16.enabled:
-        return torch.bfloat16
-    return torch.float32
-
-
-def accum_dtype(cfg: ZeroConfig) -> torch.dtype | None:
-    """``data_types.grad_accum_dtype`` when it is wider than the training dtype, else None (autograd
-    accumulates in the training dtype). See [Note: gradient accumulation dtype] in grad_buckets.py."""
-    wanted = COMM_DTYPES.get(str(cfg.data_types.grad_accum_dtype or "").lower())
-    return wanted if wanted is not None and wanted != compute_dtype(cfg) else None
-
-
-def master_dtype(cfg: ZeroConfig) -> torch.dtype:
-    """The optimizer's master weights' dtype: bf16 with ``bf16.bf16_master_weights_and_grads``
-    (See [Note: bf16 master weights]), else fp32."""
-    return torch.bfloat16 if cfg.bf16.bf16_master_weights_and_grads else torch.float32
-
-
-def comm_dtype(cfg: ZeroConfig) -> torch.dtype | None:
-    """``communication_data_type`` as a dtype (None: the dtype of what is reduced)."""
-    return COMM_DTYPES.get(str(cfg.communication_data_type or "").lower())
 
 
 @dataclass(frozen=True)
@@ -97,96 +78,6 @@ class DataParallelOptions:
         )
 
 
-@dataclass(frozen=True)
-class PartitionedOptions:
-    """Settings of :class:`~zero_core.zero.stage_1_and_2.PartitionedOptimizerStrategy` (stages 1, 2)."""
-
-    stage: int
-    dtype: torch.dtype
-    reduce_bucket_size: int
-    allgather_bucket_size: int
-    allgather_partitions: bool
-    overlap_comm: bool
-    contiguous_gradients: bool
-    reduce_scatter: bool
-    use_multi_rank_bucket_allreduce: bool
-    round_robin_gradients: bool
-    ignore_unused_parameters: bool
-    comm_dtype: torch.dtype | None
-    accum_dtype: torch.dtype | None
-    master_dtype: torch.dtype  # See [Note: bf16 master weights]
-
-    @classmethod
-    def from_config(cls, cfg: ZeroConfig, *, pipeline: bool = False) -> PartitionedOptions:
-        zc = cfg.zero_optimization
-        return cls(
-            stage=int(zc.stage),
-            dtype=compute_dtype(cfg),
-            reduce_bucket_size=int(zc.reduce_bucket_size),
-            allgather_bucket_size=int(zc.allgather_bucket_size),
-            allgather_partitions=bool(zc.allgather_partitions),
-            overlap_comm=False if pipeline else bool(zc.overlap_comm),
-            contiguous_gradients=bool(zc.contiguous_gradients),
-            reduce_scatter=bool(zc.reduce_scatter),
-            use_multi_rank_bucket_allreduce=bool(zc.use_multi_rank_bucket_allreduce),
-            round_robin_gradients=bool(zc.round_robin_gradients),
-            ignore_unused_parameters=bool(zc.ignore_unused_parameters),
-            comm_dtype=comm_dtype(cfg),
-            accum_dtype=accum_dtype(cfg),
-            master_dtype=master_dtype(cfg),
-        )
-
-
-@dataclass(frozen=True)
-class Stage3Options:
-    """Settings of :class:`~zero_core.zero.stage3.strategy.Stage3Strategy`."""
-
-    dtype: torch.dtype
-    prefetch_bucket_size: int
-    param_persistence_threshold: int
-    model_persistence_threshold: int
-    max_live_parameters: int
-    max_reuse_distance: int
-    gather_16bit_weights_on_model_save: bool
-    reduce_bucket_size: int
-    overlap_comm: bool
-    offload_ratio: float
-    comm_dtype: torch.dtype | None
-    masters: bool
-    quantized_weights: bool  # ZeRO++ qwZ
-    quantized_nontrainable_weights: bool
-    quantized_gradients: bool  # ZeRO++ qgZ
-    accum_dtype: torch.dtype | None
-    module_granularity_threshold: int  # See [Note: module granularity threshold]
-    use_all_reduce_for_fetch_params: bool  # See [Note: all-reduce fetch]
-    master_dtype: torch.dtype  # See [Note: bf16 master weights]
-
-    @classmethod
-    def from_config(cls, cfg: ZeroConfig, *, eval_only: bool = False) -> Stage3Options:
-        zc = cfg.zero_optimization
-        return cls(
-            dtype=compute_dtype(cfg),
-            prefetch_bucket_size=int(zc.prefetch_bucket_size),
-            param_persistence_threshold=int(zc.param_persistence_threshold),
-            model_persistence_threshold=int(zc.model_persistence_threshold),
-            max_live_parameters=int(zc.max_live_parameters),
-            max_reuse_distance=int(zc.max_reuse_distance),
-            gather_16bit_weights_on_model_save=bool(zc.gather_16bit_weights_on_model_save),
-            reduce_bucket_size=int(zc.reduce_bucket_size),
-            overlap_comm=bool(zc.overlap_comm),
-            offload_ratio=float(zc.offload_optimizer.ratio) if zc.offload_optimizer is not None else 1.0,
-            comm_dtype=comm_dtype(cfg),
-            masters=not eval_only,
-            quantized_weights=bool(zc.zero_quantized_weights),
-            quantized_nontrainable_weights=bool(zc.zero_quantized_nontrainable_weights),
-            quantized_gradients=bool(zc.zero_quantized_gradients),
-            accum_dtype=accum_dtype(cfg),
-            module_granularity_threshold=int(zc.module_granularity_threshold),
-            use_all_reduce_for_fetch_params=bool(zc.use_all_reduce_for_fetch_params),
-            master_dtype=master_dtype(cfg),
-        )
-
-
 def optimizer_offload(
     module: torch.nn.Module, cfg: ZeroConfig, group: dist.ProcessGroup | None, dtype: torch.dtype
 ) -> OptimizerOffload | None:
@@ -206,12 +97,13 @@ def optimizer_offload(
     )
 
 
-def param_offload(cfg: ZeroConfig, group: dist.ProcessGroup | None) -> Any:
-    """zero-offload's ``ParamOffload`` when ``offload_param.device`` is cpu/nvme (stage 3), else None."""
+def param_offload(cfg: ZeroConfig, group: dist.ProcessGroup | None) -> ShardStore:
+    """zero-offload's ``ParamOffload`` when ``offload_param.device`` is cpu/nvme (stage 3), else
+    the plain store (See [Note: shard store seam])."""
     zc = cfg.zero_optimization
     op = zc.offload_param
     if op is None or not op.enabled:
-        return None
+        return PLAIN_SHARDS
     mod = require("zero_offload", f'zero_optimization.offload_param.device "{op.device}"')
     return mod.build_param_offload(zc, cfg.aio, rank=comm.get_rank(group))
 
@@ -241,15 +133,13 @@ def build_strategy(
         from zero_core.engine.data_parallel import DataParallelStrategy
 
         dp = DataParallelOptions.from_config(cfg, eval_only=eval_only, pipeline=pipeline)
-        return DataParallelStrategy(module, optimizer, group=group, **asdict(dp))
+        return DataParallelStrategy(module, optimizer, dp, group=group)
     if stage in (1, 2):
         from zero_core.zero.stage_1_and_2 import PartitionedOptimizerStrategy
 
         po = PartitionedOptions.from_config(cfg, pipeline=pipeline)
         offload = optimizer_offload(module, cfg, group, po.dtype)
-        return PartitionedOptimizerStrategy(
-            module, optimizer, group=group, optimizer_offload=offload, **asdict(po)
-        )
+        return PartitionedOptimizerStrategy(module, optimizer, po, group=group, optimizer_offload=offload)
     if stage == 3:
         # Partitioning and the 16-bit cast of parameters are the strategy's business here.
         from zero_core.zero.stage3.shard_groups import build_route
@@ -267,11 +157,11 @@ def build_strategy(
         return Stage3Strategy(
             module,
             optimizer,
+            s3,
             group=group,
             optimizer_offload=None if eval_only else optimizer_offload(module, cfg, group, s3.dtype),
             param_offload=param_offload(cfg, group),
             route=route,
-            **asdict(s3),
         )
     raise NotImplementedError(f"zero_optimization.stage {stage} is not available in this build")
 

@@ -9,9 +9,16 @@ ask it for values and states when users or checkpoints read them. This protocol 
 calls, so the strategies code against a type instead of ``Any``, and zero-offload's class is
 checked against it (``isinstance``, in zero-offload's tests). When nothing is offloaded the
 strategies hold :class:`NoOptimizerOffload`, the null implementation (FSDP2's ``OffloadPolicy``
-beside ``CPUOffloadPolicy``): it owns no master and answers every call with the no-offload
-behaviour, so stage code has no ``if offload is None`` branches; the question it asks is
-``owns(master)`` (stage 3's ``offload_optimizer.ratio`` offloads only some masters).
+beside ``CPUOffloadPolicy``): it owns no master. Every implementation answers the calls about
+a master it does not own with the no-offload behaviour, the identity: ``master_value`` is the
+master itself, ``set_master`` copies into it, ``state_of`` / ``deferred_state_of`` /
+``load_state`` are the optimizer's own state, ``updated`` is the master, ``stage_grad`` keeps
+nothing and ``staged_grad`` has nothing (stage 3's ``offload_optimizer.ratio`` offloads only
+some masters, so zero-offload's class answers so for the rest). So stage code has no ``if
+offload is None`` branches and reads and writes every master through the offload.
+``owns(master)`` remains for what really differs: which masters the strategy's own optimizer
+steps (decided once, at construction), the host-side accounting, and checkpoint loads that read
+an owned master's values into a buffer of their own.
 
 Masters may be handed over as :class:`MasterSource` (a shape and a function producing the
 values) instead of tensors: the offload then reads each one when it stores it, so a strategy
@@ -101,17 +108,24 @@ class OptimizerOffload(Protocol):
         ...
 
     def updated(self, master: torch.Tensor) -> torch.Tensor:
-        """``master``'s new values after the step, on the compute device (for the 16-bit copy)."""
+        """``master``'s new values after the step, on the compute device (for the 16-bit copy);
+        ``master`` itself when not owned."""
         ...
 
     def refresh_low_precision(self) -> None: ...
 
     # -- values and states (safe_get/safe_set, checkpoints) -----------------------------------
-    def master_value(self, master: torch.Tensor) -> torch.Tensor: ...
+    def master_value(self, master: torch.Tensor) -> torch.Tensor:
+        """``master``'s values, wherever they live (``master.detach()`` when not owned)."""
+        ...
 
-    def set_master(self, master: torch.Tensor, values: torch.Tensor) -> None: ...
+    def set_master(self, master: torch.Tensor, values: torch.Tensor) -> None:
+        """Set ``master``'s values (copied into it when not owned)."""
+        ...
 
-    def state_of(self, optimizer: torch.optim.Optimizer, master: torch.Tensor) -> dict[str, Any]: ...
+    def state_of(self, optimizer: torch.optim.Optimizer, master: torch.Tensor) -> dict[str, Any]:
+        """``master``'s optimizer state in torch's format (``optimizer.state`` when not owned)."""
+        ...
 
     def deferred_state_of(self, optimizer: torch.optim.Optimizer, master: torch.Tensor) -> dict[str, Any]:
         """``state_of`` for writing checkpoints: states not in memory are ``DeferredTensor`` values
@@ -120,7 +134,9 @@ class OptimizerOffload(Protocol):
 
     def load_state(
         self, optimizer: torch.optim.Optimizer, master: torch.Tensor, state: dict[str, Any]
-    ) -> None: ...
+    ) -> None:
+        """Set the given entries of ``master``'s optimizer state (see :func:`load_own_state`)."""
+        ...
 
     def sync_from_optimizer(self, optimizer: torch.optim.Optimizer) -> None: ...
 
@@ -134,21 +150,28 @@ class OptimizerOffload(Protocol):
     def close(self) -> None: ...
 
 
-def _not_owned(what: str) -> KeyError:
-    return KeyError(
-        f"NoOptimizerOffload.{what}: this run offloads no optimizer state, so it owns no master "
-        "(callers ask owns(master) first)"
-    )
+@torch.no_grad()
+def load_own_state(optimizer: torch.optim.Optimizer, master: torch.Tensor, state: dict[str, Any]) -> None:
+    """``load_state`` of a master nobody offloads: each entry of ``state`` goes into
+    ``optimizer.state[master]``, a tensor copied into the live tensor of the same shape when
+    there is one (so views and the optimizer's own references stay valid), else set."""
+    live = optimizer.state[master]
+    for key, value in state.items():
+        current = live.get(key)
+        if torch.is_tensor(current) and torch.is_tensor(value) and current.shape == value.shape:
+            if current is not value:
+                current.copy_(value)
+        else:
+            live[key] = value
 
 
 class NoOptimizerOffload:
     """The :class:`OptimizerOffload` of a run that offloads nothing (the null object).
 
     It owns no master, so the strategies keep every master, gradient and state on the device:
-    staging and the step do nothing, the accounting is empty, and a checkpoint's optimizer state
-    is the optimizer's own. The calls that only make sense for an owned master raise (the
-    strategies ask :meth:`owns` first). As FSDP2's ``OffloadPolicy`` is to ``CPUOffloadPolicy``.
-    See [Note: optimizer offload seam].
+    staging and the step do nothing, the accounting is empty, a checkpoint's optimizer state is
+    the optimizer's own, and the calls about a master answer with the master itself (identity).
+    As FSDP2's ``OffloadPolicy`` is to ``CPUOffloadPolicy``. See [Note: optimizer offload seam].
     """
 
     def adopt(self, sources: Sequence[torch.Tensor | MasterSource]) -> list[torch.Tensor]:
@@ -165,7 +188,7 @@ class NoOptimizerOffload:
         pass
 
     def stage_grad(self, master: torch.Tensor, grad: torch.Tensor | None) -> None:
-        raise _not_owned("stage_grad")
+        pass  # the gradient stays with the strategy, which hands it to its own optimizer
 
     def stage_grad_range(self, master: torch.Tensor, lo: int, values: torch.Tensor) -> None:
         pass  # reduced gradients stay in the strategy's buffers
@@ -177,7 +200,7 @@ class NoOptimizerOffload:
         return False
 
     def staged_grad(self, master: torch.Tensor) -> torch.Tensor | None:
-        raise _not_owned("staged_grad")
+        return None  # nothing is staged here
 
     def step(
         self,
@@ -188,27 +211,28 @@ class NoOptimizerOffload:
         pass  # nothing is staged here: the strategy's own optimizer.step() updates every master
 
     def updated(self, master: torch.Tensor) -> torch.Tensor:
-        raise _not_owned("updated")
+        return master.detach()  # the strategy's optimizer stepped the master itself
 
     def refresh_low_precision(self) -> None:
         pass
 
     def master_value(self, master: torch.Tensor) -> torch.Tensor:
-        raise _not_owned("master_value")
+        return master.detach()
 
+    @torch.no_grad()
     def set_master(self, master: torch.Tensor, values: torch.Tensor) -> None:
-        raise _not_owned("set_master")
+        master.copy_(values.reshape(master.shape))
 
     def state_of(self, optimizer: torch.optim.Optimizer, master: torch.Tensor) -> dict[str, Any]:
-        raise _not_owned("state_of")
+        return optimizer.state.get(master, {})
 
     def deferred_state_of(self, optimizer: torch.optim.Optimizer, master: torch.Tensor) -> dict[str, Any]:
-        raise _not_owned("deferred_state_of")
+        return self.state_of(optimizer, master)  # in memory: nothing to defer
 
     def load_state(
         self, optimizer: torch.optim.Optimizer, master: torch.Tensor, state: dict[str, Any]
     ) -> None:
-        raise _not_owned("load_state")
+        load_own_state(optimizer, master, state)
 
     def sync_from_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         pass

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from zero_core import comm
+from zero_core.config.strategy_options import PartitionedOptions
 from zero_core.protocols.optimizer_offload import NoOptimizerOffload, OptimizerOffload, add_host_breakdown
 from zero_core.utils.grad_norm import any_nonfinite, needs_scaling, sum_of_squares
 from zero_core.utils.master_dtype import check_master_dtype
@@ -256,43 +257,41 @@ class PartitionedOptimizerStrategy:
         self,
         module: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
+        options: PartitionedOptions,
         *,
-        stage: int,
         group: dist.ProcessGroup | None = None,
-        dtype: torch.dtype = torch.float32,
-        reduce_bucket_size: int = 500_000_000,
-        allgather_bucket_size: int = 500_000_000,
-        allgather_partitions: bool = True,
-        overlap_comm: bool = False,
-        contiguous_gradients: bool = True,
-        reduce_scatter: bool = True,
-        use_multi_rank_bucket_allreduce: bool = True,
-        round_robin_gradients: bool = False,
-        ignore_unused_parameters: bool = True,
-        comm_dtype: torch.dtype | None = None,
         optimizer_offload: OptimizerOffload | None = None,
-        accum_dtype: torch.dtype | None = None,
-        master_dtype: torch.dtype = torch.float32,
     ) -> None:
         _check_arguments(
-            stage, optimizer, dtype, reduce_bucket_size, allgather_bucket_size, round_robin_gradients
+            options.stage,
+            optimizer,
+            options.dtype,
+            options.reduce_bucket_size,
+            options.allgather_bucket_size,
+            options.round_robin_gradients,
         )
         check_master_dtype(
-            master_dtype, dtype, f"ZeRO stage {stage}", offloaded=optimizer_offload is not None
+            options.master_dtype,
+            options.dtype,
+            f"ZeRO stage {options.stage}",
+            offloaded=optimizer_offload is not None,
         )
-        self.stage = stage
-        self.master_dtype = master_dtype  # See [Note: bf16 master weights]
+        self.stage = options.stage
+        self.master_dtype = options.master_dtype  # See [Note: bf16 master weights]
         self.module = module
         self.optimizer = optimizer
         self.group = group
-        self.dtype = dtype
+        self.dtype = options.dtype
         self.world_size = comm.get_world_size(group)
         self.rank = comm.get_rank(group)
-        self.allgather_bucket_size = allgather_bucket_size
-        self.allgather_partitions = allgather_partitions
-        self.round_robin_gradients = round_robin_gradients  # a no-op: see [Note: round_robin_gradients]
+        self.allgather_bucket_size = options.allgather_bucket_size
+        self.allgather_partitions = options.allgather_partitions
+        # a no-op: see [Note: round_robin_gradients]
+        self.round_robin_gradients = options.round_robin_gradients
         self._loss_scaler: _ScalesLoss | None = None  # see bind_loss_scaler
-        groups, backward_order = _partition_groups(module, optimizer, stage, group, reduce_bucket_size)
+        groups, backward_order = _partition_groups(
+            module, optimizer, options.stage, group, options.reduce_bucket_size
+        )
         self.groups = groups
         self._ranks = [comm.get_rank(gg.group) for gg in groups]  # this rank within each group's group
         # See [Note: optimizer offload hook] in zero_offload; the null object when nothing is
@@ -306,15 +305,15 @@ class PartitionedOptimizerStrategy:
         self.reducer = PartitionedGradReducer(
             groups,
             group=group,
-            partition_grads=stage == 2,
-            overlap_comm=overlap_comm,
-            contiguous_gradients=contiguous_gradients,
-            reduce_scatter=reduce_scatter,
-            use_multi_rank_bucket_allreduce=use_multi_rank_bucket_allreduce,
-            ignore_unused_parameters=ignore_unused_parameters,
-            comm_dtype=comm_dtype,
+            partition_grads=options.stage == 2,
+            overlap_comm=options.overlap_comm,
+            contiguous_gradients=options.contiguous_gradients,
+            reduce_scatter=options.reduce_scatter,
+            use_multi_rank_bucket_allreduce=options.use_multi_rank_bucket_allreduce,
+            ignore_unused_parameters=options.ignore_unused_parameters,
+            comm_dtype=options.comm_dtype,
             backward_order=backward_order,
-            accum_dtype=accum_dtype,
+            accum_dtype=options.accum_dtype,
         )
 
     def _build_flat_buffers(self) -> None:
@@ -354,6 +353,11 @@ class PartitionedOptimizerStrategy:
             before = self.masters
             self.masters = [self.offload.adopt([m])[0] for m in before]
             self.master_aliases_params &= all(a is m for a, m in zip(self.masters, before))
+            # who steps each group's master, decided once: the offload (every master with
+            # offload_optimizer) or the strategy's optimizer (See [Note: optimizer offload seam])
+            owned = [self.offload.owns(m) for m in self.masters]
+            self._offloaded_groups = [g for g, o in enumerate(owned) if o]
+            self._device_groups = [g for g, o in enumerate(owned) if not o]
             self._bind_optimizer_groups()
             self.offload.finalize(self.optimizer)
             if dtype != torch.float32:
@@ -406,19 +410,19 @@ class PartitionedOptimizerStrategy:
 
     @torch.no_grad()
     def step(self, grad_scale: float | torch.Tensor) -> None:
-        on_device = [m for m in self.masters if not self.offload.owns(m)]
-        for g, m in enumerate(self.masters):
-            if self.offload.owns(m):
-                if not self.offload.is_staged(m):  # not already copied during backward
-                    self.offload.stage_grad(m, self.reducer.shard_grad(g))
-                continue
+        for g in self._offloaded_groups:
+            m = self.masters[g]
+            if not self.offload.is_staged(m):  # not already copied during backward
+                self.offload.stage_grad(m, self.reducer.shard_grad(g))
+        for g in self._device_groups:
+            m = self.masters[g]
             # gradients of the master's dtype (fp32, or bf16 with bf16 masters) are scaled in place:
             # they are zeroed right after the step anyway
             grad = self.reducer.shard_grad(g).to(m.dtype)
             if needs_scaling(grad_scale):
                 grad.mul_(grad_scale)
             m.grad = grad
-        if on_device:  # an offload owning every master steps them itself
+        if self._device_groups:  # an offload owning every master steps them itself
             self.optimizer.step()
         self.offload.step(self.optimizer, grad_scale)
         for m in self.masters:
@@ -430,9 +434,7 @@ class PartitionedOptimizerStrategy:
         for g, gg in enumerate(self.groups):
             gather_shards(
                 gg.layout,
-                self.offload.updated(self.masters[g])
-                if self.offload.owns(self.masters[g])
-                else self.masters[g].detach(),
+                self.offload.updated(self.masters[g]),  # the null offload: the master itself
                 self.flat_params[g],
                 rank=self._ranks[g],
                 group=gg.group,
@@ -539,10 +541,7 @@ class PartitionedOptimizerStrategy:
     # -- optimizer offload (zero-offload; see [Note: optimizer offload hook] there) ----------
     def _optimizer_state(self, g: int) -> dict[str, Any]:
         """Group ``g``'s optimizer state in torch's format, read from its offload store if any."""
-        m = self.masters[g]
-        if self.offload.owns(m):
-            return self.offload.state_of(self.optimizer, m)
-        return self.optimizer.state.get(m, {})
+        return self.offload.state_of(self.optimizer, self.masters[g])
 
     def close(self) -> None:
         """Release offload resources (swap files) and the parameters' owner entries; the engine's

@@ -69,6 +69,8 @@ from typing import Any
 import torch
 
 from zero_core import comm
+from zero_core.config import ZeroConfig
+from zero_core.protocols.shard_store import PLAIN_SHARDS, ShardStore
 from zero_core.zero.stage3.expert_partition import expert_group_exists, partition_group
 from zero_core.zero.stage3.hooks import install_param_dict
 from zero_core.zero.stage3.param_records import partition_state
@@ -95,7 +97,8 @@ _CONTAINERS = (
 )
 
 
-def _load_cfg(config_dict_or_path: Any, config: Any) -> Any:
+def _load_cfg(config_dict_or_path: Any, config: Any) -> ZeroConfig | None:
+    """The typed config ``zero.Init`` reads (None: no config given)."""
     src = config if config is not None else config_dict_or_path
     if src is None:
         return None
@@ -106,7 +109,12 @@ def _load_cfg(config_dict_or_path: Any, config: Any) -> Any:
         from zero_core.config import load_config
 
         return load_config(src, world_size=comm.get_world_size() if comm.is_initialized() else 1)
-    return src  # an already-loaded ZeroConfig
+    if not isinstance(src, ZeroConfig):
+        raise TypeError(
+            "zero.Init: config_dict_or_path / config must be a dict, a path to a JSON file or a "
+            f"ZeroConfig (zero_core.config.load_config's), got {type(src).__name__}"
+        )
+    return src
 
 
 def _all_subclasses(cls: type) -> list[type]:
@@ -157,21 +165,20 @@ class Init:
         cfg = _load_cfg(config_dict_or_path, config)
         self._cfg = cfg
         if dtype is None and cfg is not None:
-            if getattr(getattr(cfg, "fp16", None), "enabled", False):
+            if cfg.fp16.enabled:
                 dtype = torch.float16
-            elif getattr(getattr(cfg, "bf16", None), "enabled", False):
+            elif cfg.bf16.enabled:
                 dtype = torch.bfloat16
         self.dtype = dtype
-        zc = getattr(cfg, "zero_optimization", None)
-        self.param_offload = self._param_offload(zc, remote_device)
-        self.override_module_apply = bool(getattr(zc, "override_module_apply", True))
+        self.param_offload = self._param_offload(cfg, remote_device)
+        self.override_module_apply = cfg is None or cfg.zero_optimization.override_module_apply
         self._patched: list[tuple[type, str, Any]] = []
         self._installed: dict[type, Any] = {}  # class -> the __init__ wrapper set on it
         self._active = False
         self._dirty: dict[int, torch.nn.Parameter] = {}  # gathered on access, in touch order
         self._dirty_owner: dict[int, int] = {}  # id of the parameter dict each was read from
         self._dirty_numel = 0
-        live = getattr(zc, "max_live_parameters", None)  # "auto" or absent: DeepSpeed's default
+        live = cfg.zero_optimization.max_live_parameters if cfg is not None else None  # "auto": the default
         self.max_live = live if isinstance(live, int) and not isinstance(live, bool) else 1_000_000_000
         # the records it partitioned that no engine took yet, by record id: See [Note: stage 3
         # parameter records]; records point back to their owner weakly
@@ -180,23 +187,23 @@ class Init:
         if self.enabled and module is not None:
             self._convert(module)
 
-    def _param_offload(self, zc: Any, remote_device: str | None) -> Any:
-        """zero-offload's ParamOffload for ``remote_device`` "cpu"/"nvme" when offload_param asks for it."""
-        op = getattr(zc, "offload_param", None)
-        device = getattr(op, "device", "none") if op is not None else "none"
+    def _param_offload(self, cfg: ZeroConfig | None, remote_device: str | None) -> ShardStore:
+        """zero-offload's ParamOffload for ``remote_device`` "cpu"/"nvme" when offload_param asks
+        for it, else the plain store (See [Note: shard store seam])."""
+        device = "none" if cfg is None else cfg.zero_optimization.offload_param_device
         if remote_device == "nvme" and device != "nvme":
             raise ValueError(
                 "zero.Init: remote_device='nvme' needs a config (config_dict_or_path= or config=) whose "
                 "zero_optimization.offload_param has device 'nvme' and an nvme_path; "
                 f"got offload_param.device {device!r}"
             )
-        if not self.enabled or remote_device not in ("cpu", "nvme") or device != remote_device:
-            return None
+        if cfg is None or not self.enabled or remote_device not in ("cpu", "nvme") or device != remote_device:
+            return PLAIN_SHARDS
         from zero_core.plugins import require
 
         mod = require("zero_offload", f"zero.Init(remote_device={remote_device!r})")
         rank = comm.get_rank(self.group)
-        return mod.build_param_offload(zc, getattr(self._cfg, "aio", None), rank=rank)
+        return mod.build_param_offload(cfg.zero_optimization, cfg.aio, rank=rank)
 
     # -- partitioning --------------------------------------------------------------------
     @torch.no_grad()
@@ -222,8 +229,7 @@ class Init:
                 p.data = p.data.pin_memory()
             self._partition(p)
             self._own(partition_state(p))
-            if self.param_offload is not None:
-                self.param_offload.adopt([p])  # See [Note: parameter offload] in zero_offload
+            self.param_offload.adopt([p])  # the plain store takes nothing: See [Note: shard store seam]
         install_param_dict(module)
 
     def _partition(self, p: torch.nn.Parameter) -> None:

@@ -36,9 +36,10 @@ class MiCS_Init(Init):  # noqa: N801 (DeepSpeed's public name)
         from zero_core.zero.stage3.init_context import _load_cfg
         from zero_core.zero.stage3.shard_groups import build_route
 
-        zc = getattr(_load_cfg(config_dict_or_path, config), "zero_optimization", None)
-        shard = int(getattr(zc, "mics_shard_size", -1)) if zc is not None else -1
-        if shard < 1:  # checked before Init would start torch.distributed
+        cfg = _load_cfg(config_dict_or_path, config)
+        if (
+            cfg is None or cfg.zero_optimization.mics_shard_size < 1
+        ):  # checked before Init would start torch.distributed
             raise ValueError(
                 "zero.MiCS_Init: the config must set zero_optimization.mics_shard_size >= 1 "
                 "(pass it as config_dict_or_path=, the same config as zero.initialize's)"
@@ -47,8 +48,9 @@ class MiCS_Init(Init):  # noqa: N801 (DeepSpeed's public name)
         super().__init__(
             None, data_parallel_group, *args, config_dict_or_path=config_dict_or_path, config=config, **kwargs
         )
+        zc = cfg.zero_optimization
         self.route = build_route(
-            self.group, shard, bool(getattr(zc, "mics_hierarchical_params_gather", False))
+            self.group, int(zc.mics_shard_size), bool(zc.mics_hierarchical_params_gather)
         )
         if self.enabled and module is not None:
             self._convert(module)

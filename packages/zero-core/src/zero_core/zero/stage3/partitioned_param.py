@@ -59,6 +59,7 @@ import torch
 
 from zero_core import comm
 from zero_core.comm import watchdog as _watchdog
+from zero_core.protocols.shard_store import PLAIN_SHARDS, ShardStore
 from zero_core.zero.stage3.allreduce_fetch import all_reduce_fetch, fetch_by_all_reduce
 from zero_core.zero.stage3.collective_agreement import (  # noqa: F401 (re-exported: the public names)
     Stage3CollectiveError,
@@ -129,7 +130,7 @@ class PartitionState:
         "holds",
         "active",
         "empty",
-        "offload",
+        "store",
         "grad_divisor",
         "route",
         "secondary",
@@ -155,7 +156,8 @@ class PartitionState:
         self.holds = 0  # GatheredParameters / construction-time holders
         self.active = 0  # modules currently running that use it
         self.empty = torch.empty(0, dtype=param.dtype, device=param.device)
-        self.offload: Any = None  # zero-offload's ParamOffload; see [Note: offloaded shards]
+        # where the shard lives between gathers: See [Note: shard store seam]
+        self.store: ShardStore = PLAIN_SHARDS
         # The summed gradient is divided by this: the group size, or for an expert parameter the
         # whole data-parallel world size (see [Note: stage 3 expert parameters]).
         self.grad_divisor = self.world if grad_divisor is None else grad_divisor
@@ -257,8 +259,9 @@ def set_shard_dtype(param: torch.nn.Parameter, dtype: torch.dtype) -> None:
         return
     if st.status is not ParamStatus.NOT_AVAILABLE:
         release_param(param, force=True)
-    if st.offload is not None:  # the store casts it (zero-offload re-homes it at once; others hand it back)
-        st.offload.set_dtype(param, dtype)
+    # the store hands the shard back as a plain tensor, or re-homes it at once in ``dtype``
+    # (zero-offload's ParamOffload): See [Note: shard store seam]
+    st.store.set_dtype(param, dtype)
     st.shard = st.shard.to(dtype)
     param.zero_shard = st.shard
     st.full = torch.empty(st.padded_numel, dtype=dtype, device=st.shard.device)
@@ -271,14 +274,16 @@ def read_shard(param: torch.nn.Parameter) -> torch.Tensor:
     """This rank's shard values, wherever they live (see [Note: offloaded shards]).
 
     [Note: offloaded shards]
-    With ``zero_optimization.offload_param`` (zero-offload's ``ParamOffload``) ``st.shard``'s
+    With a transient shard store (zero-offload's ``ParamOffload`` for
+    ``zero_optimization.offload_param``, the quantized store of frozen weights) ``st.shard``'s
     storage is empty except while it is packed for an all-gather: ``gather_params`` asks
-    ``st.offload.fetch`` for it just before and ``st.offload.release`` drops it right after.
+    ``st.store.fetch`` for it just before and ``st.store.release`` drops it right after.
     Every other read or write of shard values goes through :func:`read_shard` /
-    :func:`write_shard`, which use ``st.shard`` directly when the parameter is not offloaded.
+    :func:`write_shard`, which ask the record's store (the plain store: ``st.shard`` itself).
+    See [Note: shard store seam].
     """
     st = param._zero_record
-    return st.shard if st.offload is None else st.offload.read(param).to(st.shard.device)
+    return st.store.read(st).to(st.shard.device)
 
 
 def shares_shard(master: torch.Tensor, st: PartitionState) -> bool:
@@ -295,10 +300,7 @@ def write_shard(param: torch.nn.Parameter, values: torch.Tensor) -> None:
     """Set this rank's shard to ``values`` (flat, cast to the shard dtype), wherever it lives."""
     st = param._zero_record
     st.secondary = None  # stale: See [Note: MiCS and hpZ shard groups]
-    if st.offload is None:
-        st.shard.copy_(values.reshape(-1)[: st.shard.numel()])
-    else:
-        st.offload.write(param, values)
+    st.store.write(st, values)  # See [Note: shard store seam]
 
 
 def _aligned(nbytes: int) -> int:
@@ -319,8 +321,11 @@ class GatherHandle:
         source: Any = None,
         unpack: Any = None,
         states: list[PartitionState] | None = None,
+        moved: list[PartitionState] | None = None,
     ) -> None:
         self.params = params
+        # shards of transient stores fetched for a gather without a collective (world 1)
+        self._moved = moved or []
         # the parameters' records, taken once per bucket (See [Note: stage 3 parameter records])
         self.states = states if states is not None else [p._zero_record for p in params]
         self._source = source
@@ -346,8 +351,6 @@ class GatherHandle:
                 self._unpack(i, st.full)
             elif self._recv is None:
                 st.full.copy_(st.shard)
-                if st.offload is not None:
-                    st.offload.release(p)
             else:
                 # One strided copy: column block ``off`` of every rank's chunk -> row r of full.
                 world = self._source.world
@@ -358,6 +361,8 @@ class GatherHandle:
                 keep_secondary(st)  # See [Note: MiCS and hpZ shard groups]
             p.data = _full_view(st)
             st.status = ParamStatus.AVAILABLE
+        for st in self._moved:  # copied into the gather buffers: See [Note: offloaded shards]
+            st.store.release(st)
         self._recv = self._unpack = None
 
 
@@ -424,21 +429,26 @@ def _all_reducible(st: PartitionState) -> bool:
     return not source.secondary and (source.route is None or source.route.hops is None)
 
 
+def _packed(p: torch.nn.Parameter, st: PartitionState) -> None:
+    """``all_reduce_fetch``'s per-parameter callback: the moved shards are released after it."""
+
+
 def _all_reduce_group(
-    todo: list[torch.nn.Parameter], states: list[PartitionState], source: Any, label: str
+    todo: list[torch.nn.Parameter],
+    states: list[PartitionState],
+    source: Any,
+    label: str,
+    moved: list[PartitionState],
 ) -> GatherHandle:
     """The bucket fetched by one all-reduce of a zero-padded buffer (See [Note: all-reduce fetch])."""
     label = label.replace("all-gather of", "all-reduce fetch of", 1)
     nbytes = sum(st.padded_numel for st in states) * states[0].shard.element_size()
     check_agreement(3, todo, nbytes, source.group, label)
-    crossing = [st.shard for st in states if st.offload is not None]  # See [Note: stage-3 streams]
-
-    def release(p: torch.nn.Parameter, st: PartitionState) -> None:
-        if st.offload is not None:
-            st.offload.release(p)  # See [Note: offloaded shards]
-
+    crossing = [st.shard for st in moved]  # See [Note: stage-3 streams]
     with stage3_streams().all_gather_issue(crossing):
-        work, unpack, _ = all_reduce_fetch(todo, states, source.group, release)
+        work, unpack, _ = all_reduce_fetch(todo, states, source.group, _packed)
+        for st in moved:  # packed into the buffer: See [Note: offloaded shards]
+            st.store.release(st)
     return GatherHandle(todo, work, None, [0] * len(todo), 0, label, source, unpack=unpack, states=states)
 
 
@@ -457,18 +467,21 @@ def _gather_group(
         offsets.append(chunk)
         chunk += _aligned(source.piece(st).numel() * st.shard.element_size())
     fetch = not source.secondary
-    for p, st in zip(todo, states):
+    for st in states:
         st.status = ParamStatus.INFLIGHT
-        if fetch and st.offload is not None:
-            st.offload.fetch(p)  # See [Note: offloaded shards]
+    # Only the transient stores' shards are fetched and released around the packing (See [Note:
+    # offloaded shards]); a bucket of plain shards costs one filter, as the old branches did.
+    moved = [st for st in states if st.store.transient] if fetch else []
+    for st in moved:
+        st.store.fetch(st)
     if world == 1:
-        return GatherHandle(todo, None, None, offsets, chunk, label, source, states=states)
+        return GatherHandle(todo, None, None, offsets, chunk, label, source, states=states, moved=moved)
     if all_reduce:
-        return _all_reduce_group(todo, states, source, label)
+        return _all_reduce_group(todo, states, source, label, moved)
     check_agreement(0, todo, chunk, source.group, label)
     device = states[0].shard.device
     # read on the all-gather stream, possibly freed soon after: See [Note: stage-3 streams]
-    crossing = [source.piece(st) for st in states if source.secondary or st.offload is not None]
+    crossing = [source.piece(st) for st in states] if source.secondary else [st.shard for st in moved]
     with stage3_streams().all_gather_issue(crossing):
         if quantized and fetch:  # ZeRO++ qwZ: See [Note: quantized weight all-gather (qwZ)]
             from zero_core.comm.quantized_collectives import quantized_all_gather
@@ -478,18 +491,17 @@ def _gather_group(
             # node in 16 bits, as they are not the cross-node traffic qwZ exists to halve.
             shards = [st.shard for st in states]
             work, unpack = quantized_all_gather(shards, source.group, aligned=quantized == "aligned")
-            for p, st in zip(todo, states):
-                if st.offload is not None:
-                    st.offload.release(p)
+            for st in moved:
+                st.store.release(st)
             return GatherHandle(
                 todo, work, None, offsets, chunk, label + " (int8)", source, unpack=unpack, states=states
             )
         send = torch.empty(chunk, dtype=torch.uint8, device=device)
-        for p, st, off in zip(todo, states, offsets):
+        for st, off in zip(states, offsets):
             sh = source.piece(st)
             send[off : off + sh.numel() * sh.element_size()].copy_(sh.view(torch.uint8))
-            if fetch and st.offload is not None:
-                st.offload.release(p)
+        for st in moved:  # packed: See [Note: offloaded shards]
+            st.store.release(st)
         recv = torch.empty(chunk * world, dtype=torch.uint8, device=device)
         work = source.all_gather(recv, send)
     return GatherHandle(todo, work, recv, offsets, chunk, label, source, states=states)

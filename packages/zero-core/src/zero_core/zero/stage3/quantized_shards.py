@@ -3,11 +3,11 @@
 [Note: quantized frozen shards]
 A frozen weight (``requires_grad=False``: an embedding or a LoRA base) has no master and is never
 updated, so ZeRO++ keeps its shard quantized: int8 values plus one fp32 scale per block of 256
-(see [Note: block quantization]), about half the bytes of a 16-bit shard. The store plugs into
-the shard-location hooks that parameter offload uses (``st.offload``; see [Note: offloaded
-shards]): ``st.shard`` holds no memory except while a gather packs it, when :meth:`fetch`
-dequantizes into it and :meth:`release` frees it again; reads and writes (checkpoints, modifiers)
-go through :meth:`read` / :meth:`write`. So the stored values *are* the quantized ones: every
+(see [Note: block quantization]), about half the bytes of a 16-bit shard. It is a transient
+shard store, as parameter offload is (``st.store``; See [Note: shard store seam]): ``st.shard``
+holds no memory except while a gather packs it, when ``fetch`` dequantizes into it and
+``release`` frees it again; reads and writes (checkpoints, modifiers) go through :meth:`read` /
+:meth:`write`. So the stored values *are* the quantized ones: every
 gather, including ``GatheredParameters``, sees them, and a checkpoint saves them (dequantized, in
 the plain stage-3 format).
 
@@ -19,60 +19,51 @@ reproduces the stored values exactly (no second rounding). A frozen weight that
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from zero_core.comm.quantize import Quantized, dequantize, quantize_blocks
 from zero_core.comm.quantized_collectives import WEIGHT_BITS, WEIGHT_BLOCK
+from zero_core.protocols.shard_store import PLAIN_SHARDS
 from zero_core.zero.stage3.param_records import partition_state
+from zero_core.zero.stage3.transient_shards import TransientShards
+
+if TYPE_CHECKING:
+    from zero_core.zero.stage3.partitioned_param import PartitionState
 
 
-class QuantizedShardStore:
-    """Holds the int8 shards of frozen parameters; see [Note: quantized frozen shards]."""
+class QuantizedShardStore(TransientShards):
+    """Holds the int8 shards of frozen parameters; see [Note: quantized frozen shards]. A
+    transient shard store (See [Note: shard store seam]): fetch and release are ``TransientShards``'."""
 
     def __init__(self) -> None:
         self._q: dict[int, Quantized] = {}
-        self.coordinator: Any = None
 
     @torch.no_grad()
     def adopt(self, params: list[torch.nn.Parameter]) -> None:
         """Quantize the shards of the frozen ``params`` that no other store holds, freeing them."""
         for p in params:
             st = partition_state(p)
-            if p.requires_grad or st.offload is not None:
+            if p.requires_grad or st.store.transient:
                 continue
             self._q[st.id] = quantize_blocks(st.shard, WEIGHT_BITS, WEIGHT_BLOCK)
             st.shard.untyped_storage().resize_(0)
-            st.offload = self
+            st.store = self
 
     def owns(self, p: torch.nn.Parameter) -> bool:
         return partition_state(p).id in self._q
 
-    def follow(self, coordinator: Any) -> None:
-        """Part of the shard-store interface; nothing is read ahead (dequantizing is local)."""
-        self.coordinator = coordinator
-
-    @torch.no_grad()
-    def fetch(self, p: torch.nn.Parameter) -> None:
-        """Fill ``st.shard`` with the dequantized values (before a gather packs it)."""
-        st = partition_state(p)
-        if st.shard.untyped_storage().nbytes() > 0:
-            return
-        st.shard.untyped_storage().resize_(st.shard_numel * st.shard.element_size())
+    def _fill(self, st: PartitionState) -> None:
+        """The dequantized values (nothing is read ahead: dequantizing is local)."""
         st.shard.copy_(dequantize(self._q[st.id], st.shard.dtype))
 
-    def release(self, p: torch.nn.Parameter) -> None:
-        partition_state(p).shard.untyped_storage().resize_(0)
-
     @torch.no_grad()
-    def read(self, p: torch.nn.Parameter) -> torch.Tensor:
-        st = partition_state(p)
+    def read(self, st: PartitionState) -> torch.Tensor:
         return dequantize(self._q[st.id], st.shard.dtype)
 
     @torch.no_grad()
-    def write(self, p: torch.nn.Parameter, values: torch.Tensor) -> None:
-        st = partition_state(p)
+    def write(self, st: PartitionState, values: torch.Tensor) -> None:
         v = values.detach().reshape(-1)[: st.shard_numel].to(device=st.shard.device, dtype=st.shard.dtype)
         self._q[st.id] = quantize_blocks(v, WEIGHT_BITS, WEIGHT_BLOCK)
         if st.shard.untyped_storage().nbytes() > 0:
@@ -80,10 +71,10 @@ class QuantizedShardStore:
 
     @torch.no_grad()
     def set_dtype(self, p: torch.nn.Parameter, dtype: torch.dtype) -> None:
-        """Hand the shard back as a plain ``dtype`` tensor (``set_shard_dtype`` then casts it)."""
+        """Hand the shard back as a plain tensor (``set_shard_dtype`` then casts it)."""
         st = partition_state(p)
-        values = self.read(p)
-        st.offload = None
+        values = self.read(st)
+        st.store = PLAIN_SHARDS
         del self._q[st.id]
         st.shard = torch.empty(st.shard_numel, dtype=st.shard.dtype, device=st.shard.device)
         st.shard.copy_(values)

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from zero_core import comm
+from zero_core.protocols.optimizer_offload import OptimizerOffload
 from zero_core.zero.stage3.param_records import partition_state
 from zero_core.zero.stage3.partitioned_param import (
     ParamStatus,
@@ -45,7 +46,7 @@ class Stage3Masters(Protocol):
 
     master: dict[int, torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
-    offload: Any
+    offload: OptimizerOffload
 
     def wait_reductions(self) -> None: ...
 
@@ -192,12 +193,10 @@ class Stage3StateAccess:
     def _write_state(
         self, p: torch.nn.Parameter, key: str, target: torch.Tensor, value: torch.Tensor
     ) -> None:
+        # into the live state (copied into ``target``), or into the offload's store (it may live
+        # on NVMe): See [Note: optimizer offload seam]
         m = self._master(p)
-        off = self.strategy.offload
-        if off.owns(m):  # it may live on NVMe: write it there
-            off.load_state(self.strategy.optimizer, m, {key: value.reshape(target.shape)})
-        else:
-            target.copy_(value.reshape(target.shape))
+        self.strategy.offload.load_state(self.strategy.optimizer, m, {key: value.reshape(target.shape)})
 
 
 __all__ = ["Stage3StateAccess"]

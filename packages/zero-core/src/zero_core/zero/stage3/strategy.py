@@ -16,7 +16,6 @@ See [Note: engine strategies] for the contract with the engine.
 from __future__ import annotations
 
 import functools
-import sys
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -24,12 +23,14 @@ from typing import Any
 import torch
 
 from zero_core import comm
+from zero_core.config.strategy_options import Stage3Options
 from zero_core.protocols.optimizer_offload import (
     MasterSource,
     NoOptimizerOffload,
     OptimizerOffload,
     add_host_breakdown,
 )
+from zero_core.protocols.shard_store import PLAIN_SHARDS, ShardStore
 from zero_core.utils.grad_norm import any_nonfinite, needs_scaling, sum_of_squares
 from zero_core.utils.master_dtype import check_master_dtype
 from zero_core.utils.param_groups import is_expert_param
@@ -115,47 +116,38 @@ class Stage3Strategy:
         self,
         module: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
+        options: Stage3Options,
         *,
         group: Any = None,
-        dtype: torch.dtype = torch.float32,
-        prefetch_bucket_size: int = 50_000_000,
-        param_persistence_threshold: int = 100_000,
-        model_persistence_threshold: int = sys.maxsize,
-        max_live_parameters: int = 1_000_000_000,
-        max_reuse_distance: int = 1_000_000_000,
-        gather_16bit_weights_on_model_save: bool = False,
-        reduce_bucket_size: int = 500_000_000,
-        overlap_comm: bool = True,
         optimizer_offload: OptimizerOffload | None = None,
-        offload_ratio: float = 1.0,
-        param_offload: Any = None,
-        comm_dtype: torch.dtype | None = None,
-        masters: bool = True,
-        quantized_weights: bool = False,
-        quantized_nontrainable_weights: bool = False,
-        quantized_gradients: bool = False,
+        param_offload: ShardStore = PLAIN_SHARDS,
         route: ShardRoute | None = None,
-        accum_dtype: torch.dtype | None = None,
-        module_granularity_threshold: int = 0,
-        use_all_reduce_for_fetch_params: bool = False,
-        master_dtype: torch.dtype = torch.float32,
     ) -> None:
-        _check_arguments(module, optimizer, dtype, param_persistence_threshold, model_persistence_threshold)
-        check_master_dtype(master_dtype, dtype, "Stage3Strategy", offloaded=optimizer_offload is not None)
-        self.master_dtype = master_dtype  # See [Note: bf16 master weights]
+        _check_arguments(
+            module,
+            optimizer,
+            options.dtype,
+            options.param_persistence_threshold,
+            options.model_persistence_threshold,
+        )
+        check_master_dtype(
+            options.master_dtype, options.dtype, "Stage3Strategy", offloaded=optimizer_offload is not None
+        )
+        self.master_dtype = options.master_dtype  # See [Note: bf16 master weights]
         self.module = module
         self.optimizer = optimizer
         self.group = group
         # MiCS or hpZ groups (None: plain stage 3); See [Note: MiCS and hpZ shard groups]
         self.route = route
-        self.dtype = dtype
-        self.gather_16bit_weights_on_model_save = bool(gather_16bit_weights_on_model_save)
+        self.dtype = options.dtype
+        self.gather_16bit_weights_on_model_save = bool(options.gather_16bit_weights_on_model_save)
         self.params = _unique_params(module)
         self.master: dict[int, torch.nn.Parameter] = {}  # PartitionState.id -> fp32 master shard
         # False for an engine without an optimizer: no masters (See [Note: engine without an optimizer])
-        self._make_masters = bool(masters)
-        # See [Note: parameter offload] in zero_offload: shards live off the device, so a
-        # master never aliases its shard; zero.Init(remote_device="nvme") may have placed some.
+        self._make_masters = bool(options.masters)
+        # where the shards live (See [Note: shard store seam]): with zero-offload's ParamOffload
+        # off the device, so a master never aliases its shard; zero.Init(remote_device="nvme")
+        # may have placed some there already
         self.param_offload = param_offload
         # See [Note: optimizer offload hook] in zero_offload; the null object when nothing is
         # offloaded (See [Note: optimizer offload seam])
@@ -164,27 +156,34 @@ class Stage3Strategy:
         # their records, in the same order: this strategy owns them (zero.Init hands its own over
         # in _take_ownership) and the step's loops read them (See [Note: stage 3 parameter records])
         self.records = [partition_state(p) for p in self.params]
-        self._make_masters_and_offload(float(offload_ratio))
-        self._adopt_shard_stores(param_offload, quantized_nontrainable_weights)
+        self._make_masters_and_offload(float(options.offload_ratio))
+        self._split_masters()
+        self._adopt_shard_stores(param_offload, options.quantized_nontrainable_weights)
         self.checkpointing = Stage3Checkpointing(self)  # its checkpoint methods delegate there
         self.streamed = StreamedGradients()  # gradients the offload keeps on NVMe
         for name, p in module.named_parameters():
             set_param_name(p, name)
-        self.persistent = self._choose_persistent(param_persistence_threshold, model_persistence_threshold)
+        self.persistent = self._choose_persistent(
+            options.param_persistence_threshold, options.model_persistence_threshold
+        )
         self.coordinator = ParamCoordinator(
             module.modules(),
             group,
-            prefetch_bucket_size=int(prefetch_bucket_size),
-            max_live_parameters=int(max_live_parameters),
-            max_reuse_distance=int(max_reuse_distance),
+            prefetch_bucket_size=int(options.prefetch_bucket_size),
+            max_live_parameters=int(options.max_live_parameters),
+            max_reuse_distance=int(options.max_reuse_distance),
         )
-        self.reducer = _reducer(reduce_bucket_size, overlap_comm, comm_dtype, accum_dtype)
-        self._switch_zeropp(quantized_weights, quantized_nontrainable_weights, quantized_gradients)
-        for po in self._param_offloads():
-            po.follow(self.coordinator)  # read ahead in the recorded module order
+        self.reducer = _reducer(
+            options.reduce_bucket_size, options.overlap_comm, options.comm_dtype, options.accum_dtype
+        )
+        self._switch_zeropp(
+            options.quantized_weights, options.quantized_nontrainable_weights, options.quantized_gradients
+        )
+        for store in self.shard_stores():
+            store.follow(self.coordinator)  # read ahead in the recorded module order
         # every fetch of these parameters as an all-reduce: See [Note: all-reduce fetch]
-        self.fetch_by_all_reduce = bool(use_all_reduce_for_fetch_params)
-        self._install_hooks(module_granularity_threshold)
+        self.fetch_by_all_reduce = bool(options.use_all_reduce_for_fetch_params)
+        self._install_hooks(options.module_granularity_threshold)
         self._rebind_optimizer()
         self.offload.finalize(self.optimizer)
         self._take_ownership()
@@ -222,11 +221,10 @@ class Stage3Strategy:
         step still reads them) but is no longer their owner (See [Note: stage 3 parameter records])."""
 
     # -- construction ------------------------------------------------------------------
-    def _adopt_shard_stores(self, param_offload: Any, quantized_nontrainable_weights: bool) -> None:
+    def _adopt_shard_stores(self, param_offload: ShardStore, quantized_nontrainable_weights: bool) -> None:
         """Shards kept off the device (See [Note: parameter offload] in zero_offload) or frozen
-        shards stored quantized (See [Note: quantized frozen shards])."""
-        if param_offload is not None:
-            param_offload.adopt(self.params)
+        shards stored quantized (See [Note: quantized frozen shards]); See [Note: shard store seam]."""
+        param_offload.adopt(self.params)  # the plain store (the default) takes nothing
         if quantized_nontrainable_weights:
             from zero_core.zero.stage3.quantized_shards import QuantizedShardStore
 
@@ -260,9 +258,9 @@ class Stage3Strategy:
     @torch.no_grad()
     def _new_master(self, p: torch.nn.Parameter, st: Any) -> torch.Tensor:
         """``p``'s master values (``master_dtype``), read before its shard is cast to the training dtype."""
-        if self.master_dtype == self.dtype and self.param_offload is None and st.offload is None:
-            # the shard itself: no extra copy in fp32, nor with bf16 masters (See [Note: bf16
-            # master weights])
+        if self.master_dtype == self.dtype and not (self.param_offload.transient or st.store.transient):
+            # the shard itself, kept on the device: no extra copy in fp32, nor with bf16 masters
+            # (See [Note: bf16 master weights])
             set_shard_dtype(p, self.dtype)
             return st.shard
         master = read_shard(p).detach().to(self.master_dtype, copy=True)
@@ -336,13 +334,14 @@ class Stage3Strategy:
     def before_backward(self, is_boundary: bool) -> None:
         self.offload.begin_staging(is_boundary)  # See [Note: gradient staging] in zero_offload
         self.streamed.clear()
-        self.reducer.on_reduced = self._stage_reduced if is_boundary else None
+        # only masters the offload owns are staged as they land (See [Note: gradient staging])
+        self.reducer.on_reduced = self._stage_reduced if is_boundary and self.offloaded else None
 
     def _stage_reduced(self, params: list[torch.nn.Parameter]) -> None:
         streams = self.offload.streams_gradients()
         for st in map(partition_state, params):
-            m = self.master.get(st.id)
-            if m is not None and self.offload.owns(m):
+            m = self.offloaded.get(st.id)
+            if m is not None:
                 self.offload.stage_grad_range(m, 0, st.grad_shard)
                 if streams:  # See [Note: ZeRO-Infinity streaming] in zero_offload
                     self.streamed.drop(st)
@@ -350,13 +349,8 @@ class Stage3Strategy:
     def grad_shard_of(self, p: torch.nn.Parameter) -> torch.Tensor | None:
         """``p``'s reduced gradient shard, also when the offload holds it on NVMe (read back)."""
         st = partition_state(p)
-        m = self.master.get(st.id)
-        if (
-            st.grad_shard is None
-            and m is not None
-            and self.offload.owns(m)
-            and self.offload.streams_gradients()
-        ):
+        m = self.offloaded.get(st.id)
+        if st.grad_shard is None and m is not None and self.offload.streams_gradients():
             g = self.offload.staged_grad(m)
             return None if g is None else g.reshape(-1)
         return st.grad_shard
@@ -365,8 +359,8 @@ class Stage3Strategy:
         """``p``'s gradient shard was set outside backward (``safe_set_*_grad``): hand the new
         value to the offload that steps it, if any."""
         st = partition_state(p)
-        m = self.master.get(st.id)
-        if m is None or not self.offload.owns(m) or st.grad_shard is None:
+        m = self.offloaded.get(st.id)  # the device optimizer's masters keep their gradient here
+        if m is None or st.grad_shard is None:
             return
         self.offload.stage_grad(m, st.grad_shard)
         if self.offload.streams_gradients():
@@ -403,16 +397,13 @@ class Stage3Strategy:
     def step(self, grad_scale: float | torch.Tensor) -> None:
         self.wait_reductions()
         self.coordinator.release_all()
-        for st in self.records:
-            m = self.master.get(st.id)
-            if m is None:
-                continue
+        for st, m in self._offloaded_steps:
+            if not self.offload.is_staged(m):  # else copied already during backward
+                self.offload.stage_grad(m, st.grad_shard)  # host copy; scaled and applied by the CPU step
+            m.grad = None
+        for st, m in self._device_steps:
             g = st.grad_shard
-            if self.offload.owns(m):
-                if not self.offload.is_staged(m):  # else copied already during backward
-                    self.offload.stage_grad(m, g)  # host copy; scaled and applied by the CPU step
-                m.grad = None
-            elif g is None:
+            if g is None:
                 m.grad = None
             elif g.dtype == m.dtype and shares_shard(m, st):  # fp32, or bf16 masters: as it is
                 m.grad = g.mul_(grad_scale) if needs_scaling(grad_scale) else g
@@ -421,9 +412,8 @@ class Stage3Strategy:
         self.optimizer.step()  # device-side masters (all of them without offload; 1 - ratio with it)
         # offloaded masters: their new low-precision weights come back through _publish
         self.offload.step(self.optimizer, grad_scale, publish=self._publish)
-        for p, st in zip(self.params, self.records):
-            m = self.master.get(st.id)
-            if m is not None and not self.offload.owns(m) and not shares_shard(m, st):
+        for p, st, m in self._device_written:
+            if not shares_shard(m, st):  # a separate copy: the new values go to the shard
                 write_shard(p, m)
         self.refresh_persistent()
 
@@ -465,7 +455,7 @@ class Stage3Strategy:
         # offloaded shards' device copies are reported by their offload (offloaded_parameters_device)
         ledger.add(
             "parameters",
-            (st.shard for st in self.records if st.offload is None),
+            (st.shard for st in self.records if not st.store.transient),
         )
         # with the statistics of the gradients streamed to NVMe (See [Note: ZeRO-Infinity streaming])
         ledger.add("gradients", [*self._grad_shards(), *self.streamed.tensors()])
@@ -483,8 +473,8 @@ class Stage3Strategy:
         out = ledger.categories
         # host-side pools, see [Note: optimizer offload hook] in zero_offload
         add_host_breakdown(out, off, self.optimizer, ledger.count)
-        for po in self._param_offloads():  # See [Note: parameter offload] in zero_offload
-            for k, v in po.memory_breakdown().items():
+        for store in self.shard_stores():  # See [Note: shard store seam]
+            for k, v in store.memory_breakdown().items():
                 out[k] = out.get(k, 0) + v
         return out
 
@@ -496,30 +486,26 @@ class Stage3Strategy:
         """Bytes read from and written to NVMe swap files so far by this strategy's offloads
         (optimizer states, masters, gradients and parameters; zero without NVMe offload)."""
         out = {"read": 0, "written": 0}
-        for store in [self.offload, *self._param_offloads()]:
+        for store in [self.offload, *self.shard_stores()]:
             counts = getattr(store, "swap_io_bytes", None)
             if counts is not None:
                 for k, v in counts().items():
                     out[k] += v
         return out
 
-    def _param_offloads(self) -> list[Any]:
-        found = {id(st.offload): st.offload for st in self.records if st.offload}
+    def shard_stores(self) -> list[ShardStore]:
+        """The distinct shard stores of this strategy's parameters (See [Note: shard store seam])."""
+        found = {id(st.store): st.store for st in self.records}
         return list(found.values())
 
     # Masters may live on NVMe (See [Note: masters on NVMe] in zero_offload): read and write them
-    # through these two instead of touching the tensors.
+    # through the offload, which answers for the masters it does not own too (See [Note:
+    # optimizer offload seam]).
     def _master_value(self, m: torch.Tensor) -> torch.Tensor:
-        if self.offload.owns(m):
-            return self.offload.master_value(m)
-        return m.detach()
+        return self.offload.master_value(m)
 
-    @torch.no_grad()
     def _set_master_value(self, m: torch.Tensor, values: torch.Tensor) -> None:
-        if self.offload.owns(m):
-            self.offload.set_master(m, values)
-        else:
-            m.copy_(values.reshape(m.shape))
+        self.offload.set_master(m, values)
 
     # -- checkpointing: delegated to Stage3Checkpointing ---------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -607,10 +593,21 @@ class Stage3Strategy:
             id(m): p for p, st in zip(self.params, self.records) if (m := self.master.get(st.id)) is not None
         }
 
+    def _split_masters(self) -> None:
+        """The step's lists, made once (the masters never change after construction): the masters
+        the offload steps and those the strategy's optimizer steps, with their parameters (their
+        new values are written back to the shards; the offload publishes its own). See [Note:
+        optimizer offload seam]."""
+        pairs = [
+            (p, st, self.master[st.id]) for p, st in zip(self.params, self.records) if st.id in self.master
+        ]
+        self.offloaded = {st.id: m for _, st, m in pairs if self.offload.owns(m)}
+        self._device_written = [(p, st, m) for p, st, m in pairs if st.id not in self.offloaded]
+        self._offloaded_steps = [(st, m) for _, st, m in pairs if st.id in self.offloaded]
+        self._device_steps = [(st, m) for _, st, m in self._device_written]
+
     def _optimizer_state(self, m: torch.Tensor) -> dict[str, Any]:
-        if self.offload.owns(m):
-            return self.offload.state_of(self.optimizer, m)
-        return self.optimizer.state.get(m, {})
+        return self.offload.state_of(self.optimizer, m)
 
     def close(self) -> None:
         """Release offload resources (swap files) and the parameters' owner entries; the engine's
@@ -620,8 +617,8 @@ class Stage3Strategy:
             if st.owner is self._owner_ref:
                 st.owner = None
         self.offload.close()
-        for po in self._param_offloads():
-            po.close()
+        for store in self.shard_stores():
+            store.close()
 
     # -- stage-3 extras -------------------------------------------------------------------
     def empty_partition_cache(self) -> None:

@@ -119,7 +119,7 @@ class Stage3Checkpointing:
             shape = tuple(st.shape)
             m = s.master.get(st.id)
             if m is None or not shares_shard(m, st):  # 16-bit or frozen: the weight is not the master
-                if st.offload is None:
+                if not st.store.transient:  # the shard itself (See [Note: shard store seam])
                     out.append(Fragment(name, PARAM, shape, lo, hi, st.shard[: hi - lo]))
                 else:
                     read = functools.partial(_head, read_shard, p, hi - lo)
@@ -132,7 +132,7 @@ class Stage3Checkpointing:
                 out.append(Fragment.deferred(name, FP32, shape, lo, hi, torch.float32, read))
             else:
                 out.append(Fragment(name, FP32, shape, lo, hi, m.detach().reshape(-1)[: hi - lo]))
-            state = s.offload.deferred_state_of(s.optimizer, m) if owned else s.optimizer.state.get(m, {})
+            state = s.offload.deferred_state_of(s.optimizer, m)  # the optimizer's own when not owned
             out += optimizer_state_fragments(
                 name,
                 shape,
@@ -196,7 +196,7 @@ class Stage3Checkpointing:
         elif m is not None:
             reader.read_fp32_into(m.detach().view(-1)[: hi - lo], name, lo)
         if m is None or not shares_shard(m, st):
-            if st.offload is None:
+            if not st.store.transient:  # the shard itself (See [Note: shard store seam])
                 reader.read_module_value_into(st.shard[: hi - lo], name, lo)
             else:  # read now and written to its home
                 value = torch.zeros(st.shard_numel, dtype=st.shard.dtype)
