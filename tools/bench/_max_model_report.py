@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 from _limit_search import SearchResult
 
 GIB = 2**30
@@ -162,6 +160,8 @@ def plot(rows: list[dict], modes: list[str], ceiling: int, path: str, title: str
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path + ".tmp.png", dpi=110)
+    from zero_core.checkpoint.atomic import atomic_path
+
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
-    os.replace(path + ".tmp.png", path)

@@ -303,13 +303,7 @@ def run_job(
         oom = group.oom_kills() if group else 0
         if group:
             group.remove()
-    outputs = []
-    for log in logs:
-        log.seek(0)
-        outputs.append(log.read())
-        log.close()
-        os.remove(log.name)
-    os.rmdir(tmp)
+    outputs = _read_and_remove(logs, tmp)
     results = [r for text in outputs for r in _parse_results(text)]
     peak = tracker.peak
     reported = sum(r.get("peak_rss", 0) for r in results)
@@ -334,6 +328,18 @@ def run_job(
         outputs,
         results,
     )
+
+
+def _read_and_remove(logs: list, folder: str) -> list[str]:
+    """The text of each job log, the logs and their folder removed."""
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
+        os.remove(log.name)
+    os.rmdir(folder)
+    return outputs
 
 
 def _watch(procs, group, tracker, ceiling, timeout, min_available, poll, grace, t0) -> tuple[str, str]:

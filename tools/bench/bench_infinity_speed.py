@@ -358,9 +358,9 @@ def write_results(
         "",
     ]
     text = "\n".join(lines)
-    with open(args.out + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(args.out + ".tmp", args.out)
+    from zero_core.checkpoint.atomic import atomic_write_text
+
+    atomic_write_text(args.out, text)
     return text
 
 

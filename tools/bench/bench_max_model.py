@@ -401,9 +401,9 @@ def write_results(
         "",
     ]
     text = "\n".join(lines)
-    with open(args.out + ".md.tmp", "w") as f:
-        f.write(text)
-    os.replace(args.out + ".md.tmp", args.out + ".md")
+    from zero_core.checkpoint.atomic import atomic_write_text
+
+    atomic_write_text(args.out + ".md", text)
     return text
 
 
