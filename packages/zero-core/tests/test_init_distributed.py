@@ -294,12 +294,17 @@ def test_world_that_cannot_form_fails_clearly(clean_env):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    from zero_core.comm import watchdog
+
+    bound_before = watchdog.collective_timeout()
     start = time.monotonic()
     with pytest.raises(DistributedInitError) as info:
         init_distributed(
             rank=0, world_size=2, distributed_port=port, timeout=timedelta(seconds=3), verbose=False
         )
     assert time.monotonic() - start < 20
+    # the 3 s bound belonged to a group that never formed: later groups of the process keep theirs
+    assert watchdog.collective_timeout() == bound_before
     msg = str(info.value)
     assert "rank 0 of world size 2" in msg
     assert f"127.0.0.1:{port}" in msg

@@ -178,15 +178,14 @@ def _discovered_world(
     return info
 
 
-def _apply_timeout(timeout: timedelta | None) -> timedelta:
-    """The process group's timeout; one given explicitly also bounds zero's collectives (the
-    user's own bound: See [Note: collective watchdog])."""
-    if timeout is None:
-        return DEFAULT_PG_TIMEOUT
-    from zero_core.comm import watchdog
+def _bound_collectives(timeout: timedelta | None) -> None:
+    """A timeout given explicitly also bounds zero's collectives (the user's own bound: See
+    [Note: collective watchdog]); set only once there is a process group it applies to, so an
+    ``init_distributed`` that failed leaves no bound behind for a later group of the process."""
+    if timeout is not None:
+        from zero_core.comm import watchdog
 
-    watchdog.set_init_timeout(timeout.total_seconds())
-    return timeout
+        watchdog.set_init_timeout(timeout.total_seconds())
 
 
 def init_distributed(
@@ -231,7 +230,8 @@ def init_distributed(
         verbose,
     )
     _apply_comm_config(config)
-    timeout = _apply_timeout(timeout)
+    if dist_init_required is False or dist.is_initialized():
+        _bound_collectives(timeout)
     if dist_init_required is False:
         return
     if dist.is_initialized():
@@ -252,7 +252,7 @@ def init_distributed(
         dist.init_process_group(
             backend,
             init_method=init_method or "env://",
-            timeout=timeout,
+            timeout=timeout or DEFAULT_PG_TIMEOUT,
             rank=info.rank,
             world_size=info.world_size,
         )
@@ -260,10 +260,11 @@ def init_distributed(
         rendezvous = init_method or f"tcp://{info.master_addr}:{info.master_port} (env://)"
         raise DistributedInitError(
             f"init_distributed: the process group did not form (backend {backend}, timeout "
-            f"{timeout.total_seconds():g} s): {info.describe()}; rendezvous {rendezvous}. Check that all "
+            f"{(timeout or DEFAULT_PG_TIMEOUT).total_seconds():g} s): {info.describe()}; rendezvous {rendezvous}. Check that all "
             f"{info.world_size} processes were started, agree on the master address and port, and can reach "
             f"it. Cause: {type(exc).__name__}: {exc}"
         ) from exc
+    _bound_collectives(timeout)
     _joined = (info, weakref.ref(dist.group.WORLD))  # weakly: see [Note: process group teardown at exit]
     atexit.register(teardown.destroy_at_exit, weakref.ref(dist.group.WORLD))
     from zero_core.comm import failures
