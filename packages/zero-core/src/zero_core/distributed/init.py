@@ -188,6 +188,26 @@ def _bound_collectives(timeout: timedelta | None) -> None:
         watchdog.set_init_timeout(timeout.total_seconds())
 
 
+def _form_group(backend: str, init_method: str | None, timeout: timedelta | None, info: WorldInfo) -> None:
+    """``init_process_group``; a world that does not form is a ``DistributedInitError`` saying why."""
+    try:
+        dist.init_process_group(
+            backend,
+            init_method=init_method or "env://",
+            timeout=timeout or DEFAULT_PG_TIMEOUT,
+            rank=info.rank,
+            world_size=info.world_size,
+        )
+    except (RuntimeError, TimeoutError, ValueError, OSError) as exc:
+        rendezvous = init_method or f"tcp://{info.master_addr}:{info.master_port} (env://)"
+        raise DistributedInitError(
+            f"init_distributed: the process group did not form (backend {backend}, timeout "
+            f"{(timeout or DEFAULT_PG_TIMEOUT).total_seconds():g} s): {info.describe()}; rendezvous {rendezvous}. Check that all "
+            f"{info.world_size} processes were started, agree on the master address and port, and can reach "
+            f"it. Cause: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
 def init_distributed(
     dist_backend: str | None = None,
     auto_mpi_discovery: bool = True,
@@ -248,22 +268,7 @@ def init_distributed(
     _set_local_device(info)
     if verbose:
         logger.info("init_distributed: backend %s, %s", backend, info.describe())
-    try:
-        dist.init_process_group(
-            backend,
-            init_method=init_method or "env://",
-            timeout=timeout or DEFAULT_PG_TIMEOUT,
-            rank=info.rank,
-            world_size=info.world_size,
-        )
-    except (RuntimeError, TimeoutError, ValueError, OSError) as exc:
-        rendezvous = init_method or f"tcp://{info.master_addr}:{info.master_port} (env://)"
-        raise DistributedInitError(
-            f"init_distributed: the process group did not form (backend {backend}, timeout "
-            f"{(timeout or DEFAULT_PG_TIMEOUT).total_seconds():g} s): {info.describe()}; rendezvous {rendezvous}. Check that all "
-            f"{info.world_size} processes were started, agree on the master address and port, and can reach "
-            f"it. Cause: {type(exc).__name__}: {exc}"
-        ) from exc
+    _form_group(backend, init_method, timeout, info)
     _bound_collectives(timeout)
     _joined = (info, weakref.ref(dist.group.WORLD))  # weakly: see [Note: process group teardown at exit]
     atexit.register(teardown.destroy_at_exit, weakref.ref(dist.group.WORLD))
