@@ -128,6 +128,13 @@ def _empty_cache_rank(save_dir):
     # DeepSpeed's engine attributes those tests use: the device to build data on, the skipped-step
     # counter, and set_dataloader (training continues from a fresh iterator over the loader)
     assert engine.device == torch.device("cpu") and engine.skipped_steps == 0
+    assert engine.sparse_tensor_module_names == set()
+    # the engine walks its stage's module as DeepSpeed's nn.Module engine does
+    assert [id(p) for p in engine.parameters()] == [id(p) for p in engine.module.parameters()]
+    assert [n for n, _ in engine.named_parameters()] == [n for n, _ in engine.module.named_parameters()]
+    assert list(engine.modules())[0] is engine.module and list(engine.buffers()) == list(
+        engine.module.buffers()
+    )
     losses = []
     for _ in range(3):
         losses.append(engine.train_batch().item())

@@ -88,6 +88,9 @@ class PipelineEngine:
         self.dp_size = self.grid.data_parallel_size
         self.has_bool_tensors = has_bool_tensors
         self.config = self._load_config(config)
+        # DeepSpeed's engine attribute; pipelines refuse sparse gradients (config_checks.py), so
+        # no module of a stage has them
+        self.sparse_tensor_module_names: set[str] = set()
         check_zero_stage(self.config.zero_optimization.stage)
         check_no_experts_across_stages(module, self.grid)
         check_pipeline_config(self.config, module)
@@ -217,6 +220,31 @@ class PipelineEngine:
         if self.is_first_stage() or self.is_last_stage():
             self.training_dataloader = loader
             self.data_iterator = iter(loader)
+
+    # DeepSpeed's engine is an nn.Module wrapping the model, so user code walks its parameters
+    # through the engine (``engine.parameters()`` in DeepSpeed's own pipeline checkpoint tests):
+    # the same walks here, over this stage's PipelineModule.
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:
+        return self.module.parameters(recurse)
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]:
+        return self.module.buffers(recurse)
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.module.named_buffers(prefix, recurse, remove_duplicate)
+
+    def modules(self) -> Iterator[torch.nn.Module]:
+        return self.module.modules()
+
+    def named_modules(self, prefix: str = "") -> Iterator[tuple[str, torch.nn.Module]]:
+        return self.module.named_modules(prefix=prefix)
 
     def empty_partition_cache(self) -> None:
         """Release parameters kept gathered between steps, as the ZeRO engine's method does.
