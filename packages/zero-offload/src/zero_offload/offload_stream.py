@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from zero_core.protocols.optimizer_offload import MasterSource, master_values
 
-from zero_offload.nvme_swapper import swap_file_name
+from zero_offload.nvme_swapper import StateSwapper, swap_file_name
 from zero_offload.offload_groups import _GRAD, _MASTER, _Group, _unallocated
 from zero_offload.swap_files import SwapDirectory
 
@@ -210,7 +210,7 @@ class OffloadStreamMixin:
                 h.wait()
 
 
-def _checksummed(grp: _Group, key: str) -> Any:
+def _checksummed(grp: _Group, key: str) -> StateSwapper | None:
     """The group's swapper when it writes (and so checksums) array ``key``, else None: before the
     first step, and for the read-only gradients, the arrays are read and written directly."""
     swapper = getattr(grp, "swapper", None)
