@@ -16,9 +16,9 @@ device and a *device copy* that exists only while it is needed:
   ``write_shard`` (zero-core), which land here.
 * NVMe transfers go through ``buffer_count`` page-aligned (page-locked where allowed) buffers
   of ``buffer_size`` elements: a shard is read into a buffer, copied to the device and the
-  buffer returned. After each fetch the next shards in the coordinator's recorded module
+  buffer returned. After each bucket the next shards in the coordinator's recorded module
   order (see [Note: stage 3 parameter coordinator]) are read ahead into the free buffers, so
-  the all-gather of module k+1 finds its shards already in memory. Resident CPU bytes for
+  the all-gather of module k+1 finds its shards already in memory ([Note: read-ahead]). Resident CPU bytes for
   parameters are thus at most ``buffer_count x buffer_size`` (+ ``max_in_cpu``) elements.
 * each read in flight has an aio handle of its own (a pool of at most ``buffer_count`` + 1
   handles; an aio handle's ``wait`` collects everything submitted on it), so a fetch waits
@@ -31,6 +31,22 @@ device and a *device copy* that exists only while it is needed:
   (``write_shard``; NVMe writes go through a pool buffer and are left in flight until a
   buffer or a read needs them).
 
+[Note: read-ahead]
+Which shards are read ahead, and when. zero-core's gather hands a bucket's shards to
+:meth:`ParamOffload.fetch_bucket` together: their reads start at once (as buffers allow), each
+fetch waits for its own, and a buffer freed by one fetch starts the next shard's read. Once
+the bucket is in, the store scans the coordinator's trace from its position for the next
+``buffer_count`` shards in order of use and reads those not read yet; a shard that is gathered
+now (in flight or available, e.g. kept by ``max_reuse_distance``) holds its place in that window
+without being read, so that a window reaching far past shards the coordinator may release and
+need again does not fill buffers with reads that would be dropped. A buffer is taken from a
+read-ahead only when that shard has left the window (never from the bucket being fetched), and
+on a miss from the read-ahead wanted last. Shards whose gather is in flight are never read
+again: their device copy is packed and released before the all-gather's full buffer exists, so
+"not allocated" alone does not mean "released" (that mistake re-read them, and the extra reads
+pushed the shards actually next out of the buffers: a 101M-parameter GPT read 2.3x its
+parameters per forward; test_offload_param_readahead.py counts reads against fetches).
+
 On a machine without a GPU the device is the CPU itself: the home and the device copy are
 separate CPU allocations, and ``memory_breakdown`` reports them apart.
 """
@@ -39,12 +55,13 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Any
 
 import torch
 from zero_core.protocols.shard_store import PLAIN_SHARDS
 from zero_core.zero.stage3.param_records import is_partitioned, partition_state
+from zero_core.zero.stage3.partitioned_param import ParamStatus
 from zero_core.zero.stage3.transient_shards import TransientShards
 from zero_ops.aio import AsyncIOHandle, locked_empty
 
@@ -132,6 +149,8 @@ class ParamOffload(TransientShards):
         self._writing: list[torch.Tensor] = []
         self._readers: list[Any] = []  # every read handle made (the byte counters add them up)
         self._idle_readers: list[Any] = []  # read handles with nothing in flight
+        self._wanted: dict[int, int] = {}  # the latest read-ahead scan: See [Note: read-ahead]
+        self._bucket: dict[int, int] = {}  # the bucket fetch_bucket is fetching: id -> position
         self._aio_kw: dict[str, Any] = {}
         if device == "nvme":
             if nvme_path is None:
@@ -218,8 +237,7 @@ class ParamOffload(TransientShards):
 
     # -- the device copy (TransientShards.fetch calls this from zero-core's gather_params) -------
     def _fill(self, st: PartitionState) -> None:
-        """Copy the shard's values from its home into ``st.shard`` (allocated), then read ahead
-        in the followed coordinator's recorded module order (see [Note: parameter offload])."""
+        """Copy the shard's values from its home into ``st.shard`` (allocated)."""
         self.fetches += 1
         if st.id in self.host:
             st.shard.copy_(self.host[st.id], non_blocking=True)
@@ -238,6 +256,28 @@ class ParamOffload(TransientShards):
             self._verify(st.id, buf)
             st.shard.copy_(buf[: _nbytes(st)].view(st.shard.dtype))
             self._free.append(buf)
+
+    @torch.no_grad()
+    def fetch_bucket(self, states: list[PartitionState]) -> None:
+        """Fetch a gather's bucket with its reads in flight together, then read ahead in the
+        trace (See [Note: read-ahead])."""
+        queue = deque(st for st in states if st.id in self.offset)
+        self._bucket = {st.id: i for i, st in enumerate(states)}
+
+        def top_up() -> None:
+            while queue and self._free:
+                st = queue.popleft()
+                if st.id not in self._landed and st.shard.untyped_storage().nbytes() == 0:
+                    buf = self._free.pop()
+                    self._landed[st.id] = (buf, self._read_nvme(st.id, buf))
+
+        try:
+            top_up()
+            for st in states:
+                self.fetch(st)
+                top_up()
+        finally:
+            self._bucket = {}
         self._read_ahead()
 
     # -- values (checkpoints, step write-back, modifiers) --------------------------------------
@@ -298,9 +338,20 @@ class ParamOffload(TransientShards):
             self.wh.wait()
             self._free.extend(self._writing)
             self._writing.clear()
-        if not self._free and self._landed:  # evict the read-ahead furthest from use
-            self._drop_landed(next(reversed(self._landed)))
+        if not self._free and self._landed:
+            self._drop_landed(self._furthest_landed())
         return self._free.pop()
+
+    def _furthest_landed(self) -> int:
+        """The read-ahead to evict: never one of the bucket being fetched; else one the latest
+        trace scan no longer wants (gathered by other means, or its use is past), else the one
+        wanted last."""
+        bucket, rank = self._bucket, self._wanted
+
+        def distance(pid: int) -> int:
+            return bucket[pid] - len(bucket) if pid in bucket else rank.get(pid, len(rank))
+
+        return max(self._landed, key=distance)
 
     def _read_nvme(self, pid: int, buf: torch.Tensor) -> Any:
         """Start reading ``pid``'s shard into ``buf`` on an idle handle; returns that handle."""
@@ -349,31 +400,42 @@ class ParamOffload(TransientShards):
             self._free.append(buf)
 
     def _read_ahead(self) -> None:
-        """Start reading the next NVMe-homed shards of the recorded trace into free buffers."""
+        """Read the next NVMe-homed shards of the recorded trace into buffers (See [Note: read-ahead])."""
         co = self.coordinator
-        if self.device != "nvme" or co is None or co.trace is None or not self._free:
+        if self.device != "nvme" or co is None or co.trace is None:
             return
         from zero_core.zero.stage3.param_coordinator import module_params
 
+        # The next buffer_count NVMe-homed shards in order of use. A shard gathered now (kept by
+        # the coordinator for its reuse) takes a place too without being read: it may be released
+        # and needed again soon, and shards further away would be read only to be dropped.
+        want: dict[int, int] = {}  # pid -> rank in order of use
+        held: set[int] = set()
         for idx, _phase in co.trace[co.pos :]:
             if idx < 0:
                 continue
             for q in module_params(co.modules[idx]):
                 st = partition_state(q)
-                if (
-                    st.store is not self
-                    or st.id in self.host
-                    or st.id in self._landed
-                    or st.shard.untyped_storage().nbytes() > 0
-                    or st.full.untyped_storage().nbytes() > 0
-                ):
+                if st.store is not self or st.id in self.host or st.id in want:
                     continue
-                if not self._free:
+                if st.status is not ParamStatus.NOT_AVAILABLE or st.shard.untyped_storage().nbytes() > 0:
+                    if st.persistent:
+                        continue
+                    held.add(st.id)
+                want[st.id] = len(want)
+            if len(want) >= self.buffer_count:
+                break
+        self._wanted = want
+        for pid in want:
+            if pid in self._landed or pid in held:
+                continue
+            if not self._free:
+                stale = [q for q in self._landed if q not in want]
+                if not stale:
                     return
-                buf = self._free.pop()
-                self._landed[st.id] = (buf, self._read_nvme(st.id, buf))
-            if len(self._landed) >= self.buffer_count:
-                return
+                self._drop_landed(stale[0])
+            buf = self._free.pop()
+            self._landed[pid] = (buf, self._read_nvme(pid, buf))
 
     # -- accounting and teardown --------------------------------------------------------------
     def memory_breakdown(self) -> dict[str, int]:

@@ -60,6 +60,11 @@ class ShardStore(Protocol):
         """Drop what :meth:`fetch` brought (after the gather packed it)."""
         ...
 
+    def fetch_bucket(self, states: list[PartitionState]) -> None:
+        """:meth:`fetch` every shard of one gather's bucket, in order (a store that reads ahead
+        starts the bucket's reads together, and the next ones once the bucket is in)."""
+        ...
+
     def read(self, st: PartitionState) -> torch.Tensor:
         """The shard's values, padding included: the shard itself (read-only) or a new tensor."""
         ...
@@ -97,6 +102,9 @@ class PlainShards:
         pass  # the values are on the device already
 
     def release(self, st: PartitionState) -> None:
+        pass
+
+    def fetch_bucket(self, states: list[PartitionState]) -> None:
         pass
 
     def read(self, st: PartitionState) -> torch.Tensor:

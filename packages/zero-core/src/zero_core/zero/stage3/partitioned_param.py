@@ -472,8 +472,11 @@ def _gather_group(
     # Only the transient stores' shards are fetched and released around the packing (See [Note:
     # offloaded shards]); a bucket of plain shards costs one filter, as the old branches did.
     moved = [st for st in states if st.store.transient] if fetch else []
+    by_store: dict[int, tuple[Any, list[PartitionState]]] = {}
     for st in moved:
-        st.store.fetch(st)
+        by_store.setdefault(id(st.store), (st.store, []))[1].append(st)
+    for store, bucket in by_store.values():
+        store.fetch_bucket(bucket)  # reads started together: See [Note: read-ahead] in zero-offload
     if world == 1:
         return GatherHandle(todo, None, None, offsets, chunk, label, source, states=states, moved=moved)
     if all_reduce:

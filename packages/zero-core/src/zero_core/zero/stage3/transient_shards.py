@@ -38,6 +38,11 @@ class TransientShards:
         st.shard.untyped_storage().resize_(st.shard_numel * st.shard.element_size())
         self._fill(st)
 
+    def fetch_bucket(self, states: list[PartitionState]) -> None:
+        """:meth:`fetch` each shard of a gather's bucket (stores that read ahead override it)."""
+        for st in states:
+            self.fetch(st)
+
     def release(self, st: PartitionState) -> None:
         """Drop the device copy (the store holds the values)."""
         # The stream that packs it may still read it: the block is not reused before that work
