@@ -102,3 +102,50 @@ def test_offload_infinity_state_dict_and_safe_set_persist(world: int, tmp_path) 
     off, ref = r["set_off"], r["set_ref"]
     assert off["w_ok"] and off["m_ok"] and ref["w_ok"] and ref["m_ok"], (off, ref)
     torch.testing.assert_close(torch.tensor(off["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
+
+
+def _stage12_set_state(nvme: str, stage: int) -> dict:
+    """Stages 1 and 2 keep the masters in host memory and only the Adam states on NVMe: a state
+    set between steps reaches the swap file (read back, and used by the next step)."""
+    import zero_core
+    from zero_core.zero.debug_access import (
+        safe_get_full_optimizer_state,
+        safe_get_local_optimizer_state,
+        safe_set_full_optimizer_state,
+        safe_set_local_optimizer_state,
+    )
+
+    out = {}
+    for offload in (True, False):
+        torch.manual_seed(0)
+        model = MLPClassifier(12, 40, 5)
+        zc: dict = {"stage": stage, "sub_group_size": 300}
+        if offload:
+            zc["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme}
+        cfg = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10**6, "zero_optimization": zc}
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        engine, *_ = zero_core.initialize(model=model, optimizer=opt, config=cfg)
+        _steps(engine, 0, 2)
+        first, last = list(model.parameters())[0], list(model.parameters())[-1]
+        full = safe_get_full_optimizer_state(first, "exp_avg")
+        safe_set_full_optimizer_state(first, full * 0.5 + 0.001, "exp_avg")
+        local = safe_get_local_optimizer_state(last, "exp_avg_sq")
+        safe_set_local_optimizer_state(last, local * 2.0, "exp_avg_sq")
+        read_back = (
+            safe_get_full_optimizer_state(first, "exp_avg").clone(),
+            safe_get_local_optimizer_state(last, "exp_avg_sq").clone(),
+        )
+        expected = (full * 0.5 + 0.001, local * 2.0)
+        losses = _steps(engine, 2, 5)
+        out[offload] = {"read_back": read_back, "expected": expected, "losses": losses}
+        engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stage12_nvme_optimizer_state_setters_reach_the_swap_file(stage: int, tmp_path) -> None:
+    for rank_out in run_multirank(_stage12_set_state, 2, args=(str(tmp_path), stage), timeout=180):
+        for offload, r in rank_out.items():
+            for got, want in zip(r["read_back"], r["expected"], strict=True):
+                torch.testing.assert_close(got, want, msg=f"offload={offload}")
+        torch.testing.assert_close(rank_out[True]["losses"], rank_out[False]["losses"], rtol=1e-5, atol=1e-6)

@@ -16,6 +16,18 @@ Arrays created and filled before the swapper (``preallocated``: the fp32 masters
 gradients of [Note: ZeRO-Infinity streaming]) are neither allocated nor zeroed here, and
 ``read_only`` arrays (the gradients) are read with each tile but never written back.
 
+[Note: optimizer state prefetch]
+The pool has ``buffer_count`` buffers and the step's pipeline uses ``1 + pipeline_read +
+pipeline_write`` of them; the others are idle during the step, and the whole pool is idle
+during backward. So when an accumulation-boundary backward starts (``begin_staging``), the
+offload reads the first tiles the step will update (in its order: groups, then tiles) into
+those idle buffers, each on an aio handle of its own, every state but the read-only
+gradients, which backward is still writing. The disk does this under backward's compute; the
+step then finds those tiles in memory and reads only their gradients. The states do not
+change between backward and the step: a write to a prefetched region (a checkpoint load,
+``safe_set_*``) drops the prefetch first, and the tile is verified against its checksum when
+the step uses it as when it reads it. No memory beyond the configured pool is used.
+
 Without either flag every transfer is waited for at once (simple, least memory). Reads and
 writes use two separate aio handles so that waiting for the next tile's read never waits for
 the previous tile's write. Tiles start at multiples of 1024 elements (4096 bytes), so the
@@ -56,6 +68,11 @@ class BufferPool:
     def __init__(self, count: int, numel: int) -> None:
         self.buffers = [locked_empty(numel, torch.float32) for _ in range(count)]
         self.numel = numel
+        self.reserved: set[int] = set()  # ids of buffers holding a prefetched tile
+
+    def idle(self) -> list[torch.Tensor]:
+        """The buffers no prefetch holds (See [Note: optimizer state prefetch])."""
+        return [b for b in self.buffers if id(b) not in self.reserved]
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers)
@@ -103,6 +120,8 @@ class StateSwapper:
         self.pipeline_write = pipeline_write
         self.files = {k: swap_file_name(name, k) for k in state_names}
         self.read_only = frozenset(read_only)
+        # tile -> (buffer, aio handle) of the tiles read ahead: See [Note: optimizer state prefetch]
+        self.prefetched: dict[int, tuple[torch.Tensor, AsyncIOHandle]] = {}
         self.sums = SwapChecksums(swap_dir)  # See [Note: swap checksums]
         fresh = [k for k in state_names if k not in preallocated]
         for k in fresh:
@@ -128,9 +147,38 @@ class StateSwapper:
     def _views(self, buf: torch.Tensor, n: int) -> dict[str, torch.Tensor]:
         return {k: buf[i * self.tile : i * self.tile + n] for i, k in enumerate(self.state_names)}
 
-    def _read(self, lo: int, hi: int, buf: torch.Tensor) -> None:
+    def _read(self, lo: int, hi: int, buf: torch.Tensor, only_read_only: bool = False) -> None:
         for k, v in self._views(buf, hi - lo).items():
-            self.rh.async_pread(v, self.dir.check(self.files[k]), lo * 4)
+            if not only_read_only or k in self.read_only:
+                self.rh.async_pread(v, self.dir.check(self.files[k]), lo * 4)
+
+    def prefetch(self, k: int, buf: torch.Tensor, handle: AsyncIOHandle) -> None:
+        """Start reading tile ``k``'s states (not the read-only arrays) into ``buf`` on ``handle``;
+        :meth:`run` uses them. See [Note: optimizer state prefetch]."""
+        self._drop_tile(k)
+        lo, hi = self.tiles()[k]
+        for key, v in self._views(buf, hi - lo).items():
+            if key not in self.read_only:
+                handle.async_pread(v, self.dir.check(self.files[key]), lo * 4)
+        self.pool.reserved.add(id(buf))
+        self.prefetched[k] = (buf, handle)
+
+    def drop_prefetch(self) -> None:
+        """Forget every prefetched tile (their reads waited for, their buffers idle again)."""
+        for k in list(self.prefetched):
+            self._drop_tile(k)
+
+    def _drop_tile(self, k: int) -> torch.Tensor | None:
+        """Forget tile ``k``'s prefetch; returns its buffer, its read complete (None if none)."""
+        entry = self.prefetched.pop(k, None)
+        if entry is None:
+            return None
+        buf, handle = entry
+        try:
+            handle.wait()
+        finally:
+            self.pool.reserved.discard(id(buf))
+        return buf
 
     def _write(self, lo: int, hi: int, buf: torch.Tensor) -> None:
         for k, v in self._views(buf, hi - lo).items():
@@ -146,7 +194,7 @@ class StateSwapper:
     def run(self, update: Callable[[int, int, dict[str, torch.Tensor]], None]) -> None:
         """Call ``update(lo, hi, states)`` on every tile, states swapped in and out around it."""
         tiles = self.tiles()
-        free = deque(self.pool.buffers)
+        free = deque(self.pool.idle())  # prefetched tiles keep theirs until used
         writing: list[torch.Tensor] = []
 
         def take() -> torch.Tensor:
@@ -157,21 +205,27 @@ class StateSwapper:
                 writing.clear()
             return free.popleft()
 
+        def start(k: int) -> torch.Tensor:
+            """Start reading tile ``k`` (only what no prefetch read: See [Note: optimizer state prefetch])."""
+            buf = self._drop_tile(k)
+            prefetched = buf is not None
+            if buf is None:
+                buf = take()
+            self._read(*tiles[k], buf, only_read_only=prefetched)
+            return buf
+
         try:
             nxt = None
             if self.pipeline_read and tiles:
-                nxt = take()
-                self._read(*tiles[0], nxt)
+                nxt = start(0)
             for k, (lo, hi) in enumerate(tiles):
                 if self.pipeline_read:
                     self.rh.wait()
                     cur = nxt
                     if k + 1 < len(tiles):
-                        nxt = take()
-                        self._read(*tiles[k + 1], nxt)
+                        nxt = start(k + 1)
                 else:
-                    cur = take()
-                    self._read(lo, hi, cur)
+                    cur = start(k)
                     self.rh.wait()
                 self._verify(lo, hi, cur)
                 update(lo, hi, self._views(cur, hi - lo))
@@ -220,6 +274,7 @@ class StateSwapper:
                 f"StateSwapper {self.name}: range [{lo}, {lo + v.numel()}) outside {self.numel} elements"
             )
         hi = lo + v.numel()
+        self.drop_prefetch()  # it may hold the old values of this range
         for a, b in self._covering(lo, hi) if hi > lo else []:
             if lo <= a and b <= hi:
                 tile = v[a - lo : b - lo]

@@ -197,7 +197,7 @@ class OffloadStreamMixin:
     def swap_io_bytes(self) -> dict[str, int]:
         """Bytes read from and written to the swap files so far (optimizer states, masters, gradients)."""
         handles = [getattr(self, n, None) for n in ("read_handle", "write_handle", "_stream_io", "_grad_io")]
-        handles = [h for h in handles if h is not None]
+        handles = [h for h in handles if h is not None] + getattr(self, "_prefetch_io", [])
         return {
             "read": sum(h.bytes_read for h in handles),
             "written": sum(h.bytes_written for h in handles),

@@ -120,6 +120,7 @@ class OptimizerOffload(OffloadStepMixin, OffloadStateMixin, OffloadStreamMixin):
         self.copied_back = CopyFence()
         self.swap_dir: SwapDirectory | None = None
         self.pool: BufferPool | None = None
+        self._prefetch_io: list[Any] = []  # aio handles of [Note: optimizer state prefetch]
         self.buffer_count = buffer_count
         self.aio = dict(aio or {})
         if device == "nvme":
@@ -207,13 +208,8 @@ class OptimizerOffload(OffloadStepMixin, OffloadStateMixin, OffloadStreamMixin):
         self.pool = BufferPool(self.buffer_count, tile * nstates)
         from zero_ops.aio import AsyncIOHandle
 
-        kw = {
-            k: self.aio[k]
-            for k in ("block_size", "queue_depth", "single_submit", "overlap_events", "thread_count")
-            if k in self.aio
-        }
-        self.read_handle = AsyncIOHandle(**kw)
-        self.write_handle = AsyncIOHandle(**kw)
+        self.read_handle = AsyncIOHandle(**self._aio_kw())
+        self.write_handle = AsyncIOHandle(**self._aio_kw())
         for g, names in zip(self.groups, names_per_group):
             g.swapper = StateSwapper(
                 self.swap_dir,
@@ -232,6 +228,11 @@ class OptimizerOffload(OffloadStepMixin, OffloadStateMixin, OffloadStreamMixin):
             )
             for p in g.params:
                 optimizer.state[p] = {"step": torch.tensor(0.0)}
+
+    def _aio_kw(self) -> dict[str, Any]:
+        """The ``aio`` section's settings that an aio handle takes."""
+        keys = ("block_size", "queue_depth", "single_submit", "overlap_events", "thread_count")
+        return {k: self.aio[k] for k in keys if k in self.aio}
 
     # -- per step ---------------------------------------------------------------------------
     def owns(self, master: torch.Tensor) -> bool:
@@ -269,10 +270,36 @@ class OptimizerOffload(OffloadStepMixin, OffloadStateMixin, OffloadStreamMixin):
     # copies only what no bucket delivered (``is_staged``). ``begin_staging`` at every backward
     # and at ``zero_grad`` forgets partial copies, so an overflow-skipped step never leaks stale
     # gradients into the next one.
-    def begin_staging(self, is_boundary: bool) -> None:
-        """A backward pass starts (``is_boundary``: its reductions complete the step's gradients)."""
+    def begin_staging(self, is_boundary: bool, prefetch: bool = True) -> None:
+        """A backward pass starts (``is_boundary``: its reductions complete the step's gradients);
+        ``prefetch=False``: ``zero_grad`` forgets staged gradients, no backward follows yet."""
         self._staged.clear()
         self._partial.clear()
+        if is_boundary and prefetch and self.pool is not None:
+            self._prefetch_states()
+
+    def _prefetch_states(self) -> None:
+        """Read the first tiles the step updates into the buffers its pipeline leaves idle
+        (See [Note: optimizer state prefetch] in nvme_swapper.py)."""
+        assert self.pool is not None
+        spare = self.buffer_count - buffers_needed(self.pipeline_read, self.pipeline_write)
+        swappers = [g.swapper for g in self.groups if g.swapper is not None and g.params]
+        slots = [(sw, k) for sw in swappers for k in range(len(sw.tiles()))][:spare]
+        busy = {id(h) for sw in swappers for _, h in sw.prefetched.values()}
+        for sw, k in slots:
+            if k in sw.prefetched:
+                continue  # still valid: the states did not change since
+            idle = self.pool.idle()
+            if not idle:
+                return
+            handle = next((h for h in self._prefetch_io if id(h) not in busy), None)
+            if handle is None:
+                from zero_ops.aio import AsyncIOHandle
+
+                handle = AsyncIOHandle(**self._aio_kw())
+                self._prefetch_io.append(handle)
+            busy.add(id(handle))
+            sw.prefetch(k, idle[0], handle)
 
     def stage_grad_range(self, master: torch.Tensor, lo: int, values: torch.Tensor) -> None:
         """Copy ``values`` (reduced gradient elements ``[lo, lo + n)`` of ``master``'s shard) to host
@@ -328,6 +355,9 @@ class OptimizerOffload(OffloadStepMixin, OffloadStateMixin, OffloadStreamMixin):
 
     def close(self) -> None:
         """Wait for I/O and remove the swap files (see [Note: swap file lifecycle])."""
+        for g in self.groups:
+            if g.swapper is not None:
+                g.swapper.drop_prefetch()
         for h in (getattr(self, "read_handle", None), getattr(self, "write_handle", None)):
             if h is not None:
                 h.wait()

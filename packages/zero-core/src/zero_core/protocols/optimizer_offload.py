@@ -79,7 +79,11 @@ class OptimizerOffload(Protocol):
     def owns(self, master: torch.Tensor) -> bool: ...
 
     # -- gradients and the step ---------------------------------------------------------------
-    def begin_staging(self, is_boundary: bool) -> None: ...
+    def begin_staging(self, is_boundary: bool, prefetch: bool = True) -> None:
+        """A backward pass starts (``is_boundary``: it completes the step's gradients), or
+        ``zero_grad`` forgets what was staged (``prefetch=False``): an offload may start reading
+        the step's states here."""
+        ...
 
     def stage_grad(self, master: torch.Tensor, grad: torch.Tensor | None) -> None: ...
 
@@ -184,7 +188,7 @@ class NoOptimizerOffload:
     def owns(self, master: torch.Tensor) -> bool:
         return False
 
-    def begin_staging(self, is_boundary: bool) -> None:
+    def begin_staging(self, is_boundary: bool, prefetch: bool = True) -> None:
         pass
 
     def stage_grad(self, master: torch.Tensor, grad: torch.Tensor | None) -> None:

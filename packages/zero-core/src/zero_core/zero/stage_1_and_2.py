@@ -444,7 +444,7 @@ class PartitionedOptimizerStrategy:
 
     def zero_grad(self) -> None:
         self.reducer.zero_grad()
-        self.offload.begin_staging(True)  # a skipped step must not leave staged gradients
+        self.offload.begin_staging(True, prefetch=False)  # a skipped step must not leave staged gradients
         for m in self.masters:
             m.grad = None
 

@@ -164,13 +164,23 @@ class PartitionedStateAccess:
         for so, po, n in self.own_segments(g, i):
             out[po : po + n].copy_(self.strategy.masters[g][so : so + n])
 
+    def _store_state(self, p: torch.nn.Parameter, key: str, st: torch.Tensor) -> None:
+        """Write the group's changed state ``st`` back where it lives: an NVMe offload hands
+        :meth:`_state_shard` a copy read from its swap file, so the change must go to the file
+        (host-memory states are changed in place already)."""
+        strategy = self.strategy
+        master = strategy.masters[self.param_location(p).group]
+        if strategy.offload.owns(master):
+            strategy.offload.load_state(strategy.optimizer, master, {key: st})
+
     @torch.no_grad()
     def set_local_optimizer_state(self, p: torch.nn.Parameter, value: torch.Tensor, key: str) -> None:
         st = self._state_shard(p, key)
         if st.shape != self.strategy.masters[self.param_location(p).group].shape:
             st.copy_(value)
-            return
-        self._set_local(p, st, value.to(st.dtype), "safe_set_local_optimizer_state")
+        else:
+            self._set_local(p, st, value.to(st.dtype), "safe_set_local_optimizer_state")
+        self._store_state(p, key, st)
 
     @torch.no_grad()
     def set_full_fp32_param(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
@@ -186,10 +196,11 @@ class PartitionedStateAccess:
         g, i = self.param_location(p)
         if st.shape != self.strategy.masters[g].shape:
             st.copy_(value)
-            return
-        flat = value.detach().reshape(-1).to(st.dtype)
-        for so, po, n in self.own_segments(g, i):
-            st[so : so + n].copy_(flat[po : po + n])
+        else:
+            flat = value.detach().reshape(-1).to(st.dtype)
+            for so, po, n in self.own_segments(g, i):
+                st[so : so + n].copy_(flat[po : po + n])
+        self._store_state(p, key, st)
 
     # -- gradient writes ------------------------------------------------------------------
 

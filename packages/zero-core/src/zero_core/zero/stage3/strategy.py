@@ -431,7 +431,7 @@ class Stage3Strategy:
             handle.wait()
 
     def zero_grad(self) -> None:
-        self.offload.begin_staging(True)  # a skipped step must not leave staged gradients
+        self.offload.begin_staging(True, prefetch=False)  # a skipped step must not leave staged gradients
         self.streamed.clear()
         for p, st in zip(self.params, self.records):
             st.grad_shard = None
