@@ -19,11 +19,14 @@ gradients of [Note: ZeRO-Infinity streaming]) are neither allocated nor zeroed h
 [Note: optimizer state prefetch]
 The pool has ``buffer_count`` buffers and the step's pipeline uses ``1 + pipeline_read +
 pipeline_write`` of them; the others are idle during the step, and the whole pool is idle
-during backward. So when an accumulation-boundary backward starts (``begin_staging``), the
-offload reads the first tiles the step will update (in its order: groups, then tiles) into
-those idle buffers, each on an aio handle of its own, every state but the read-only
-gradients, which backward is still writing. The disk does this under backward's compute; the
-step then finds those tiles in memory and reads only their gradients. The states do not
+during backward. So during an accumulation-boundary backward the offload reads the first
+tiles the step will update (in its order: groups, then tiles) into those idle buffers, each on
+an aio handle of its own, every state but the read-only gradients, which backward is still
+writing: the first when backward starts (``begin_staging``), the next each time another equal
+share of the gradients has been staged, so that the reads do not all queue in front of the
+parameter reads backward starts with (all at once: 4% faster steps on the 101M-parameter
+benchmark GPT; paced: 7%). The disk does this under backward's compute; the step then finds
+those tiles in memory and reads only their gradients. The states do not
 change between backward and the step: a write to a prefetched region (a checkpoint load,
 ``safe_set_*``) drops the prefetch first, and the tile is verified against its checksum when
 the step uses it as when it reads it. No memory beyond the configured pool is used.

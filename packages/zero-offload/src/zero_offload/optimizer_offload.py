@@ -121,6 +121,8 @@ class OptimizerOffload(OffloadStepMixin, OffloadStateMixin, OffloadStreamMixin):
         self.swap_dir: SwapDirectory | None = None
         self.pool: BufferPool | None = None
         self._prefetch_io: list[Any] = []  # aio handles of [Note: optimizer state prefetch]
+        self._prefetching = False  # an accumulation-boundary backward is staging its gradients
+        self._staged_numel = 0  # elements staged by it so far (paces the prefetch)
         self.buffer_count = buffer_count
         self.aio = dict(aio or {})
         if device == "nvme":
@@ -275,18 +277,23 @@ class OptimizerOffload(OffloadStepMixin, OffloadStateMixin, OffloadStreamMixin):
         ``prefetch=False``: ``zero_grad`` forgets staged gradients, no backward follows yet."""
         self._staged.clear()
         self._partial.clear()
-        if is_boundary and prefetch and self.pool is not None:
+        self._staged_numel = 0
+        self._prefetching = is_boundary and prefetch and self.pool is not None
+        if self._prefetching:
             self._prefetch_states()
 
     def _prefetch_states(self) -> None:
-        """Read the first tiles the step updates into the buffers its pipeline leaves idle
-        (See [Note: optimizer state prefetch] in nvme_swapper.py)."""
+        """Read the first tiles the step updates into the buffers its pipeline leaves idle, one
+        more each time another share of the gradients is staged, so that the reads spread over
+        backward (See [Note: optimizer state prefetch] in nvme_swapper.py)."""
         assert self.pool is not None
         spare = self.buffer_count - buffers_needed(self.pipeline_read, self.pipeline_write)
         swappers = [g.swapper for g in self.groups if g.swapper is not None and g.params]
         slots = [(sw, k) for sw in swappers for k in range(len(sw.tiles()))][:spare]
+        total = max(sum(g.numel for g in self.groups), 1)
+        due = 1 + self._staged_numel * len(slots) // total  # slots that may be in flight by now
         busy = {id(h) for sw in swappers for _, h in sw.prefetched.values()}
-        for sw, k in slots:
+        for sw, k in slots[:due]:
             if k in sw.prefetched:
                 continue  # still valid: the states did not change since
             idle = self.pool.idle()
@@ -321,6 +328,9 @@ class OptimizerOffload(OffloadStepMixin, OffloadStateMixin, OffloadStreamMixin):
             self.grads_landed.mark()  # step() waits for it: See [Note: offload copies]
         done = self._partial.get(id(master), 0) + n
         self._partial[id(master)] = done
+        self._staged_numel += n
+        if self._prefetching:
+            self._prefetch_states()
         if done >= grp.offsets[i + 1] - base:
             self._staged.add(id(master))
             self.staged_during_backward += 1
