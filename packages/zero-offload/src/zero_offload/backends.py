@@ -23,7 +23,7 @@ from zero_core.offload_memory import MemoryOffloadBackend
 from zero_ops.aio import AsyncIOHandle
 
 from zero_offload.swap_checksums import SwapChecksums
-from zero_offload.swap_files import SwapDirectory
+from zero_offload.swap_files import AIO_HANDLE_KEYS, SwapDirectory, aio_handle_settings
 
 __all__ = ["MemoryOffloadBackend", "NvmeOffloadBackend"]
 
@@ -36,13 +36,13 @@ class NvmeOffloadBackend:
     ) -> None:
         self._dir = SwapDirectory(nvme_path, rank, what="NvmeOffloadBackend")
         kw = dict(aio or {})
-        allowed = {"block_size", "queue_depth", "single_submit", "overlap_events", "thread_count"}
+        allowed = set(AIO_HANDLE_KEYS)
         unknown = set(kw) - allowed - {"intra_op_parallelism", "use_gds"}
         if unknown:
             raise ValueError(
                 f"NvmeOffloadBackend: unknown aio settings {sorted(unknown)}; allowed: {sorted(allowed)}"
             )
-        self._handle = AsyncIOHandle(**{k: v for k, v in kw.items() if k in allowed})
+        self._handle = AsyncIOHandle(**aio_handle_settings(kw))
         self._meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         # (staging buffer, destination) of reads into tensors the handle cannot fill directly
         self._pending_copies: list[tuple[torch.Tensor, torch.Tensor]] = []

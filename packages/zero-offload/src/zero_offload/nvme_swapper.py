@@ -150,19 +150,25 @@ class StateSwapper:
     def _views(self, buf: torch.Tensor, n: int) -> dict[str, torch.Tensor]:
         return {k: buf[i * self.tile : i * self.tile + n] for i, k in enumerate(self.state_names)}
 
-    def _read(self, lo: int, hi: int, buf: torch.Tensor, only_read_only: bool = False) -> None:
+    def _read(
+        self,
+        lo: int,
+        hi: int,
+        buf: torch.Tensor,
+        read_only: bool | None = None,
+        handle: AsyncIOHandle | None = None,
+    ) -> None:
+        """Start reading tile ``[lo, hi)`` into ``buf`` on ``handle`` (the read handle by default):
+        every state, or only the read-only arrays (``read_only=True``) or only the others (False)."""
         for k, v in self._views(buf, hi - lo).items():
-            if not only_read_only or k in self.read_only:
-                self.rh.async_pread(v, self.dir.check(self.files[k]), lo * 4)
+            if read_only is None or (k in self.read_only) == read_only:
+                (handle or self.rh).async_pread(v, self.dir.check(self.files[k]), lo * 4)
 
     def prefetch(self, k: int, buf: torch.Tensor, handle: AsyncIOHandle) -> None:
         """Start reading tile ``k``'s states (not the read-only arrays) into ``buf`` on ``handle``;
         :meth:`run` uses them. See [Note: optimizer state prefetch]."""
         self._drop_tile(k)
-        lo, hi = self.tiles()[k]
-        for key, v in self._views(buf, hi - lo).items():
-            if key not in self.read_only:
-                handle.async_pread(v, self.dir.check(self.files[key]), lo * 4)
+        self._read(*self.tiles()[k], buf, read_only=False, handle=handle)
         self.pool.reserved.add(id(buf))
         self.prefetched[k] = (buf, handle)
 
@@ -211,10 +217,11 @@ class StateSwapper:
         def start(k: int) -> torch.Tensor:
             """Start reading tile ``k`` (only what no prefetch read: See [Note: optimizer state prefetch])."""
             buf = self._drop_tile(k)
-            prefetched = buf is not None
             if buf is None:
                 buf = take()
-            self._read(*tiles[k], buf, only_read_only=prefetched)
+                self._read(*tiles[k], buf)
+            else:
+                self._read(*tiles[k], buf, read_only=True)
             return buf
 
         try:

@@ -57,6 +57,7 @@ class OffloadStreamMixin:
     groups: list[_Group]
     _where: dict[int, tuple[int, int]]
     _staged: set[int]
+    _aio_kw: dict[str, Any]
 
     def _stream_handles(self) -> Any:
         """The aio handle of the streamed arrays' direct reads and writes (made on first use)."""
@@ -64,13 +65,8 @@ class OffloadStreamMixin:
         if io is None:
             from zero_ops.aio import AsyncIOHandle
 
-            kw = {
-                k: self.aio[k]  # type: ignore[attr-defined]
-                for k in ("block_size", "queue_depth", "single_submit", "overlap_events", "thread_count")
-                if k in self.aio  # type: ignore[attr-defined]
-            }
-            io = self._stream_io = AsyncIOHandle(**kw)
-            self._grad_io = AsyncIOHandle(**kw)
+            io = self._stream_io = AsyncIOHandle(**self._aio_kw)
+            self._grad_io = AsyncIOHandle(**self._aio_kw)
             self._grad_inflight: list[torch.Tensor] = []
             self._grad_inflight_numel = 0
         return io

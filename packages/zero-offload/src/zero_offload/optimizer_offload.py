@@ -44,7 +44,7 @@ from zero_offload.offload_groups import _GRAD, _MASTER, _adam_settings, _bytes, 
 from zero_offload.offload_state import OffloadStateMixin
 from zero_offload.offload_step import OffloadStepMixin
 from zero_offload.offload_stream import OffloadStreamMixin
-from zero_offload.swap_files import SwapDirectory
+from zero_offload.swap_files import SwapDirectory, aio_handle_settings
 from zero_offload.transfers import CopyFence
 
 if TYPE_CHECKING:
@@ -121,10 +121,12 @@ class OptimizerOffload(OffloadStepMixin, OffloadStateMixin, OffloadStreamMixin):
         self.swap_dir: SwapDirectory | None = None
         self.pool: BufferPool | None = None
         self._prefetch_io: list[Any] = []  # aio handles of [Note: optimizer state prefetch]
-        self._prefetching = False  # an accumulation-boundary backward is staging its gradients
-        self._staged_numel = 0  # elements staged by it so far (paces the prefetch)
+        # (swapper, tile) not yet read ahead in this backward, in step order, and the staged
+        # element counts at which each becomes due (See [Note: optimizer state prefetch])
+        self._prefetch_due: list[tuple[int, StateSwapper, int]] = []
+        self._staged_numel = 0  # elements staged by this backward so far (paces the prefetch)
         self.buffer_count = buffer_count
-        self.aio = dict(aio or {})
+        self._aio_kw = aio_handle_settings(aio)  # every aio handle made here takes these
         if device == "nvme":
             if nvme_path is None:
                 raise ValueError(
@@ -210,8 +212,8 @@ class OptimizerOffload(OffloadStepMixin, OffloadStateMixin, OffloadStreamMixin):
         self.pool = BufferPool(self.buffer_count, tile * nstates)
         from zero_ops.aio import AsyncIOHandle
 
-        self.read_handle = AsyncIOHandle(**self._aio_kw())
-        self.write_handle = AsyncIOHandle(**self._aio_kw())
+        self.read_handle = AsyncIOHandle(**self._aio_kw)
+        self.write_handle = AsyncIOHandle(**self._aio_kw)
         for g, names in zip(self.groups, names_per_group):
             g.swapper = StateSwapper(
                 self.swap_dir,
@@ -230,11 +232,6 @@ class OptimizerOffload(OffloadStepMixin, OffloadStateMixin, OffloadStreamMixin):
             )
             for p in g.params:
                 optimizer.state[p] = {"step": torch.tensor(0.0)}
-
-    def _aio_kw(self) -> dict[str, Any]:
-        """The ``aio`` section's settings that an aio handle takes."""
-        keys = ("block_size", "queue_depth", "single_submit", "overlap_events", "thread_count")
-        return {k: self.aio[k] for k in keys if k in self.aio}
 
     # -- per step ---------------------------------------------------------------------------
     def owns(self, master: torch.Tensor) -> bool:
@@ -278,34 +275,42 @@ class OptimizerOffload(OffloadStepMixin, OffloadStateMixin, OffloadStreamMixin):
         self._staged.clear()
         self._partial.clear()
         self._staged_numel = 0
-        self._prefetching = is_boundary and prefetch and self.pool is not None
-        if self._prefetching:
+        self._prefetch_due = []
+        if is_boundary and prefetch and self.pool is not None:
+            self._plan_prefetch()
             self._prefetch_states()
 
-    def _prefetch_states(self) -> None:
-        """Read the first tiles the step updates into the buffers its pipeline leaves idle, one
-        more each time another share of the gradients is staged, so that the reads spread over
-        backward (See [Note: optimizer state prefetch] in nvme_swapper.py)."""
-        assert self.pool is not None
+    def _plan_prefetch(self) -> None:
+        """The tiles this backward reads ahead: the first ones the step updates, as many as the
+        buffers its pipeline leaves idle, slot i due once i / slots of the gradients are staged,
+        so that the reads spread over backward (See [Note: optimizer state prefetch])."""
         spare = self.buffer_count - buffers_needed(self.pipeline_read, self.pipeline_write)
         swappers = [g.swapper for g in self.groups if g.swapper is not None and g.params]
         slots = [(sw, k) for sw in swappers for k in range(len(sw.tiles()))][:spare]
         total = max(sum(g.numel for g in self.groups), 1)
-        due = 1 + self._staged_numel * len(slots) // total  # slots that may be in flight by now
-        busy = {id(h) for sw in swappers for _, h in sw.prefetched.values()}
-        for sw, k in slots[:due]:
+        self._prefetch_due = [(-(-i * total // len(slots)), sw, k) for i, (sw, k) in enumerate(slots)]
+
+    def _prefetch_states(self) -> None:
+        """Start the planned reads that are due (See [Note: optimizer state prefetch] in nvme_swapper.py)."""
+        assert self.pool is not None
+        while self._prefetch_due and self._prefetch_due[0][0] <= self._staged_numel:
+            _, sw, k = self._prefetch_due[0]
             if k in sw.prefetched:
+                self._prefetch_due.pop(0)
                 continue  # still valid: the states did not change since
             idle = self.pool.idle()
             if not idle:
-                return
+                return  # retried when the next gradients are staged
+            self._prefetch_due.pop(0)
+            busy = {
+                id(h) for g in self.groups if g.swapper is not None for _, h in g.swapper.prefetched.values()
+            }
             handle = next((h for h in self._prefetch_io if id(h) not in busy), None)
             if handle is None:
                 from zero_ops.aio import AsyncIOHandle
 
-                handle = AsyncIOHandle(**self._aio_kw())
+                handle = AsyncIOHandle(**self._aio_kw)
                 self._prefetch_io.append(handle)
-            busy.add(id(handle))
             sw.prefetch(k, idle[0], handle)
 
     def stage_grad_range(self, master: torch.Tensor, lo: int, values: torch.Tensor) -> None:
@@ -329,7 +334,7 @@ class OptimizerOffload(OffloadStepMixin, OffloadStateMixin, OffloadStreamMixin):
         done = self._partial.get(id(master), 0) + n
         self._partial[id(master)] = done
         self._staged_numel += n
-        if self._prefetching:
+        if self._prefetch_due:
             self._prefetch_states()
         if done >= grp.offsets[i + 1] - base:
             self._staged.add(id(master))

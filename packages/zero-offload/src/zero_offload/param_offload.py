@@ -67,7 +67,7 @@ from zero_ops.aio import AsyncIOHandle, locked_empty
 
 from zero_offload.host_heap import bound_host_heap
 from zero_offload.swap_checksums import SwapChecksums
-from zero_offload.swap_files import SwapDirectory
+from zero_offload.swap_files import SwapDirectory, aio_handle_settings
 from zero_offload.transfers import CopyFence, host_buffer
 
 if TYPE_CHECKING:
@@ -158,13 +158,8 @@ class ParamOffload(TransientShards):
             self.swap_dir = SwapDirectory(nvme_path, self.rank, what="zero_optimization.offload_param")
             self.sums = SwapChecksums(self.swap_dir)  # See [Note: swap checksums]
             bound_host_heap()  # See [Note: host heap under NVMe offload]
-            kw = {
-                k: v
-                for k, v in dict(aio or {}).items()
-                if k in ("block_size", "queue_depth", "single_submit", "overlap_events", "thread_count")
-            }
-            self._aio_kw = kw
-            self.wh = AsyncIOHandle(**kw)
+            self._aio_kw = aio_handle_settings(aio)
+            self.wh = AsyncIOHandle(**self._aio_kw)
 
     # -- adoption ------------------------------------------------------------------------------
     @torch.no_grad()

@@ -27,6 +27,15 @@ from pathlib import Path
 from zero_core.comm.failures import process_alive
 from zero_core.utils.termination import forget, on_termination
 
+#: the ``aio`` config section's settings that an ``AsyncIOHandle`` takes (the others, such as
+#: ``use_gds`` and ``intra_op_parallelism``, do not change how a swap file is read or written)
+AIO_HANDLE_KEYS = ("block_size", "queue_depth", "single_submit", "overlap_events", "thread_count")
+
+
+def aio_handle_settings(aio: dict | None) -> dict:
+    """The keyword arguments of ``AsyncIOHandle`` in an ``aio`` section (a dict)."""
+    return {k: v for k, v in (aio or {}).items() if k in AIO_HANDLE_KEYS}
+
 
 class SwapFileError(OSError):
     """A swap file could not be created, is missing, or has the wrong size."""
