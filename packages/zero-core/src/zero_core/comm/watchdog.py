@@ -475,6 +475,9 @@ class CollectiveWatchdog(FollowsFailedPeers):
         return None
 
     def _run(self) -> None:
+        # host and pid in the store from the start: a peer killed before this thread's first poll
+        # is still found ended (``_ended_member`` reads them), not reported as never started
+        self._publish(force=True)
         while not self._stop.wait(self.poll_s):
             self._publish()
             peer = self._peer_abort()
