@@ -58,6 +58,7 @@ class OffloadStreamMixin:
     _where: dict[int, tuple[int, int]]
     _staged: set[int]
     _aio_kw: dict[str, Any]
+    _reserve: Callable[[StateSwapper, int], bool]
 
     def _stream_handles(self) -> Any:
         """The aio handle of the streamed arrays' direct reads and writes (made on first use)."""
@@ -105,6 +106,8 @@ class OffloadStreamMixin:
         """A new fp32 tensor with elements ``[lo, hi)`` of the group's swapped array ``key``."""
         if key == _GRAD:
             self._drain_grads()
+            if grp.swapper is not None:
+                grp.swapper.flush_grads()  # the buffered ones: See [Note: optimizer state prefetch]
         swapper = _checksummed(grp, key)
         if swapper is not None:
             return swapper.read_range(key, lo, hi)  # verified; See [Note: swap checksums]
@@ -125,9 +128,32 @@ class OffloadStreamMixin:
 
     # -- gradients -------------------------------------------------------------------------
     def _stage_streamed(self, grp: _Group, lo: int, values: torch.Tensor) -> None:
-        """Start writing ``values`` (fp32) as elements ``[lo, lo + n)`` of the gradient array."""
+        """Put ``values`` as elements ``[lo, lo + n)`` of the gradient array: into the buffer the
+        step will use for their tile where it has one, else start writing them to the swap file
+        (See [Note: optimizer state prefetch] in nvme_swapper.py)."""
+        v = values.detach().reshape(-1)
+        hi = lo + v.numel()
+        sw = grp.swapper
+        a = lo
+        while a < hi:
+            if sw is None:
+                self._write_grads(grp, a, v[a - lo :])
+                return
+            k = sw.tile_of(a)
+            t_lo, t_hi = sw.tiles()[k]
+            b = min(hi, t_hi)
+            if k not in sw.grads_on_disk and (k in sw.grads_in_buffer or self._reserve(sw, k)):
+                sw.buffer_view(k, _GRAD)[a - t_lo : b - t_lo].copy_(v[a - lo : b - lo])
+                sw.grads_in_buffer.add(k)
+            else:
+                sw.grads_on_disk.add(k)
+                self._write_grads(grp, a, v[a - lo : b - lo])
+            a = b
+
+    def _write_grads(self, grp: _Group, lo: int, values: torch.Tensor) -> None:
+        """Start writing ``values`` (cast to fp32) as elements ``[lo, lo + n)`` of the gradient swap file."""
         self._stream_handles()
-        v = values.detach().reshape(-1).to("cpu", torch.float32, copy=True)
+        v = values.to("cpu", torch.float32, copy=True)
         if not v.numel():
             return
         if self._grad_inflight_numel + v.numel() > 2 * self.tile:

@@ -121,10 +121,7 @@ class OptimizerOffload(OffloadStepMixin, OffloadStateMixin, OffloadStreamMixin):
         self.swap_dir: SwapDirectory | None = None
         self.pool: BufferPool | None = None
         self._prefetch_io: list[Any] = []  # aio handles of [Note: optimizer state prefetch]
-        # (swapper, tile) not yet read ahead in this backward, in step order, and the staged
-        # element counts at which each becomes due (See [Note: optimizer state prefetch])
-        self._prefetch_due: list[tuple[int, StateSwapper, int]] = []
-        self._staged_numel = 0  # elements staged by this backward so far (paces the prefetch)
+        self._reserving = False  # this backward may reserve spare pool buffers for its tiles
         self.buffer_count = buffer_count
         self._aio_kw = aio_handle_settings(aio)  # every aio handle made here takes these
         if device == "nvme":
@@ -274,44 +271,52 @@ class OptimizerOffload(OffloadStepMixin, OffloadStateMixin, OffloadStreamMixin):
         ``prefetch=False``: ``zero_grad`` forgets staged gradients, no backward follows yet."""
         self._staged.clear()
         self._partial.clear()
-        self._staged_numel = 0
-        self._prefetch_due = []
-        if is_boundary and prefetch and self.pool is not None:
-            self._plan_prefetch()
-            self._prefetch_states()
+        self._reserving = is_boundary and prefetch and self.pool is not None
+        for g in self.groups:
+            if g.swapper is not None:
+                g.swapper.new_backward()
 
-    def _plan_prefetch(self) -> None:
-        """The tiles this backward reads ahead: the first ones the step updates, as many as the
-        buffers its pipeline leaves idle, slot i due once i / slots of the gradients are staged,
-        so that the reads spread over backward (See [Note: optimizer state prefetch])."""
-        spare = self.buffer_count - buffers_needed(self.pipeline_read, self.pipeline_write)
-        swappers = [g.swapper for g in self.groups if g.swapper is not None and g.params]
-        slots = [(sw, k) for sw in swappers for k in range(len(sw.tiles()))][:spare]
-        total = max(sum(g.numel for g in self.groups), 1)
-        self._prefetch_due = [(-(-i * total // len(slots)), sw, k) for i, (sw, k) in enumerate(slots)]
-
-    def _prefetch_states(self) -> None:
-        """Start the planned reads that are due (See [Note: optimizer state prefetch] in nvme_swapper.py)."""
+    def _reserve(self, sw: StateSwapper, k: int) -> bool:
+        """Whether tile ``k`` of ``sw`` has a pool buffer for the step: one it holds, or a spare
+        one taken now, its states' read started (See [Note: optimizer state prefetch])."""
+        if k in sw.prefetched:
+            return True
+        if not self._reserving:
+            return False
         assert self.pool is not None
-        while self._prefetch_due and self._prefetch_due[0][0] <= self._staged_numel:
-            _, sw, k = self._prefetch_due[0]
-            if k in sw.prefetched:
-                self._prefetch_due.pop(0)
-                continue  # still valid: the states did not change since
-            idle = self.pool.idle()
-            if not idle:
-                return  # retried when the next gradients are staged
-            self._prefetch_due.pop(0)
-            busy = {
-                id(h) for g in self.groups if g.swapper is not None for _, h in g.swapper.prefetched.values()
-            }
-            handle = next((h for h in self._prefetch_io if id(h) not in busy), None)
-            if handle is None:
-                from zero_ops.aio import AsyncIOHandle
+        self.pool.settle()  # the last step's writes: See [Note: writes behind the step]
+        spare = self.buffer_count - buffers_needed(self.pipeline_read, self.pipeline_write)
+        if spare < 1:
+            return False
+        if len(self.pool.reserved) >= spare:  # the rest belong to the step's pipeline
+            # a smaller tile gives its buffer up: the most gradient bytes stay off the disk (a
+            # group's last, partial tile is the first one backward reaches)
+            size = sw.tile_size(k)
+            held = [(s.tile_size(j), i, s, j) for i, s in enumerate(self._swappers()) for j in s.prefetched]
+            smallest = min(held, key=lambda t: t[:2], default=None)
+            if smallest is None or smallest[0] >= size:
+                return False
+            smallest[2].release(smallest[3])
+        idle = self.pool.idle()
+        busy = {id(h) for sw_ in self._swappers() for _, h in sw_.prefetched.values()}
+        handle = next((h for h in self._prefetch_io if id(h) not in busy), None)
+        if handle is None:
+            from zero_ops.aio import AsyncIOHandle
 
-                handle = AsyncIOHandle(**self._aio_kw)
-                self._prefetch_io.append(handle)
-            sw.prefetch(k, idle[0], handle)
+            handle = AsyncIOHandle(**self._aio_kw)
+            self._prefetch_io.append(handle)
+        sw.prefetch(k, idle[0], handle)
+        return True
+
+    def _swappers(self) -> list[StateSwapper]:
+        return [g.swapper for g in self.groups if g.swapper is not None]
+
+    def _reserve_range(self, grp: _Group, lo: int, hi: int) -> None:
+        """Reserve the tiles holding elements ``[lo, hi)`` of ``grp`` whose gradients land now."""
+        sw = grp.swapper
+        if sw is not None and hi > lo:
+            for k in range(sw.tile_of(lo), sw.tile_of(hi - 1) + 1):
+                self._reserve(sw, k)
 
     def stage_grad_range(self, master: torch.Tensor, lo: int, values: torch.Tensor) -> None:
         """Copy ``values`` (reduced gradient elements ``[lo, lo + n)`` of ``master``'s shard) to host
@@ -331,11 +336,9 @@ class OptimizerOffload(OffloadStepMixin, OffloadStateMixin, OffloadStreamMixin):
         else:
             grp.grad[base + lo : base + lo + n].copy_(values.detach().reshape(-1), non_blocking=True)
             self.grads_landed.mark()  # step() waits for it: See [Note: offload copies]
+            self._reserve_range(grp, base + lo, base + lo + n)  # See [Note: optimizer state prefetch]
         done = self._partial.get(id(master), 0) + n
         self._partial[id(master)] = done
-        self._staged_numel += n
-        if self._prefetch_due:
-            self._prefetch_states()
         if done >= grp.offsets[i + 1] - base:
             self._staged.add(id(master))
             self.staged_during_backward += 1
@@ -370,9 +373,11 @@ class OptimizerOffload(OffloadStepMixin, OffloadStateMixin, OffloadStreamMixin):
 
     def close(self) -> None:
         """Wait for I/O and remove the swap files (see [Note: swap file lifecycle])."""
+        if self.pool is not None:
+            self.pool.settle()
         for g in self.groups:
             if g.swapper is not None:
-                g.swapper.drop_prefetch()
+                g.swapper.drop_prefetch(keep_grads=False)
         for h in (getattr(self, "read_handle", None), getattr(self, "write_handle", None)):
             if h is not None:
                 h.wait()
