@@ -11,7 +11,8 @@ training step of the examples/ GPT on 2 ranks is bound by the disk. Per pass, in
    everything in RAM (stage 3, no offload), and DeepSpeed in RAM where ``--variants`` asks for it
    (off by default: DeepSpeed's stage 3 in RAM peaks at ~2x zero's memory on this model), and
    zero NVMe with zero-offload's host heap bound raised to 32 MiB (``zero-nvme-heap32``: the
-   speed a user buys with resident memory, see VARIANT_ENV). Each
+   speed a user buys with resident memory, see VARIANT_ENV), and both systems launched with
+   PyTorch's ``THP_MEM_ALLOC_ENABLE=1`` (``zero-nvme-thp``, ``deepspeed-nvme-thp``). Each
    runs ``--steps`` steps; the first ``--warmup`` are left out. A launch that fails (over the
    ``--ceiling-gib`` memory ceiling, an error) is reported and left out; the rest go on.
 
@@ -37,8 +38,8 @@ so the machine's load hits both); the median of the per-pass ratios and its quar
 <= 0.7x. Each system's swap files are removed after its launch, so the two never share the disk.
 
 Usage: python tools/bench/bench_infinity_speed.py --nvme-dir /path/on/disk [--passes 5] [--layers 8]
-(the defaults are the quiet-machine run: 5 passes of 3 launches at 101M parameters, 4 GB swapped
-per step against well under a second of compute at seq_len 32; about 20 minutes. Peak memory at
+(the defaults: 5 passes of 6 launches at 101M parameters, about 4 GB swapped per step against
+about two seconds of compute at seq_len 32; about 20 minutes, 11 for --passes 3. Peak memory at
 this size: up to ~12 GiB for a launch of either system, under the 16 GiB --ceiling-gib)
 """
 
@@ -68,12 +69,34 @@ VARIANTS = {  # name: (system, mode)
     "zero-ram": ("zero", "stage3"),
     "deepspeed-ram": ("deepspeed", "stage3"),
     "zero-nvme-heap32": ("zero", "stage3+nvme"),
+    "zero-nvme-thp": ("zero", "stage3+nvme"),
+    "deepspeed-nvme-thp": ("deepspeed", "stage3+nvme"),
 }
 #: extra environment of a variant. zero-nvme-heap32: zero-offload's host heap bound raised from
 #: 128 KiB to 32 MiB (ZERO_MMAP_THRESHOLD; See [Note: host heap under NVMe offload]): on a machine
 #: whose CPU is also the "device", every shard, all-gather buffer and gradient of a few MiB is
-#: then served by malloc's heap instead of fresh, page-faulting mmaps, for more resident memory
-VARIANT_ENV = {"zero-nvme-heap32": {"ZERO_MMAP_THRESHOLD": str(32 << 20)}}
+#: then served by malloc's heap instead of fresh, page-faulting mmaps, for more resident memory.
+#: *-thp: PyTorch's own THP_MEM_ALLOC_ENABLE=1 (CPU tensors of 2 MiB and more advised to use
+#: transparent huge pages: one fault per 2 MiB instead of per 4 KiB), for both systems alike. A
+#: bare loop of 64 MiB allocations runs 4x faster with it here, but a fault may stall in the
+#: kernel's direct compaction (THP defrag "madvise"), so whether a training step gains depends on
+#: the host's memory fragmentation: measure it, as these variants do
+THP = {"THP_MEM_ALLOC_ENABLE": "1"}
+VARIANT_ENV = {
+    "zero-nvme-heap32": {"ZERO_MMAP_THRESHOLD": str(32 << 20)},
+    "zero-nvme-thp": THP,
+    "deepspeed-nvme-thp": THP,
+}
+#: (numerator, denominator, headline) of the per-pass step-time ratios the results quote
+RATIOS = [
+    ("zero-nvme", "deepspeed-nvme", "zero / DeepSpeed step time (NVMe), median of per-pass ratios (IQR)"),
+    ("zero-nvme-heap32", "deepspeed-nvme", "zero with ZERO_MMAP_THRESHOLD=32 MiB / DeepSpeed (NVMe)"),
+    (
+        "zero-nvme-thp",
+        "deepspeed-nvme-thp",
+        "both launched with THP_MEM_ALLOC_ENABLE=1: zero / DeepSpeed (NVMe)",
+    ),
+]
 SWAP_PREFIX = "bench_infinity_speed_"
 
 
@@ -167,7 +190,9 @@ def one_pass(args: argparse.Namespace, index: int) -> dict:
             res = launch(variant, args)
         except RuntimeError as exc:  # recorded and reported; the other variants and passes go on
             out["failures"][variant] = str(exc).splitlines()[0]
-            print(f"[bench_infinity_speed] pass {index}: {variant}: {out['failures'][variant]}", flush=True)
+            print(
+                f"[bench_infinity_speed] pass {index}: {variant}: {exc}", flush=True
+            )  # with the ranks' output
             continue
         out["variants"][variant] = res
         med = statistics.median(s["wall"] for s in res["steps"])
@@ -193,19 +218,16 @@ def pass_figures(p: dict) -> dict:
         if rd + wr > 0:
             t_io = rd / p["dd_read"] + wr / p["dd_write"]
             out[name].update(t_io=t_io, b_mix=(rd + wr) / t_io, throughput=(rd + wr) / t)
-    for sysname in ("zero", "deepspeed"):
-        nv, ram = out.get(f"{sysname}-nvme"), out.get(f"{sysname}-ram")
-        if nv and ram and "t_io" in nv:
+    for name, nv in out.items():
+        ram = out.get(f"{VARIANTS[name][0]}-ram") if name in VARIANTS else None
+        if ram and "t_io" in nv:
             nv["hidden"] = (ram["t"] + nv["t_io"] - nv["t"]) / min(ram["t"], nv["t_io"])
             nv["slowdown_vs_ram"] = nv["t"] / ram["t"]
-    if "zero-nvme" in out and "deepspeed-nvme" in out:
-        out["ratio_zero_ds"] = out["zero-nvme"]["t"] / out["deepspeed-nvme"]["t"]
-    if "zero-nvme-heap32" in out and "deepspeed-nvme" in out:
-        out["ratio_heap32_ds"] = out["zero-nvme-heap32"]["t"] / out["deepspeed-nvme"]["t"]
-        if "zero-ram" in out and "t_io" in out["zero-nvme-heap32"]:
-            h, ram = out["zero-nvme-heap32"], out["zero-ram"]
-            h["hidden"] = (ram["t"] + h["t_io"] - h["t"]) / min(ram["t"], h["t_io"])
-            h["slowdown_vs_ram"] = h["t"] / ram["t"]
+    for num, den, _ in RATIOS:
+        if num in out and den in out:
+            out[f"ratio:{num}"] = out[num]["t"] / out[den]["t"]
+    if "ratio:zero-nvme" in out:
+        out["ratio_zero_ds"] = out["ratio:zero-nvme"]
     return out
 
 
@@ -247,19 +269,16 @@ def summary_lines(figs: list[dict], passes: list[dict], args: argparse.Namespace
             row += "- | - | - | - | - | 1 | - |"
         lines.append(row)
     ratios = [f["ratio_zero_ds"] for f in figs if "ratio_zero_ds" in f]
-    heap32 = [f["ratio_heap32_ds"] for f in figs if "ratio_heap32_ds" in f]
     lines += [
         "",
         f"**zero / DeepSpeed step time (NVMe), median of per-pass ratios (IQR): {_q(ratios)}** "
         f"(target <= 0.7; {len(ratios)} passes)",
-        *(
-            [
-                "",
-                f"**zero with ZERO_MMAP_THRESHOLD=32 MiB / DeepSpeed (NVMe): {_q(heap32)}** ({len(heap32)} passes)",
-            ]
-            if heap32
-            else []
-        ),
+    ]
+    for num, _, headline in RATIOS[1:]:
+        more = [f[f"ratio:{num}"] for f in figs if f"ratio:{num}" in f]
+        if more:
+            lines += ["", f"**{headline}: {_q(more)}** ({len(more)} passes)"]
+    lines += [
         "",
         "Per pass (step time = median over a launch's steps after the warm-up, slowest rank per step):",
         "",
@@ -403,7 +422,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dd-mib", type=int, default=2048)
     ap.add_argument(
         "--variants",
-        default="zero-nvme,deepspeed-nvme,zero-ram,zero-nvme-heap32",
+        default="zero-nvme,deepspeed-nvme,zero-ram,zero-nvme-heap32,zero-nvme-thp,deepspeed-nvme-thp",
         help=f"comma-separated, from {', '.join(VARIANTS)} (deepspeed-ram: DeepSpeed's own hidden fraction; "
         "its stage 3 in RAM peaks far higher than zero's)",
     )

@@ -81,8 +81,8 @@ class OptimizerOffload(Protocol):
     # -- gradients and the step ---------------------------------------------------------------
     def begin_staging(self, is_boundary: bool, prefetch: bool = True) -> None:
         """A backward pass starts (``is_boundary``: it completes the step's gradients), or
-        ``zero_grad`` forgets what was staged (``prefetch=False``): an offload may start reading
-        the step's states here."""
+        ``zero_grad`` forgets what was staged (``prefetch=False``): after it, an offload may read
+        the step's states as the gradients land."""
         ...
 
     def stage_grad(self, master: torch.Tensor, grad: torch.Tensor | None) -> None: ...
