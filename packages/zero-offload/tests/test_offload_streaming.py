@@ -182,3 +182,39 @@ def test_host_heap_threshold_setting(tmp_path) -> None:
     assert got[0] == "error" and "ZERO_MMAP_THRESHOLD" in got[1], got
     (got,) = run_multirank(_heap, 1, args=({"MALLOC_MMAP_THRESHOLD_": "65536"},))
     assert got == (128 << 10, None), got  # glibc's own variable wins: left alone
+
+
+@pytest.mark.parametrize(
+    ("stage", "device", "bucket", "warns"),
+    [(3, "nvme", None, True), (3, "nvme", 4096, False), (3, "cpu", None, False), (2, "nvme", None, False)],
+)
+def test_reduce_bucket_larger_than_the_streamed_tiles_is_reported(
+    stage, device, bucket, warns, tmp_path
+) -> None:
+    """Stage 3 with NVMe optimizer offload and DeepSpeed's default reduce_bucket_size (5e8) under a
+    small sub_group_size: backward may hold far more gradients than the optimizer's buffers. The
+    config runs (as in DeepSpeed); a UserWarning names the key, its bytes and the remedy."""
+    import warnings
+
+    from zero_core.config.loader import load_config
+    from zero_offload.optimizer_offload import build_optimizer_offload
+
+    zc: dict = {"stage": stage, "sub_group_size": 1024}
+    zc["offload_optimizer"] = (
+        {"device": device, "nvme_path": str(tmp_path)} if device == "nvme" else {"device": device}
+    )
+    if bucket is not None:
+        zc["reduce_bucket_size"] = bucket
+    cfg = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zc}, world_size=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        offload = build_optimizer_offload(cfg.zero_optimization, cfg.aio, rank=0)
+    assert offload is not None
+    offload.close()
+    mine = [w for w in caught if "reduce_bucket_size" in str(w.message)]
+    if warns:
+        assert len(mine) == 1, [str(w.message) for w in caught]
+        text = str(mine[0].message)
+        assert "500000000" in text and "1.9 GiB in float32" in text and "sub_group_size (1024)" in text, text
+    else:
+        assert not mine, [str(w.message) for w in mine]

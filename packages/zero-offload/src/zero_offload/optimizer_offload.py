@@ -398,6 +398,8 @@ def build_optimizer_offload(
     oo = zero_config.offload_optimizer
     if oo is None or not oo.enabled:
         return None
+    if oo.device == "nvme" and zero_config.stage == 3:
+        _warn_unbounded_backward(int(zero_config.reduce_bucket_size), int(zero_config.sub_group_size), dtype)
     return OptimizerOffload(
         oo.device,
         rank=rank,
@@ -413,4 +415,26 @@ def build_optimizer_offload(
         aio=aio_config.model_dump() if aio_config is not None else {},
         # ZeRO-Infinity swaps the masters too; stages 1/2 keep them in CPU memory, as DeepSpeed does
         masters_on_nvme=zero_config.stage == 3,
+    )
+
+
+def _warn_unbounded_backward(reduce_bucket_size: int, sub_group_size: int, dtype: torch.dtype) -> None:
+    """ZeRO-Infinity bounds the optimizer's host memory by ``sub_group_size``; stage 3's backward
+    holds up to ``reduce_bucket_size`` unreduced gradient elements before it reduces them, and
+    DeepSpeed's default (5e8: 2 GB in fp32) often outweighs everything else a rank holds at the
+    memory limit. Say so when the bucket is more than 4 tiles (the config is valid, and
+    DeepSpeed runs it the same way)."""
+    if reduce_bucket_size <= 4 * sub_group_size:
+        return
+    import warnings
+
+    size = torch.empty(0, dtype=dtype).element_size()
+    warnings.warn(
+        f"zero_optimization.reduce_bucket_size is {reduce_bucket_size} elements: with offload_optimizer "
+        f"on NVMe at stage 3, backward may hold that many unreduced gradient elements before reducing "
+        f"them ({reduce_bucket_size * size / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')}, at most "
+        f"the model's gradients), more than 4x sub_group_size ({sub_group_size}), which bounds the optimizer's "
+        f"swap buffers. To bound backward's memory too, set reduce_bucket_size near sub_group_size.",
+        UserWarning,
+        stacklevel=3,
     )
