@@ -33,11 +33,10 @@ gradients of such a tile go into that buffer's gradient slot instead of the swap
 gradients are either all in its buffer or all on disk, decided by its first piece of the
 backward. With no spare buffer left, a smaller tile gives its buffer up (its gradients so far
 written to the file) to a larger one, so the largest tiles keep them: a group's last, partial
-tile is the first one backward reaches. With as
-many spare buffers as tiles, no gradient touches the disk: two fewer passes over the
-rank's gradients per step (a write in backward, a read in the step). The 101M-parameter
-benchmark GPT (3 spare buffers, 4 tiles and a partial one per rank) moves 3.81 GB per step
-instead of 4.41.
+tile is the first one backward reaches. With as many spare buffers as tiles no gradient
+touches the disk: two fewer passes over the rank's gradients per step (a write in backward, a
+read in the step). The 101M-parameter benchmark GPT (3 spare buffers, 4 tiles and a partial one
+per rank) moves 3.81 GB per step instead of 4.41.
 
 The states do not change between backward and the step: a write to a reserved region (a
 checkpoint load, ``safe_set_*``) first puts the tile's buffered gradients in the swap file and
