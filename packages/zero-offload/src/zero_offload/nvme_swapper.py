@@ -184,7 +184,12 @@ class StateSwapper:
                 self.sums.record_zeros(self.files[k], lo * 4, (hi - lo) * 4)
 
     def tiles(self) -> list[tuple[int, int]]:
-        return [(lo, min(lo + self.tile, self.numel)) for lo in range(0, self.numel, self.tile)]
+        return [self.tile_range(k) for k in range(-(-self.numel // self.tile))]
+
+    def tile_range(self, k: int) -> tuple[int, int]:
+        """Elements ``[lo, hi)`` of tile ``k``."""
+        lo = k * self.tile
+        return lo, min(lo + self.tile, self.numel)
 
     def _views(self, buf: torch.Tensor, n: int) -> dict[str, torch.Tensor]:
         return {k: buf[i * self.tile : i * self.tile + n] for i, k in enumerate(self.state_names)}
@@ -208,7 +213,7 @@ class StateSwapper:
         :meth:`run` uses them. See [Note: optimizer state prefetch]."""
         self.pool.settle()
         self._drop_tile(k)
-        self._read(*self.tiles()[k], buf, read_only=False, handle=handle)
+        self._read(*self.tile_range(k), buf, read_only=False, handle=handle)
         self.pool.reserved.add(id(buf))
         self.prefetched[k] = (buf, handle)
 
@@ -216,7 +221,8 @@ class StateSwapper:
         return elem // self.tile
 
     def tile_size(self, k: int) -> int:
-        return min(self.tile, self.numel - k * self.tile)
+        lo, hi = self.tile_range(k)
+        return hi - lo
 
     def new_backward(self) -> None:
         """A boundary backward starts: where its gradients go is decided afresh, tile by tile."""
@@ -225,16 +231,14 @@ class StateSwapper:
 
     def buffer_view(self, k: int, key: str) -> torch.Tensor:
         """Array ``key`` of reserved tile ``k`` in its buffer (See [Note: optimizer state prefetch])."""
-        lo, hi = self.tiles()[k]
-        return self._views(self.prefetched[k][0], hi - lo)[key]
+        return self._views(self.prefetched[k][0], self.tile_size(k))[key]
 
     def flush_grads(self, only: int | None = None) -> None:
         """Write the gradients held in reserved buffers (of tile ``only``, or all) to the swap file
         (before something reads that file or the reservation is dropped), so that file is again
         the whole truth."""
-        tiles = self.tiles()
         for k in sorted(self.grads_in_buffer if only is None else self.grads_in_buffer & {only}):
-            lo, hi = tiles[k]
+            lo = self.tile_range(k)[0]
             for key in self.read_only:
                 self.wh.sync_pwrite(self.buffer_view(k, key), self.dir.check(self.files[key]), lo * 4)
             self.grads_on_disk.add(k)

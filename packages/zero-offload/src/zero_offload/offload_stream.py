@@ -140,7 +140,7 @@ class OffloadStreamMixin:
                 self._write_grads(grp, a, v[a - lo :])
                 return
             k = sw.tile_of(a)
-            t_lo, t_hi = sw.tiles()[k]
+            t_lo, t_hi = sw.tile_range(k)
             b = min(hi, t_hi)
             if k not in sw.grads_on_disk and (k in sw.grads_in_buffer or self._reserve(sw, k)):
                 sw.buffer_view(k, _GRAD)[a - t_lo : b - t_lo].copy_(v[a - lo : b - lo])

@@ -428,7 +428,7 @@ def _warn_unbounded_backward(reduce_bucket_size: int, sub_group_size: int, dtype
         return
     import warnings
 
-    size = torch.empty(0, dtype=dtype).element_size()
+    size = dtype.itemsize
     warnings.warn(
         f"zero_optimization.reduce_bucket_size is {reduce_bucket_size} elements: with offload_optimizer "
         f"on NVMe at stage 3, backward may hold that many unreduced gradient elements before reducing "
